@@ -1,0 +1,3 @@
+from hosted_tinker.cli import main
+
+raise SystemExit(main())

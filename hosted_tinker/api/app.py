@@ -1,0 +1,53 @@
+"""The FastAPI application: routers, error shapes, and the server's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from hosted_tinker.api import ops_routes, tinker_routes
+from hosted_tinker.api.state import ServerState
+from hosted_tinker.protocol.fwdbwd_codec import WireError
+from hosted_tinker.serving.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.scheduler.bind_loop(asyncio.get_running_loop())
+        yield
+        state.scheduler.shutdown()
+        state.store.close()
+
+    app = FastAPI(title="hosted-tinker", lifespan=lifespan)
+    app.state.server = state
+    app.include_router(tinker_routes.router)
+    app.include_router(ops_routes.router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    @app.exception_handler(WireError)
+    async def wire_error(request: Request, exc: WireError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Keep each error's location and message; drop echoed input (it may be large).
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse({"detail": f"internal error: {type(exc).__name__}"}, status_code=500)
+
+    return app

@@ -1,0 +1,29 @@
+"""Health endpoints for operators (``curl /healthz``) and client probes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, Request
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+@router.get("/health")
+@router.get("/")
+async def healthz(request: Request) -> dict:
+    state = request.app.state.server
+    return {
+        "status": "ok",
+        "served_models": state.config.served_names(),
+        "capabilities": asdict(state.backend.capabilities),
+        "queue": {"in_flight": state.scheduler.in_flight},
+        "models_loaded": state.store.count("models", "status='active'"),
+        "sessions_active": state.store.count("sessions", "status='active'"),
+    }
+
+
+@router.get("/api/v1/healthz")
+async def api_healthz() -> dict:
+    return {"status": "ok"}

@@ -1,0 +1,45 @@
+"""Everything a running server holds, built once from its config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from hosted_tinker.backends import make_backend
+from hosted_tinker.backends.base import TrainingBackend
+from hosted_tinker.config import ServerConfig
+from hosted_tinker.scheduler import Scheduler
+from hosted_tinker.serving.sessions import SessionService
+from hosted_tinker.serving.training import TrainingService
+from hosted_tinker.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    store: Store
+    scheduler: Scheduler
+    backend: TrainingBackend
+    sessions: SessionService
+    training: TrainingService
+
+
+def build_state(config: ServerConfig) -> ServerState:
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    model_path = config.model_path()
+    store = Store(config.data_dir / "hosted_tinker.sqlite")
+    failed, lost = store.recover_after_restart()
+    if failed or lost:
+        log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
+    backend = make_backend(config, model_path)
+    scheduler = Scheduler(store)
+    return ServerState(
+        config=config,
+        store=store,
+        scheduler=scheduler,
+        backend=backend,
+        sessions=SessionService(store),
+        training=TrainingService(backend, scheduler, store, config.served_names(), tokenizer_id=model_path),
+    )

@@ -1,0 +1,130 @@
+"""``/api/v1`` routes of the Tinker protocol. HTTP only: parse, call a service, answer."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request, Response
+
+from hosted_tinker.protocol import json_types as wire
+from hosted_tinker.protocol.fwdbwd_codec import decode_forward_backward, decompress
+from hosted_tinker.serving.errors import ApiError, bad_request, not_found
+
+router = APIRouter(prefix="/api/v1")
+
+
+def _state(request: Request):
+    return request.app.state.server
+
+
+def _future(request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
+    return wire.UntypedFuture(request_id=request_id, model_id=model_id)
+
+
+# ---- client configuration, sessions, telemetry -----------------------------------------------
+
+
+@router.post("/client/config")
+async def client_config(req: wire.ClientConfigRequest, request: Request) -> dict:
+    config = _state(request).config
+    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": config.proto_compress}
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config(req: wire.ClientConfigRequest) -> dict:
+    return {}
+
+
+@router.post("/create_session")
+async def create_session(req: wire.CreateSessionRequest, request: Request) -> wire.CreateSessionResponse:
+    return _state(request).sessions.create(req)
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(req: wire.SessionHeartbeatRequest, request: Request) -> dict:
+    return _state(request).sessions.heartbeat(req)
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, req: wire.FinishSessionRequest, request: Request) -> dict:
+    return _state(request).sessions.finish(session_id, req)
+
+
+@router.post("/telemetry")
+async def telemetry(req: wire.TelemetryRequest) -> dict:
+    # Telemetry batches can carry API keys in captured headers: never log or store them.
+    return {"status": "accepted"}
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(request: Request) -> dict:
+    state = _state(request)
+    caps = state.backend.capabilities
+    return {
+        "supported_models": [
+            {"model_name": name, "max_context_length": caps.max_seq_len, "trainable": True, "sampleable": caps.sampling}
+            for name in state.config.served_names()
+        ]
+    }
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+@router.post("/create_model")
+async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.UntypedFuture:
+    return _future(_state(request).training.create_model(req))
+
+
+@router.post("/get_info")
+async def get_info(req: wire.GetInfoRequest, request: Request) -> dict:
+    return _state(request).training.get_info(req)
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request) -> wire.UntypedFuture:
+    state = _state(request)
+    content_type = request.headers.get("content-type", "")
+    if "protobuf" not in content_type:
+        raise bad_request(
+            f"forward_backward takes an application/x-protobuf ForwardBackwardRequest body "
+            f"(tinker SDK >= 0.25), got Content-Type {content_type!r}"
+        )
+    limit = state.config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    body = await request.body()
+    if len(body) > limit:
+        raise ApiError(413, f"body of {len(body)} bytes exceeds the limit of {limit} bytes")
+    req = decode_forward_backward(decompress(body, request.headers.get("content-encoding"), limit))
+    return _future(state.training.forward_backward(req), req.model_id)
+
+
+@router.post("/optim_step")
+async def optim_step(req: wire.OptimStepRequest, request: Request) -> wire.UntypedFuture:
+    return _future(_state(request).training.optim_step(req), req.model_id)
+
+
+@router.post("/unload_model")
+async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.UntypedFuture:
+    return _future(_state(request).training.unload_model(req), req.model_id)
+
+
+# ---- futures ---------------------------------------------------------------------------------
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(req: wire.RetrieveFutureRequest, request: Request) -> Response:
+    state = _state(request)
+    record = await state.scheduler.wait(req.request_id, state.config.poll_timeout_s)
+    if record is None:
+        raise not_found(f"request_id {req.request_id!r} does not exist")
+    if not record.finished:
+        # The SDK re-polls at once on try_again, so this is only sent after a full long-poll.
+        body = {"type": "try_again", "request_id": record.request_id, "queue_state": "active"}
+        return Response(json.dumps(body), media_type="application/json")
+    if record.status == "failed":
+        body = {"error": record.error, "category": record.category, "request_id": record.request_id}
+        return Response(json.dumps(body), media_type="application/json")
+    return Response(record.payload, media_type=record.media_type)

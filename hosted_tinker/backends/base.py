@@ -1,0 +1,98 @@
+"""The one interface between the scheduler and a training backend, and its typed payloads.
+
+Backends are called from a single worker thread, one command at a time, so an implementation
+needs no locking of its own. Every method either returns a result or raises ``UserError``
+(the caller's mistake; reported with ``category: user``) or any other exception (ours;
+reported with ``category: server``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class UserError(ValueError):
+    """A request the backend cannot honour because of what the user asked for."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    seed: int
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+@dataclass
+class DatumInput:
+    """One sequence of a forward_backward batch.
+
+    tokens         int64 ``(N,)``: the model input
+    target_tokens  int64 ``(N,)`` or ``(N, K)``: position i predicts ``target_tokens[i]``
+    inputs         the other ``loss_fn_inputs``, float32, leading dim ``N``
+    """
+
+    tokens: torch.Tensor
+    target_tokens: torch.Tensor
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class ForwardBackwardBatch:
+    data: list[DatumInput]
+    loss_fn: str
+    loss_config: Mapping[str, float]
+    forward_only: bool
+
+
+@dataclass
+class ForwardBackwardResult:
+    """Per-datum learner log-probs (float32 ``(N,)`` or ``(N, K)``) and the summed loss."""
+
+    logprobs: list[np.ndarray]
+    loss_sum: float
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 means no clipping
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; shown in ``/healthz`` and checked before work is queued."""
+
+    backend: str
+    losses: tuple[str, ...]
+    max_seq_len: int
+    max_tokens_per_batch: int
+    vocab_size: int
+    topk_targets: bool = True
+    sampling: bool = False
+
+
+class TrainingBackend(Protocol):
+    capabilities: Capabilities
+
+    def create_adapter(self, model_id: str, lora: LoraSpec) -> None: ...
+
+    def delete_adapter(self, model_id: str) -> None: ...
+
+    def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult: ...
+
+    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]: ...

@@ -1,0 +1,33 @@
+"""Target log-probs from hidden states without materialising ``[tokens, vocab]`` logits at once."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
+    logits = head(hidden).float()  # (C, V)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (C, 1)
+    return logits.gather(-1, targets) - lse  # (C, K)
+
+
+def target_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int = 2048) -> Tensor:
+    """Log-probabilities of ``targets`` under ``log_softmax(head(hidden))``.
+
+    hidden   ``(T, H)``: final hidden states of the positions to score
+    targets  ``(T, K)`` int64: K target ids per position (K=1 for ordinary next-token targets)
+    returns  ``(T, K)`` float32
+
+    With autograd on, each chunk is recomputed in the backward pass, so peak memory holds the
+    logits of one chunk rather than of all T positions.
+    """
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(head, h, t))
+    return torch.cat(parts) if parts else hidden.new_zeros((0, targets.shape[-1]), dtype=torch.float32)

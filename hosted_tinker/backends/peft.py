@@ -1,0 +1,245 @@
+"""Single-process backend: one frozen HF base model, one PEFT LoRA adapter per training model.
+
+Each adapter has its own AdamW state. Only the active adapter takes part in a forward pass,
+so tenants never see each other's weights, and gradients accumulate in the adapter's own
+``.grad`` buffers until its ``optim_step``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from hosted_tinker import losses
+from hosted_tinker.backends.base import (
+    AdamParams,
+    Capabilities,
+    DatumInput,
+    ForwardBackwardBatch,
+    ForwardBackwardResult,
+    LoraSpec,
+    UserError,
+)
+from hosted_tinker.backends.logprobs import target_logprobs
+
+log = logging.getLogger(__name__)
+
+_ATTN_HINTS = ("attn", "attention")
+_MLP_HINTS = ("mlp", "feed_forward", "ffn")
+
+
+@dataclass
+class _Adapter:
+    name: str  # the PEFT adapter name (model ids contain characters PEFT dislikes)
+    spec: LoraSpec
+    params: list[nn.Parameter]
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+def _target_modules(model: nn.Module) -> dict[str, list[str]]:
+    """Fully qualified names of the linear layers LoRA may wrap, grouped as Tinker's flags."""
+    head = model.get_output_embeddings()
+    groups: dict[str, list[str]] = {"attn": [], "mlp": [], "unembed": []}
+    for name, module in model.named_modules():
+        if module is head:
+            groups["unembed"].append(name)
+        elif isinstance(module, nn.Linear):
+            parts = name.lower().split(".")
+            if any(h in p for p in parts for h in _ATTN_HINTS):
+                groups["attn"].append(name)
+            elif any(h in p for p in parts for h in _MLP_HINTS):
+                groups["mlp"].append(name)
+    return groups
+
+
+class PeftBackend:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        lora_alpha: float = 32.0,
+        max_seq_len: int | None = None,
+        max_tokens_per_microbatch: int = 16384,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.base.to(self.device).eval()
+        self.base.requires_grad_(False)
+        self.lora_alpha = lora_alpha
+        self.microbatch_tokens = max_tokens_per_microbatch
+        self.targets = _target_modules(self.base)
+        self.pad_id = self.base.config.pad_token_id or 0
+        cfg_len = getattr(self.base.config, "max_position_embeddings", None) or 32768
+        self.capabilities = Capabilities(
+            backend="peft",
+            losses=tuple(losses.LOSSES),
+            max_seq_len=max_seq_len or cfg_len,
+            max_tokens_per_batch=max(max_seq_len or cfg_len, 1 << 20),
+            vocab_size=self.base.config.vocab_size,
+        )
+        self.peft = None  # the PeftModel, created with the first adapter
+        self.adapters: dict[str, _Adapter] = {}
+        self._next_adapter = 0
+
+    # ---- adapters -------------------------------------------------------------------------
+
+    def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        if model_id in self.adapters:
+            raise UserError(f"model {model_id} already exists")
+        modules = [
+            m
+            for group, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp), ("unembed", lora.train_unembed))
+            if on
+            for m in self.targets[group]
+        ]
+        if not modules:
+            raise UserError("lora_config enables no trainable module (train_attn/train_mlp/train_unembed)")
+        config = LoraConfig(r=lora.rank, lora_alpha=self.lora_alpha, lora_dropout=0.0, target_modules=modules)
+        name = f"a{self._next_adapter}"
+        self._next_adapter += 1
+        # Seed only this adapter's initialisation; never disturb the process RNG.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(lora.seed)
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+        params = [p for n, p in self.peft.named_parameters() if f".{name}." in n]
+        for p in params:
+            p.requires_grad_(True)
+        optimizer = torch.optim.AdamW(params, lr=0.0, foreach=False)
+        self.adapters[model_id] = _Adapter(name, lora, params, optimizer)
+
+    def delete_adapter(self, model_id: str) -> None:
+        adapter = self._adapter(model_id)
+        del self.adapters[model_id]
+        if self.adapters:
+            self.peft.delete_adapter(adapter.name)
+        else:
+            # PEFT refuses to delete its last adapter; unwrap back to the bare base model.
+            self.base = self.peft.unload()
+            self.peft = None
+
+    def _adapter(self, model_id: str) -> _Adapter:
+        try:
+            return self.adapters[model_id]
+        except KeyError:
+            raise UserError(f"model {model_id} is not loaded") from None
+
+    def _activate(self, adapter: _Adapter) -> nn.Module:
+        """Make ``adapter`` the one applied in forward passes; return the causal LM."""
+        if self.peft.active_adapter != adapter.name:
+            self.peft.set_adapter(adapter.name)
+        for p in adapter.params:  # set_adapter may freeze: we own trainability
+            p.requires_grad_(True)
+        return self.peft.base_model.model
+
+    # ---- forward / backward ---------------------------------------------------------------
+
+    def _microbatches(self, data: list[DatumInput]) -> list[list[int]]:
+        """Group datum indices so that (count × longest) stays under the token budget."""
+        batches: list[list[int]] = []
+        current: list[int] = []
+        longest = 0
+        for i, d in enumerate(data):
+            longest_if = max(longest, d.num_tokens)
+            if current and longest_if * (len(current) + 1) > self.microbatch_tokens:
+                batches.append(current)
+                current, longest_if = [], d.num_tokens
+            current.append(i)
+            longest = longest_if
+        if current:
+            batches.append(current)
+        return batches
+
+    def _logprobs(self, lm: nn.Module, data: list[DatumInput]) -> list[torch.Tensor]:
+        """Learner log-probs for each datum: ``(N,)`` or ``(N, K)``, in autograd when enabled."""
+        lengths = [d.num_tokens for d in data]
+        longest = max(lengths)
+        ids = torch.full((len(data), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(data), longest), dtype=torch.long)
+        for row, d in enumerate(data):
+            ids[row, : d.num_tokens] = d.tokens
+            mask[row, : d.num_tokens] = 1
+        decoder = getattr(lm, lm.base_model_prefix)
+        hidden = decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+        flat_hidden = hidden[mask.to(self.device).bool()]  # (ΣN, H), row-major = datum order
+        k = max(d.target_tokens.shape[1] if d.target_tokens.dim() == 2 else 1 for d in data)
+        targets = torch.zeros((flat_hidden.shape[0], k), dtype=torch.long)
+        row = 0
+        for d in data:
+            t = d.target_tokens.reshape(d.num_tokens, -1)
+            targets[row : row + d.num_tokens, : t.shape[1]] = t
+            row += d.num_tokens
+        lp = target_logprobs(lm.get_output_embeddings(), flat_hidden, targets.to(self.device))
+        out, row = [], 0
+        for d in data:
+            piece = lp[row : row + d.num_tokens]
+            out.append(piece if d.target_tokens.dim() == 2 else piece[:, 0])
+            row += d.num_tokens
+        return out
+
+    def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
+        adapter = self._adapter(model_id)
+        lm = self._activate(adapter)
+        spec = losses.LOSSES[batch.loss_fn]
+        results: list[np.ndarray | None] = [None] * len(batch.data)
+        loss_sum = 0.0
+        for indices in self._microbatches(batch.data):
+            data = [batch.data[i] for i in indices]
+            with torch.set_grad_enabled(not batch.forward_only):
+                lps = self._logprobs(lm, data)
+                loss = sum(
+                    spec.fn(lp, {k: v.to(lp.device) for k, v in d.inputs.items()}, batch.loss_config)
+                    for lp, d in zip(lps, data, strict=True)
+                )
+                if not batch.forward_only:
+                    loss.backward()
+            loss_sum += float(loss)
+            for i, lp in zip(indices, lps, strict=True):
+                results[i] = lp.detach().float().cpu().numpy()
+        return ForwardBackwardResult(logprobs=results, loss_sum=loss_sum)
+
+    # ---- optimizer ------------------------------------------------------------------------
+
+    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+        adapter = self._adapter(model_id)
+        grads = [p.grad for p in adapter.params if p.grad is not None]
+        grad_norm = (
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        )
+        if not math.isfinite(grad_norm):
+            for p in adapter.params:
+                p.grad = None
+            raise UserError(f"gradient norm is {grad_norm}; the step was skipped and gradients cleared")
+        if params.grad_clip_norm > 0 and grad_norm > params.grad_clip_norm:
+            scale = params.grad_clip_norm / (grad_norm + 1e-6)
+            for g in grads:
+                g.mul_(scale)
+        for group in adapter.optimizer.param_groups:
+            group.update(
+                lr=params.learning_rate,
+                betas=(params.beta1, params.beta2),
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+            )
+        adapter.optimizer.step()
+        adapter.optimizer.zero_grad(set_to_none=True)
+        adapter.steps += 1
+        return {
+            "grad_norm": grad_norm,
+            "learning_rate": params.learning_rate,
+            "optimizer_step": float(adapter.steps),
+        }

@@ -1,0 +1,95 @@
+"""``hosted-tinker serve | make-tiny-model | backends``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from hosted_tinker.config import ServerConfig
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hosted_tinker.api.app import create_app
+    from hosted_tinker.api.state import build_state
+
+    config = ServerConfig(
+        model=args.model,
+        model_names=args.model_name,
+        host=args.host,
+        port=args.port,
+        data_dir=Path(args.data_dir),
+        backend=args.backend,
+        device=args.device,
+        dtype=args.dtype,
+        lora_alpha=args.lora_alpha,
+        max_seq_len=args.max_seq_len,
+        proto_compress=args.proto_compress,
+        poll_timeout_s=args.poll_timeout,
+    )
+    state = build_state(config)
+    logging.getLogger(__name__).info("serving %s on http://%s:%d", config.served_names(), config.host, config.port)
+    uvicorn.run(create_app(state), host=config.host, port=config.port, log_level=args.log_level)
+    return 0
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from hosted_tinker.tiny_model import build_tiny_model
+
+    print(build_tiny_model(args.dir, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed))
+    return 0
+
+
+def _backends(args: argparse.Namespace) -> int:
+    from hosted_tinker import losses
+    from hosted_tinker.backends import BACKENDS
+
+    info = {name: {"losses": sorted(losses.LOSSES), "sampling": False} for name in BACKENDS}
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hosted-tinker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the Tinker-compatible server")
+    serve.add_argument("--model", default=None, help="HF id or local dir (default: the built-in tiny model)")
+    serve.add_argument("--model-name", action="append", default=[], help="another name the model answers to")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--data-dir", default="./hosted-tinker-data")
+    serve.add_argument("--backend", default="peft", choices=["peft"])
+    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--lora-alpha", type=float, default=32.0)
+    serve.add_argument("--max-seq-len", type=int, default=None)
+    serve.add_argument("--proto-compress", action="store_true", help="have the SDK zstd-compress fwd/bwd bodies")
+    serve.add_argument("--poll-timeout", type=float, default=30.0, help="long-poll cap of retrieve_future (s)")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
+
+    tiny = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen3 model + tokenizer")
+    tiny.add_argument("dir")
+    tiny.add_argument("--hidden-size", type=int, default=128)
+    tiny.add_argument("--num-layers", type=int, default=2)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_make_tiny_model)
+
+    backends = sub.add_parser("backends", help="list training backends and what they support")
+    backends.set_defaults(func=_backends)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Typed server settings, filled from CLI flags (and, for tests, directly)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+TINY_MODEL_NAME = "hosted-tinker/tiny-qwen3"
+
+
+class ServerConfig(BaseModel):
+    model: str | None = None  # HF id or local dir; None = the built-in tiny model
+    model_names: list[str] = Field(default_factory=list)  # extra names the model answers to
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path("./hosted-tinker-data")
+    backend: str = "peft"
+    device: str = "cpu"
+    dtype: str = "float32"
+    lora_alpha: float = 32.0
+    max_seq_len: int | None = None
+    max_tokens_per_microbatch: int = 16384
+    poll_timeout_s: float = 30.0  # long-poll cap of retrieve_future (the SDK times out at 45 s)
+    proto_compress: bool = False  # ask the SDK to zstd-compress forward_backward bodies
+    max_body_bytes: int = 256 << 20
+
+    def model_path(self) -> str:
+        """The local directory or hub id to load; builds the tiny model on first use."""
+        if self.model is not None:
+            return self.model
+        from hosted_tinker.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(self.data_dir / "models" / "tiny-qwen3").resolve())
+
+    def served_names(self) -> list[str]:
+        primary = self.model if self.model is not None else TINY_MODEL_NAME
+        return list(dict.fromkeys([primary, *self.model_names]))

@@ -1,0 +1,161 @@
+"""The protobuf codec of ``forward_backward``: request bytes in, result bytes out.
+
+The schema is the SDK's own ``tinker.proto.tinker_public_pb2`` (protocol reference §6.9). All
+arrays travel as little-endian raw bytes; tensors may be dense or sparse CSR.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import groupby
+
+import numpy as np
+import zstandard
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+
+class WireError(ValueError):
+    """A request body that cannot be decoded; the message names the offending field."""
+
+
+_DTYPES = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
+
+
+@dataclass
+class WireDatum:
+    tokens: np.ndarray  # int64 (N,)
+    loss_fn_inputs: dict[str, np.ndarray]  # dense, in the declared shape
+
+
+@dataclass
+class WireForwardBackward:
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    forward_only: bool
+    data: list[WireDatum]
+    loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+
+
+def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
+    """Undo ``Content-Encoding: zstd``, refusing to inflate past ``max_bytes``."""
+    if not content_encoding or content_encoding.lower() == "identity":
+        return body
+    if content_encoding.lower() != "zstd":
+        raise WireError(f"Content-Encoding {content_encoding!r} is not supported (use zstd or none)")
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            out = reader.read(max_bytes + 1)
+    except zstandard.ZstdError as e:
+        raise WireError(f"body is not valid zstd: {e}") from None
+    if len(out) > max_bytes:
+        raise WireError(f"decompressed body exceeds {max_bytes} bytes")
+    return out
+
+
+def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise WireError(f"{where}: {len(raw)} bytes is not a whole number of {dtype.name} values")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise WireError(
+            f"{where}: unsupported dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype}"
+        )
+    shape = tuple(int(s) for s in msg.shape)
+    if any(s < 0 for s in shape):
+        raise WireError(f"{where}: negative dimension in shape {shape}")
+    if msg.HasField("sparse_csr"):
+        if len(shape) != 2:
+            raise WireError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
+        values = _frombuffer(msg.sparse_csr.values, dtype, f"{where}.values")
+        crow = _frombuffer(msg.sparse_csr.crow_indices, np.dtype("<i8"), f"{where}.crow_indices")
+        col = _frombuffer(msg.sparse_csr.col_indices, np.dtype("<i8"), f"{where}.col_indices")
+        rows, cols = shape
+        if (
+            len(crow) != rows + 1
+            or crow[0] != 0
+            or np.any(np.diff(crow) < 0)
+            or crow[-1] != len(values)
+            or len(col) != len(values)
+            or (len(col) and (col.min() < 0 or col.max() >= cols))
+        ):
+            raise WireError(f"{where}: inconsistent CSR indices for shape {shape}")
+        dense = np.zeros(shape, dtype=dtype)
+        row_of = np.repeat(np.arange(rows), np.diff(crow))
+        dense[row_of, col] = values
+        return dense
+    flat = _frombuffer(msg.dense, dtype, where)
+    if not shape:
+        return flat.copy()
+    if int(np.prod(shape)) != flat.size:
+        raise WireError(f"{where}: {flat.size} values do not fill shape {list(shape)}")
+    return flat.reshape(shape).copy()
+
+
+def _datum(msg: pb.Datum, index: int) -> WireDatum:
+    where = f"data[{index}]"
+    tokens: list[np.ndarray] = []
+    for j, chunk in enumerate(msg.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise WireError(
+                f"{where}.model_input[{j}]: {kind or 'empty'} chunks are not supported by this text-only model"
+            )
+        tokens.append(_frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"{where}.model_input[{j}].tokens"))
+    inputs = {key: _tensor(t, f"{where}.loss_fn_inputs.{key}") for key, t in msg.loss_fn_inputs.items()}
+    joined = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, dtype=np.int64)
+    return WireDatum(tokens=joined, loss_fn_inputs=inputs)
+
+
+def decode_forward_backward(body: bytes) -> WireForwardBackward:
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as e:
+        raise WireError(f"body is not a ForwardBackwardRequest protobuf: {e}") from None
+    # v2 carries every entry (numbers and text); the legacy map only the numeric ones.
+    config: dict[str, float | str] = dict(msg.loss_fn_config.items())
+    for key, value in msg.loss_fn_config_v2.items():
+        kind = value.WhichOneof("value")
+        config[key] = value.number if kind == "number" else value.text
+    return WireForwardBackward(
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        loss_fn=msg.loss_fn,
+        forward_only=msg.forward_only,
+        data=[_datum(d, i) for i, d in enumerate(msg.data)],
+        loss_fn_config=config,
+    )
+
+
+def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
+    """Serialise per-datum output arrays (leading dim N) and ``name:reduction`` metrics.
+
+    Consecutive datums whose arrays share a trailing shape go into one ArrayRecord; a change
+    of trailing shape (e.g. ``(N,)`` next to ``(N, K)`` logprobs) starts a new record.
+    """
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for key, value in metrics.items():
+        out.metrics[key] = float(value)
+
+    def signature(d: dict[str, np.ndarray]) -> tuple:
+        return tuple(sorted((k, v.shape[1:]) for k, v in d.items()))
+
+    for _, group in groupby(per_datum, key=signature):
+        datums = list(group)
+        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(datums))
+        for name in datums[0]:
+            arrays = [np.ascontiguousarray(d[name], dtype="<f4") for d in datums]
+            offsets = np.zeros(len(arrays) + 1, dtype="<i8")
+            offsets[1:] = np.cumsum([a.nbytes for a in arrays])
+            bt = record.fields[name]
+            bt.data = b"".join(a.tobytes() for a in arrays)
+            bt.offsets = offsets.tobytes()
+            bt.dtype = pb.DTYPE_FLOAT32
+            bt.trailing_shape.extend(arrays[0].shape[1:])
+    return out.SerializeToString()

@@ -1,0 +1,128 @@
+"""JSON wire types of SDK 0.38 (protocol reference §3), validated strictly.
+
+Requests forbid unknown fields, so a misspelt option is a 422 naming it rather than a
+silently ignored setting. Fields the SDK always sends are accepted even where we do not act
+on them (``type`` tags, ``sdk_version``); their handling is stated next to each.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- configuration and sessions ------------------------------------------------------------
+
+
+class ClientConfigRequest(Request):
+    sdk_version: str
+
+
+class CreateSessionRequest(Request):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+    type: Literal["create_session"] = "create_session"
+
+
+class CreateSessionResponse(Response):
+    session_id: str
+    type: Literal["create_session"] = "create_session"
+
+
+class SessionHeartbeatRequest(Request):
+    session_id: str
+    type: Literal["session_heartbeat"] = "session_heartbeat"
+
+
+class FinishReason(Request):
+    type: Literal["success", "errored", "interrupted"]
+
+
+class FinishSessionRequest(Request):
+    reason: FinishReason
+    detail: str | None = None
+
+
+class TelemetryRequest(BaseModel):
+    # Telemetry is best-effort and its event schema grows with the SDK: accept any shape.
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+class LoraConfig(Request):
+    rank: int = Field(ge=1, le=1024)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfig(BaseModel):
+    # Other optimizer families carry their own fields; we reject them by `type` with a clear 400.
+    model_config = ConfigDict(extra="allow")
+    type: str = "adamw"
+
+
+class CreateModelRequest(Request):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    type: Literal["create_model"] = "create_model"
+
+
+class GetInfoRequest(Request):
+    model_id: str
+    type: Literal["get_info"] = "get_info"
+
+
+class AdamParams(Request):
+    learning_rate: float = Field(default=1e-4, ge=0, allow_inf_nan=False)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-12, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    grad_clip_norm: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class OptimStepRequest(Request):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: AdamParams | None = None
+    # Non-Adam families (SDK `optimizer_params`) are refused with a 400 naming the family.
+    optimizer_params: dict[str, Any] | None = None
+    type: Literal["optim_step"] = "optim_step"
+
+
+class UnloadModelRequest(Request):
+    model_id: str
+    type: Literal["unload_model"] = "unload_model"
+
+
+# ---- futures -------------------------------------------------------------------------------
+
+
+class RetrieveFutureRequest(Request):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class UntypedFuture(Response):
+    request_id: str
+    model_id: str | None = None

@@ -1,0 +1,140 @@
+"""Per-model ``seq_id`` ordering, de-duplication, and dispatch to the backend worker.
+
+A request becomes a future at submit time. It waits in its model's queue until every lower
+``seq_id`` has been dispatched, then runs on the single backend worker thread. Jobs reach that
+thread in dispatch order, so each model's requests execute in ``seq_id`` order, while the event
+loop stays free to answer polls and health checks. A finished future wakes its pollers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from hosted_tinker.backends.base import UserError
+from hosted_tinker.store import FutureRecord, Store
+
+log = logging.getLogger(__name__)
+
+# A job returns its result as (payload bytes, media type).
+Job = Callable[[], tuple[bytes, str]]
+
+
+class SeqError(UserError):
+    """A seq_id that can never run (already consumed by a different request)."""
+
+
+@dataclass
+class _ModelQueue:
+    next_seq: int
+    waiting: dict[int, tuple[str, Job]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
+        self._queues: dict[str, _ModelQueue] = {}
+        self._events: dict[str, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._count_lock = threading.Lock()
+        self.in_flight = 0  # dispatched to the worker and not yet finished
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    # ---- submitting -----------------------------------------------------------------------
+
+    def open_model(self, model_id: str, first_seq: int = 1) -> None:
+        """Start ordering a model's requests; its creation was seq 0."""
+        self._queues.setdefault(model_id, _ModelQueue(next_seq=first_seq))
+
+    def close_model(self, model_id: str) -> None:
+        queue = self._queues.pop(model_id, None)
+        for request_id, _ in queue.waiting.values() if queue else ():
+            self._finish(request_id, error=f"model {model_id} was unloaded before this request ran", category="user")
+
+    def submit(self, kind: str, job: Job, *, model_id: str | None = None, seq_id: int | None = None) -> str:
+        """Register a future for ``job`` and queue it; return its request id.
+
+        A resent ``(model_id, seq_id)`` returns the original request id and queues nothing.
+        Synchronous on purpose: with no await inside, two identical submits cannot race.
+        """
+        if model_id is not None and seq_id is not None:
+            existing = self.store.find_future(model_id, seq_id)
+            if existing is not None:
+                return existing
+        request_id = f"req-{secrets.token_urlsafe(12)}"
+        self.store.add_future(request_id, kind=kind, model_id=model_id, seq_id=seq_id)
+        self._events[request_id] = asyncio.Event()
+        queue = self._queues.get(model_id) if model_id is not None else None
+        if queue is None or seq_id is None:
+            self._dispatch(request_id, job)
+        elif seq_id < queue.next_seq:
+            self._finish(request_id, error=f"seq_id {seq_id} of model {model_id} was already used", category="user")
+        else:
+            queue.waiting[seq_id] = (request_id, job)
+            while queue.next_seq in queue.waiting:
+                rid, next_job = queue.waiting.pop(queue.next_seq)
+                queue.next_seq += 1
+                self._dispatch(rid, next_job)
+        return request_id
+
+    def _dispatch(self, request_id: str, job: Job) -> None:
+        with self._count_lock:
+            self.in_flight += 1
+        self._worker.submit(self._run, request_id, job)
+
+    def _run(self, request_id: str, job: Job) -> None:
+        """On the worker thread: run the job and record its outcome."""
+        try:
+            payload, media_type = job()
+        except UserError as e:
+            self._finish(request_id, error=str(e), category="user")
+        except Exception as e:
+            log.exception("request %s failed", request_id)
+            self._finish(request_id, error=f"internal error: {type(e).__name__}: {e}", category="server")
+        else:
+            self._finish(request_id, payload=payload, media_type=media_type)
+        finally:
+            with self._count_lock:
+                self.in_flight -= 1
+
+    def _finish(
+        self,
+        request_id: str,
+        *,
+        payload: bytes | None = None,
+        media_type: str | None = None,
+        error: str | None = None,
+        category: str | None = None,
+    ) -> None:
+        if error is not None:
+            self.store.fail_future(request_id, error, category or "server")
+        else:
+            self.store.complete_future(request_id, payload or b"", media_type or "application/json")
+        event = self._events.pop(request_id, None)
+        if event is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(event.set)
+
+    # ---- polling --------------------------------------------------------------------------
+
+    async def wait(self, request_id: str, timeout: float) -> FutureRecord | None:
+        """The future's record once finished, or still pending after ``timeout`` seconds."""
+        event = self._events.get(request_id)
+        record = self.store.get_future(request_id)
+        if record is None or record.finished or event is None:
+            return record
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        return self.store.get_future(request_id)

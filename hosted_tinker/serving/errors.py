@@ -1,0 +1,18 @@
+"""Errors the API answers synchronously: always a 4xx with a JSON body that names the problem."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def bad_request(detail: str) -> ApiError:
+    return ApiError(400, detail)
+
+
+def not_found(detail: str) -> ApiError:
+    return ApiError(404, detail)

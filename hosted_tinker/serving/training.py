@@ -1,0 +1,237 @@
+"""Training requests: validate at submit (a clear 400 now beats a failed future later), then
+queue a job that runs on the backend worker and encodes its own result."""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+
+import numpy as np
+import torch
+
+from hosted_tinker import losses
+from hosted_tinker.backends.base import (
+    AdamParams,
+    DatumInput,
+    ForwardBackwardBatch,
+    LoraSpec,
+    TrainingBackend,
+)
+from hosted_tinker.protocol import json_types as wire
+from hosted_tinker.protocol.fwdbwd_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
+from hosted_tinker.scheduler import Scheduler
+from hosted_tinker.serving.errors import bad_request, not_found
+from hosted_tinker.store import ModelRecord, Store
+
+JSON = "application/json"
+PROTOBUF = "application/x-protobuf"
+
+
+def _json(obj: dict) -> tuple[bytes, str]:
+    return json.dumps(obj).encode(), JSON
+
+
+class TrainingService:
+    def __init__(
+        self, backend: TrainingBackend, scheduler: Scheduler, store: Store, served_names: list[str], tokenizer_id: str
+    ) -> None:
+        self.backend = backend
+        self.scheduler = scheduler
+        self.store = store
+        self.served_names = served_names
+        self.tokenizer_id = tokenizer_id
+
+    # ---- models ---------------------------------------------------------------------------
+
+    def _live_model(self, model_id: str) -> ModelRecord:
+        model = self.store.get_model(model_id)
+        if model is None:
+            raise not_found(f"model_id {model_id!r} does not exist")
+        if model.status == "unloaded":
+            raise bad_request(f"model {model_id} was unloaded")
+        if model.status == "lost":
+            raise bad_request(f"model {model_id} was lost in a server restart; recreate it (or load a saved state)")
+        return model
+
+    def create_model(self, req: wire.CreateModelRequest) -> str:
+        if self.store.session_status(req.session_id) is None:
+            raise not_found(f"session_id {req.session_id!r} does not exist")
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        existing = self.store.find_future(model_id, 0)
+        if existing is not None:  # a resend of the same create_model
+            return existing
+        if req.base_model not in self.served_names:
+            raise bad_request(f"base_model {req.base_model!r} is not served here; served names: {self.served_names}")
+        if req.optimizer_config.type != "adamw":
+            raise bad_request(
+                f"optimizer_config.type {req.optimizer_config.type!r} is not supported; this server implements 'adamw'"
+            )
+        if req.lora_config is None:
+            raise bad_request("lora_config is required: this server trains LoRA adapters only")
+        lc = req.lora_config
+        if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
+            raise bad_request("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+        # An unseeded adapter still gets a recorded seed, so its initialisation is reproducible.
+        spec = LoraSpec(
+            lc.rank,
+            lc.seed if lc.seed is not None else secrets.randbits(63),
+            lc.train_mlp,
+            lc.train_attn,
+            lc.train_unembed,
+        )
+        self.store.add_model(
+            model_id,
+            session_id=req.session_id,
+            model_seq_id=req.model_seq_id,
+            base_model=req.base_model,
+            lora=spec.__dict__,
+            user_metadata=req.user_metadata or {},
+        )
+
+        def job() -> tuple[bytes, str]:
+            try:
+                self.backend.create_adapter(model_id, spec)
+            except BaseException:
+                self.store.set_model_status(model_id, "lost")
+                raise
+            return _json({"model_id": model_id, "type": "create_model"})
+
+        request_id = self.scheduler.submit("create_model", job, model_id=model_id, seq_id=0)
+        self.scheduler.open_model(model_id)
+        return request_id
+
+    def get_info(self, req: wire.GetInfoRequest) -> dict:
+        model = self._live_model(req.model_id)
+        arch = type(getattr(self.backend, "base", None)).__name__ if hasattr(self.backend, "base") else None
+        return {
+            "model_id": model.model_id,
+            "model_data": {"arch": arch, "model_name": model.base_model, "tokenizer_id": self.tokenizer_id},
+            "model_name": model.base_model,
+            "is_lora": True,
+            "lora_rank": model.lora["rank"],
+            "optimizer_config": {"type": "adamw"},
+            "type": "get_info",
+        }
+
+    def unload_model(self, req: wire.UnloadModelRequest) -> str:
+        self._live_model(req.model_id)
+        self.store.set_model_status(req.model_id, "unloaded")
+        self.scheduler.close_model(req.model_id)
+
+        def job() -> tuple[bytes, str]:
+            self.backend.delete_adapter(req.model_id)
+            return _json({"model_id": req.model_id, "type": "unload_model"})
+
+        return self.scheduler.submit("unload_model", job, model_id=req.model_id)
+
+    # ---- forward / backward ---------------------------------------------------------------
+
+    def forward_backward(self, req: WireForwardBackward) -> str:
+        self._live_model(req.model_id)
+        existing = self.store.find_future(req.model_id, req.seq_id)
+        if existing is not None:
+            return existing
+        batch = self._validate_batch(req)
+
+        def job() -> tuple[bytes, str]:
+            result = self.backend.forward_backward(req.model_id, batch)
+            outputs = [{"logprobs": lp} for lp in result.logprobs]
+            return encode_forward_backward_output(outputs, {"loss:sum": result.loss_sum}), PROTOBUF
+
+        kind = "forward" if req.forward_only else "forward_backward"
+        return self.scheduler.submit(kind, job, model_id=req.model_id, seq_id=req.seq_id)
+
+    def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
+        if req.loss_fn in losses.UNSUPPORTED_LOSSES:
+            raise bad_request(f"loss_fn {req.loss_fn!r} is not supported: {losses.UNSUPPORTED_LOSSES[req.loss_fn]}")
+        spec = losses.LOSSES.get(req.loss_fn)
+        if spec is None:
+            raise bad_request(f"loss_fn {req.loss_fn!r} is unknown; supported: {sorted(losses.LOSSES)}")
+        config = dict(spec.config_defaults)
+        for key, value in req.loss_fn_config.items():
+            if key not in spec.config_defaults:
+                raise bad_request(
+                    f"loss_fn_config.{key} is not a setting of {req.loss_fn!r}; "
+                    f"accepted: {sorted(spec.config_defaults) or 'none'}"
+                )
+            if not isinstance(value, float) or not math.isfinite(value):
+                raise bad_request(f"loss_fn_config.{key} must be a finite number, got {value!r}")
+            config[key] = value
+        if not req.data:
+            raise bad_request("data is empty: forward_backward needs at least one datum")
+        data = [self._validate_datum(d, i, spec) for i, d in enumerate(req.data)]
+        return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
+
+    def _validate_datum(self, d: WireDatum, index: int, spec: losses.LossSpec) -> DatumInput:
+        caps = self.backend.capabilities
+        where = f"data[{index}]"
+        n = len(d.tokens)
+        if n == 0:
+            raise bad_request(f"{where}.model_input is empty")
+        if n > caps.max_seq_len:
+            raise bad_request(f"{where}.model_input has {n} tokens, over the maximum of {caps.max_seq_len}")
+        _check_token_ids(d.tokens, caps.vocab_size, f"{where}.model_input")
+        inputs = dict(d.loss_fn_inputs)
+        targets = inputs.pop("target_tokens", None)
+        if targets is None:
+            raise bad_request(f"{where}.loss_fn_inputs.target_tokens is required")
+        if targets.dtype.kind not in "iu":
+            raise bad_request(f"{where}.loss_fn_inputs.target_tokens must be int64, got {targets.dtype}")
+        if targets.ndim == 2 and not spec.allows_topk_targets:
+            raise bad_request(f"{where}.loss_fn_inputs.target_tokens: (N, K) targets are only valid for cross_entropy")
+        if targets.shape[:1] != (n,) or targets.ndim > 2:
+            raise bad_request(
+                f"{where}.loss_fn_inputs.target_tokens has shape {list(targets.shape)}; expected [{n}] "
+                f"(or [{n}, K]) to match model_input length {n}"
+            )
+        _check_token_ids(targets, caps.vocab_size, f"{where}.loss_fn_inputs.target_tokens")
+        tensors: dict[str, torch.Tensor] = {}
+        for key in spec.required_inputs:
+            if key not in inputs:
+                raise bad_request(f"{where}.loss_fn_inputs.{key} is required by this loss")
+        for key, value in inputs.items():
+            if key not in spec.required_inputs and key not in spec.optional_inputs:
+                accepted = ["target_tokens", *spec.required_inputs, *spec.optional_inputs]
+                raise bad_request(f"{where}.loss_fn_inputs.{key} is not an input of this loss; accepted: {accepted}")
+            if value.dtype.kind != "f":
+                raise bad_request(f"{where}.loss_fn_inputs.{key} must be float32, got {value.dtype}")
+            # weights follow the target's shape ((N, K) for top-K targets); the rest are per position.
+            expected = targets.shape if key == "weights" else (n,)
+            if value.shape != expected:
+                raise bad_request(
+                    f"{where}.loss_fn_inputs.{key} has shape {list(value.shape)}; expected {list(expected)}"
+                )
+            if not np.isfinite(value).all():
+                raise bad_request(f"{where}.loss_fn_inputs.{key} contains NaN or infinity")
+            tensors[key] = torch.from_numpy(value.astype(np.float32))
+        return DatumInput(
+            tokens=torch.from_numpy(d.tokens.astype(np.int64)),
+            target_tokens=torch.from_numpy(targets.astype(np.int64)),
+            inputs=tensors,
+        )
+
+    # ---- optimizer ------------------------------------------------------------------------
+
+    def optim_step(self, req: wire.OptimStepRequest) -> str:
+        self._live_model(req.model_id)
+        if req.seq_id is not None:
+            existing = self.store.find_future(req.model_id, req.seq_id)
+            if existing is not None:
+                return existing
+        if req.optimizer_params is not None:
+            family = req.optimizer_params.get("type")
+            raise bad_request(f"optimizer_params of type {family!r} are not supported; send adam_params")
+        p = req.adam_params or wire.AdamParams()
+        params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+
+        def job() -> tuple[bytes, str]:
+            return _json({"metrics": self.backend.optim_step(req.model_id, params), "type": "optim_step"})
+
+        return self.scheduler.submit("optim_step", job, model_id=req.model_id, seq_id=req.seq_id)
+
+
+def _check_token_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise bad_request(f"{where} contains token id {bad}, outside the vocabulary [0, {vocab_size})")

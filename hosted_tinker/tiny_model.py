@@ -1,0 +1,121 @@
+"""Build a tiny random Qwen3 causal LM and a ChatML byte-level BPE tokenizer, fully offline.
+
+The result loads with ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(dir)`` under
+``HF_HUB_OFFLINE=1``. ``initializer_range=0.1`` (not the default 0.02) lets a frozen tied
+embedding reach logits large enough for SFT to drive the loss near zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",  # 0: pad
+    "<|im_start|>",  # 1
+    "<|im_end|>",  # 2: eos
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+]
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "What is the capital of France? The capital of France is Paris.",
+    "The quick brown fox jumps over the lazy dog. Hello, world!",
+    "User: Tell me a story.\n\nAssistant: Once upon a time there was a small model that learned.",
+    "system\nYou are a helpful assistant.\nuser\nHi there!\nassistant\nHello! How can I help you today?",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000; punctuation . , ; : ! ? ' \" ( ) [ ] { } - + = * /",
+    "The answer is 42. Training a LoRA adapter on a tiny model is fast on a CPU.",
+] + [f"User: What is {a} + {b}?\n\nAssistant: {a + b}\n\n" for a in range(0, 101, 9) for b in range(0, 101, 13)]
+
+
+def build_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    vocab_size: int = 512,
+    initializer_range: float = 0.1,
+    seed: int = 0,
+) -> Path:
+    """Write the model and tokenizer into ``out_dir`` atomically and return its path."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
+
+    tok = build_tokenizer(vocab_size)
+    cfg = Qwen3Config(
+        vocab_size=max(vocab_size, len(tok)),
+        hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,  # Qwen3Config defaults to 128 whatever the hidden size
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        initializer_range=initializer_range,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp, save_jinja_files=False)
+
+    # transformers 5 writes "TokenizersBackend", a class 4.x cannot load.
+    tc_path = tmp / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc_path.write_text(json.dumps(tc, indent=2))
+
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process won the race; keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
