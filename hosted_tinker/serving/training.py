@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -17,11 +18,12 @@ from hosted_tinker.backends.base import (
     ForwardBackwardBatch,
     LoraSpec,
     TrainingBackend,
+    UserError,
 )
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.fwdbwd_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
-from hosted_tinker.scheduler import Scheduler
-from hosted_tinker.serving.errors import bad_request, not_found
+from hosted_tinker.scheduler import Job, Scheduler
+from hosted_tinker.serving.errors import ApiError, bad_request, not_found
 from hosted_tinker.store import ModelRecord, Store
 
 JSON = "application/json"
@@ -127,20 +129,36 @@ class TrainingService:
 
     # ---- forward / backward ---------------------------------------------------------------
 
-    def forward_backward(self, req: WireForwardBackward) -> str:
-        self._live_model(req.model_id)
-        existing = self.store.find_future(req.model_id, req.seq_id)
-        if existing is not None:
-            return existing
-        batch = self._validate_batch(req)
+    def _submit_ordered(self, kind: str, model_id: str, seq_id: int | None, prepare: Callable[[], Job]) -> str:
+        """Validate (``prepare``) and queue one of a model's requests.
 
-        def job() -> tuple[bytes, str]:
-            result = self.backend.forward_backward(req.model_id, batch)
-            outputs = [{"logprobs": lp} for lp in result.logprobs]
-            return encode_forward_backward_output(outputs, {"loss:sum": result.loss_sum}), PROTOBUF
+        A rejected request still consumes its ``seq_id``, as a failed future: the SDK has
+        already numbered the requests after it, and they must not wait for it forever.
+        """
+        self._live_model(model_id)
+        if seq_id is not None and (existing := self.store.find_future(model_id, seq_id)) is not None:
+            return existing
+        try:
+            job = prepare()
+        except ApiError as e:
+            if seq_id is not None:
+                self.scheduler.submit(kind, _failing(e.detail), model_id=model_id, seq_id=seq_id)
+            raise
+        return self.scheduler.submit(kind, job, model_id=model_id, seq_id=seq_id)
+
+    def forward_backward(self, req: WireForwardBackward) -> str:
+        def prepare() -> Job:
+            batch = self._validate_batch(req)
+
+            def job() -> tuple[bytes, str]:
+                result = self.backend.forward_backward(req.model_id, batch)
+                outputs = [{"logprobs": lp} for lp in result.logprobs]
+                return encode_forward_backward_output(outputs, {"loss:sum": result.loss_sum}), PROTOBUF
+
+            return job
 
         kind = "forward" if req.forward_only else "forward_backward"
-        return self.scheduler.submit(kind, job, model_id=req.model_id, seq_id=req.seq_id)
+        return self._submit_ordered(kind, req.model_id, req.seq_id, prepare)
 
     def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
         if req.loss_fn in losses.UNSUPPORTED_LOSSES:
@@ -214,21 +232,22 @@ class TrainingService:
     # ---- optimizer ------------------------------------------------------------------------
 
     def optim_step(self, req: wire.OptimStepRequest) -> str:
-        self._live_model(req.model_id)
-        if req.seq_id is not None:
-            existing = self.store.find_future(req.model_id, req.seq_id)
-            if existing is not None:
-                return existing
-        if req.optimizer_params is not None:
-            family = req.optimizer_params.get("type")
-            raise bad_request(f"optimizer_params of type {family!r} are not supported; send adam_params")
-        p = req.adam_params or wire.AdamParams()
-        params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+        def prepare() -> Job:
+            if req.optimizer_params is not None:
+                family = req.optimizer_params.get("type")
+                raise bad_request(f"optimizer_params of type {family!r} are not supported; send adam_params")
+            p = req.adam_params or wire.AdamParams()
+            params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+            return lambda: _json({"metrics": self.backend.optim_step(req.model_id, params)})
 
-        def job() -> tuple[bytes, str]:
-            return _json({"metrics": self.backend.optim_step(req.model_id, params), "type": "optim_step"})
+        return self._submit_ordered("optim_step", req.model_id, req.seq_id, prepare)
 
-        return self.scheduler.submit("optim_step", job, model_id=req.model_id, seq_id=req.seq_id)
+
+def _failing(detail: str) -> Job:
+    def job() -> tuple[bytes, str]:
+        raise UserError(detail)
+
+    return job
 
 
 def _check_token_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:

@@ -1,0 +1,107 @@
+"""Shared fixtures: a real server process on 127.0.0.1, health-checked before any SDK call.
+
+The SDK retries a dead server for ~5 minutes, so every test that touches it is guarded by
+the health check below and by pytest-timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+os.environ.setdefault("TINKER_API_KEY", "tml-test")
+
+ALIAS = "Qwen/Qwen3-8B-Base"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str
+    data_dir: Path
+    log_path: Path
+
+    def stop(self, sig: int | None = None) -> None:
+        if self.proc.poll() is None:
+            if sig is None:
+                self.proc.terminate()
+            else:
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(data_dir: Path, *extra: str, timeout: float = 180.0) -> ServerProcess:
+    port = free_port()
+    log_path = data_dir / f"server-{port}.log"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "hosted_tinker", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--data-dir", str(data_dir), "--model-name", ALIAS, "--log-level", "warning", *extra]
+    log = open(log_path, "w")  # noqa: SIM115 - kept open for the process's lifetime
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{base_url}/healthz", timeout=1.0).status_code == 200:
+                return ServerProcess(proc, base_url, data_dir, log_path)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy in {timeout}s:\n{log_path.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(shared_data_dir: Path) -> Path:
+    from hosted_tinker.tiny_model import build_tiny_model
+
+    return build_tiny_model(shared_data_dir / "models" / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def server(shared_data_dir: Path, tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    """One server for the whole session (tests use their own sessions and models)."""
+    srv = start_server(shared_data_dir)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def base_url(server: ServerProcess) -> str:
+    return server.base_url
+
+
+@pytest.fixture
+def service_client(base_url: str):
+    import tinker
+
+    with tinker.ServiceClient(base_url=base_url) as client:  # exit finishes the session
+        yield client
