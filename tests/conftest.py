@@ -55,8 +55,23 @@ def start_server(data_dir: Path, *extra: str, timeout: float = 180.0) -> ServerP
     port = free_port()
     log_path = data_dir / f"server-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "hosted_tinker", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--data-dir", str(data_dir), "--model-name", ALIAS, "--log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hosted_tinker",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--model-name",
+        ALIAS,
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     log = open(log_path, "w")  # noqa: SIM115 - kept open for the process's lifetime
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"

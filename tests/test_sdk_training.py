@@ -191,7 +191,11 @@ def test_rl_losses_match_their_formulas(service_client, tokenizer):
         ("gspo", None): -np.minimum(s * adv, clip(s, 0.8, 1.2) * adv).sum(),
     }
     for (loss_fn, thresholds), value in expected.items():
-        config = None if thresholds is None else {"clip_low_threshold": thresholds[0], "clip_high_threshold": thresholds[1]}
+        config = (
+            None
+            if thresholds is None
+            else dict(zip(("clip_low_threshold", "clip_high_threshold"), thresholds, strict=True))
+        )
         d = datum(sequence_ratio_mask=mask.tolist()) if loss_fn == "gspo" else datum()
         out = tc.forward([d], loss_fn, loss_fn_config=config).result()
         assert out.metrics["loss:sum"] == pytest.approx(value, rel=1e-4, abs=1e-4), loss_fn

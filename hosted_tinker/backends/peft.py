@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,7 +111,12 @@ class PeftBackend:
         name = f"a{self._next_adapter}"
         self._next_adapter += 1
         # Seed only this adapter's initialisation; never disturb the process RNG.
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with (
+            torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
+            warnings.catch_warnings(),
+        ):
+            # LoRA on a tied lm_head is what train_unembed means; the embedding stays untouched.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             torch.manual_seed(lora.seed)
             if self.peft is None:
                 self.peft = get_peft_model(self.base, config, adapter_name=name)
@@ -207,7 +213,7 @@ class PeftBackend:
                 )
                 if not batch.forward_only:
                     loss.backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             for i, lp in zip(indices, lps, strict=True):
                 results[i] = lp.detach().float().cpu().numpy()
         return ForwardBackwardResult(logprobs=results, loss_sum=loss_sum)

@@ -6,6 +6,7 @@ arrays travel as little-endian raw bytes; tensors may be dense or sparse CSR.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import groupby
 
@@ -38,20 +39,36 @@ class WireForwardBackward:
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
 
 
+# Input is fed in small pieces so one piece can never inflate far past the limit
+# (a zstd block of a few bytes may expand to 128 KiB).
+_ZSTD_PIECE = 1024
+# Largest tensor a request may declare; real inputs are (N,) or (N, K) with N ≤ max_seq_len.
+MAX_TENSOR_ELEMENTS = 1 << 26
+
+
 def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
-    """Undo ``Content-Encoding: zstd``, refusing to inflate past ``max_bytes``."""
+    """Undo ``Content-Encoding: zstd`` (one or more frames), refusing to inflate past ``max_bytes``."""
     if not content_encoding or content_encoding.lower() == "identity":
         return body
     if content_encoding.lower() != "zstd":
         raise WireError(f"Content-Encoding {content_encoding!r} is not supported (use zstd or none)")
+    dctx = zstandard.ZstdDecompressor()
+    out = bytearray()
+    pending = bytes(body)
     try:
-        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
-            out = reader.read(max_bytes + 1)
+        while pending:
+            frame = dctx.decompressobj()
+            while not frame.eof:
+                if not pending:
+                    raise WireError("zstd body is truncated: its last frame is incomplete")
+                piece, pending = pending[:_ZSTD_PIECE], pending[_ZSTD_PIECE:]
+                out += frame.decompress(piece)
+                if len(out) > max_bytes:
+                    raise WireError(f"decompressed body exceeds {max_bytes} bytes")
+            pending = frame.unused_data + pending
     except zstandard.ZstdError as e:
         raise WireError(f"body is not valid zstd: {e}") from None
-    if len(out) > max_bytes:
-        raise WireError(f"decompressed body exceeds {max_bytes} bytes")
-    return out
+    return bytes(out)
 
 
 def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
@@ -68,7 +85,9 @@ def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
         )
     shape = tuple(int(s) for s in msg.shape)
     if any(s < 0 for s in shape):
-        raise WireError(f"{where}: negative dimension in shape {shape}")
+        raise WireError(f"{where}: negative dimension in shape {list(shape)}")
+    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        raise WireError(f"{where}: shape {list(shape)} exceeds {MAX_TENSOR_ELEMENTS} elements")
     if msg.HasField("sparse_csr"):
         if len(shape) != 2:
             raise WireError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
@@ -84,15 +103,17 @@ def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
             or len(col) != len(values)
             or (len(col) and (col.min() < 0 or col.max() >= cols))
         ):
-            raise WireError(f"{where}: inconsistent CSR indices for shape {shape}")
-        dense = np.zeros(shape, dtype=dtype)
+            raise WireError(f"{where}: inconsistent CSR indices for shape {list(shape)}")
         row_of = np.repeat(np.arange(rows), np.diff(crow))
+        if len(np.unique(row_of * cols + col)) != len(col):
+            raise WireError(f"{where}: CSR indices name the same cell twice")
+        dense = np.zeros(shape, dtype=dtype)
         dense[row_of, col] = values
         return dense
     flat = _frombuffer(msg.dense, dtype, where)
     if not shape:
         return flat.copy()
-    if int(np.prod(shape)) != flat.size:
+    if math.prod(shape) != flat.size:
         raise WireError(f"{where}: {flat.size} values do not fill shape {list(shape)}")
     return flat.reshape(shape).copy()
 

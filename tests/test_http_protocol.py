@@ -1,0 +1,212 @@
+"""Raw-HTTP checks of what the SDK does not let a test provoke: seq ordering, de-duplication,
+long-poll behaviour, responsiveness during a long step, zstd bodies, and restart durability."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import zstandard
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from tests.conftest import ALIAS, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+HEADERS = {"X-API-Key": "tml-test"}
+
+
+def fwdbwd_body(model_id: str, seq_id: int, n_datums: int = 1, length: int = 16, **kw) -> bytes:
+    req = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy", **kw)
+    rng = np.random.default_rng(seq_id)
+    for _ in range(n_datums):
+        tokens = rng.integers(10, 500, length + 1)
+        d = req.data.add()
+        d.model_input.add().encoded_text.tokens = tokens[:-1].astype("<i4").tobytes()
+        d.loss_fn_inputs["target_tokens"].CopyFrom(
+            pb.Tensor(dense=tokens[1:].astype("<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=[length])
+        )
+        d.loss_fn_inputs["weights"].CopyFrom(
+            pb.Tensor(dense=np.ones(length, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[length])
+        )
+    return req.SerializeToString()
+
+
+class Api:
+    def __init__(self, base_url: str) -> None:
+        self.http = httpx.Client(base_url=base_url, headers=HEADERS, timeout=60)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return self.http.post(f"/api/v1/{path}", **kw)
+
+    def new_model(self) -> str:
+        session = self.post("create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+        body = {"session_id": session, "model_seq_id": 0, "base_model": ALIAS, "lora_config": {"rank": 4, "seed": 0}}
+        fut = self.post("create_model", json=body).json()
+        return self.result(fut["request_id"])["model_id"]
+
+    def fwdbwd(self, body: bytes, **headers) -> str:
+        r = self.post("forward_backward", content=body, headers={"Content-Type": "application/x-protobuf", **headers})
+        assert r.status_code == 200, r.text
+        return r.json()["request_id"]
+
+    def poll(self, request_id: str) -> httpx.Response:
+        return self.post("retrieve_future", json={"request_id": request_id})
+
+    def result(self, request_id: str):
+        while True:
+            r = self.poll(request_id)
+            assert r.status_code == 200, r.text
+            if r.headers["content-type"].startswith("application/x-protobuf"):
+                return deserialize_forward_backward_output(r.content)
+            body = r.json()
+            if body.get("type") != "try_again":
+                return body
+
+
+@pytest.fixture(scope="module")
+def api(base_url: str) -> Api:
+    return Api(base_url)
+
+
+def test_early_arrivals_wait_and_resends_dedupe(api: Api):
+    model = api.new_model()
+    # optim_step (seq 2) arrives before the forward_backward (seq 1) it depends on.
+    optim = api.post("optim_step", json={"model_id": model, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})
+    assert optim.status_code == 200
+    fb = api.fwdbwd(fwdbwd_body(model, 1))
+    assert api.fwdbwd(fwdbwd_body(model, 1)) == fb  # a resend returns the original future
+    metrics = api.result(optim.json()["request_id"])["metrics"]
+    assert metrics["grad_norm"] > 0  # it ran after the forward_backward, not before
+    assert api.result(fb).metrics["loss:sum"] > 0
+
+
+def test_failed_request_does_not_block_the_next(api: Api):
+    model = api.new_model()
+    # Sampler logprobs of -1e4 overflow the importance ratio: the gradient is not finite, so
+    # optim_step (seq 2) fails with a user error; seq 3 must still run.
+    poisoned = pb.ForwardBackwardRequest.FromString(fwdbwd_body(model, 1))
+    poisoned.loss_fn = "importance_sampling"
+    for d in poisoned.data:
+        n = d.loss_fn_inputs["weights"].shape[0]
+        del d.loss_fn_inputs["weights"]
+        for key, value in (("logprobs", -1e4), ("advantages", 1.0)):
+            d.loss_fn_inputs[key].CopyFrom(
+                pb.Tensor(dense=np.full(n, value, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[n])
+            )
+    api.result(api.fwdbwd(poisoned.SerializeToString()))
+    bad = api.post("optim_step", json={"model_id": model, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})
+    ok = api.fwdbwd(fwdbwd_body(model, 3))
+    assert api.result(ok).metrics["loss:sum"] > 0
+    failure = api.result(bad.json()["request_id"])
+    assert failure["category"] == "user" and "gradient norm" in failure["error"]
+
+
+def test_rejected_submit_consumes_seq_and_reports_failure(api: Api):
+    model = api.new_model()
+    bad = pb.ForwardBackwardRequest.FromString(fwdbwd_body(model, 1))
+    bad.loss_fn = "stable_reinforce"
+    r = api.post(
+        "forward_backward", content=bad.SerializeToString(), headers={"Content-Type": "application/x-protobuf"}
+    )
+    assert r.status_code == 400 and "stable_reinforce" in r.json()["detail"]
+    assert api.result(api.fwdbwd(fwdbwd_body(model, 2))).metrics["loss:sum"] > 0
+
+
+def test_failures_are_200_with_error_and_category(api: Api):
+    model = api.new_model()
+    r = api.post("unload_model", json={"model_id": model})
+    assert api.result(r.json()["request_id"])["model_id"] == model
+    r = api.post("optim_step", json={"model_id": model, "seq_id": 1, "adam_params": {}})
+    assert r.status_code == 400 and "unloaded" in r.json()["detail"]
+    assert api.poll("req-does-not-exist").status_code == 404
+
+
+def test_long_poll_is_woken_at_completion(api: Api):
+    model = api.new_model()
+    request_id = api.fwdbwd(fwdbwd_body(model, 1, n_datums=8, length=256))
+    start = time.perf_counter()
+    api.result(request_id)
+    assert time.perf_counter() - start < 10  # not a fixed sleep or a 30 s poll cap
+
+
+def test_health_answers_during_a_long_step(api: Api, base_url: str):
+    model = api.new_model()
+    request_id = api.fwdbwd(fwdbwd_body(model, 1, n_datums=48, length=1024))
+    latencies = []
+    done = threading.Event()
+
+    def wait():
+        api.result(request_id)
+        done.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    with httpx.Client(base_url=base_url) as health:
+        while not done.is_set():
+            start = time.perf_counter()
+            assert health.get("/healthz").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.05)
+    assert len(latencies) >= 5, "the step was too short to measure responsiveness"
+    assert float(np.median(latencies)) < 0.1, latencies
+
+
+def test_zstd_bodies_when_enabled(tmp_path, tiny_model_dir):
+    srv = start_server(tmp_path, "--model", str(tiny_model_dir), "--proto-compress")
+    try:
+        api = Api(srv.base_url)
+        assert api.post("client/config", json={"sdk_version": "0.38.0"}).json()["proto_compress_fwdbwd"] is True
+        model = api.new_model()
+        body = zstandard.ZstdCompressor().compress(fwdbwd_body(model, 1))
+        assert api.result(api.fwdbwd(body, **{"Content-Encoding": "zstd"})).metrics["loss:sum"] > 0
+        bomb = zstandard.ZstdCompressor().compress(b"\0" * (300 << 20))
+        r = api.post(
+            "forward_backward",
+            content=bomb,
+            headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"},
+        )
+        assert r.status_code == 400 and "exceeds" in r.json()["detail"]
+        assert httpx.get(f"{srv.base_url}/healthz").status_code == 200
+        # The real SDK against a compressing server.
+        import tinker
+        from tinker import types
+
+        with tinker.ServiceClient(base_url=srv.base_url) as sc:
+            tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+            d = types.Datum(
+                model_input=types.ModelInput.from_ints([5, 6, 7]),
+                loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+            )
+            assert tc.forward_backward([d], "cross_entropy").result().metrics["loss:sum"] > 0
+    finally:
+        srv.stop()
+
+
+def test_restart_keeps_results_and_fails_in_flight(tmp_path, tiny_model_dir):
+    srv = start_server(tmp_path, "--model", str(tiny_model_dir))
+    api = Api(srv.base_url)
+    model = api.new_model()
+    finished = api.fwdbwd(fwdbwd_body(model, 1))
+    expected = api.result(finished).metrics["loss:sum"]
+    in_flight = api.fwdbwd(fwdbwd_body(model, 2, n_datums=64, length=1024))
+    waiting = api.fwdbwd(fwdbwd_body(model, 4))  # seq 3 never arrives: it waits forever
+    srv.stop(signal.SIGKILL)
+
+    srv = start_server(tmp_path, "--model", str(tiny_model_dir))
+    try:
+        api = Api(srv.base_url)
+        assert api.result(finished).metrics["loss:sum"] == expected
+        for request_id in (in_flight, waiting):
+            failure = api.result(request_id)
+            assert failure["category"] == "server" and "restarted" in failure["error"]
+        r = api.post(
+            "forward_backward", content=fwdbwd_body(model, 5), headers={"Content-Type": "application/x-protobuf"}
+        )
+        assert r.status_code == 400 and "restart" in r.json()["detail"]
+    finally:
+        srv.stop()
