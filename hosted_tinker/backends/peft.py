@@ -231,7 +231,8 @@ class PeftBackend:
                 p.grad = None
             raise UserError(f"gradient norm is {grad_norm}; the step was skipped and gradients cleared")
         if params.grad_clip_norm > 0 and grad_norm > params.grad_clip_norm:
-            scale = params.grad_clip_norm / (grad_norm + 1e-6)
+            # The SDK documents clipping *to* grad_clip_norm: scale exactly, no epsilon.
+            scale = params.grad_clip_norm / grad_norm
             for g in grads:
                 g.mul_(scale)
         for group in adapter.optimizer.param_groups:
