@@ -29,6 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
         lora_alpha=args.lora_alpha,
         max_seq_len=args.max_seq_len,
         proto_compress=args.proto_compress,
+        sdk_transport=args.sdk_transport,
         poll_timeout_s=args.poll_timeout,
     )
     state = build_state(config)
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-alpha", type=float, default=32.0)
     serve.add_argument("--max-seq-len", type=int, default=None)
     serve.add_argument("--proto-compress", action="store_true", help="have the SDK zstd-compress fwd/bwd bodies")
+    serve.add_argument(
+        "--sdk-transport", default="httpx", choices=["httpx", "pyqwest"], help="HTTP stack the SDK should use"
+    )
     serve.add_argument("--poll-timeout", type=float, default=30.0, help="long-poll cap of retrieve_future (s)")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -23,6 +24,9 @@ class ServerConfig(BaseModel):
     max_tokens_per_microbatch: int = 16384
     poll_timeout_s: float = 30.0  # long-poll cap of retrieve_future (the SDK times out at 45 s)
     proto_compress: bool = False  # ask the SDK to zstd-compress forward_backward bodies
+    # The SDK's transport, chosen by the server in client/config. Against this server (HTTP/1.1)
+    # httpx answers a call ~5 ms sooner than pyqwest (benchmarks/overhead.py).
+    sdk_transport: Literal["httpx", "pyqwest"] = "httpx"
     max_body_bytes: int = 256 << 20
 
     def model_path(self) -> str:

@@ -27,7 +27,11 @@ def _future(request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
 @router.post("/client/config")
 async def client_config(req: wire.ClientConfigRequest, request: Request) -> dict:
     config = _state(request).config
-    return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": config.proto_compress}
+    return {
+        "pjwt_auth_enabled": False,
+        "proto_compress_fwdbwd": config.proto_compress,
+        "use_pyqwest_transport": config.sdk_transport == "pyqwest",
+    }
 
 
 @router.post("/client/dynamic_config")

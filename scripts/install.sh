@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv and install hosted-tinker into it.   scripts/install.sh [--test]
+#   --test  also the test tools and the real clients the tests drive (tinker-cookbook).
+# torch is installed first and pinned (TORCH_SPEC, default torch==2.13.0): an unpinned torch
+# would pull several GB of CUDA wheels on a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+.venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+if [ "${1:-}" = "--test" ]; then
+  "${PIP[@]}" -e '.[test]'
+  # tinker-cookbook 0.6.1 declares a dependency PyPI lacks (tml-renderers, used only for
+  # models we never load), so it goes in without deps and its real needs are listed here.
+  "${PIP[@]}" --no-deps tinker-cookbook==0.6.1
+  "${PIP[@]}" -r tests/requirements-clients.txt
+else
+  "${PIP[@]}" -e .
+fi
+echo "installed into $(pwd)/.venv"
