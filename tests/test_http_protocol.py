@@ -156,14 +156,53 @@ def test_health_answers_during_a_long_step(api: Api, base_url: str):
     assert float(np.median(latencies)) < 0.1, latencies
 
 
-def test_zstd_bodies_when_enabled(tmp_path, tiny_model_dir):
-    srv = start_server(tmp_path, "--model", str(tiny_model_dir), "--proto-compress")
+def test_session_lifecycle_and_strict_json(api: Api):
+    assert api.post("client/dynamic_config", json={"sdk_version": "0.38.0"}).json() == {}
+    telemetry = {"events": [], "platform": "Linux", "sdk_version": "0.38.0", "session_id": "x", "process_uuid": "y"}
+    assert api.post("telemetry", json=telemetry).json() == {"status": "accepted"}
+    session = api.post("create_session", json={"tags": ["a"], "sdk_version": "0.38.0"}).json()["session_id"]
+    assert api.post("session_heartbeat", json={"session_id": session}).status_code == 200
+    finish = api.post(f"sessions/{session}/finish", json={"reason": {"type": "success"}, "detail": None})
+    assert finish.status_code == 200
+    assert api.post("session_heartbeat", json={"session_id": session}).status_code == 410
+    assert api.post("session_heartbeat", json={"session_id": "sess-nope"}).status_code == 404
+    # Unknown fields are refused with a body that names them, never silently dropped.
+    r = api.post("create_session", json={"tags": [], "colour": "blue"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "colour"
+    r = api.post("optim_step", json={"model_id": "m", "adam_params": {"learning_rate": -1}})
+    assert r.status_code == 422 and "learning_rate" in r.json()["detail"][0]["loc"]
+
+
+def test_create_model_refusals(api: Api):
+    session = api.post("create_session", json={"tags": []}).json()["session_id"]
+    body = {"session_id": session, "model_seq_id": 0, "base_model": ALIAS, "lora_config": {"rank": 4}}
+    r = api.post("create_model", json={**body, "optimizer_config": {"type": "dimuon", "version": 1}})
+    assert r.status_code == 400 and "dimuon" in r.json()["detail"]
+    flags = {"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}
+    r = api.post("create_model", json={**body, "model_seq_id": 1, "lora_config": flags})
+    assert r.status_code == 400 and "train_attn" in r.json()["detail"]
+    r = api.post("create_model", json={**body, "session_id": "sess-unknown"})
+    assert r.status_code == 404
+    # A resent create_model returns the original future and the model id {session}:train:{seq}.
+    first = api.post("create_model", json={**body, "model_seq_id": 2}).json()["request_id"]
+    assert api.post("create_model", json={**body, "model_seq_id": 2}).json()["request_id"] == first
+    assert api.result(first)["model_id"] == f"{session}:train:2"
+
+
+def test_server_options_zstd_and_poll_cap(tmp_path, tiny_model_dir):
+    srv = start_server(tmp_path, "--model", str(tiny_model_dir), "--proto-compress", "--poll-timeout", "0.5")
     try:
         api = Api(srv.base_url)
         assert api.post("client/config", json={"sdk_version": "0.38.0"}).json()["proto_compress_fwdbwd"] is True
         model = api.new_model()
+        # A request that cannot run yet (seq 1 missing) is answered try_again at the poll cap.
+        waiting = api.fwdbwd(fwdbwd_body(model, 2))
+        start = time.perf_counter()
+        body = api.poll(waiting).json()
+        assert body["type"] == "try_again" and 0.4 < time.perf_counter() - start < 5
         body = zstandard.ZstdCompressor().compress(fwdbwd_body(model, 1))
         assert api.result(api.fwdbwd(body, **{"Content-Encoding": "zstd"})).metrics["loss:sum"] > 0
+        assert api.result(waiting).metrics["loss:sum"] > 0  # seq 2 ran once seq 1 arrived
         bomb = zstandard.ZstdCompressor().compress(b"\0" * (300 << 20))
         r = api.post(
             "forward_backward",

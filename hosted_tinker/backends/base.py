@@ -78,6 +78,7 @@ class Capabilities:
     """What a backend can do; shown in ``/healthz`` and checked before work is queued."""
 
     backend: str
+    arch: str  # the base model's architecture class, e.g. Qwen3ForCausalLM
     losses: tuple[str, ...]
     max_seq_len: int
     max_tokens_per_batch: int

@@ -83,6 +83,7 @@ class PeftBackend:
         cfg_len = getattr(self.base.config, "max_position_embeddings", None) or 32768
         self.capabilities = Capabilities(
             backend="peft",
+            arch=type(self.base).__name__,
             losses=tuple(losses.LOSSES),
             max_seq_len=max_seq_len or cfg_len,
             max_tokens_per_batch=max(max_seq_len or cfg_len, 1 << 20),
@@ -132,7 +133,9 @@ class PeftBackend:
         adapter = self._adapter(model_id)
         del self.adapters[model_id]
         if self.adapters:
-            self.peft.delete_adapter(adapter.name)
+            with warnings.catch_warnings():  # "adapter X was active": we activate per request anyway
+                warnings.simplefilter("ignore", UserWarning)
+                self.peft.delete_adapter(adapter.name)
         else:
             # PEFT refuses to delete its last adapter; unwrap back to the bare base model.
             self.base = self.peft.unload()

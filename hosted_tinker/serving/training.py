@@ -105,10 +105,13 @@ class TrainingService:
 
     def get_info(self, req: wire.GetInfoRequest) -> dict:
         model = self._live_model(req.model_id)
-        arch = type(getattr(self.backend, "base", None)).__name__ if hasattr(self.backend, "base") else None
         return {
             "model_id": model.model_id,
-            "model_data": {"arch": arch, "model_name": model.base_model, "tokenizer_id": self.tokenizer_id},
+            "model_data": {
+                "arch": self.backend.capabilities.arch,
+                "model_name": model.base_model,
+                "tokenizer_id": self.tokenizer_id,
+            },
             "model_name": model.base_model,
             "is_lora": True,
             "lora_rank": model.lora["rank"],
