@@ -164,6 +164,10 @@ class Store:
             return None
         return ModelRecord(row[0], row[1], row[2], row[3], json.loads(row[4]), json.loads(row[5]), row[6])
 
+    def live_models_of_session(self, session_id: str) -> list[str]:
+        rows = self._exec("SELECT model_id FROM models WHERE session_id=? AND status='active'", (session_id,))
+        return [r[0] for r in rows.fetchall()]
+
     def set_model_status(self, model_id: str, status: str) -> None:
         self._exec("UPDATE models SET status=? WHERE model_id=?", (status, model_id))
 

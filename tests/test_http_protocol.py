@@ -162,8 +162,13 @@ def test_session_lifecycle_and_strict_json(api: Api):
     assert api.post("telemetry", json=telemetry).json() == {"status": "accepted"}
     session = api.post("create_session", json={"tags": ["a"], "sdk_version": "0.38.0"}).json()["session_id"]
     assert api.post("session_heartbeat", json={"session_id": session}).status_code == 200
+    body = {"session_id": session, "model_seq_id": 0, "base_model": ALIAS, "lora_config": {"rank": 4}}
+    model = api.result(api.post("create_model", json=body).json()["request_id"])["model_id"]
     finish = api.post(f"sessions/{session}/finish", json={"reason": {"type": "success"}, "detail": None})
     assert finish.status_code == 200
+    # Finishing a session frees its adapters.
+    info = api.post("get_info", json={"model_id": model})
+    assert info.status_code == 400 and "unloaded" in info.json()["detail"]
     assert api.post("session_heartbeat", json={"session_id": session}).status_code == 410
     assert api.post("session_heartbeat", json={"session_id": "sess-nope"}).status_code == 404
     # Unknown fields are refused with a body that names them, never silently dropped.

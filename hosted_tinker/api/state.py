@@ -35,11 +35,12 @@ def build_state(config: ServerConfig) -> ServerState:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = make_backend(config, model_path)
     scheduler = Scheduler(store)
+    training = TrainingService(backend, scheduler, store, config.served_names(), tokenizer_id=model_path)
     return ServerState(
         config=config,
         store=store,
         scheduler=scheduler,
         backend=backend,
-        sessions=SessionService(store),
-        training=TrainingService(backend, scheduler, store, config.served_names(), tokenizer_id=model_path),
+        sessions=SessionService(store, training),
+        training=training,
     )

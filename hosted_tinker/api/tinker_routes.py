@@ -112,7 +112,7 @@ async def optim_step(req: wire.OptimStepRequest, request: Request) -> wire.Untyp
 
 @router.post("/unload_model")
 async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.UntypedFuture:
-    return _future(_state(request).training.unload_model(req), req.model_id)
+    return _future(_state(request).training.unload_model(req.model_id), req.model_id)
 
 
 # ---- futures ---------------------------------------------------------------------------------

@@ -6,12 +6,14 @@ import secrets
 
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.serving.errors import ApiError, not_found
+from hosted_tinker.serving.training import TrainingService
 from hosted_tinker.store import Store
 
 
 class SessionService:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, training: TrainingService) -> None:
         self.store = store
+        self.training = training
 
     def create(self, req: wire.CreateSessionRequest) -> wire.CreateSessionResponse:
         session_id = f"sess-{secrets.token_urlsafe(12)}"
@@ -38,4 +40,7 @@ class SessionService:
     def finish(self, session_id: str, req: wire.FinishSessionRequest) -> dict:
         if not self.store.finish_session(session_id, f"finished:{req.reason.type}"):
             raise not_found(f"session_id {session_id!r} does not exist")
+        # The SDK never unloads models itself: a closed client's adapters would otherwise
+        # stay in memory for the life of the server.
+        self.training.unload_session(session_id)
         return {}

@@ -119,16 +119,24 @@ class TrainingService:
             "type": "get_info",
         }
 
-    def unload_model(self, req: wire.UnloadModelRequest) -> str:
-        self._live_model(req.model_id)
-        self.store.set_model_status(req.model_id, "unloaded")
-        self.scheduler.close_model(req.model_id)
+    def unload_model(self, model_id: str) -> str:
+        """Free the model's adapter; requests still waiting for their turn fail."""
+        self._live_model(model_id)
+        self.store.set_model_status(model_id, "unloaded")
+        self.scheduler.close_model(model_id)
 
         def job() -> tuple[bytes, str]:
-            self.backend.delete_adapter(req.model_id)
-            return _json({"model_id": req.model_id, "type": "unload_model"})
+            self.backend.delete_adapter(model_id)
+            return _json({"model_id": model_id, "type": "unload_model"})
 
-        return self.scheduler.submit("unload_model", job, model_id=req.model_id)
+        return self.scheduler.submit("unload_model", job, model_id=model_id)
+
+    def unload_session(self, session_id: str) -> int:
+        """Unload every live model of a finished session; return how many."""
+        model_ids = self.store.live_models_of_session(session_id)
+        for model_id in model_ids:
+            self.unload_model(model_id)
+        return len(model_ids)
 
     # ---- forward / backward ---------------------------------------------------------------
 
