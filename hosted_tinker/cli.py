@@ -20,6 +20,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         model=args.model,
         model_names=args.model_name,
+        tokenizer_id=args.tokenizer_id,
         host=args.host,
         port=args.port,
         data_dir=Path(args.data_dir),
@@ -46,10 +47,12 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _backends(args: argparse.Namespace) -> int:
-    from hosted_tinker import losses
-    from hosted_tinker.backends import BACKENDS
+    from hosted_tinker.backends.peft import PeftBackend
 
-    info = {name: {"losses": sorted(losses.LOSSES), "sampling": False} for name in BACKENDS}
+    info = {
+        cls.NAME: {"losses": list(cls.SUPPORTED_LOSSES), "topk_targets": True, "sampling": cls.SAMPLING}
+        for cls in (PeftBackend,)
+    }
     print(json.dumps(info, indent=2))
     return 0
 
@@ -61,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the Tinker-compatible server")
     serve.add_argument("--model", default=None, help="HF id or local dir (default: the built-in tiny model)")
     serve.add_argument("--model-name", action="append", default=[], help="another name the model answers to")
+    serve.add_argument("--tokenizer-id", default=None, help="tokenizer name get_info reports (default: --model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--data-dir", default="./hosted-tinker-data")

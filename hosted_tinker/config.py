@@ -13,6 +13,9 @@ TINY_MODEL_NAME = "hosted-tinker/tiny-qwen3"
 class ServerConfig(BaseModel):
     model: str | None = None  # HF id or local dir; None = the built-in tiny model
     model_names: list[str] = Field(default_factory=list)  # extra names the model answers to
+    # What get_info reports for the SDK's get_tokenizer(): by default the model's path or hub id,
+    # which a client on another machine can load only if it has the same path or hub access.
+    tokenizer_id: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = Path("./hosted-tinker-data")

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hosted_tinker.backends.base import UserError
+from hosted_tinker.serving.errors import ApiError
 from hosted_tinker.store import FutureRecord, Store
 
 log = logging.getLogger(__name__)
@@ -24,9 +25,10 @@ log = logging.getLogger(__name__)
 # A job returns its result as (payload bytes, media type).
 Job = Callable[[], tuple[bytes, str]]
 
-
-class SeqError(UserError):
-    """A seq_id that can never run (already consumed by a different request)."""
+# Early arrivals hold their decoded batches in memory until their turn: bound them. The SDK
+# runs at most a few requests ahead (chunks of one call, the cookbook's 2-batch pipeline).
+MAX_WAITING_PER_MODEL = 256
+MAX_SEQ_AHEAD = 4096
 
 
 @dataclass
@@ -53,6 +55,22 @@ class Scheduler:
 
     # ---- submitting -----------------------------------------------------------------------
 
+    def find(self, model_id: str, seq_id: int) -> str | None:
+        """The request id already registered for ``(model_id, seq_id)``, if any."""
+        return self.store.find_future(model_id, seq_id)
+
+    def check_capacity(self, model_id: str, seq_id: int) -> None:
+        """Refuse, for now, an early arrival that would wait too far ahead (429: the SDK retries)."""
+        queue = self._queues.get(model_id)
+        if queue is None or seq_id == queue.next_seq:
+            return
+        if seq_id - queue.next_seq > MAX_SEQ_AHEAD or len(queue.waiting) >= MAX_WAITING_PER_MODEL:
+            raise ApiError(
+                429,
+                f"seq_id {seq_id} is too far ahead of model {model_id} (next to run: {queue.next_seq}); retry later",
+                headers={"Retry-After": "1"},
+            )
+
     def open_model(self, model_id: str, first_seq: int = 1) -> None:
         """Start ordering a model's requests; its creation was seq 0."""
         self._queues.setdefault(model_id, _ModelQueue(next_seq=first_seq))
@@ -69,7 +87,7 @@ class Scheduler:
         Synchronous on purpose: with no await inside, two identical submits cannot race.
         """
         if model_id is not None and seq_id is not None:
-            existing = self.store.find_future(model_id, seq_id)
+            existing = self.find(model_id, seq_id)
             if existing is not None:
                 return existing
         request_id = f"req-{secrets.token_urlsafe(12)}"

@@ -171,9 +171,11 @@ class Store:
     def set_model_status(self, model_id: str, status: str) -> None:
         self._exec("UPDATE models SET status=? WHERE model_id=?", (status, model_id))
 
-    def count(self, table: str, where: str = "1=1") -> int:
-        assert table in ("sessions", "models", "futures")
-        return self._exec(f"SELECT COUNT(*) FROM {table} WHERE {where}").fetchone()[0]
+    def count_active(self) -> dict[str, int]:
+        """Live sessions and loaded models, for /healthz."""
+        sessions = self._exec("SELECT COUNT(*) FROM sessions WHERE status='active'").fetchone()[0]
+        models = self._exec("SELECT COUNT(*) FROM models WHERE status='active'").fetchone()[0]
+        return {"sessions": sessions, "models": models}
 
     # ---- futures --------------------------------------------------------------------------
 

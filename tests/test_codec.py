@@ -20,6 +20,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from hosted_tinker.protocol.fwdbwd_codec import (
     WireError,
+    WireForwardBackward,
     decode_forward_backward,
     decompress,
     encode_forward_backward_output,
@@ -54,7 +55,10 @@ def sparse_datum(tokens: list[int], inputs: dict) -> types.Datum:
 
 
 def valid_msg() -> pb.ForwardBackwardRequest:
-    """A small valid request as a proto message, to be corrupted by the malformed-body tests."""
+    """A small valid request as a proto message, to be corrupted by the malformed-body tests.
+
+    Datum 1 has 2 positions, so a corrupted 2-row sparse tensor there is aligned with it.
+    """
     datum = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
         loss_fn_inputs={
@@ -62,8 +66,15 @@ def valid_msg() -> pb.ForwardBackwardRequest:
             "weights": np.array([0.0, 1.0, 1.0, 1.0], dtype=np.float32),
         },
     )
+    short = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2]),
+        loss_fn_inputs={
+            "target_tokens": np.array([2, 3], dtype=np.int64),
+            "weights": np.array([1.0, 1.0], dtype=np.float32),
+        },
+    )
     msg = pb.ForwardBackwardRequest()
-    msg.ParseFromString(make_request_bytes([datum, datum]))
+    msg.ParseFromString(make_request_bytes([datum, short]))
     return msg
 
 
@@ -84,7 +95,9 @@ def decode_with_input(tensor: pb.Tensor, key: str = "weights", index: int = 1):
 
 def assert_wire_error(fn, *fragments: str) -> WireError:
     with pytest.raises(WireError) as info:
-        fn()
+        result = fn()
+        if isinstance(result, WireForwardBackward):
+            result.datums()  # datums are decoded on demand, after the header
     for fragment in fragments:
         assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
     return info.value
@@ -120,8 +133,8 @@ def test_dense_round_trip_ppo():
     assert req.loss_fn == "ppo"
     assert req.forward_only is False
     assert req.loss_fn_config == {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}
-    assert len(req.data) == 2
-    for got, (tokens, inputs) in zip(req.data, expected, strict=True):
+    assert len(req.datums()) == 2
+    for got, (tokens, inputs) in zip(req.datums(), expected, strict=True):
         assert got.tokens.dtype == np.int64
         assert got.tokens.tolist() == tokens
         assert set(got.loss_fn_inputs) == set(inputs)
@@ -137,8 +150,8 @@ def test_multiple_text_chunks_are_concatenated():
     mi = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[10, 11]), types.EncodedTextChunk(tokens=[12, 13, 14])])
     datum = types.Datum(model_input=mi, loss_fn_inputs={"weights": np.ones(5, dtype=np.float32)})
     req = decode_forward_backward(make_request_bytes([datum]))
-    assert req.data[0].tokens.tolist() == [10, 11, 12, 13, 14]
-    assert req.data[0].tokens.dtype == np.int64
+    assert req.datums()[0].tokens.tolist() == [10, 11, 12, 13, 14]
+    assert req.datums()[0].tokens.dtype == np.int64
 
 
 def test_large_token_ids_and_empty_model_input():
@@ -146,10 +159,10 @@ def test_large_token_ids_and_empty_model_input():
     datum = types.Datum(model_input=types.ModelInput.from_ints(big), loss_fn_inputs={})
     empty = types.Datum(model_input=types.ModelInput(chunks=[]), loss_fn_inputs={})
     req = decode_forward_backward(make_request_bytes([datum, empty]))
-    assert req.data[0].tokens.tolist() == big
-    assert req.data[1].tokens.shape == (0,)
-    assert req.data[1].tokens.dtype == np.int64
-    assert req.data[1].loss_fn_inputs == {}
+    assert req.datums()[0].tokens.tolist() == big
+    assert req.datums()[1].tokens.shape == (0,)
+    assert req.datums()[1].tokens.dtype == np.int64
+    assert req.datums()[1].loss_fn_inputs == {}
 
 
 def test_topk_targets_auto_sparsified_to_csr():
@@ -168,7 +181,7 @@ def test_topk_targets_auto_sparsified_to_csr():
     for key in ("target_tokens", "weights"):
         assert msg.data[0].loss_fn_inputs[key].HasField("sparse_csr"), key
     req = decode_forward_backward(body)
-    got = req.data[0].loss_fn_inputs
+    got = req.datums()[0].loss_fn_inputs
     assert got["target_tokens"].shape == (n, k)
     assert got["target_tokens"].dtype == np.int64
     np.testing.assert_array_equal(got["target_tokens"], target.numpy())
@@ -189,7 +202,7 @@ def test_topk_targets_dense_2d():
     body = make_request_bytes([datum])
     msg = pb.ForwardBackwardRequest.FromString(body)
     assert msg.data[0].loss_fn_inputs["weights"].WhichOneof("encoding") == "dense"
-    got = decode_forward_backward(body).data[0].loss_fn_inputs
+    got = decode_forward_backward(body).datums()[0].loss_fn_inputs
     assert got["target_tokens"].shape == (n, k)
     assert got["weights"].shape == (n, k)
     np.testing.assert_array_equal(got["target_tokens"], target)
@@ -207,13 +220,13 @@ def test_sparse_with_empty_rows_and_empty_matrix():
     assert msg.data[0].loss_fn_inputs["weights"].HasField("sparse_csr")
     assert msg.data[1].loss_fn_inputs["weights"].HasField("sparse_csr")
     req = decode_forward_backward(body)
-    np.testing.assert_array_equal(req.data[0].loss_fn_inputs["weights"], weights.numpy())
-    np.testing.assert_array_equal(req.data[1].loss_fn_inputs["weights"], np.zeros((4, 6), np.float32))
+    np.testing.assert_array_equal(req.datums()[0].loss_fn_inputs["weights"], weights.numpy())
+    np.testing.assert_array_equal(req.datums()[1].loss_fn_inputs["weights"], np.zeros((4, 6), np.float32))
 
 
 def test_unsorted_csr_columns_are_accepted():
     t = csr_tensor((2, 4), [1.0, 2.0, 3.0], [0, 2, 3], [3, 1, 0])
-    got = decode_with_input(t).data[1].loss_fn_inputs["weights"]
+    got = decode_with_input(t).datums()[1].loss_fn_inputs["weights"]
     np.testing.assert_array_equal(got, [[0, 2, 0, 1], [3, 0, 0, 0]])
 
 
@@ -221,13 +234,13 @@ def test_tensor_without_shape_is_1d():
     td = types.TensorData(data=[0.5, -1.0, 2.0], dtype="float32")
     assert td.shape is None
     datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"weights": td})
-    got = decode_forward_backward(make_request_bytes([datum])).data[0].loss_fn_inputs["weights"]
+    got = decode_forward_backward(make_request_bytes([datum])).datums()[0].loss_fn_inputs["weights"]
     np.testing.assert_array_equal(got, np.array([0.5, -1.0, 2.0], dtype=np.float32))
 
 
 def test_int32_dense_tensor():
     t = pb.Tensor(dtype=pb.DTYPE_INT32, shape=[3], dense=np.array([5, -6, 7], "<i4").tobytes())
-    got = decode_with_input(t, key="target_tokens").data[1].loss_fn_inputs["target_tokens"]
+    got = decode_with_input(t, key="target_tokens").datums()[1].loss_fn_inputs["target_tokens"]
     assert got.tolist() == [5, -6, 7]
 
 
@@ -277,7 +290,7 @@ def test_forward_only():
 
 def test_empty_request():
     req = decode_forward_backward(b"")
-    assert req.data == [] and req.model_id == "" and req.seq_id == 0 and req.loss_fn_config == {}
+    assert req.datums() == [] and req.model_id == "" and req.seq_id == 0 and req.loss_fn_config == {}
 
 
 # ---- decompress ---------------------------------------------------------------------------------
@@ -295,7 +308,7 @@ def test_decompress_zstd_round_trip():
     for encoding in ("zstd", "ZSTD", "Zstd"):
         assert decompress(compressed, encoding, len(body)) == body
     req = decode_forward_backward(decompress(compressed, "zstd", 10 * len(body)))
-    assert req.data[0].tokens.size == 3000
+    assert req.datums()[0].tokens.size == 3000
 
 
 def test_decompress_streamed_frame_without_content_size():
@@ -580,3 +593,11 @@ def test_output_values_exact_float32():
     out, _ = sdk_decode(encode_forward_backward_output([{"logprobs": special}], {}))
     got = out.loss_fn_outputs[0]["logprobs"].to_numpy()
     assert got.tobytes() == special.tobytes()
+
+
+def test_sparse_tensors_are_bounded_before_allocation():
+    # Rows must match the datum's positions (datum 1 has 2), columns are capped per position.
+    t = csr_tensor((3, 4), [1.0], [0, 1, 1, 1], [0])
+    assert_wire_error(lambda: decode_with_input(t), "data[1].loss_fn_inputs.weights", "2 positions")
+    t = csr_tensor((2, 100_000), [1.0], [0, 1, 1], [0])
+    assert_wire_error(lambda: decode_with_input(t), "data[1].loss_fn_inputs.weights", "values per position")

@@ -118,6 +118,36 @@ def test_rejected_submit_consumes_seq_and_reports_failure(api: Api):
     assert api.result(api.fwdbwd(fwdbwd_body(model, 2))).metrics["loss:sum"] > 0
 
 
+def test_bad_values_consume_their_seq_and_never_stall_the_model(api: Api):
+    model = api.new_model()
+    r = api.post("optim_step", json={"model_id": model, "seq_id": 1, "adam_params": {"eps": 0.0}})
+    assert r.status_code == 400 and "adam_params.eps" in r.json()["detail"]
+    bf16 = pb.ForwardBackwardRequest.FromString(fwdbwd_body(model, 2))
+    bf16.data[0].loss_fn_inputs["weights"].dtype = pb.DTYPE_BFLOAT16
+    r = api.post(
+        "forward_backward", content=bf16.SerializeToString(), headers={"Content-Type": "application/x-protobuf"}
+    )
+    assert r.status_code == 400 and "data[0].loss_fn_inputs.weights" in r.json()["detail"]
+    assert api.result(api.fwdbwd(fwdbwd_body(model, 3))).metrics["loss:sum"] > 0
+    for seq_id in (0, -3, 2**31):
+        r = api.post("optim_step", json={"model_id": model, "seq_id": seq_id, "adam_params": {}})
+        assert r.status_code == 400 and "seq_id" in r.json()["detail"]
+    r = api.post("optim_step", json={"model_id": model, "seq_id": 4 + 10_000, "adam_params": {}})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert "metrics" in api.result(api.post("optim_step", json={"model_id": model, "seq_id": 4}).json()["request_id"])
+
+
+def test_oversized_numbers_are_4xx_not_500(api: Api):
+    session = api.post("create_session", json={"tags": []}).json()["session_id"]
+    body = {"session_id": session, "model_seq_id": 2**70, "base_model": ALIAS, "lora_config": {"rank": 4}}
+    assert api.post("create_model", json=body).status_code == 422
+    body = {"session_id": session, "model_seq_id": 0, "base_model": ALIAS, "lora_config": {"rank": 4, "seed": 2**70}}
+    assert api.post("create_model", json=body).status_code == 422
+    api.post(f"sessions/{session}/finish", json={"reason": {"type": "success"}})
+    r = api.post("create_model", json={**body, "lora_config": {"rank": 4}})
+    assert r.status_code == 400 and "finished" in r.json()["detail"]
+
+
 def test_failures_are_200_with_error_and_category(api: Api):
     model = api.new_model()
     r = api.post("unload_model", json={"model_id": model})
@@ -174,8 +204,10 @@ def test_session_lifecycle_and_strict_json(api: Api):
     # Unknown fields are refused with a body that names them, never silently dropped.
     r = api.post("create_session", json={"tags": [], "colour": "blue"})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "colour"
-    r = api.post("optim_step", json={"model_id": "m", "adam_params": {"learning_rate": -1}})
-    assert r.status_code == 422 and "learning_rate" in r.json()["detail"][0]["loc"]
+    r = api.post("optim_step", json={"model_id": "m", "adam_params": {"learning_rate": 1e-3}})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "seq_id"
+    r = api.post("optim_step", json={"model_id": "m", "seq_id": 1, "adam_params": {"lr": 1e-3}})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "lr"
 
 
 def test_create_model_refusals(api: Api):

@@ -96,3 +96,25 @@ def test_seeded_init_and_untouched_base(backend: PeftBackend):
     for k, v in base_before.items():
         assert torch.equal(v, base_after[k]), k
     assert before_s5b.loss_sum > 0
+
+
+def test_a_failed_request_leaves_accumulated_gradients_untouched(backend: PeftBackend, monkeypatch):
+    backend.create_adapter("fail", LoraSpec(rank=4, seed=2))
+    backend.forward_backward("fail", ce([datum(1)]))
+    before = grads(backend, "fail")
+    calls = {"n": 0}
+    real = backend._logprobs
+
+    def flaky(lm, data):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated out-of-memory in the second micro-batch")
+        return real(lm, data)
+
+    monkeypatch.setattr(backend, "_logprobs", flaky)
+    monkeypatch.setattr(backend, "microbatch_tokens", 12)  # one datum per micro-batch
+    with pytest.raises(RuntimeError, match="simulated"):
+        backend.forward_backward("fail", ce([datum(2), datum(3)]))
+    for a, b in zip(before, grads(backend, "fail"), strict=True):
+        np.testing.assert_array_equal(a, b)
+    backend.delete_adapter("fail")

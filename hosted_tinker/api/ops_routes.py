@@ -6,6 +6,8 @@ from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 
+from hosted_tinker.api.state import ServerState
+
 router = APIRouter()
 
 
@@ -13,14 +15,13 @@ router = APIRouter()
 @router.get("/health")
 @router.get("/")
 async def healthz(request: Request) -> dict:
-    state = request.app.state.server
+    state: ServerState = request.app.state.server
     return {
         "status": "ok",
         "served_models": state.config.served_names(),
         "capabilities": asdict(state.backend.capabilities),
         "queue": {"in_flight": state.scheduler.in_flight},
-        "models_loaded": state.store.count("models", "status='active'"),
-        "sessions_active": state.store.count("sessions", "status='active'"),
+        "active": state.store.count_active(),
     }
 
 

@@ -35,7 +35,9 @@ def build_state(config: ServerConfig) -> ServerState:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = make_backend(config, model_path)
     scheduler = Scheduler(store)
-    training = TrainingService(backend, scheduler, store, config.served_names(), tokenizer_id=model_path)
+    training = TrainingService(
+        backend, scheduler, store, config.served_names(), tokenizer_id=config.tokenizer_id or model_path
+    )
     return ServerState(
         config=config,
         store=store,

@@ -6,6 +6,7 @@ import json
 
 from fastapi import APIRouter, Request, Response
 
+from hosted_tinker.api.state import ServerState
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.fwdbwd_codec import decode_forward_backward, decompress
 from hosted_tinker.serving.errors import ApiError, bad_request, not_found
@@ -13,7 +14,7 @@ from hosted_tinker.serving.errors import ApiError, bad_request, not_found
 router = APIRouter(prefix="/api/v1")
 
 
-def _state(request: Request):
+def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 

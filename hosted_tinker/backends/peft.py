@@ -60,6 +60,10 @@ def _target_modules(model: nn.Module) -> dict[str, list[str]]:
 
 
 class PeftBackend:
+    NAME = "peft"
+    SUPPORTED_LOSSES = tuple(losses.LOSSES)
+    SAMPLING = False
+
     def __init__(
         self,
         model_path: str,
@@ -82,12 +86,13 @@ class PeftBackend:
         self.pad_id = self.base.config.pad_token_id or 0
         cfg_len = getattr(self.base.config, "max_position_embeddings", None) or 32768
         self.capabilities = Capabilities(
-            backend="peft",
+            backend=self.NAME,
             arch=type(self.base).__name__,
-            losses=tuple(losses.LOSSES),
+            losses=self.SUPPORTED_LOSSES,
             max_seq_len=max_seq_len or cfg_len,
             max_tokens_per_batch=max(max_seq_len or cfg_len, 1 << 20),
             vocab_size=self.base.config.vocab_size,
+            sampling=self.SAMPLING,
         )
         self.peft = None  # the PeftModel, created with the first adapter
         self.adapters: dict[str, _Adapter] = {}
@@ -203,6 +208,23 @@ class PeftBackend:
     def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
         adapter = self._adapter(model_id)
         lm = self._activate(adapter)
+        # This request's gradients go to fresh buffers and join the accumulated ones only if
+        # every micro-batch succeeds: a failed request must leave no partial gradient behind.
+        accumulated = [p.grad for p in adapter.params]
+        for p in adapter.params:
+            p.grad = None
+        try:
+            result = self._run_batch(lm, batch)
+        except BaseException:
+            for p, g in zip(adapter.params, accumulated, strict=True):
+                p.grad = g
+            raise
+        for p, g in zip(adapter.params, accumulated, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
+        return result
+
+    def _run_batch(self, lm: nn.Module, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
         spec = losses.LOSSES[batch.loss_fn]
         results: list[np.ndarray | None] = [None] * len(batch.data)
         loss_sum = 0.0

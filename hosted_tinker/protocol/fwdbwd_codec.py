@@ -29,21 +29,31 @@ class WireDatum:
     loss_fn_inputs: dict[str, np.ndarray]  # dense, in the declared shape
 
 
+# Input is fed in small pieces so one piece can never inflate far past the limit
+# (a zstd block of a few bytes may expand to 128 KiB).
+_ZSTD_PIECE = 1024
+# Every loss_fn_input is (N,) or (N, K) with N = the datum's token count (§6.1). Dense tensors
+# are bounded by the body size; sparse ones are held to N rows, K ≤ 256 columns, and a
+# per-request total, so that a small body cannot make the server allocate gigabytes.
+MAX_TRAILING_ELEMENTS = 256
+MAX_REQUEST_ELEMENTS = 1 << 25
+
+
 @dataclass
 class WireForwardBackward:
+    """A decoded header; the datums stay raw until ``datums()``, so that a bad datum can be
+    reported against a known ``(model_id, seq_id)``."""
+
     model_id: str
     seq_id: int
     loss_fn: str
     forward_only: bool
-    data: list[WireDatum]
+    raw_data: list[pb.Datum]
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
 
-
-# Input is fed in small pieces so one piece can never inflate far past the limit
-# (a zstd block of a few bytes may expand to 128 KiB).
-_ZSTD_PIECE = 1024
-# Largest tensor a request may declare; real inputs are (N,) or (N, K) with N ≤ max_seq_len.
-MAX_TENSOR_ELEMENTS = 1 << 26
+    def datums(self) -> list[WireDatum]:
+        budget = [MAX_REQUEST_ELEMENTS]
+        return [_datum(d, i, budget) for i, d in enumerate(self.raw_data)]
 
 
 def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
@@ -77,7 +87,7 @@ def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
+def _tensor(msg: pb.Tensor, where: str, leading: int, budget: list[int]) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(
@@ -86,11 +96,17 @@ def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     shape = tuple(int(s) for s in msg.shape)
     if any(s < 0 for s in shape):
         raise WireError(f"{where}: negative dimension in shape {list(shape)}")
-    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
-        raise WireError(f"{where}: shape {list(shape)} exceeds {MAX_TENSOR_ELEMENTS} elements")
     if msg.HasField("sparse_csr"):
         if len(shape) != 2:
             raise WireError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
+        # A few bytes of CSR can declare a huge dense shape: bound it before allocating.
+        if shape[0] != leading:
+            raise WireError(f"{where}: shape {list(shape)} does not start with the datum's {leading} positions")
+        if shape[1] > MAX_TRAILING_ELEMENTS:
+            raise WireError(f"{where}: shape {list(shape)} has over {MAX_TRAILING_ELEMENTS} values per position")
+        budget[0] -= math.prod(shape)
+        if budget[0] < 0:
+            raise WireError(f"{where}: the request's sparse tensors exceed {MAX_REQUEST_ELEMENTS} values in all")
         values = _frombuffer(msg.sparse_csr.values, dtype, f"{where}.values")
         crow = _frombuffer(msg.sparse_csr.crow_indices, np.dtype("<i8"), f"{where}.crow_indices")
         col = _frombuffer(msg.sparse_csr.col_indices, np.dtype("<i8"), f"{where}.col_indices")
@@ -118,7 +134,7 @@ def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     return flat.reshape(shape).copy()
 
 
-def _datum(msg: pb.Datum, index: int) -> WireDatum:
+def _datum(msg: pb.Datum, index: int, budget: list[int]) -> WireDatum:
     where = f"data[{index}]"
     tokens: list[np.ndarray] = []
     for j, chunk in enumerate(msg.model_input):
@@ -128,8 +144,10 @@ def _datum(msg: pb.Datum, index: int) -> WireDatum:
                 f"{where}.model_input[{j}]: {kind or 'empty'} chunks are not supported by this text-only model"
             )
         tokens.append(_frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"{where}.model_input[{j}].tokens"))
-    inputs = {key: _tensor(t, f"{where}.loss_fn_inputs.{key}") for key, t in msg.loss_fn_inputs.items()}
     joined = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, dtype=np.int64)
+    inputs = {
+        key: _tensor(t, f"{where}.loss_fn_inputs.{key}", len(joined), budget) for key, t in msg.loss_fn_inputs.items()
+    }
     return WireDatum(tokens=joined, loss_fn_inputs=inputs)
 
 
@@ -149,7 +167,7 @@ def decode_forward_backward(body: bytes) -> WireForwardBackward:
         seq_id=msg.seq_id,
         loss_fn=msg.loss_fn,
         forward_only=msg.forward_only,
-        data=[_datum(d, i) for i, d in enumerate(msg.data)],
+        raw_data=list(msg.data),
         loss_fn_config=config,
     )
 

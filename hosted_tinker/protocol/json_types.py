@@ -65,7 +65,7 @@ class TelemetryRequest(BaseModel):
 
 class LoraConfig(Request):
     rank: int = Field(ge=1, le=1024)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -79,7 +79,7 @@ class OptimizerConfig(BaseModel):
 
 class CreateModelRequest(Request):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, lt=2**63)
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
@@ -93,17 +93,18 @@ class GetInfoRequest(Request):
 
 
 class AdamParams(Request):
-    learning_rate: float = Field(default=1e-4, ge=0, allow_inf_nan=False)
-    beta1: float = Field(default=0.9, ge=0, lt=1)
-    beta2: float = Field(default=0.95, ge=0, lt=1)
-    eps: float = Field(default=1e-12, gt=0, allow_inf_nan=False)
-    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    grad_clip_norm: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    # Ranges are checked by the training service, so that a bad value still consumes the seq_id.
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
 
 
 class OptimStepRequest(Request):
     model_id: str
-    seq_id: int | None = None
+    seq_id: int
     adam_params: AdamParams | None = None
     # Non-Adam families (SDK `optimizer_params`) are refused with a 400 naming the family.
     optimizer_params: dict[str, Any] | None = None

@@ -21,12 +21,18 @@ from hosted_tinker.backends.base import (
     UserError,
 )
 from hosted_tinker.protocol import json_types as wire
-from hosted_tinker.protocol.fwdbwd_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
+from hosted_tinker.protocol.fwdbwd_codec import (
+    WireDatum,
+    WireError,
+    WireForwardBackward,
+    encode_forward_backward_output,
+)
 from hosted_tinker.scheduler import Job, Scheduler
 from hosted_tinker.serving.errors import ApiError, bad_request, not_found
 from hosted_tinker.store import ModelRecord, Store
 
 JSON = "application/json"
+MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
 PROTOBUF = "application/x-protobuf"
 
 
@@ -54,15 +60,19 @@ class TrainingService:
             raise bad_request(f"model {model_id} was unloaded")
         if model.status == "lost":
             raise bad_request(f"model {model_id} was lost in a server restart; recreate it (or load a saved state)")
+        if model.status == "failed":
+            raise bad_request(f"model {model_id} could not be created; its create_model future says why")
         return model
 
     def create_model(self, req: wire.CreateModelRequest) -> str:
-        if self.store.session_status(req.session_id) is None:
-            raise not_found(f"session_id {req.session_id!r} does not exist")
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
-        existing = self.store.find_future(model_id, 0)
-        if existing is not None:  # a resend of the same create_model
+        if (existing := self.scheduler.find(model_id, 0)) is not None:  # a resend
             return existing
+        status = self.store.session_status(req.session_id)
+        if status is None:
+            raise not_found(f"session_id {req.session_id!r} does not exist")
+        if status != "active":
+            raise bad_request(f"session {req.session_id} has finished; start a new ServiceClient")
         if req.base_model not in self.served_names:
             raise bad_request(f"base_model {req.base_model!r} is not served here; served names: {self.served_names}")
         if req.optimizer_config.type != "adamw":
@@ -95,7 +105,7 @@ class TrainingService:
             try:
                 self.backend.create_adapter(model_id, spec)
             except BaseException:
-                self.store.set_model_status(model_id, "lost")
+                self.store.set_model_status(model_id, "failed")
                 raise
             return _json({"model_id": model_id, "type": "create_model"})
 
@@ -140,20 +150,22 @@ class TrainingService:
 
     # ---- forward / backward ---------------------------------------------------------------
 
-    def _submit_ordered(self, kind: str, model_id: str, seq_id: int | None, prepare: Callable[[], Job]) -> str:
+    def _submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Callable[[], Job]) -> str:
         """Validate (``prepare``) and queue one of a model's requests.
 
         A rejected request still consumes its ``seq_id``, as a failed future: the SDK has
         already numbered the requests after it, and they must not wait for it forever.
         """
-        self._live_model(model_id)
-        if seq_id is not None and (existing := self.store.find_future(model_id, seq_id)) is not None:
+        if not 1 <= seq_id <= MAX_SEQ_ID:
+            raise bad_request(f"seq_id must be between 1 and {MAX_SEQ_ID}, got {seq_id}")
+        if (existing := self.scheduler.find(model_id, seq_id)) is not None:  # a resend
             return existing
+        self._live_model(model_id)
+        self.scheduler.check_capacity(model_id, seq_id)
         try:
             job = prepare()
         except ApiError as e:
-            if seq_id is not None:
-                self.scheduler.submit(kind, _failing(e.detail), model_id=model_id, seq_id=seq_id)
+            self.scheduler.submit(kind, _failing(e.detail), model_id=model_id, seq_id=seq_id)
             raise
         return self.scheduler.submit(kind, job, model_id=model_id, seq_id=seq_id)
 
@@ -172,11 +184,12 @@ class TrainingService:
         return self._submit_ordered(kind, req.model_id, req.seq_id, prepare)
 
     def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
+        caps = self.backend.capabilities
         if req.loss_fn in losses.UNSUPPORTED_LOSSES:
             raise bad_request(f"loss_fn {req.loss_fn!r} is not supported: {losses.UNSUPPORTED_LOSSES[req.loss_fn]}")
         spec = losses.LOSSES.get(req.loss_fn)
-        if spec is None:
-            raise bad_request(f"loss_fn {req.loss_fn!r} is unknown; supported: {sorted(losses.LOSSES)}")
+        if spec is None or req.loss_fn not in caps.losses:
+            raise bad_request(f"loss_fn {req.loss_fn!r} is not supported; supported: {sorted(caps.losses)}")
         config = dict(spec.config_defaults)
         for key, value in req.loss_fn_config.items():
             if key not in spec.config_defaults:
@@ -187,9 +200,16 @@ class TrainingService:
             if not isinstance(value, float) or not math.isfinite(value):
                 raise bad_request(f"loss_fn_config.{key} must be a finite number, got {value!r}")
             config[key] = value
-        if not req.data:
+        try:
+            wire_data = req.datums()
+        except WireError as e:
+            raise bad_request(str(e)) from None
+        if not wire_data:
             raise bad_request("data is empty: forward_backward needs at least one datum")
-        data = [self._validate_datum(d, i, spec) for i, d in enumerate(req.data)]
+        total = sum(len(d.tokens) for d in wire_data)
+        if total > caps.max_tokens_per_batch:
+            raise bad_request(f"data holds {total} tokens, over the limit of {caps.max_tokens_per_batch} per request")
+        data = [self._validate_datum(d, i, spec) for i, d in enumerate(wire_data)]
         return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
 
     def _validate_datum(self, d: WireDatum, index: int, spec: losses.LossSpec) -> DatumInput:
@@ -207,7 +227,7 @@ class TrainingService:
             raise bad_request(f"{where}.loss_fn_inputs.target_tokens is required")
         if targets.dtype.kind not in "iu":
             raise bad_request(f"{where}.loss_fn_inputs.target_tokens must be int64, got {targets.dtype}")
-        if targets.ndim == 2 and not spec.allows_topk_targets:
+        if targets.ndim == 2 and not (spec.allows_topk_targets and caps.topk_targets):
             raise bad_request(f"{where}.loss_fn_inputs.target_tokens: (N, K) targets are only valid for cross_entropy")
         if targets.shape[:1] != (n,) or targets.ndim > 2:
             raise bad_request(
@@ -247,11 +267,27 @@ class TrainingService:
             if req.optimizer_params is not None:
                 family = req.optimizer_params.get("type")
                 raise bad_request(f"optimizer_params of type {family!r} are not supported; send adam_params")
-            p = req.adam_params or wire.AdamParams()
-            params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+            params = _adam_params(req.adam_params or wire.AdamParams())
             return lambda: _json({"metrics": self.backend.optim_step(req.model_id, params)})
 
         return self._submit_ordered("optim_step", req.model_id, req.seq_id, prepare)
+
+
+def _adam_params(p: wire.AdamParams) -> AdamParams:
+    """Range-check here rather than in the wire type, so a bad value consumes its seq_id."""
+    checks = {
+        "learning_rate": p.learning_rate >= 0,
+        "beta1": 0 <= p.beta1 < 1,
+        "beta2": 0 <= p.beta2 < 1,
+        "eps": p.eps > 0,
+        "weight_decay": p.weight_decay >= 0,
+        "grad_clip_norm": p.grad_clip_norm >= 0,
+    }
+    for name, ok in checks.items():
+        value = getattr(p, name)
+        if not ok or not math.isfinite(value):
+            raise bad_request(f"adam_params.{name} = {value} is out of range")
+    return AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
 
 
 def _failing(detail: str) -> Job:
