@@ -51,6 +51,26 @@ CREATE TABLE IF NOT EXISTS futures (
     completed_at REAL
 );
 CREATE UNIQUE INDEX IF NOT EXISTS futures_by_seq ON futures(model_id, seq_id) WHERE seq_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS checkpoints (
+    model_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    expires_at REAL,
+    public INTEGER NOT NULL DEFAULT 0,
+    user_metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (model_id, kind, name)
+);
+CREATE TABLE IF NOT EXISTS samplers (
+    sampler_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    model_path TEXT,
+    model_id TEXT,
+    snapshot TEXT,
+    created_at REAL NOT NULL
+);
 """
 
 
@@ -69,6 +89,28 @@ class FutureRecord:
     @property
     def finished(self) -> bool:
         return self.status != "pending"
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    model_id: str
+    kind: str
+    name: str
+    created_at: float
+    size_bytes: int
+    expires_at: float | None
+    public: bool
+    user_metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SamplerRecord:
+    sampler_id: str
+    session_id: str
+    base_model: str
+    model_path: str | None  # tinker:// path it samples from, if made from one
+    model_id: str | None  # the training model it was saved from, if ephemeral
+    snapshot: str | None  # where an ephemeral sampler's frozen adapter lives
 
 
 @dataclass(frozen=True)
@@ -208,3 +250,125 @@ class Store:
             (request_id,),
         ).fetchone()
         return FutureRecord(*row) if row else None
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    _CHECKPOINT_COLUMNS = "model_id, kind, name, created_at, size_bytes, expires_at, public, user_metadata"
+
+    @staticmethod
+    def _checkpoint(row: tuple) -> CheckpointRecord:
+        return CheckpointRecord(*row[:6], bool(row[6]), json.loads(row[7]))
+
+    def put_checkpoint(
+        self,
+        model_id: str,
+        kind: str,
+        name: str,
+        *,
+        size_bytes: int,
+        ttl_seconds: int | None,
+        user_metadata: dict[str, str],
+    ) -> None:
+        now = time.time()
+        self._exec(
+            "INSERT OR REPLACE INTO checkpoints(model_id, kind, name, created_at, size_bytes, expires_at, "
+            "user_metadata) VALUES (?,?,?,?,?,?,?)",
+            (
+                model_id,
+                kind,
+                name,
+                now,
+                size_bytes,
+                now + ttl_seconds if ttl_seconds else None,
+                json.dumps(user_metadata),
+            ),
+        )
+
+    def get_checkpoint(self, model_id: str, kind: str, name: str) -> CheckpointRecord | None:
+        row = self._exec(
+            f"SELECT {self._CHECKPOINT_COLUMNS} FROM checkpoints WHERE model_id=? AND kind=? AND name=?",
+            (model_id, kind, name),
+        ).fetchone()
+        return self._checkpoint(row) if row else None
+
+    def list_checkpoints(self, model_id: str | None = None) -> list[CheckpointRecord]:
+        """Newest first; all runs when ``model_id`` is None."""
+        where, args = ("WHERE model_id=?", (model_id,)) if model_id is not None else ("", ())
+        rows = self._exec(f"SELECT {self._CHECKPOINT_COLUMNS} FROM checkpoints {where} ORDER BY created_at DESC", args)
+        return [self._checkpoint(r) for r in rows.fetchall()]
+
+    def delete_checkpoint(self, model_id: str, kind: str, name: str) -> None:
+        self._exec("DELETE FROM checkpoints WHERE model_id=? AND kind=? AND name=?", (model_id, kind, name))
+
+    def update_checkpoint(self, model_id: str, kind: str, name: str, **fields: object) -> None:
+        assert set(fields) <= {"public", "expires_at"}
+        for column, value in fields.items():
+            self._exec(
+                f"UPDATE checkpoints SET {column}=? WHERE model_id=? AND kind=? AND name=?",
+                (value, model_id, kind, name),
+            )
+
+    def expired_checkpoints(self, now: float) -> list[CheckpointRecord]:
+        rows = self._exec(
+            f"SELECT {self._CHECKPOINT_COLUMNS} FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?",
+            (now,),
+        )
+        return [self._checkpoint(r) for r in rows.fetchall()]
+
+    # ---- runs, sessions and samplers (REST) -------------------------------------------------
+
+    def list_models(self, limit: int, offset: int) -> tuple[list[ModelRecord], int]:
+        total = self._exec("SELECT COUNT(*) FROM models").fetchone()[0]
+        rows = self._exec(
+            "SELECT model_id, session_id, model_seq_id, base_model, lora, user_metadata, status "
+            "FROM models ORDER BY created_at DESC LIMIT ? OFFSET ?",
+            (limit, offset),
+        ).fetchall()
+        return [ModelRecord(r[0], r[1], r[2], r[3], json.loads(r[4]), json.loads(r[5]), r[6]) for r in rows], total
+
+    def model_last_request(self, model_id: str) -> float:
+        row = self._exec("SELECT MAX(created_at) FROM futures WHERE model_id=?", (model_id,)).fetchone()
+        return row[0] or 0.0
+
+    def list_sessions(self, limit: int, offset: int) -> list[str]:
+        rows = self._exec("SELECT session_id FROM sessions ORDER BY created_at DESC LIMIT ? OFFSET ?", (limit, offset))
+        return [r[0] for r in rows.fetchall()]
+
+    def get_session(self, session_id: str) -> dict | None:
+        row = self._exec(
+            "SELECT user_metadata, display_name FROM sessions WHERE session_id=?", (session_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        models = self._exec("SELECT model_id FROM models WHERE session_id=? ORDER BY model_seq_id", (session_id,))
+        samplers = self._exec("SELECT sampler_id FROM samplers WHERE session_id=? ORDER BY created_at", (session_id,))
+        return {
+            "training_run_ids": [r[0] for r in models.fetchall()],
+            "sampler_ids": [r[0] for r in samplers.fetchall()],
+            "user_metadata": json.loads(row[0]),
+            "display_name": row[1],
+        }
+
+    def add_sampler(
+        self,
+        sampler_id: str,
+        *,
+        session_id: str,
+        base_model: str,
+        model_path: str | None,
+        model_id: str | None,
+        snapshot: str | None = None,
+    ) -> None:
+        self._exec(
+            "INSERT INTO samplers(sampler_id, session_id, base_model, model_path, model_id, snapshot, created_at) "
+            "VALUES (?,?,?,?,?,?,?)",
+            (sampler_id, session_id, base_model, model_path, model_id, snapshot, time.time()),
+        )
+
+    def get_sampler(self, sampler_id: str) -> SamplerRecord | None:
+        row = self._exec(
+            "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot "
+            "FROM samplers WHERE sampler_id=?",
+            (sampler_id,),
+        ).fetchone()
+        return SamplerRecord(*row) if row else None

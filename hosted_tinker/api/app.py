@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from hosted_tinker.api import ops_routes, tinker_routes
+from hosted_tinker.api import ops_routes, rest_routes, tinker_routes
 from hosted_tinker.api.state import ServerState
 from hosted_tinker.protocol.fwdbwd_codec import WireError
 from hosted_tinker.serving.errors import ApiError
@@ -23,13 +23,16 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.scheduler.bind_loop(asyncio.get_running_loop())
+        sweeper = asyncio.create_task(_delete_expired_checkpoints(state))
         yield
+        sweeper.cancel()
         state.scheduler.shutdown()
         state.store.close()
 
     app = FastAPI(title="hosted-tinker", lifespan=lifespan)
     app.state.server = state
     app.include_router(tinker_routes.router)
+    app.include_router(rest_routes.router)
     app.include_router(ops_routes.router)
 
     @app.exception_handler(ApiError)
@@ -52,3 +55,15 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"detail": f"internal error: {type(exc).__name__}"}, status_code=500)
 
     return app
+
+
+async def _delete_expired_checkpoints(state: ServerState, every_s: float = 600.0) -> None:
+    """Checkpoints past their TTL are deleted at start-up and every ``every_s`` seconds."""
+    while True:
+        try:
+            deleted = await asyncio.to_thread(state.checkpoints.delete_expired)
+            if deleted:
+                log.info("deleted %d expired checkpoints", deleted)
+        except Exception:
+            log.exception("expired-checkpoint sweep failed")
+        await asyncio.sleep(every_s)

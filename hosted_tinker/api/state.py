@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 from hosted_tinker.backends import make_backend
 from hosted_tinker.backends.base import TrainingBackend
+from hosted_tinker.checkpoints import CheckpointFiles
 from hosted_tinker.config import ServerConfig
 from hosted_tinker.scheduler import Scheduler
+from hosted_tinker.serving.checkpoints import CheckpointService
 from hosted_tinker.serving.sessions import SessionService
 from hosted_tinker.serving.training import TrainingService
 from hosted_tinker.store import Store
@@ -24,6 +29,7 @@ class ServerState:
     backend: TrainingBackend
     sessions: SessionService
     training: TrainingService
+    checkpoints: CheckpointService
 
 
 def build_state(config: ServerConfig) -> ServerState:
@@ -35,6 +41,7 @@ def build_state(config: ServerConfig) -> ServerState:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = make_backend(config, model_path)
     scheduler = Scheduler(store)
+    checkpoint_root = config.data_dir / "checkpoints"
     training = TrainingService(
         backend, scheduler, store, config.served_names(), tokenizer_id=config.tokenizer_id or model_path
     )
@@ -45,4 +52,20 @@ def build_state(config: ServerConfig) -> ServerState:
         backend=backend,
         sessions=SessionService(store, training),
         training=training,
+        checkpoints=CheckpointService(
+            training,
+            CheckpointFiles(checkpoint_root),
+            CheckpointFiles(config.data_dir / "ephemeral"),
+            secret=_server_secret(config.data_dir),
+        ),
     )
+
+
+def _server_secret(data_dir: Path) -> bytes:
+    """A random key kept with the data, for signing download links; survives restarts."""
+    path = data_dir / "server.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    return path.read_bytes()

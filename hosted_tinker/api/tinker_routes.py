@@ -116,6 +116,34 @@ async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.U
     return _future(_state(request).training.unload_model(req.model_id), req.model_id)
 
 
+# ---- checkpoints and sampling sessions -------------------------------------------------------
+
+
+@router.post("/save_weights")
+async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.UntypedFuture:
+    return _future(_state(request).checkpoints.save_weights(req), req.model_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, request: Request) -> wire.UntypedFuture:
+    return _future(_state(request).checkpoints.save_weights_for_sampler(req), req.model_id)
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(req: wire.SaveWeightsExternalRequest, request: Request) -> wire.UntypedFuture:
+    return _future(_state(request).checkpoints.save_weights_external(req), req.model_id)
+
+
+@router.post("/load_weights")
+async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.UntypedFuture:
+    return _future(_state(request).checkpoints.load_weights(req), req.model_id)
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(req: wire.CreateSamplingSessionRequest, request: Request) -> dict:
+    return _state(request).checkpoints.create_sampling_session(req)
+
+
 # ---- futures ---------------------------------------------------------------------------------
 
 

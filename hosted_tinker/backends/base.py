@@ -63,6 +63,23 @@ class ForwardBackwardResult:
     loss_sum: float
 
 
+@dataclass
+class AdapterState:
+    """Everything needed to continue training a model exactly where it stopped.
+
+    weights    LoRA tensors under PEFT's key names (``...q_proj.lora_A.weight``), on CPU
+    optimizer  AdamW moments per weight key: ``<key>.exp_avg``, ``<key>.exp_avg_sq``, ``<key>.step``
+    steps      optimizer steps taken
+    rng_state  the model's own torch generator state (uint8)
+    """
+
+    lora: LoraSpec
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    steps: int
+    rng_state: torch.Tensor
+
+
 @dataclass(frozen=True)
 class AdamParams:
     learning_rate: float = 1e-4
@@ -94,6 +111,14 @@ class TrainingBackend(Protocol):
 
     def delete_adapter(self, model_id: str) -> None: ...
 
+    def has_adapter(self, model_id: str) -> bool: ...
+
     def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult: ...
 
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]: ...
+
+    def export_state(self, model_id: str) -> AdapterState: ...
+
+    def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None: ...
+
+    def peft_config(self, model_id: str) -> dict: ...

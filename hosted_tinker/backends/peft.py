@@ -19,6 +19,7 @@ from torch import nn
 from hosted_tinker import losses
 from hosted_tinker.backends.base import (
     AdamParams,
+    AdapterState,
     Capabilities,
     DatumInput,
     ForwardBackwardBatch,
@@ -38,8 +39,10 @@ _MLP_HINTS = ("mlp", "feed_forward", "ffn")
 class _Adapter:
     name: str  # the PEFT adapter name (model ids contain characters PEFT dislikes)
     spec: LoraSpec
+    keys: list[str]  # PEFT state-dict key of each parameter, in the same order
     params: list[nn.Parameter]
     optimizer: torch.optim.AdamW
+    generator: torch.Generator  # the model's own randomness; checkpointed with it
     steps: int = 0
 
 
@@ -128,11 +131,17 @@ class PeftBackend:
                 self.peft = get_peft_model(self.base, config, adapter_name=name)
             else:
                 self.peft.add_adapter(name, config)
-        params = [p for n, p in self.peft.named_parameters() if f".{name}." in n]
+        named = [(n.replace(f".{name}.", "."), p) for n, p in self.peft.named_parameters() if f".{name}." in n]
+        keys, params = [k for k, _ in named], [p for _, p in named]
         for p in params:
             p.requires_grad_(True)
-        optimizer = torch.optim.AdamW(params, lr=0.0, foreach=False)
-        self.adapters[model_id] = _Adapter(name, lora, params, optimizer)
+        generator = torch.Generator().manual_seed(lora.seed)
+        self.adapters[model_id] = _Adapter(name, lora, keys, params, self._new_optimizer(params), generator)
+
+    @staticmethod
+    def _new_optimizer(params: list[nn.Parameter]) -> torch.optim.AdamW:
+        # Hyperparameters are set per step from the request's AdamParams.
+        return torch.optim.AdamW(params, lr=0.0, foreach=False)
 
     def delete_adapter(self, model_id: str) -> None:
         adapter = self._adapter(model_id)
@@ -145,6 +154,9 @@ class PeftBackend:
             # PEFT refuses to delete its last adapter; unwrap back to the bare base model.
             self.base = self.peft.unload()
             self.peft = None
+
+    def has_adapter(self, model_id: str) -> bool:
+        return model_id in self.adapters
 
     def _adapter(self, model_id: str) -> _Adapter:
         try:
@@ -275,3 +287,46 @@ class PeftBackend:
             "learning_rate": params.learning_rate,
             "optimizer_step": float(adapter.steps),
         }
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def export_state(self, model_id: str) -> AdapterState:
+        adapter = self._adapter(model_id)
+        weights = {k: p.detach().cpu().clone() for k, p in zip(adapter.keys, adapter.params, strict=True)}
+        optimizer: dict[str, torch.Tensor] = {}
+        for key, p in zip(adapter.keys, adapter.params, strict=True):
+            for field, value in adapter.optimizer.state.get(p, {}).items():
+                optimizer[f"{key}.{field}"] = value.detach().cpu().clone()
+        return AdapterState(adapter.spec, weights, optimizer, adapter.steps, adapter.generator.get_state())
+
+    def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None:
+        adapter = self._adapter(model_id)
+        mine = {k: tuple(p.shape) for k, p in zip(adapter.keys, adapter.params, strict=True)}
+        theirs = {k: tuple(v.shape) for k, v in state.weights.items()}
+        if mine != theirs:
+            raise UserError(
+                f"the checkpoint's adapter (rank {state.lora.rank}, {len(theirs)} tensors) does not fit model "
+                f"{model_id} (rank {adapter.spec.rank}, {len(mine)} tensors): LoRA rank, targets or base model differ"
+            )
+        with torch.no_grad():
+            for key, p in zip(adapter.keys, adapter.params, strict=True):
+                p.copy_(state.weights[key])
+                p.grad = None
+        adapter.optimizer = self._new_optimizer(adapter.params)
+        adapter.steps = 0
+        if with_optimizer:
+            for key, p in zip(adapter.keys, adapter.params, strict=True):
+                moments = {
+                    f: state.optimizer[f"{key}.{f}"]
+                    for f in ("step", "exp_avg", "exp_avg_sq")
+                    if f"{key}.{f}" in state.optimizer
+                }
+                if moments:
+                    adapter.optimizer.state[p] = {f: v.to(p.device) if f != "step" else v for f, v in moments.items()}
+            adapter.steps = state.steps
+            adapter.generator.set_state(state.rng_state)
+
+    def peft_config(self, model_id: str) -> dict:
+        """The adapter's ``adapter_config.json`` contents, as PEFT writes it."""
+        config = self.peft.peft_config[self._adapter(model_id).name].to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}

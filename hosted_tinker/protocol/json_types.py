@@ -116,6 +116,68 @@ class UnloadModelRequest(Request):
     type: Literal["unload_model"] = "unload_model"
 
 
+class SaveWeightsRequest(Request):
+    model_id: str
+    path: str | None = None  # the checkpoint's name
+    seq_id: int
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+    type: Literal["save_weights"] = "save_weights"
+
+
+class SaveWeightsForSamplerRequest(Request):
+    model_id: str
+    path: str | None = None  # a name: a saved checkpoint; absent: an ephemeral sampling session
+    sampling_session_seq_id: int | None = Field(default=None, ge=0, lt=2**63)
+    kind: str = "snapshot"
+    seq_id: int
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+
+
+class SaveWeightsExternalRequest(Request):
+    model_id: str
+    path: str
+    seq_id: int
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+    type: Literal["save_weights_external"] = "save_weights_external"
+
+
+class LoadWeightsRequest(Request):
+    # Either model_id + seq_id (load into an existing model) or session_id + model_seq_id
+    # (create a model from the checkpoint; the SDK names it {session_id}:train:{model_seq_id}).
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = Field(default=None, ge=0, lt=2**63)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    path: str
+    optimizer: bool
+    optimizer_config: OptimizerConfig | None = None
+    weights_access_token: str | None = None
+    type: Literal["load_weights"] = "load_weights"
+
+
+class WeightsInfoRequest(Request):
+    tinker_path: str
+
+
+class CheckpointTtlRequest(Request):
+    ttl_seconds: int | None = None
+
+
+class CreateSamplingSessionRequest(Request):
+    session_id: str
+    sampling_session_seq_id: int = Field(ge=0, lt=2**63)
+    base_model: str | None = None
+    model_path: str | None = None
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+
+
 # ---- futures -------------------------------------------------------------------------------
 
 

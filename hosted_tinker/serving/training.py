@@ -36,7 +36,7 @@ MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
 PROTOBUF = "application/x-protobuf"
 
 
-def _json(obj: dict) -> tuple[bytes, str]:
+def json_result(obj: dict) -> tuple[bytes, str]:
     return json.dumps(obj).encode(), JSON
 
 
@@ -52,7 +52,7 @@ class TrainingService:
 
     # ---- models ---------------------------------------------------------------------------
 
-    def _live_model(self, model_id: str) -> ModelRecord:
+    def live_model(self, model_id: str) -> ModelRecord:
         model = self.store.get_model(model_id)
         if model is None:
             raise not_found(f"model_id {model_id!r} does not exist")
@@ -68,11 +68,6 @@ class TrainingService:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         if (existing := self.scheduler.find(model_id, 0)) is not None:  # a resend
             return existing
-        status = self.store.session_status(req.session_id)
-        if status is None:
-            raise not_found(f"session_id {req.session_id!r} does not exist")
-        if status != "active":
-            raise bad_request(f"session {req.session_id} has finished; start a new ServiceClient")
         if req.base_model not in self.served_names:
             raise bad_request(f"base_model {req.base_model!r} is not served here; served names: {self.served_names}")
         if req.optimizer_config.type != "adamw":
@@ -92,29 +87,61 @@ class TrainingService:
             lc.train_attn,
             lc.train_unembed,
         )
-        self.store.add_model(
+        return self.create_model_with(
             model_id,
             session_id=req.session_id,
             model_seq_id=req.model_seq_id,
             base_model=req.base_model,
-            lora=spec.__dict__,
+            lora=spec,
             user_metadata=req.user_metadata or {},
+            result={"model_id": model_id, "type": "create_model"},
+        )
+
+    def create_model_with(
+        self,
+        model_id: str,
+        *,
+        session_id: str,
+        model_seq_id: int,
+        base_model: str,
+        lora: LoraSpec,
+        user_metadata: dict,
+        result: dict,
+        after_create: Callable[[str], None] | None = None,
+    ) -> str:
+        """Register a model and queue its creation as its request 0 (``after_create`` may load state)."""
+        status = self.store.session_status(session_id)
+        if status is None:
+            raise not_found(f"session_id {session_id!r} does not exist")
+        if status != "active":
+            raise bad_request(f"session {session_id} has finished; start a new ServiceClient")
+        self.store.add_model(
+            model_id,
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            base_model=base_model,
+            lora=lora.__dict__,
+            user_metadata=user_metadata,
         )
 
         def job() -> tuple[bytes, str]:
             try:
-                self.backend.create_adapter(model_id, spec)
+                self.backend.create_adapter(model_id, lora)
+                if after_create is not None:
+                    after_create(model_id)
             except BaseException:
                 self.store.set_model_status(model_id, "failed")
+                if self.backend.has_adapter(model_id):
+                    self.backend.delete_adapter(model_id)
                 raise
-            return _json({"model_id": model_id, "type": "create_model"})
+            return json_result(result)
 
         request_id = self.scheduler.submit("create_model", job, model_id=model_id, seq_id=0)
         self.scheduler.open_model(model_id)
         return request_id
 
     def get_info(self, req: wire.GetInfoRequest) -> dict:
-        model = self._live_model(req.model_id)
+        model = self.live_model(req.model_id)
         return {
             "model_id": model.model_id,
             "model_data": {
@@ -131,13 +158,13 @@ class TrainingService:
 
     def unload_model(self, model_id: str) -> str:
         """Free the model's adapter; requests still waiting for their turn fail."""
-        self._live_model(model_id)
+        self.live_model(model_id)
         self.store.set_model_status(model_id, "unloaded")
         self.scheduler.close_model(model_id)
 
         def job() -> tuple[bytes, str]:
             self.backend.delete_adapter(model_id)
-            return _json({"model_id": model_id, "type": "unload_model"})
+            return json_result({"model_id": model_id, "type": "unload_model"})
 
         return self.scheduler.submit("unload_model", job, model_id=model_id)
 
@@ -150,7 +177,7 @@ class TrainingService:
 
     # ---- forward / backward ---------------------------------------------------------------
 
-    def _submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Callable[[], Job]) -> str:
+    def submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Callable[[], Job]) -> str:
         """Validate (``prepare``) and queue one of a model's requests.
 
         A rejected request still consumes its ``seq_id``, as a failed future: the SDK has
@@ -160,7 +187,7 @@ class TrainingService:
             raise bad_request(f"seq_id must be between 1 and {MAX_SEQ_ID}, got {seq_id}")
         if (existing := self.scheduler.find(model_id, seq_id)) is not None:  # a resend
             return existing
-        self._live_model(model_id)
+        self.live_model(model_id)
         self.scheduler.check_capacity(model_id, seq_id)
         try:
             job = prepare()
@@ -181,7 +208,7 @@ class TrainingService:
             return job
 
         kind = "forward" if req.forward_only else "forward_backward"
-        return self._submit_ordered(kind, req.model_id, req.seq_id, prepare)
+        return self.submit_ordered(kind, req.model_id, req.seq_id, prepare)
 
     def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
         caps = self.backend.capabilities
@@ -268,9 +295,9 @@ class TrainingService:
                 family = req.optimizer_params.get("type")
                 raise bad_request(f"optimizer_params of type {family!r} are not supported; send adam_params")
             params = _adam_params(req.adam_params or wire.AdamParams())
-            return lambda: _json({"metrics": self.backend.optim_step(req.model_id, params)})
+            return lambda: json_result({"metrics": self.backend.optim_step(req.model_id, params)})
 
-        return self._submit_ordered("optim_step", req.model_id, req.seq_id, prepare)
+        return self.submit_ordered("optim_step", req.model_id, req.seq_id, prepare)
 
 
 def _adam_params(p: wire.AdamParams) -> AdamParams:
