@@ -207,11 +207,20 @@ class CheckpointService:
         def prepare() -> Job:
             path = self._training_path(req.path)
             model = self.training.live_model(req.model_id)
+            try:
+                base_model, lora = training_meta(path, self.files.read(path, only=("training_state.json",)))
+            except CheckpointError as e:
+                raise bad_request(str(e)) from None
+            shape = ("rank", "train_attn", "train_mlp", "train_unembed")
+            if any(getattr(lora, k) != model.lora[k] for k in shape):
+                theirs = {k: getattr(lora, k) for k in shape}
+                mine = {k: model.lora[k] for k in shape}
+                raise bad_request(f"{path} holds a LoRA adapter {theirs}, but model {model.model_id} has {mine}")
+            if base_model not in self.training.served_names:
+                raise bad_request(f"{path} was trained on {base_model!r}, which is not served here")
 
             def job() -> tuple[bytes, str]:
                 loaded = state_from_files(path, self.files.read(path))
-                if loaded.base_model not in self.training.served_names:
-                    raise CheckpointError(f"{path} was trained on {loaded.base_model!r}, which is not served here")
                 self.backend.load_state(model.model_id, loaded.state, with_optimizer=req.optimizer)
                 return json_result({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
