@@ -51,7 +51,7 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def start_server(data_dir: Path, *extra: str, timeout: float = 180.0) -> ServerProcess:
+def start_server(data_dir: Path, *extra: str, alias: str | None = ALIAS, timeout: float = 180.0) -> ServerProcess:
     port = free_port()
     log_path = data_dir / f"server-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -66,12 +66,12 @@ def start_server(data_dir: Path, *extra: str, timeout: float = 180.0) -> ServerP
         str(port),
         "--data-dir",
         str(data_dir),
-        "--model-name",
-        ALIAS,
         "--log-level",
         "warning",
         *extra,
     ]
+    if alias is not None:
+        cmd += ["--model-name", alias]
     log = open(log_path, "w")  # noqa: SIM115 - kept open for the process's lifetime
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"

@@ -210,7 +210,7 @@ def test_expired_checkpoints_are_deleted(tmp_path):
 
 
 def test_restart_after_sigkill_keeps_every_checkpoint_loadable(tmp_path, tiny_model_dir):
-    srv = start_server(tmp_path, "--model", str(tiny_model_dir), "--model-name", ALIAS)
+    srv = start_server(tmp_path, "--model", str(tiny_model_dir))
     try:
         sc = tinker.ServiceClient(base_url=srv.base_url)
         tc = sc.create_lora_training_client(base_model=ALIAS, rank=8, seed=5).result()
@@ -230,7 +230,7 @@ def test_restart_after_sigkill_keeps_every_checkpoint_loadable(tmp_path, tiny_mo
     finally:
         srv.stop(signal.SIGKILL)
 
-    srv = start_server(tmp_path, "--model", str(tiny_model_dir), "--model-name", ALIAS)
+    srv = start_server(tmp_path, "--model", str(tiny_model_dir))
     try:
         with tinker.ServiceClient(base_url=srv.base_url) as sc2:
             rest = sc2.create_rest_client()
@@ -243,6 +243,31 @@ def test_restart_after_sigkill_keeps_every_checkpoint_loadable(tmp_path, tiny_mo
             assert health["status"] == "ok"
     finally:
         srv.stop()
+
+    # The same data served under other names: the checkpoint's base model is not served here.
+    srv = start_server(tmp_path, "--model", str(tiny_model_dir), alias=None)
+    try:
+        with tinker.ServiceClient(base_url=srv.base_url) as sc3:
+            with pytest.raises(tinker.BadRequestError, match="not served here"):
+                sc3.create_training_client_from_state(path).result()
+    finally:
+        srv.stop()
+
+
+def test_ephemeral_sampler_snapshot(base_url):
+    with tinker.ServiceClient(base_url=base_url) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        train(tc, 1)
+        first = tc.save_weights_and_get_sampling_client()
+        second = tc.save_weights_and_get_sampling_client()
+        ids = [first.result()._sampling_session_id, second.result()._sampling_session_id]
+        assert len(set(ids)) == 2 and all(":sample:" in i for i in ids)
+        rest = sc.create_rest_client()
+        for sampler_id in ids:
+            info = rest.get_sampler(sampler_id).result()
+            assert info.base_model == ALIAS and info.model_path is None
+        # Ephemeral snapshots are not checkpoints: nothing new is listed.
+        assert rest.list_checkpoints(tc.get_info().model_id).result().checkpoints == []
 
 
 def test_manifest_lists_every_file(base_url, server):
