@@ -90,9 +90,7 @@ class Scheduler:
             existing = self.find(model_id, seq_id)
             if existing is not None:
                 return existing
-        request_id = f"req-{secrets.token_urlsafe(12)}"
-        self.store.add_future(request_id, kind=kind, model_id=model_id, seq_id=seq_id)
-        self._events[request_id] = asyncio.Event()
+        request_id = self.register(kind, model_id=model_id, seq_id=seq_id)
         queue = self._queues.get(model_id) if model_id is not None else None
         if queue is None or seq_id is None:
             self._dispatch(request_id, job)
@@ -105,6 +103,35 @@ class Scheduler:
                 queue.next_seq += 1
                 self._dispatch(rid, next_job)
         return request_id
+
+    def register(self, kind: str, *, model_id: str | None = None, seq_id: int | None = None) -> str:
+        """A new pending future whose outcome someone will report with ``complete``/``fail``."""
+        request_id = f"req-{secrets.token_urlsafe(12)}"
+        self.store.add_future(request_id, kind=kind, model_id=model_id, seq_id=seq_id)
+        self._events[request_id] = asyncio.Event()
+        return request_id
+
+    def complete(self, request_id: str, payload: bytes, media_type: str) -> None:
+        self._finish(request_id, payload=payload, media_type=media_type)
+
+    def fail(self, request_id: str, error: str, category: str) -> None:
+        self._finish(request_id, error=error, category=category)
+
+    def run_on_worker(self, fn: Callable[[], None]) -> None:
+        """Queue work that reports its own futures (e.g. a sampling batch) behind earlier jobs."""
+        with self._count_lock:
+            self.in_flight += 1
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("worker task failed")
+            finally:
+                with self._count_lock:
+                    self.in_flight -= 1
+
+        self._worker.submit(run)
 
     def _dispatch(self, request_id: str, job: Job) -> None:
         with self._count_lock:

@@ -1,4 +1,4 @@
-"""Unit tests of the forward_backward protobuf codec (``hosted_tinker.protocol.fwdbwd_codec``).
+"""Unit tests of the forward_backward protobuf codec (``hosted_tinker.protocol.proto_codec``).
 
 Requests are built and serialised by the real tinker SDK (``request_conv``), responses are read
 back by the SDK's own ``response_conv``, so both directions are checked against the client that
@@ -18,7 +18,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from hosted_tinker.protocol.fwdbwd_codec import (
+from hosted_tinker.protocol.proto_codec import (
     WireError,
     WireForwardBackward,
     decode_forward_backward,

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from hosted_tinker.api import ops_routes, rest_routes, tinker_routes
 from hosted_tinker.api.state import ServerState
-from hosted_tinker.protocol.fwdbwd_codec import WireError
+from hosted_tinker.protocol.proto_codec import WireError
 from hosted_tinker.serving.errors import ApiError
 
 log = logging.getLogger(__name__)

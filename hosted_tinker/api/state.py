@@ -8,12 +8,15 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from hosted_tinker.backends import make_backend
 from hosted_tinker.backends.base import TrainingBackend
 from hosted_tinker.checkpoints import CheckpointFiles
 from hosted_tinker.config import ServerConfig
 from hosted_tinker.scheduler import Scheduler
 from hosted_tinker.serving.checkpoints import CheckpointService
+from hosted_tinker.serving.sampling import SamplingService
 from hosted_tinker.serving.sessions import SessionService
 from hosted_tinker.serving.training import TrainingService
 from hosted_tinker.store import Store
@@ -30,6 +33,7 @@ class ServerState:
     sessions: SessionService
     training: TrainingService
     checkpoints: CheckpointService
+    sampling: SamplingService
 
 
 def build_state(config: ServerConfig) -> ServerState:
@@ -41,10 +45,12 @@ def build_state(config: ServerConfig) -> ServerState:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = make_backend(config, model_path)
     scheduler = Scheduler(store)
-    checkpoint_root = config.data_dir / "checkpoints"
     training = TrainingService(
         backend, scheduler, store, config.served_names(), tokenizer_id=config.tokenizer_id or model_path
     )
+    files = CheckpointFiles(config.data_dir / "checkpoints")
+    ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     return ServerState(
         config=config,
         store=store,
@@ -52,13 +58,24 @@ def build_state(config: ServerConfig) -> ServerState:
         backend=backend,
         sessions=SessionService(store, training),
         training=training,
-        checkpoints=CheckpointService(
-            training,
-            CheckpointFiles(checkpoint_root),
-            CheckpointFiles(config.data_dir / "ephemeral"),
-            secret=_server_secret(config.data_dir),
+        checkpoints=CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir)),
+        sampling=SamplingService(
+            backend, scheduler, store, files, ephemeral, tokenizer, _eos_ids(model_path, tokenizer)
         ),
     )
+
+
+def _eos_ids(model_path: str, tokenizer) -> set[int]:
+    """Tokens that end a sequence when a request names no stop: the tokenizer's and the model's."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return ids
 
 
 def _server_secret(data_dir: Path) -> bytes:

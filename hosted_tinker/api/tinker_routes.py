@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response
 
 from hosted_tinker.api.state import ServerState
 from hosted_tinker.protocol import json_types as wire
-from hosted_tinker.protocol.fwdbwd_codec import decode_forward_backward, decompress
+from hosted_tinker.protocol.proto_codec import decode_forward_backward, decompress
 from hosted_tinker.serving.errors import ApiError, bad_request, not_found
 
 router = APIRouter(prefix="/api/v1")
@@ -142,6 +142,12 @@ async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.U
 @router.post("/create_sampling_session")
 async def create_sampling_session(req: wire.CreateSamplingSessionRequest, request: Request) -> dict:
     return _state(request).checkpoints.create_sampling_session(req)
+
+
+@router.post("/asample")
+async def asample(req: wire.SampleRequest, request: Request) -> dict:
+    request_id, sequence_ids = _state(request).sampling.asample(req)
+    return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
 
 # ---- futures ---------------------------------------------------------------------------------

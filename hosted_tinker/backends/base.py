@@ -8,7 +8,7 @@ reported with ``category: server``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -122,3 +122,11 @@ class TrainingBackend(Protocol):
     def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None: ...
 
     def peft_config(self, model_id: str) -> dict: ...
+
+    def has_sampler(self, key: str) -> bool: ...
+
+    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
+
+    def generate(
+        self, key: str | None, specs: list, decode: Callable[[list[int]], str], default_seed: Callable[[], int]
+    ) -> list: ...

@@ -7,9 +7,12 @@ so tenants never see each other's weights, and gradients accumulate in the adapt
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +31,7 @@ from hosted_tinker.backends.base import (
     UserError,
 )
 from hosted_tinker.backends.logprobs import target_logprobs
+from hosted_tinker.inference.generate import SampleOutput, SampleSpec, generate
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +69,7 @@ def _target_modules(model: nn.Module) -> dict[str, list[str]]:
 class PeftBackend:
     NAME = "peft"
     SUPPORTED_LOSSES = tuple(losses.LOSSES)
-    SAMPLING = False
+    SAMPLING = True
 
     def __init__(
         self,
@@ -99,12 +103,39 @@ class PeftBackend:
         )
         self.peft = None  # the PeftModel, created with the first adapter
         self.adapters: dict[str, _Adapter] = {}
+        # Frozen adapters for sampling (saved sampler weights, ephemeral snapshots), least
+        # recently used first; keyed by where their weights came from.
+        self.samplers: OrderedDict[str, str] = OrderedDict()
         self._next_adapter = 0
 
     # ---- adapters -------------------------------------------------------------------------
 
+    def _add_peft_adapter(self, config) -> str:
+        from peft import get_peft_model
+
+        name = f"a{self._next_adapter}"
+        self._next_adapter += 1
+        with warnings.catch_warnings():
+            # LoRA on a tied lm_head is what train_unembed means; the embedding stays untouched.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+        return name
+
+    def _remove_peft_adapter(self, name: str) -> None:
+        if self.adapters or len(self.samplers) > 0:
+            with warnings.catch_warnings():  # "adapter X was active": we activate per request anyway
+                warnings.simplefilter("ignore", UserWarning)
+                self.peft.delete_adapter(name)
+        else:
+            # PEFT refuses to delete its last adapter; unwrap back to the bare base model.
+            self.base = self.peft.unload()
+            self.peft = None
+
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
         if model_id in self.adapters:
             raise UserError(f"model {model_id} already exists")
@@ -117,20 +148,10 @@ class PeftBackend:
         if not modules:
             raise UserError("lora_config enables no trainable module (train_attn/train_mlp/train_unembed)")
         config = LoraConfig(r=lora.rank, lora_alpha=self.lora_alpha, lora_dropout=0.0, target_modules=modules)
-        name = f"a{self._next_adapter}"
-        self._next_adapter += 1
         # Seed only this adapter's initialisation; never disturb the process RNG.
-        with (
-            torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
-            warnings.catch_warnings(),
-        ):
-            # LoRA on a tied lm_head is what train_unembed means; the embedding stays untouched.
-            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(lora.seed)
-            if self.peft is None:
-                self.peft = get_peft_model(self.base, config, adapter_name=name)
-            else:
-                self.peft.add_adapter(name, config)
+            name = self._add_peft_adapter(config)
         named = [(n.replace(f".{name}.", "."), p) for n, p in self.peft.named_parameters() if f".{name}." in n]
         keys, params = [k for k, _ in named], [p for _, p in named]
         for p in params:
@@ -146,14 +167,7 @@ class PeftBackend:
     def delete_adapter(self, model_id: str) -> None:
         adapter = self._adapter(model_id)
         del self.adapters[model_id]
-        if self.adapters:
-            with warnings.catch_warnings():  # "adapter X was active": we activate per request anyway
-                warnings.simplefilter("ignore", UserWarning)
-                self.peft.delete_adapter(adapter.name)
-        else:
-            # PEFT refuses to delete its last adapter; unwrap back to the bare base model.
-            self.base = self.peft.unload()
-            self.peft = None
+        self._remove_peft_adapter(adapter.name)
 
     def has_adapter(self, model_id: str) -> bool:
         return model_id in self.adapters
@@ -330,3 +344,50 @@ class PeftBackend:
         """The adapter's ``adapter_config.json`` contents, as PEFT writes it."""
         config = self.peft.peft_config[self._adapter(model_id).name].to_dict()
         return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+    # ---- sampling -------------------------------------------------------------------------
+
+    MAX_SAMPLER_ADAPTERS = 16
+
+    def has_sampler(self, key: str) -> bool:
+        return key in self.samplers
+
+    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None:
+        """Make a saved PEFT adapter available for sampling under ``key`` (cached, LRU)."""
+        from peft import LoraConfig
+
+        if key in self.samplers:
+            self.samplers.move_to_end(key)
+            return
+        fields = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora")
+        config = LoraConfig(**{k: adapter_config[k] for k in fields if k in adapter_config})
+        name = self._add_peft_adapter(config)
+        params = {n.replace(f".{name}.", "."): p for n, p in self.peft.named_parameters() if f".{name}." in n}
+        if set(params) != set(weights):
+            self._remove_peft_adapter(name)
+            raise UserError(f"the adapter at {key} does not fit the served model (its tensors do not match)")
+        with torch.no_grad():
+            for key_, p in params.items():
+                p.copy_(weights[key_])
+                p.requires_grad_(False)
+        self.samplers[key] = name
+        while len(self.samplers) > self.MAX_SAMPLER_ADAPTERS:
+            _, evicted = self.samplers.popitem(last=False)
+            self._remove_peft_adapter(evicted)
+
+    def generate(
+        self,
+        key: str | None,
+        specs: list[SampleSpec],
+        decode: Callable[[list[int]], str],
+        default_seed: Callable[[], int],
+    ) -> list[SampleOutput]:
+        """Sample from the base model (``key`` None) or from a loaded sampler adapter."""
+        if key is None:
+            context = self.peft.disable_adapter() if self.peft is not None else contextlib.nullcontext()
+            lm = self.peft.base_model.model if self.peft is not None else self.base
+        else:
+            self.peft.set_adapter(self.samplers[key])
+            context, lm = contextlib.nullcontext(), self.peft.base_model.model
+        with context:
+            return generate(lm, specs, pad_id=self.pad_id, decode=decode, default_seed=default_seed)

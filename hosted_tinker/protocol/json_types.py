@@ -178,6 +178,46 @@ class CreateSamplingSessionRequest(Request):
     type: Literal["create_sampling_session"] = "create_sampling_session"
 
 
+# ---- sampling -----------------------------------------------------------------------------
+
+
+class EncodedTextChunk(Request):
+    tokens: list[int]
+    type: Literal["encoded_text"] = "encoded_text"
+
+
+class ModelInput(BaseModel):
+    # Other chunk types (images, audio) are parsed loosely and refused by the service by name.
+    chunks: list[dict[str, Any]]
+
+
+class SamplingParams(Request):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class SampleRequest(Request):
+    num_samples: int = 1
+    prompt: ModelInput
+    sampling_params: SamplingParams
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool = False
+    type: Literal["sample"] = "sample"
+
+
 # ---- futures -------------------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ from hosted_tinker.backends.base import (
     UserError,
 )
 from hosted_tinker.protocol import json_types as wire
-from hosted_tinker.protocol.fwdbwd_codec import (
+from hosted_tinker.protocol.proto_codec import (
     WireDatum,
     WireError,
     WireForwardBackward,

@@ -1,4 +1,4 @@
-"""The protobuf codec of ``forward_backward``: request bytes in, result bytes out.
+"""The protobuf codec: ``forward_backward`` requests in; its results and ``SampleResponse`` out.
 
 The schema is the SDK's own ``tinker.proto.tinker_public_pb2`` (protocol reference §6.9). All
 arrays travel as little-endian raw bytes; tensors may be dense or sparse CSR.
@@ -14,6 +14,8 @@ import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
+
+from hosted_tinker.inference.generate import SampleOutput
 
 
 class WireError(ValueError):
@@ -198,3 +200,22 @@ def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]], metri
             bt.dtype = pb.DTYPE_FLOAT32
             bt.trailing_shape.extend(arrays[0].shape[1:])
     return out.SerializeToString()
+
+
+def encode_sample_response(output: SampleOutput) -> bytes:
+    """``SampleResponse``: sequences in order, NaN-coded prompt log-probs, top-k prompt rows."""
+    msg = pb.SampleResponse()
+    for seq in output.sequences:
+        msg.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
+        )
+    if output.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray(output.prompt_logprobs, dtype="<f4").tobytes()
+    if output.topk_prompt is not None:
+        ids, lps = output.topk_prompt
+        msg.topk_prompt_logprobs.token_ids = ids.numpy().astype("<i4").tobytes()
+        msg.topk_prompt_logprobs.logprobs = lps.numpy().astype("<f4").tobytes()
+        msg.topk_prompt_logprobs.length, msg.topk_prompt_logprobs.k = ids.shape
+    return msg.SerializeToString()

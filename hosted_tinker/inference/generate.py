@@ -1,0 +1,177 @@
+"""Batched sampling with a KV cache: the embedded engine's whole decode loop in one file.
+
+Every request in a batch contributes ``num_samples`` rows. Prompts are left-padded, so all rows
+decode in lock-step; each row samples with its own seeded generator, so a request's output
+depends on its seed only, never on what else shares the batch. Reported log-probs are those of
+the model's own distribution (temperature 1, no top-k/top-p), which is what the trainer computes
+for the same tokens; temperature, top-k and top-p only shape the sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from hosted_tinker.backends.logprobs import target_logprobs
+
+MASK_LOGPROB = -99999.0  # the SDK's marker for an empty top-k cell
+
+
+@dataclass
+class SampleSpec:
+    """One sampling request (protocol reference §3.4, §6.5)."""
+
+    prompt: list[int]
+    max_tokens: int
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_k: int = -1  # -1: no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str = "length"  # or "stop"
+
+
+@dataclass
+class SampleOutput:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float] | None = None  # NaN where undefined (position 0, before last_n)
+    topk_prompt: tuple[Tensor, Tensor] | None = None  # ids int32 (L, k), logprobs float32 (L, k)
+
+
+def _row_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + sample_index) % (2**63))
+    return g
+
+
+def _choose(logits: Tensor, spec: SampleSpec, generator: torch.Generator) -> int:
+    """Pick one token from ``logits`` (V,) under the request's temperature / top-k / top-p."""
+    if spec.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits / spec.temperature
+    if 0 < spec.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, spec.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    if spec.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = torch.cumsum(sorted_probs, -1) - sorted_probs >= spec.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _prompt_scores(
+    head: nn.Module, hidden: Tensor, prompt: list[int], spec: SampleSpec
+) -> tuple[list[float] | None, tuple[Tensor, Tensor] | None]:
+    """Prompt log-probs (position 0 and positions before ``last_n`` are NaN) and top-k rows."""
+    n = len(prompt)
+    first = 1 if spec.prompt_logprobs_last_n is None else max(1, n - spec.prompt_logprobs_last_n)
+    logprobs = None
+    if spec.prompt_logprobs:
+        targets = torch.tensor(prompt[first:], device=hidden.device)[:, None]
+        scored = target_logprobs(head, hidden[first - 1 : n - 1], targets)[:, 0].tolist()
+        logprobs = [math.nan] * first + scored
+    topk = None
+    if spec.topk_prompt_logprobs > 0:
+        k = spec.topk_prompt_logprobs
+        ids = torch.zeros((n, k), dtype=torch.int32)
+        lps = torch.full((n, k), MASK_LOGPROB, dtype=torch.float32)
+        for start in range(first - 1, n - 1, 1024):
+            end = min(start + 1024, n - 1)
+            logp = torch.log_softmax(head(hidden[start:end]).float(), -1)
+            values, indices = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+            ids[start + 1 : end + 1, : values.shape[1]] = indices.int().cpu()
+            lps[start + 1 : end + 1, : values.shape[1]] = values.cpu()
+        topk = (ids, lps)
+    return logprobs, topk
+
+
+@torch.no_grad()
+def generate(
+    lm: nn.Module,
+    specs: list[SampleSpec],
+    *,
+    pad_id: int,
+    decode: Callable[[list[int]], str],
+    default_seed: Callable[[], int],
+) -> list[SampleOutput]:
+    """Sample every request of ``specs`` in one batch; ``lm`` is a causal LM with its adapter set."""
+    device = next(lm.parameters()).device
+    decoder = getattr(lm, lm.base_model_prefix)
+    head = lm.get_output_embeddings()
+    rows = [(i, s) for i, spec in enumerate(specs) for s in range(spec.num_samples)]
+    seeds = [spec.seed if spec.seed is not None else default_seed() for spec in specs]
+    generators = [_row_generator(seeds[i], s, device) for i, s in rows]
+
+    longest = max(len(spec.prompt) for spec in specs)
+    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for r, (i, _) in enumerate(rows):
+        prompt = specs[i].prompt
+        ids[r, longest - len(prompt) :] = torch.tensor(prompt)
+        mask[r, longest - len(prompt) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    cache, hidden = out.past_key_values, out.last_hidden_state  # hidden: (rows, longest, H)
+
+    outputs = [SampleOutput([SampledSequence() for _ in range(spec.num_samples)]) for spec in specs]
+    for r, (i, s) in enumerate(rows):
+        spec = specs[i]
+        if s == 0 and (spec.prompt_logprobs or spec.topk_prompt_logprobs):
+            hidden_row = hidden[r, longest - len(spec.prompt) :]
+            outputs[i].prompt_logprobs, outputs[i].topk_prompt = _prompt_scores(head, hidden_row, spec.prompt, spec)
+
+    last = hidden[:, -1]
+    done = [specs[i].max_tokens == 0 for i, _ in rows]
+    budget = max(spec.max_tokens for spec in specs)
+    for _ in range(budget):
+        logits = head(last).float()  # (rows, V)
+        logp = torch.log_softmax(logits, -1)
+        next_ids = torch.full((len(rows), 1), pad_id, dtype=torch.long, device=device)
+        for r, (i, s) in enumerate(rows):
+            if done[r]:
+                continue
+            spec, seq = specs[i], outputs[i].sequences[s]
+            token = _choose(logits[r], spec, generators[r])
+            seq.tokens.append(token)
+            seq.logprobs.append(float(logp[r, token]))
+            next_ids[r, 0] = token
+            if token in spec.stop_token_ids or _hit_stop_string(seq.tokens, spec.stop_strings, decode):
+                seq.stop_reason, done[r] = "stop", True
+            elif len(seq.tokens) >= spec.max_tokens:
+                done[r] = True
+        if all(done):
+            break
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long, device=device)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = decoder(
+            input_ids=next_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        )
+        cache, last = out.past_key_values, out.last_hidden_state[:, -1]
+    return outputs
+
+
+def _hit_stop_string(tokens: list[int], stops: tuple[str, ...], decode: Callable[[list[int]], str]) -> bool:
+    """Does the generated text end with, or newly contain, a stop string? Only the tail is decoded."""
+    if not stops:
+        return False
+    tail = decode(tokens[-(max(len(s) for s in stops) + 8) :])
+    return any(stop in tail for stop in stops)
