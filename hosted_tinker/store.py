@@ -365,6 +365,10 @@ class Store:
             (sampler_id, session_id, base_model, model_path, model_id, snapshot, time.time()),
         )
 
+    def ephemeral_sampler_ids(self) -> list[str]:
+        rows = self._exec("SELECT sampler_id FROM samplers WHERE snapshot IS NOT NULL ORDER BY created_at")
+        return [r[0] for r in rows.fetchall()]
+
     def get_sampler(self, sampler_id: str) -> SamplerRecord | None:
         row = self._exec(
             "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot "

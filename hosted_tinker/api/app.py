@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from hosted_tinker.api import ops_routes, rest_routes, tinker_routes
+from hosted_tinker.api import openai_routes, ops_routes, rest_routes, tinker_routes
 from hosted_tinker.api.state import ServerState
 from hosted_tinker.protocol.proto_codec import WireError
 from hosted_tinker.serving.errors import ApiError
@@ -33,10 +33,14 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.include_router(tinker_routes.router)
     app.include_router(rest_routes.router)
+    app.include_router(openai_routes.router)
     app.include_router(ops_routes.router)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if _is_openai(request):
+            code = exc.headers.get("x-openai-code")
+            return _openai_error(exc.status, exc.detail, code=code)
         return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(WireError)
@@ -47,14 +51,31 @@ def create_app(state: ServerState) -> FastAPI:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Keep each error's location and message; drop echoed input (it may be large).
         errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        if _is_openai(request):
+            first = errors[0]
+            param = ".".join(str(p) for p in first["loc"][1:])
+            return _openai_error(400, f"{param}: {first['msg']}", param=param)
         return JSONResponse({"detail": errors}, status_code=422)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
+        if _is_openai(request):
+            return _openai_error(500, f"internal error: {type(exc).__name__}")
         return JSONResponse({"detail": f"internal error: {type(exc).__name__}"}, status_code=500)
 
     return app
+
+
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
+
+
+def _openai_error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """OpenAI's error shape, which its SDK turns into typed exceptions."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
 
 
 async def _delete_expired_checkpoints(state: ServerState, every_s: float = 600.0) -> None:

@@ -16,6 +16,7 @@ from hosted_tinker.checkpoints import CheckpointFiles
 from hosted_tinker.config import ServerConfig
 from hosted_tinker.scheduler import Scheduler
 from hosted_tinker.serving.checkpoints import CheckpointService
+from hosted_tinker.serving.openai import OpenAIService
 from hosted_tinker.serving.sampling import SamplingService
 from hosted_tinker.serving.sessions import SessionService
 from hosted_tinker.serving.training import TrainingService
@@ -34,6 +35,7 @@ class ServerState:
     training: TrainingService
     checkpoints: CheckpointService
     sampling: SamplingService
+    openai: OpenAIService
 
 
 def build_state(config: ServerConfig) -> ServerState:
@@ -51,6 +53,7 @@ def build_state(config: ServerConfig) -> ServerState:
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    sampling = SamplingService(backend, scheduler, store, files, ephemeral, tokenizer, _eos_ids(model_path, tokenizer))
     return ServerState(
         config=config,
         store=store,
@@ -59,9 +62,8 @@ def build_state(config: ServerConfig) -> ServerState:
         sessions=SessionService(store, training),
         training=training,
         checkpoints=CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir)),
-        sampling=SamplingService(
-            backend, scheduler, store, files, ephemeral, tokenizer, _eos_ids(model_path, tokenizer)
-        ),
+        sampling=sampling,
+        openai=OpenAIService(sampling, store, config.served_names()),
     )
 
 

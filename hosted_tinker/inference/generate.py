@@ -37,6 +37,9 @@ class SampleSpec:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None
+    topk_sample_logprobs: int = 0
+    # Called on the engine's thread for each sampled token: (sample index, token, logprob).
+    on_token: Callable[[int, int, float], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class SampledSequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = "length"  # or "stop"
+    topk: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token, if asked
 
 
 @dataclass
@@ -153,6 +157,11 @@ def generate(
             token = _choose(logits[r], spec, generators[r])
             seq.tokens.append(token)
             seq.logprobs.append(float(logp[r, token]))
+            if spec.topk_sample_logprobs:
+                values, indices = torch.topk(logp[r], min(spec.topk_sample_logprobs, logp.shape[-1]))
+                seq.topk.append((indices.tolist(), values.tolist()))
+            if spec.on_token is not None:
+                spec.on_token(s, token, seq.logprobs[-1])
             next_ids[r, 0] = token
             if token in spec.stop_token_ids or _hit_stop_string(seq.tokens, spec.stop_strings, decode):
                 seq.stop_reason, done[r] = "stop", True

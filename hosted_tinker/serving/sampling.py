@@ -8,6 +8,7 @@ training request waits for at most one sampling batch.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import secrets
@@ -19,7 +20,7 @@ from safetensors.torch import load as load_safetensors
 
 from hosted_tinker.backends.base import UserError
 from hosted_tinker.checkpoints import CheckpointFiles, TinkerPath
-from hosted_tinker.inference.generate import SampleSpec
+from hosted_tinker.inference.generate import SampleOutput, SampleSpec
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.proto_codec import encode_sample_response
 from hosted_tinker.scheduler import Scheduler
@@ -89,6 +90,7 @@ class SamplingService:
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         prompt_logprobs_last_n: int | None = None,
+        topk_sample_logprobs: int = 0,
     ) -> SampleSpec:
         caps = self.backend.capabilities
         if not prompt:
@@ -122,8 +124,9 @@ class SamplingService:
                 if any(s == "" for s in stops):
                     raise bad_request("sampling_params.stop contains an empty string")
                 stop_ids, stop_strings = frozenset(), tuple(stops)
-        if not 0 <= topk_prompt_logprobs <= MAX_TOPK:
-            raise bad_request(f"topk_prompt_logprobs must be between 0 and {MAX_TOPK}")
+        for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
+            if not 0 <= k <= MAX_TOPK:
+                raise bad_request(f"{name} must be between 0 and {MAX_TOPK}, got {k}")
         if prompt_logprobs_last_n is not None:
             if not (prompt_logprobs or topk_prompt_logprobs):
                 raise bad_request("prompt_logprobs_last_n needs prompt_logprobs or topk_prompt_logprobs")
@@ -142,11 +145,11 @@ class SamplingService:
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
+            topk_sample_logprobs=topk_sample_logprobs,
         )
 
     def _refuse_unsupported(self, req: wire.SampleRequest) -> None:
         unsupported = {
-            "topk_sample_logprobs": req.topk_sample_logprobs != 0,
             "target_prompt_logprobs": req.target_prompt_logprobs is not None,
             "prompt_alt_tokens_k": req.prompt_alt_tokens_k != 0,
             "record_stability_info": req.record_stability_info,
@@ -180,10 +183,22 @@ class SamplingService:
             prompt_logprobs=req.prompt_logprobs,
             topk_prompt_logprobs=req.topk_prompt_logprobs,
             prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+            topk_sample_logprobs=req.topk_sample_logprobs,
         )
         request_id = self.scheduler.register("sample", model_id=sampler.sampler_id, seq_id=seq_id)
         self.enqueue(_Pending(request_id, self.weights_of(sampler), spec))
         return request_id, sequence_ids
+
+    async def run(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
+        """Sample in-process (for the OpenAI routes): batched with everything else, awaited here."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def on_done(result: object) -> None:
+            loop.call_soon_threadsafe(_settle, done, result)
+
+        self.enqueue(_Pending("", weights, spec, on_done))
+        return await done
 
     # ---- batching ---------------------------------------------------------------------------
 
@@ -248,3 +263,12 @@ class SamplingService:
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def _settle(future: asyncio.Future, result: object) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

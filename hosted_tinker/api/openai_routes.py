@@ -1,0 +1,36 @@
+"""OpenAI-compatible ``/v1`` routes (the OpenAI SDK, curl). HTTP only."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from hosted_tinker.api.state import ServerState
+from hosted_tinker.protocol.openai_types import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter(prefix="/v1")
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict:
+    return _state(request).openai.list_models()
+
+
+@router.post("/completions", response_model=None)
+async def completions(req: CompletionRequest, request: Request) -> dict | StreamingResponse:
+    service = _state(request).openai
+    if req.stream:
+        return StreamingResponse(await service.stream(req), media_type="text/event-stream")
+    return await service.completion(req)
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> dict | StreamingResponse:
+    service = _state(request).openai
+    if req.stream:
+        return StreamingResponse(await service.stream(req), media_type="text/event-stream")
+    return await service.chat(req)

@@ -1,0 +1,50 @@
+"""Request types of the OpenAI-compatible API (``/v1``). Unknown fields are refused by name."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user label; accepted, not used
+    # Penalties change the sampling distribution; we implement none, so only 0 is accepted.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # top-k alternatives per token
+    echo: bool = False
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
