@@ -113,7 +113,10 @@ class OverHttp:
     def concurrent(self) -> tuple[float, int, list[float]]:
         """Submit every request at once, then wait on all; also each request's submit-to-result time."""
         start = time.perf_counter()
-        futures = [self.client.sample(x, num_samples=1, sampling_params=p) for x, p in zip(self.inputs, self.params)]
+        futures = [
+            self.client.sample(x, num_samples=1, sampling_params=p)
+            for x, p in zip(self.inputs, self.params, strict=True)
+        ]
         tokens, latencies = 0, []
         for future in as_completed([f.future() for f in futures]):
             latencies.append(time.perf_counter() - start)
@@ -124,7 +127,7 @@ class OverHttp:
         """The same requests, each sent only after the previous one's result came back."""
         start = time.perf_counter()
         tokens = 0
-        for x, p in zip(self.inputs, self.params):
+        for x, p in zip(self.inputs, self.params, strict=True):
             tokens += self._tokens(self.client.sample(x, num_samples=1, sampling_params=p).result())
         return time.perf_counter() - start, tokens
 

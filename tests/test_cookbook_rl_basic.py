@@ -12,9 +12,11 @@ under the same weights, and logs the mean difference as ``optim/kl_sample_train_
 near zero when the sampler serves exactly the weights the trainer holds (base model at step 0,
 then the freshly saved LoRA adapter each step), with the same numerics.
 
-``save_every=2`` makes steps 2 and 4 take the recipe's other path: ``save_state`` +
-``save_weights_for_sampler`` and then ``create_sampling_client(sampler_path)``, instead of
-``save_weights_and_get_sampling_client()``.
+``save_every=2``: after steps 1, 3 and 5 the recipe saves a periodic checkpoint (``000002``,
+``000004``, ``000006``: ``save_state`` + ``save_weights_for_sampler``) and opens the next sampler
+with ``create_sampling_client(sampler_path)``; after the other steps it uses
+``save_weights_and_get_sampling_client()``. So steps 2 and 4 roll out from a sampler loaded by path,
+and their KL checks that path too.
 """
 
 from __future__ import annotations
@@ -127,8 +129,11 @@ def test_rl_basic_sampler_matches_trainer(
         # The rollouts really were sampled and scored: a nonzero sampling entropy estimate.
         assert math.isfinite(m["optim/entropy"]) and m["optim/entropy"] > 0, m
 
-    # Periodic saves at steps 2 and 4 (both kinds), then `final`.
+    # Periodic saves (both kinds) every SAVE_EVERY batches, then `final`.
     records = read_jsonl(log_path / "checkpoints.jsonl")
-    assert [r["name"] for r in records] == ["000002", "000004", "final"], records
+    periodic = list(range(SAVE_EVERY, N_BATCHES + 1, SAVE_EVERY))
+    assert [r["name"] for r in records] == [f"{b:06d}" for b in periodic] + ["final"], records
+    assert [r["batch"] for r in records[:-1]] == periodic, records
     for r in records:
+        assert r["state_path"].startswith("tinker://") and "/weights/" in r["state_path"], r
         assert r["sampler_path"].startswith("tinker://") and "/sampler_weights/" in r["sampler_path"], r
