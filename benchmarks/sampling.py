@@ -188,6 +188,7 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in rates.items() if k != "server_concurrent_latencies"}
     latencies = [x for round_ in rates["server_concurrent_latencies"] for x in round_]
+    mid = sorted(range(args.rounds), key=lambda r: rates["server_concurrent"][r])[args.rounds // 2]
     device = f"cpu ({os.cpu_count()} cores, {platform.machine()})"
     if args.device.startswith("cuda"):
         device = torch.cuda.get_device_name()
@@ -220,6 +221,8 @@ def main() -> None:
             "median": statistics.median(latencies),
             "min": min(latencies),
             "max": max(latencies),
+            # Completion times of the median round: clusters show how the server split it into batches.
+            "median_round_sorted": [round(x, 3) for x in sorted(rates["server_concurrent_latencies"][mid])],
         },
         "notes": [
             "tokens/s counts new tokens only: requests x new_tokens / wall time, first submit to last result.",

@@ -9,8 +9,19 @@ Each of the 6 steps samples 4 groups x 4 rollouts through ``SamplingClient.sampl
 per rollout), then trains on them with ``forward_backward(loss_fn="importance_sampling")``. The
 recipe compares the sampler's per-token logprobs with the trainer's logprobs for the same tokens
 under the same weights, and logs the mean difference as ``optim/kl_sample_train_v1``. It is only
-near zero when the sampler serves exactly the weights the trainer holds (base model at step 0,
-then the freshly saved LoRA adapter each step), with the same numerics.
+near zero when the sampler serves exactly the weights the trainer holds, with the same numerics.
+
+The random tiny model never answers in the expected format, so every rollout gets the same reward
+(-0.1), every advantage is zero and the recipe's own updates leave the adapter where it started. A
+fresh LoRA adapter starts as a zero delta, so the KL alone would only compare sampler and trainer
+on the base weights. The test therefore first trains a rank-8 adapter for a few cross-entropy steps
+through the SDK and starts the recipe from it (``load_checkpoint_path``, weights only). A sampler
+that dropped the adapter would then be far off: sampling 16 tokens from the base model and scoring
+them with this adapter's trainer gives a kl_sample_train_v1 of about 6, against ~1e-7 when the
+sampler serves the adapter.
+
+The recipe's rollouts need its math-rl extras (``pylatexenc``, ``math-verify``; ``sympy`` comes with
+torch): ``rl_basic`` imports the GSM8K builder's grading module even when the builder is swapped.
 
 ``save_every=2``: after steps 1, 3 and 5 the recipe saves a periodic checkpoint (``000002``,
 ``000004``, ``000006``: ``save_state`` + ``save_weights_for_sampler``) and opens the next sampler
@@ -39,6 +50,9 @@ N_BATCHES = 6
 BATCH_SIZE = 4
 GROUP_SIZE = 4
 SAVE_EVERY = 2
+LORA_RANK = 8
+PRETRAIN_STEPS = 10
+PRETRAIN_LR = 1e-2
 KL_TOLERANCE = 1e-3
 RUN_TIMEOUT_S = 300
 
@@ -59,6 +73,42 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def pretrain_adapter(base_url: str, model_dir: Path) -> str:
+    """Train a rank-LORA_RANK adapter on arithmetic chats; return its ``tinker://.../weights/...`` path."""
+    import tinker
+    from tinker import types
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    # The role_colon rendering of the arithmetic env's conversations.
+    texts = [f"User: What is {a} + {b}?\n\nAssistant: {a + b}\n\n" for a, b in ((3, 4), (12, 30), (25, 17), (8, 61))]
+    data = []
+    for t in texts:
+        ids = tok.encode(t)
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+            )
+        )
+    sc = tinker.ServiceClient(base_url=base_url)
+    try:
+        tc = sc.create_lora_training_client(
+            base_model=ALIAS, rank=LORA_RANK, seed=0, user_metadata={"renderer_name": "role_colon"}
+        ).result()
+        nlls = []
+        for _ in range(PRETRAIN_STEPS):
+            fwd = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=PRETRAIN_LR)).result()
+            logprobs = [lp for out in fwd.result().loss_fn_outputs for lp in out["logprobs"].tolist()]
+            nlls.append(-sum(logprobs) / len(logprobs))
+        # The adapter really moved the model: it is far from a zero delta.
+        assert nlls[-1] < 0.5 * nlls[0], nlls
+        return tc.save_state("pretrained").result().path
+    finally:
+        sc.close("success").result()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_rl_basic_sampler_matches_trainer(
@@ -67,6 +117,7 @@ def test_rl_basic_sampler_matches_trainer(
     hf_home = tmp_path / "hf_home"
     seed_hf_cache(hf_home, tiny_model_dir, ALIAS)
     log_path = tmp_path / "rl_basic"  # fresh, so check_log_dir(..., "ask") does not prompt
+    pretrained = pretrain_adapter(base_url, tiny_model_dir)
 
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_DATASETS_CACHE")}
     env.update(
@@ -92,7 +143,8 @@ def test_rl_basic_sampler_matches_trainer(
         f"dataset_builder.model_name_for_tokenizer={ALIAS}",
         "dataset_builder.renderer_name=role_colon",
         "max_tokens=16",
-        "lora_rank=8",
+        f"lora_rank={LORA_RANK}",
+        f"load_checkpoint_path={pretrained}",
         f"save_every={SAVE_EVERY}",
     ]
 
@@ -114,6 +166,7 @@ def test_rl_basic_sampler_matches_trainer(
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"rl_basic timed out:\n{e.stdout}\n{server_log_tail()}")
     assert proc.returncode == 0, f"rl_basic failed ({proc.returncode}):\n{proc.stdout[-8000:]}\n{server_log_tail()}"
+    assert f"Loaded weights from {pretrained}" in proc.stdout, proc.stdout[-4000:]
 
     metrics = read_jsonl(log_path / "metrics.jsonl")
     steps = [m for m in metrics if "optim/kl_sample_train_v1" in m]
