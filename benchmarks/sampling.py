@@ -135,6 +135,21 @@ class OverHttp:
         self.service.close("success").result()
 
 
+def busy_cpu_seconds(pids: list[int]) -> tuple[float, float] | None:
+    """CPU seconds used so far by the whole machine and by ``pids`` (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = os.sysconf("SC_CLK_TCK")
+        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))  # all but idle, iowait
+        own = 0
+        for pid in pids:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            own += int(stat[11]) + int(stat[12])  # utime, stime
+        return busy / ticks, own / ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_rounds(local: HfGenerate, remote: OverHttp, rounds: int, warmup: int) -> dict[str, list]:
     """Alternate the four paths within each round so that drifting machine load hits them alike."""
     out: dict[str, list] = {k: [] for k in ("server_concurrent", "server_sequential", "hf_sequential", "hf_batched")}
@@ -181,7 +196,10 @@ def main() -> None:
     server = start_server(work, "--model", model, "--device", args.device)
     try:
         remote = OverHttp(server.base_url, prompts, args.new_tokens)
+        pids = [os.getpid(), server.proc.pid]
+        cpu_before, wall_before = busy_cpu_seconds(pids), time.perf_counter()
         rates = run_rounds(local, remote, args.rounds, args.warmup)
+        cpu_after, wall = busy_cpu_seconds(pids), time.perf_counter() - wall_before
         remote.close()
     finally:
         server.stop()
@@ -189,6 +207,12 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in rates.items() if k != "server_concurrent_latencies"}
     latencies = [x for round_ in rates["server_concurrent_latencies"] for x in round_]
     mid = sorted(range(args.rounds), key=lambda r: rates["server_concurrent"][r])[args.rounds // 2]
+    # CPU time that neither this process nor the server used while the rounds ran: other load on
+    # the machine, which the timings would suffer from (with 2 cores, badly: torch's threads wait
+    # on each other at every op).
+    foreign = None
+    if cpu_before is not None and cpu_after is not None:
+        foreign = (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1])
     device = f"cpu ({os.cpu_count()} cores, {platform.machine()})"
     if args.device.startswith("cuda"):
         device = torch.cuda.get_device_name()
@@ -224,12 +248,19 @@ def main() -> None:
             # Completion times of the median round: clusters show how the server split it into batches.
             "median_round_sorted": [round(x, 3) for x in sorted(rates["server_concurrent_latencies"][mid])],
         },
+        "measurement_wall_s": wall,
+        "other_processes_cpu_s_during_measurement": foreign,
         "notes": [
             "tokens/s counts new tokens only: requests x new_tokens / wall time, first submit to last result.",
             "Server numbers include HTTP, the tinker SDK (futures, retrieve_future polling) and the scheduler; "
             "HF numbers are bare model.generate calls in the benchmark process.",
             "Server and benchmark process run on the same CPU cores; the paths are timed one at a time, "
             "alternating within each round.",
+            "server_concurrent_request_latency_s.median_round_sorted: each request's submit-to-result time; "
+            "a step between groups means the server sampled them in separate batches.",
+            "other_processes_cpu_s_during_measurement: CPU time used on the machine by anything but the two "
+            "benchmark processes while the rounds ran; with few cores, such load slows tiny-model torch ops "
+            "far more than in proportion, so a run with a large value is not representative.",
         ],
     }
     rows = [
@@ -251,6 +282,8 @@ def main() -> None:
         ("server concurrent / server sequential", "server_concurrent_over_server_sequential"),
     ):
         print(f"  {name:<{width}}  {results['ratios'][key]:>8.2f}x")
+    if foreign is not None:
+        print(f"  other processes' CPU while measuring: {foreign:.1f} s of {wall:.1f} s wall")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"sampling-{args.device.split(':')[0]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

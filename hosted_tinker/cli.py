@@ -32,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
         proto_compress=args.proto_compress,
         sdk_transport=args.sdk_transport,
         poll_timeout_s=args.poll_timeout,
+        sample_batch_window_s=args.sample_batch_window_ms / 1000,
     )
     state = build_state(config)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", config.served_names(), config.host, config.port)
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--sdk-transport", default="httpx", choices=["httpx", "pyqwest"], help="HTTP stack the SDK should use"
     )
     serve.add_argument("--poll-timeout", type=float, default=30.0, help="long-poll cap of retrieve_future (s)")
+    serve.add_argument(
+        "--sample-batch-window-ms", type=float, default=10.0, help="how long an idle sampler gathers a batch"
+    )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 

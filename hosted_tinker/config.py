@@ -25,6 +25,7 @@ class ServerConfig(BaseModel):
     lora_alpha: float = 32.0
     max_seq_len: int | None = None
     max_tokens_per_microbatch: int = 16384
+    sample_batch_window_s: float = 0.01  # how long an idle sampler waits to gather a batch
     poll_timeout_s: float = 30.0  # long-poll cap of retrieve_future (the SDK times out at 45 s)
     proto_compress: bool = False  # ask the SDK to zstd-compress forward_backward bodies
     # The SDK's transport, chosen by the server in client/config. Against this server (HTTP/1.1)

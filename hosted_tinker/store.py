@@ -366,8 +366,24 @@ class Store:
         )
 
     def ephemeral_sampler_ids(self) -> list[str]:
-        rows = self._exec("SELECT sampler_id FROM samplers WHERE snapshot IS NOT NULL ORDER BY created_at")
-        return [r[0] for r in rows.fetchall()]
+        return [s.sampler_id for s in reversed(self.ephemeral_samplers())]
+
+    def ephemeral_samplers(self, *, model_id: str | None = None, session_id: str | None = None) -> list[SamplerRecord]:
+        """Samplers on ephemeral snapshots, newest first, optionally of one model or session."""
+        where, args = "snapshot IS NOT NULL", []
+        if model_id is not None:
+            where, args = where + " AND model_id=?", [*args, model_id]
+        if session_id is not None:
+            where, args = where + " AND session_id=?", [*args, session_id]
+        rows = self._exec(
+            "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot FROM samplers "
+            f"WHERE {where} ORDER BY created_at DESC, rowid DESC",
+            tuple(args),
+        )
+        return [SamplerRecord(*r) for r in rows.fetchall()]
+
+    def delete_sampler(self, sampler_id: str) -> None:
+        self._exec("DELETE FROM samplers WHERE sampler_id=?", (sampler_id,))
 
     def get_sampler(self, sampler_id: str) -> SamplerRecord | None:
         row = self._exec(

@@ -254,20 +254,25 @@ def test_restart_after_sigkill_keeps_every_checkpoint_loadable(tmp_path, tiny_mo
         srv.stop()
 
 
-def test_ephemeral_sampler_snapshot(base_url):
+def test_ephemeral_sampler_snapshots_and_their_retention(base_url, server):
     with tinker.ServiceClient(base_url=base_url) as sc:
         tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
         train(tc, 1)
-        first = tc.save_weights_and_get_sampling_client()
-        second = tc.save_weights_and_get_sampling_client()
-        ids = [first.result()._sampling_session_id, second.result()._sampling_session_id]
-        assert len(set(ids)) == 2 and all(":sample:" in i for i in ids)
+        clients = [tc.save_weights_and_get_sampling_client() for _ in range(10)]
+        ids = [c.result()._sampling_session_id for c in clients]
+        assert len(set(ids)) == 10 and all(":sample:" in i for i in ids)
         rest = sc.create_rest_client()
-        for sampler_id in ids:
+        for sampler_id in ids[2:]:  # the newest 8 are kept
             info = rest.get_sampler(sampler_id).result()
             assert info.base_model == ALIAS and info.model_path is None
-        # Ephemeral snapshots are not checkpoints: nothing new is listed.
+        for sampler_id in ids[:2]:
+            with pytest.raises(tinker.NotFoundError):
+                rest.get_sampler(sampler_id).result()
+        snapshots = server.data_dir / "ephemeral" / tc.get_info().model_id / "sampler_weights"
+        assert len(list(snapshots.iterdir())) == 8
+        # Ephemeral snapshots are not checkpoints: nothing is listed.
         assert rest.list_checkpoints(tc.get_info().model_id).result().checkpoints == []
+    assert list(snapshots.iterdir()) == []  # the finished session's snapshots are deleted
 
 
 def test_manifest_lists_every_file(base_url, server):

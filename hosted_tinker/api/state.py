@@ -53,15 +53,25 @@ def build_state(config: ServerConfig) -> ServerState:
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    sampling = SamplingService(backend, scheduler, store, files, ephemeral, tokenizer, _eos_ids(model_path, tokenizer))
+    sampling = SamplingService(
+        backend,
+        scheduler,
+        store,
+        files,
+        ephemeral,
+        tokenizer,
+        _eos_ids(model_path, tokenizer),
+        batch_window_s=config.sample_batch_window_s,
+    )
+    checkpoints = CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir))
     return ServerState(
         config=config,
         store=store,
         scheduler=scheduler,
         backend=backend,
-        sessions=SessionService(store, training),
+        sessions=SessionService(store, training, on_finish=checkpoints.finish_session),
         training=training,
-        checkpoints=CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir)),
+        checkpoints=checkpoints,
         sampling=sampling,
         openai=OpenAIService(sampling, store, config.served_names()),
     )

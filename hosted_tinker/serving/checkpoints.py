@@ -32,8 +32,11 @@ from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.scheduler import Job, Scheduler
 from hosted_tinker.serving.errors import ApiError, bad_request, not_found
 from hosted_tinker.serving.training import TrainingService, json_result
-from hosted_tinker.store import CheckpointRecord, ModelRecord, Store
+from hosted_tinker.store import CheckpointRecord, ModelRecord, SamplerRecord, Store
 
+# Ephemeral sampler snapshots kept per training model; older ones are deleted (asking for one
+# then gets a 404). Async RL samples from a policy a few steps stale, never from 8 steps back.
+KEEP_SNAPSHOTS = 8
 MIN_TTL_S = 3600
 MAX_TTL_S = 10 * 365 * 86400
 DOWNLOAD_URL_TTL_S = 3600
@@ -162,11 +165,22 @@ class CheckpointService:
                     model_id=req.model_id,
                     snapshot=str(snapshot),
                 )
+                self._retire_snapshots(self.store.ephemeral_samplers(model_id=req.model_id)[KEEP_SNAPSHOTS:])
                 return json_result({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
             return job
 
         return self.training.submit_ordered("save_weights_for_sampler", req.model_id, req.seq_id, prepare)
+
+    def _retire_snapshots(self, samplers: list[SamplerRecord]) -> None:
+        """Delete ephemeral snapshots (an RL loop makes one per step; each is a full adapter)."""
+        for sampler in samplers:
+            self.store.delete_sampler(sampler.sampler_id)
+            self.ephemeral.delete(TinkerPath.parse(sampler.snapshot))
+
+    def finish_session(self, session_id: str) -> None:
+        """A finished session's ephemeral samplers can no longer be used: free their disk."""
+        self._retire_snapshots(self.store.ephemeral_samplers(session_id=session_id))
 
     def save_weights_external(self, req: wire.SaveWeightsExternalRequest) -> str:
         if req.age_encryption_recipients:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.serving.errors import ApiError, not_found
@@ -11,9 +12,10 @@ from hosted_tinker.store import Store
 
 
 class SessionService:
-    def __init__(self, store: Store, training: TrainingService) -> None:
+    def __init__(self, store: Store, training: TrainingService, on_finish: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.training = training
+        self.on_finish = on_finish  # more clean-up for a finished session (its sampler snapshots)
 
     def create(self, req: wire.CreateSessionRequest) -> wire.CreateSessionResponse:
         session_id = f"sess-{secrets.token_urlsafe(12)}"
@@ -43,4 +45,6 @@ class SessionService:
         # The SDK never unloads models itself: a closed client's adapters would otherwise
         # stay in memory for the life of the server.
         self.training.unload_session(session_id)
+        if self.on_finish is not None:
+            self.on_finish(session_id)
         return {}
