@@ -192,6 +192,17 @@ def test_openai_sdk_base_and_adapter(trained, base_url):
         logprobs=1,
     )
     assert [c.text for c in completion.choices] == ["The capital of France is Paris"] * 2
+    streamed = client.completions.create(
+        model=path,
+        prompt=trained["tok"].decode(trained["prompt"]),
+        temperature=0,
+        max_tokens=24,
+        stop=["."],
+        stream=True,
+    )
+    pieces = [(c.choices[0].text, c.choices[0].finish_reason) for c in streamed if c.choices]
+    assert "".join(text for text, _ in pieces) == "The capital of France is Paris"
+    assert pieces[-1][1] == "stop" and len(pieces) > 3
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=CHAT[:1])
     with pytest.raises(openai.BadRequestError):
