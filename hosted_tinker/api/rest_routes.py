@@ -3,6 +3,8 @@ sessions, samplers and checkpoint downloads. HTTP only."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 
@@ -46,7 +48,8 @@ async def list_user_checkpoints(
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
 async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
-    _state(request).checkpoints.delete(run_id, f"{kind}/{name}")
+    # Removing a large adapter's files takes a while: keep it off the event loop.
+    await asyncio.to_thread(_state(request).checkpoints.delete, run_id, f"{kind}/{name}")
     return Response(status_code=204)
 
 
