@@ -128,5 +128,10 @@ class TrainingBackend(Protocol):
     def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
 
     def generate(
-        self, key: str | None, specs: list, decode: Callable[[list[int]], str], default_seed: Callable[[], int]
+        self,
+        key: str | None,
+        specs: list,
+        decode: Callable[[list[int]], str],
+        default_seed: Callable[[], int],
+        admit: Callable[[], list] | None = None,
     ) -> list: ...

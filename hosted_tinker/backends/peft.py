@@ -381,6 +381,7 @@ class PeftBackend:
         specs: list[SampleSpec],
         decode: Callable[[list[int]], str],
         default_seed: Callable[[], int],
+        admit: Callable[[], list[SampleSpec]] | None = None,
     ) -> list[SampleOutput]:
         """Sample from the base model (``key`` None) or from a loaded sampler adapter."""
         if key is None:
@@ -390,4 +391,4 @@ class PeftBackend:
             self.peft.set_adapter(self.samplers[key])
             context, lm = contextlib.nullcontext(), self.peft.base_model.model
         with context:
-            return generate(lm, specs, pad_id=self.pad_id, decode=decode, default_seed=default_seed)
+            return generate(lm, specs, pad_id=self.pad_id, decode=decode, default_seed=default_seed, admit=admit)

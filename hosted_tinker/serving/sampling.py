@@ -218,42 +218,61 @@ class SamplingService:
         else:
             self.scheduler.run_on_worker(self._run_batch)
 
-    def _take_batch(self) -> list[_Pending]:
+    def _take(self, key: str | None, max_rows: int) -> list[_Pending]:
+        """Oldest-first waiting requests on weights ``key``, up to ``max_rows`` sequences."""
         with self._lock:
-            batch, rows = [], 0
-            while self._pending and (not batch or rows + self._pending[0].spec.num_samples <= MAX_BATCH_ROWS):
-                item = self._pending.pop(0)
-                batch.append(item)
-                rows += item.spec.num_samples
-            return batch
+            taken, rest, rows = [], [], 0
+            for item in self._pending:
+                if item.weights.key == key and rows + item.spec.num_samples <= max_rows:
+                    taken.append(item)
+                    rows += item.spec.num_samples
+                else:
+                    rest.append(item)
+            self._pending = rest
+            return taken
 
     def _run_batch(self) -> None:
-        """On the worker: sample everything waiting (up to the row cap), grouped by weights."""
-        batch = self._take_batch()
+        """On the worker: decode the oldest request's weights group, admitting newcomers on the
+        same weights between steps, up to ``MAX_BATCH_ROWS`` sequences per run (so a run ends,
+        and training requests queued behind it wait for one run at most)."""
+        with self._lock:
+            head = self._pending[0] if self._pending else None
+        if head is not None:
+            self._sample_group(head.weights)
         with self._lock:
             more = bool(self._pending)
             self._scheduled = more
         if more:
             self.scheduler.run_on_worker(self._run_batch)
-        groups: dict[str | None, list[_Pending]] = {}
-        for item in batch:
-            groups.setdefault(item.weights.key, []).append(item)
-        for key, items in groups.items():
-            try:
-                self._ensure_loaded(items[0].weights)
-                specs = [i.spec for i in items]
-                outputs = self.backend.generate(key, specs, self._decode, lambda: secrets.randbits(62))
-            except UserError as e:
-                self._fail(items, str(e), "user")
-                continue
-            except Exception as e:
-                self._fail(items, f"internal error while sampling: {type(e).__name__}: {e}", "server")
-                continue
-            for item, output in zip(items, outputs, strict=True):
-                if item.on_done is not None:
-                    item.on_done(output)
-                else:
-                    self.scheduler.complete(item.request_id, encode_sample_response(output), "application/x-protobuf")
+
+    def _sample_group(self, weights: WeightsRef) -> None:
+        items = self._take(weights.key, MAX_BATCH_ROWS)
+        budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)
+
+        def admit() -> list[SampleSpec]:
+            nonlocal budget
+            if budget <= 0:
+                return []
+            arrivals = self._take(weights.key, budget)
+            budget -= sum(i.spec.num_samples for i in arrivals)
+            items.extend(arrivals)
+            return [i.spec for i in arrivals]
+
+        try:
+            self._ensure_loaded(weights)
+            specs = [i.spec for i in items]
+            outputs = self.backend.generate(weights.key, specs, self._decode, lambda: secrets.randbits(62), admit)
+        except UserError as e:
+            self._fail(items, str(e), "user")
+            return
+        except Exception as e:
+            self._fail(items, f"internal error while sampling: {type(e).__name__}: {e}", "server")
+            return
+        for item, output in zip(items, outputs, strict=True):
+            if item.on_done is not None:
+                item.on_done(output)
+            else:
+                self.scheduler.complete(item.request_id, encode_sample_response(output), "application/x-protobuf")
 
     def _fail(self, items: list[_Pending], error: str, category: str) -> None:
         for item in items:
