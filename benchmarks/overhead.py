@@ -10,12 +10,9 @@ Prints a table and writes benchmarks/results/overhead-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
 from hosted_tinker.backends.base import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec  # noqa: E402
 from hosted_tinker.backends.peft import PeftBackend  # noqa: E402
-from hosted_tinker.tiny_model import build_tiny_model  # noqa: E402
 from tests.conftest import ALIAS, start_server  # noqa: E402
 
 
@@ -150,16 +147,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--model", default=None, help="model dir (default: the built-in tiny model)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default=None)
+    add_common_args(parser)
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="ht-bench-"))
-    model = args.model or str(build_tiny_model(work / "models" / "tiny-qwen3"))
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model).vocab_size
+    work, model, vocab = setup(args.model)
     seqs = make_batch(args.batch, args.seq_len, vocab)
 
     local = InProcess(model, seqs, args.lr, args.device)
@@ -175,20 +166,15 @@ def main() -> None:
     # Both paths train identical adapters on identical data, so their losses must agree.
     same_math = np.allclose(timings["local_loss"], timings["remote_loss"], rtol=1e-4)
     ratio = statistics.median(timings["remote"]) / statistics.median(timings["local"])
-    device = f"cpu ({os.cpu_count()} cores, {platform.machine()})"
-    if args.device.startswith("cuda"):
-        device = torch.cuda.get_device_name()
     results = {
-        "benchmark": "overhead",
-        "device": device,
-        "torch": torch.__version__,
+        **result_header("overhead", args.device),
         "workload": {
             "batch": args.batch,
             "seq_len": args.seq_len,
             "steps_measured": args.steps * args.rounds,
             "rounds": args.rounds,
             "lora_rank": 32,
-            "model": "built-in tiny Qwen3 (0.46M params)" if args.model is None else args.model,
+            "model": model_label(args.model),
         },
         "in_process_step_ms_median": ms(timings["local"]),
         "http_step_ms_median": ms(timings["remote"]),
@@ -211,14 +197,12 @@ def main() -> None:
         ("retrieve_future of a finished result", f"{results['retrieve_future_finished_ms_median']:.2f} ms"),
         ("losses identical in both paths", str(same_math)),
     ]
-    width = max(len(r[0]) for r in rows)
-    print(f"\noverhead on {device}: batch {args.batch} x {args.seq_len} tokens, {args.rounds} x {args.steps} steps")
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value:>10}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"overhead-{args.device.split(':')[0]}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    print_table(
+        f"overhead on {results['device']}: batch {args.batch} x {args.seq_len} tokens, "
+        f"{args.rounds} x {args.steps} steps",
+        [(name, f"{value:>10}") for name, value in rows],
+    )
+    write_results(results, args.out, args.device)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,9 @@ Prints a table and writes benchmarks/results/sampling-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import as_completed
 from pathlib import Path
@@ -31,7 +28,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TINKER_API_KEY", "tml-bench")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hosted_tinker.tiny_model import build_tiny_model  # noqa: E402
+from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
 from tests.conftest import ALIAS, start_server  # noqa: E402
 
 
@@ -180,16 +177,10 @@ def main() -> None:
     parser.add_argument("--prompt-max", type=int, default=48, help="longest prompt (tokens)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--model", default=None, help="model dir (default: the built-in tiny model)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default=None)
+    add_common_args(parser)
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="ht-bench-"))
-    model = args.model or str(build_tiny_model(work / "models" / "tiny-qwen3"))
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model).vocab_size
+    work, model, vocab = setup(args.model)
     prompts = make_prompts(args.requests, vocab, args.prompt_min, args.prompt_max)
 
     local = HfGenerate(model, prompts, args.new_tokens, args.device)
@@ -213,13 +204,8 @@ def main() -> None:
     foreign = None
     if cpu_before is not None and cpu_after is not None:
         foreign = (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1])
-    device = f"cpu ({os.cpu_count()} cores, {platform.machine()})"
-    if args.device.startswith("cuda"):
-        device = torch.cuda.get_device_name()
     results = {
-        "benchmark": "sampling",
-        "device": device,
-        "torch": torch.__version__,
+        **result_header("sampling", args.device),
         "workload": {
             "requests": args.requests,
             "new_tokens_per_request": args.new_tokens,
@@ -227,7 +213,7 @@ def main() -> None:
             "sampling": "temperature 1.0, no top-k/top-p, EOS disabled (server: stop=[]; HF: min_new_tokens)",
             "rounds": args.rounds,
             "warmup_rounds": args.warmup,
-            "model": "built-in tiny Qwen3 (0.46M params)" if args.model is None else args.model,
+            "model": model_label(args.model),
         },
         "tokens_per_s_median": {
             "server_concurrent": med["server_concurrent"],
@@ -269,25 +255,20 @@ def main() -> None:
         ("model.generate loop, batch 1 each", med["hf_sequential"]),
         (f"model.generate, one batched call of {args.requests}", med["hf_batched"]),
     ]
-    width = max(len(r[0]) for r in rows + [("server concurrent / server sequential", 0.0)])
-    print(
-        f"\nsampling on {device}: {args.requests} requests x {args.new_tokens} new tokens, "
-        f"prompts {args.prompt_min}-{args.prompt_max} tokens, median of {args.rounds} rounds"
-    )
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value:>8.0f} tok/s")
-    for name, key in (
+    ratios = [
         ("server concurrent / HF loop", "server_concurrent_over_hf_sequential_loop"),
         ("server concurrent / HF batched", "server_concurrent_over_hf_batched"),
         ("server concurrent / server sequential", "server_concurrent_over_server_sequential"),
-    ):
-        print(f"  {name:<{width}}  {results['ratios'][key]:>8.2f}x")
+    ]
+    print_table(
+        f"sampling on {results['device']}: {args.requests} requests x {args.new_tokens} new tokens, "
+        f"prompts {args.prompt_min}-{args.prompt_max} tokens, median of {args.rounds} rounds",
+        [(name, f"{value:>8.0f} tok/s") for name, value in rows]
+        + [(name, f"{results['ratios'][key]:>8.2f}x") for name, key in ratios],
+    )
     if foreign is not None:
         print(f"  other processes' CPU while measuring: {foreign:.1f} s of {wall:.1f} s wall")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"sampling-{args.device.split(':')[0]}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(results, args.out, args.device)
 
 
 if __name__ == "__main__":

@@ -32,20 +32,14 @@ and their KL checks that path too.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.clients.cookbook import offline_env, read_jsonl, run_recipe
+from tests.conftest import ALIAS, ServerProcess
 
-ALIAS = "Qwen/Qwen3-8B-Base"  # the name tests/conftest.py serves the tiny model under
-SNAPSHOT = "0" * 40
 N_BATCHES = 6
 BATCH_SIZE = 4
 GROUP_SIZE = 4
@@ -55,22 +49,6 @@ PRETRAIN_STEPS = 10
 PRETRAIN_LR = 1e-2
 KL_TOLERANCE = 1e-3
 RUN_TIMEOUT_S = 300
-
-
-def seed_hf_cache(hf_home: Path, model_dir: Path, repo_id: str) -> None:
-    """Make ``AutoTokenizer.from_pretrained(repo_id)`` resolve offline to the tiny model's tokenizer."""
-    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
-    snap = repo / "snapshots" / SNAPSHOT
-    snap.mkdir(parents=True)
-    # config.json is required: AutoTokenizer fails offline without it.
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        shutil.copy(model_dir / name, snap / name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(SNAPSHOT)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def pretrain_adapter(base_url: str, model_dir: Path) -> str:
@@ -114,23 +92,11 @@ def pretrain_adapter(base_url: str, model_dir: Path) -> str:
 def test_rl_basic_sampler_matches_trainer(
     server: ServerProcess, base_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    hf_home = tmp_path / "hf_home"
-    seed_hf_cache(hf_home, tiny_model_dir, ALIAS)
+    env = offline_env(tmp_path / "hf_home", tiny_model_dir, base_url)
     log_path = tmp_path / "rl_basic"  # fresh, so check_log_dir(..., "ask") does not prompt
     pretrained = pretrain_adapter(base_url, tiny_model_dir)
 
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_DATASETS_CACHE")}
-    env.update(
-        HF_HOME=str(hf_home),
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TINKER_API_KEY="tml-test",
-        TINKER_TELEMETRY="0",
-        TINKER_BASE_URL=base_url,
-    )
     cmd = [
-        sys.executable,
         "-m",
         "tinker_cookbook.recipes.rl_basic",
         f"model_name={ALIAS}",
@@ -148,25 +114,8 @@ def test_rl_basic_sampler_matches_trainer(
         f"save_every={SAVE_EVERY}",
     ]
 
-    def server_log_tail() -> str:
-        return f"--- server log {server.log_path} ---\n{server.log_path.read_text()[-4000:]}"
-
-    try:
-        # stdin is empty: an unexpected "log dir exists" prompt fails with EOFError, not a hang.
-        proc = subprocess.run(
-            cmd,
-            cwd=tmp_path,
-            env=env,
-            input="",
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"rl_basic timed out:\n{e.stdout}\n{server_log_tail()}")
-    assert proc.returncode == 0, f"rl_basic failed ({proc.returncode}):\n{proc.stdout[-8000:]}\n{server_log_tail()}"
-    assert f"Loaded weights from {pretrained}" in proc.stdout, proc.stdout[-4000:]
+    out = run_recipe("rl_basic", cmd, server=server, env=env, cwd=tmp_path, timeout=RUN_TIMEOUT_S)
+    assert f"Loaded weights from {pretrained}" in out, out[-4000:]
 
     metrics = read_jsonl(log_path / "metrics.jsonl")
     steps = [m for m in metrics if "optim/kl_sample_train_v1" in m]

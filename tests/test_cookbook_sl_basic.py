@@ -22,19 +22,14 @@ Run 2 uses the same ``log_path`` with ``max_steps=6``. It must resume, through
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tinker_cookbook
 
-from tests.conftest import ServerProcess
+from tests.clients.cookbook import offline_env, read_jsonl, run_recipe
+from tests.conftest import ALIAS, ServerProcess
 
-ALIAS = "Qwen/Qwen3-8B-Base"  # the name tests/conftest.py serves the tiny model under
-SNAPSHOT = "0" * 40
 CONVERSATIONS = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
 BATCH_SIZE = 8
 LEARNING_RATE = 1e-3
@@ -42,22 +37,6 @@ SAVE_EVERY = 2
 RUN1_STEPS = 4
 RUN2_STEPS = 6
 RUN_TIMEOUT_S = 240
-
-
-def seed_hf_cache(hf_home: Path, model_dir: Path, repo_id: str) -> None:
-    """Make ``AutoTokenizer.from_pretrained(repo_id)`` resolve offline to the tiny model's tokenizer."""
-    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
-    snap = repo / "snapshots" / SNAPSHOT
-    snap.mkdir(parents=True)
-    # config.json is required: AutoTokenizer fails offline without it.
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        shutil.copy(model_dir / name, snap / name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(SNAPSHOT)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def linear_lr(step: int, total_steps: int) -> float:
@@ -76,24 +55,11 @@ def test_sl_basic_checkpoints_and_resume(
 ) -> None:
     import tinker
 
-    hf_home = tmp_path / "hf_home"
-    seed_hf_cache(hf_home, tiny_model_dir, ALIAS)
+    env = offline_env(tmp_path / "hf_home", tiny_model_dir, base_url)
     log_path = tmp_path / "sl_basic"
-
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_DATASETS_CACHE")}
-    env.update(
-        HF_HOME=str(hf_home),
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TINKER_API_KEY="tml-test",
-        TINKER_TELEMETRY="0",
-        TINKER_BASE_URL=base_url,
-    )
 
     def sl_basic(max_steps: int, stdin: str) -> str:
         cmd = [
-            sys.executable,
             "-m",
             "tinker_cookbook.recipes.sl_basic",
             f"model_name={ALIAS}",
@@ -112,26 +78,15 @@ def test_sl_basic_checkpoints_and_resume(
             "eval_every=0",
             f"max_steps={max_steps}",
         ]
-        try:
-            proc = subprocess.run(
-                cmd,
-                cwd=tmp_path,
-                env=env,
-                input=stdin,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                timeout=RUN_TIMEOUT_S,
-            )
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"sl_basic max_steps={max_steps} timed out:\n{e.stdout}\n{server_log_tail()}")
-        assert proc.returncode == 0, (
-            f"sl_basic max_steps={max_steps} failed ({proc.returncode}):\n{proc.stdout[-8000:]}\n{server_log_tail()}"
+        return run_recipe(
+            f"sl_basic max_steps={max_steps}",
+            cmd,
+            server=server,
+            env=env,
+            cwd=tmp_path,
+            timeout=RUN_TIMEOUT_S,
+            stdin=stdin,
         )
-        return proc.stdout
-
-    def server_log_tail() -> str:
-        return f"--- server log {server.log_path} ---\n{server.log_path.read_text()[-4000:]}"
 
     # ---- Run 1: fresh log dir, 4 steps, a periodic checkpoint at step 2, then `final`.
     # stdin is empty, so an unexpected "log dir exists" prompt fails with EOFError and does not hang.

@@ -163,12 +163,20 @@ class OpenAIService:
         top = [{self._token_str(t): v for t, v in zip(*alt, strict=True)} for alt in seq.topk] if seq.topk else None
         return {"tokens": tokens, "token_logprobs": seq.logprobs, "top_logprobs": top, "text_offset": offsets}
 
+    def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SampleSpec]:
+        """The prompt tokens and sampling spec of a request (validated: a 4xx before any output)."""
+        if isinstance(req, ChatCompletionRequest):
+            prompt = self._chat_prompt(req)
+            topk = (req.top_logprobs or 0) if req.logprobs else 0
+            return prompt, self._spec(req, prompt, req.max_completion_tokens or req.max_tokens, topk)
+        prompt = self._completion_prompt(req)
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
+        return prompt, self._spec(req, prompt, max_tokens, req.logprobs or 0)
+
     # ---- non-streaming ----------------------------------------------------------------------
 
     async def completion(self, req: CompletionRequest) -> dict:
-        prompt = self._completion_prompt(req)
-        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
-        spec = self._spec(req, prompt, max_tokens, req.logprobs or 0)
+        prompt, spec = self._prepare(req)
         output = await self.sampling.run(self.resolve(req.model), spec)
         choices = []
         for i, seq in enumerate(output.sequences):
@@ -191,10 +199,7 @@ class OpenAIService:
         }
 
     async def chat(self, req: ChatCompletionRequest) -> dict:
-        prompt = self._chat_prompt(req)
-        spec = self._spec(
-            req, prompt, req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else 0
-        )
+        prompt, spec = self._prepare(req)
         output = await self.sampling.run(self.resolve(req.model), spec)
         choices = []
         for i, seq in enumerate(output.sequences):
@@ -224,15 +229,7 @@ class OpenAIService:
         Validation happens before the first chunk, so a bad request is still a plain 4xx.
         """
         chat = isinstance(req, ChatCompletionRequest)
-        if chat:
-            prompt = self._chat_prompt(req)
-            spec = self._spec(
-                req, prompt, req.max_completion_tokens or req.max_tokens, (req.top_logprobs or 0) if req.logprobs else 0
-            )
-        else:
-            prompt = self._completion_prompt(req)
-            max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
-            spec = self._spec(req, prompt, max_tokens, req.logprobs or 0)
+        prompt, spec = self._prepare(req)
         weights = self.resolve(req.model)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()

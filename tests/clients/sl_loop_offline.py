@@ -14,8 +14,9 @@ datum construction, the training loop and its SDK calls, metrics.jsonl) is the r
   and does not contact the server.
 
 The tokenizer is resolved by the cookbook from ``model_name``; with ``HF_HUB_OFFLINE=1`` the caller
-must provide it, e.g. through a seeded ``$HF_HOME/hub/models--Qwen--Qwen3-8B-Base`` snapshot or a
-relative ``Qwen/Qwen3-8B-Base/`` directory in the working directory.
+must provide it, e.g. through a seeded ``$HF_HOME/hub/models--Qwen--Qwen3-8B-Base`` snapshot (what
+``tests.clients.cookbook.offline_env`` sets up) or a relative ``Qwen/Qwen3-8B-Base/`` directory in
+the working directory.
 """
 
 from __future__ import annotations

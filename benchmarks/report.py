@@ -1,0 +1,75 @@
+"""What every benchmark in this folder shares: its model/device/output options, the model it runs
+on, and how it reports (a console table and a JSON file under benchmarks/results/).
+
+Kept in one place so that the result files of different benchmarks describe the machine and the
+model the same way and can be compared side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hosted_tinker.tiny_model import build_tiny_model
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TINY_MODEL_LABEL = "built-in tiny Qwen3 (0.46M params)"
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--device`` and ``--out``: the options :func:`setup` and :func:`write_results` read."""
+    parser.add_argument("--model", default=None, help="model dir (default: the built-in tiny model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None)
+
+
+def setup(model_arg: str | None) -> tuple[Path, str, int]:
+    """A fresh work dir, the model to run (``model_arg`` or the tiny model built there) and its vocab size."""
+    from transformers import AutoConfig
+
+    work = Path(tempfile.mkdtemp(prefix="ht-bench-"))
+    model = model_arg or str(build_tiny_model(work / "models" / "tiny-qwen3"))
+    return work, model, AutoConfig.from_pretrained(model).vocab_size
+
+
+def model_label(model_arg: str | None) -> str:
+    """The ``workload.model`` field: the model dir as given, or a description of the tiny model."""
+    return TINY_MODEL_LABEL if model_arg is None else model_arg
+
+
+def result_header(benchmark: str, device: str) -> dict[str, Any]:
+    """The fields every result file starts with: which benchmark, on what hardware, with which torch."""
+    import torch
+
+    return {"benchmark": benchmark, "device": device_name(device), "torch": torch.__version__}
+
+
+def device_name(device: str) -> str:
+    """The ``device`` field: the GPU's name, or the CPU's core count and architecture."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name()
+    return f"cpu ({os.cpu_count()} cores, {platform.machine()})"
+
+
+def print_table(title: str, rows: list[tuple[str, str]], width: int | None = None) -> None:
+    """Print ``title`` after a blank line, then one indented ``name  value`` line per row, names aligned."""
+    width = width if width is not None else max(len(name) for name, _ in rows)
+    print(f"\n{title}")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
+def write_results(results: dict[str, Any], out: str | None, device: str) -> Path:
+    """Write ``results`` to ``out``, by default ``results/<benchmark>-<device kind>.json``, and say where."""
+    path = Path(out or RESULTS_DIR / f"{results['benchmark']}-{device.split(':')[0]}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
