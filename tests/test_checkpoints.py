@@ -216,7 +216,10 @@ def test_restart_after_sigkill_keeps_every_checkpoint_loadable(tmp_path, tiny_mo
         tc = sc.create_lora_training_client(base_model=ALIAS, rank=8, seed=5).result()
         train(tc, 2)
         path = tc.save_state("before-kill").result().path
-        tc.save_weights_for_sampler("before-kill").result()
+        sampler_path = tc.save_weights_for_sampler("before-kill").result().path
+        prompt = types.ModelInput.from_ints(list(range(10, 20)))
+        greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
+        sampled = sc.create_sampling_client(model_path=sampler_path).result().sample(prompt, 1, greedy).result()
         expected = train(tc, 2)
         run_id = tc.get_info().model_id
         # Kill while a long forward_backward is running.
@@ -239,6 +242,9 @@ def test_restart_after_sigkill_keeps_every_checkpoint_loadable(tmp_path, tiny_mo
             assert ids == {"weights/before-kill", "sampler_weights/before-kill"}
             resumed = sc2.create_training_client_from_state_with_optimizer(path).result()
             assert_identical(train(resumed, 2), expected)
+            # Sampler weights saved by the earlier run sample exactly as they did then.
+            again = sc2.create_sampling_client(model_path=sampler_path).result().sample(prompt, 1, greedy).result()
+            assert again.sequences[0].tokens == sampled.sequences[0].tokens
             health = httpx.get(f"{srv.base_url}/healthz").json()
             assert health["status"] == "ok"
     finally:
