@@ -39,8 +39,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if _is_openai(request):
-            code = exc.headers.get("x-openai-code")
-            return _openai_error(exc.status, exc.detail, code=code)
+            return _openai_error(exc.status, exc.detail, code=exc.code)
         return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(WireError)

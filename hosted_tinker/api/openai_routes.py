@@ -25,7 +25,7 @@ async def completions(req: CompletionRequest, request: Request) -> dict | Stream
     service = _state(request).openai
     if req.stream:
         return StreamingResponse(await service.stream(req), media_type="text/event-stream")
-    return await service.completion(req)
+    return await service.respond(req)
 
 
 @router.post("/chat/completions", response_model=None)
@@ -33,4 +33,4 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> dict
     service = _state(request).openai
     if req.stream:
         return StreamingResponse(await service.stream(req), media_type="text/event-stream")
-    return await service.chat(req)
+    return await service.respond(req)

@@ -304,12 +304,12 @@ class PeftBackend:
 
     # ---- state ----------------------------------------------------------------------------
 
-    def export_state(self, model_id: str) -> AdapterState:
+    def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState:
         adapter = self._adapter(model_id)
         weights = {k: p.detach().cpu().clone() for k, p in zip(adapter.keys, adapter.params, strict=True)}
         optimizer: dict[str, torch.Tensor] = {}
         for key, p in zip(adapter.keys, adapter.params, strict=True):
-            for field, value in adapter.optimizer.state.get(p, {}).items():
+            for field, value in adapter.optimizer.state.get(p, {}).items() if with_optimizer else ():
                 optimizer[f"{key}.{field}"] = value.detach().cpu().clone()
         return AdapterState(adapter.spec, weights, optimizer, adapter.steps, adapter.generator.get_state())
 

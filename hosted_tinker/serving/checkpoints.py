@@ -111,7 +111,8 @@ class CheckpointService:
     def _export(self, kind: str, model: ModelRecord) -> dict[str, bytes]:
         config = self.backend.peft_config(model.model_id)
         config["base_model_name_or_path"] = model.base_model
-        state = self.backend.export_state(model.model_id)
+        # Only training state needs the optimizer moments (twice the adapter's size).
+        state = self.backend.export_state(model.model_id, with_optimizer=kind == "weights")
         if kind == "weights":
             return state_to_files(state, config, model.base_model)
         return peft_adapter_files(config, state.weights)

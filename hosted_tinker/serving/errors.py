@@ -4,11 +4,14 @@ from __future__ import annotations
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, detail: str, headers: dict[str, str] | None = None, code: str | None = None
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
         self.headers = headers or {}
+        self.code = code  # a machine-readable reason, e.g. OpenAI's "model_not_found"
 
 
 def bad_request(detail: str) -> ApiError:

@@ -26,7 +26,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def model_not_found(name: str) -> ApiError:
-    return ApiError(404, f"The model {name!r} does not exist", headers={"x-openai-code": "model_not_found"})
+    return ApiError(404, f"The model {name!r} does not exist", code="model_not_found")
 
 
 @dataclass
@@ -175,46 +175,25 @@ class OpenAIService:
 
     # ---- non-streaming ----------------------------------------------------------------------
 
-    async def completion(self, req: CompletionRequest) -> dict:
+    async def respond(self, req: CompletionRequest | ChatCompletionRequest) -> dict:
+        """A whole completion or chat completion: every choice, its text, logprobs and usage."""
+        chat = isinstance(req, ChatCompletionRequest)
         prompt, spec = self._prepare(req)
         output = await self.sampling.run(self.resolve(req.model), spec)
         choices = []
         for i, seq in enumerate(output.sequences):
             text, _ = self._text(seq.tokens, spec)
-            choices.append(
-                {
-                    "index": i,
-                    "text": text,
-                    "finish_reason": self._finish_reason(seq),
-                    "logprobs": self._completion_logprobs(seq) if req.logprobs is not None else None,
-                }
-            )
+            choice = {"index": i, "finish_reason": self._finish_reason(seq)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = self._chat_logprobs(seq) if req.logprobs else None
+            else:
+                choice["text"] = text
+                choice["logprobs"] = self._completion_logprobs(seq) if req.logprobs is not None else None
+            choices.append(choice)
         return {
-            "id": f"cmpl-{secrets.token_hex(12)}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": choices,
-            "usage": self._usage(prompt, output),
-        }
-
-    async def chat(self, req: ChatCompletionRequest) -> dict:
-        prompt, spec = self._prepare(req)
-        output = await self.sampling.run(self.resolve(req.model), spec)
-        choices = []
-        for i, seq in enumerate(output.sequences):
-            text, _ = self._text(seq.tokens, spec)
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": self._finish_reason(seq),
-                    "logprobs": self._chat_logprobs(seq) if req.logprobs else None,
-                }
-            )
-        return {
-            "id": f"chatcmpl-{secrets.token_hex(12)}",
-            "object": "chat.completion",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": req.model,
             "choices": choices,
