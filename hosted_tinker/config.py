@@ -32,6 +32,20 @@ class ServerConfig(BaseModel):
     # httpx answers a call ~5 ms sooner than pyqwest (benchmarks/overhead.py).
     sdk_transport: Literal["httpx", "pyqwest"] = "httpx"
     max_body_bytes: int = 256 << 20
+    # Inference: the training backend's own sampler, or vLLM (launched here, or at inference_url).
+    inference: Literal["embedded", "vllm"] = "embedded"
+    inference_url: str | None = None  # an already running vLLM (implies inference="vllm")
+    vllm_python: str | None = None  # the interpreter of the vLLM venv (hosted-tinker setup-vllm)
+    vllm_gpus: str | None = None  # CUDA_VISIBLE_DEVICES for vLLM; None: the training devices
+    vllm_args: list[str] = Field(default_factory=list)  # passed through to vLLM's server
+    vllm_port: int = 0  # 0: any free port on 127.0.0.1
+    vllm_max_loras: int = 4  # adapters vLLM batches together at once
+    vllm_gpu_memory_utilization: float | None = None  # None: 0.45 when sharing a GPU with training
+    max_lora_rank: int = 64  # vLLM reserves LoRA memory for this rank; larger ranks are refused
+
+    @property
+    def uses_vllm(self) -> bool:
+        return self.inference == "vllm" or self.inference_url is not None
 
     def model_path(self) -> str:
         """The local directory or hub id to load; builds the tiny model on first use."""

@@ -210,6 +210,10 @@ class Store:
         rows = self._exec("SELECT model_id FROM models WHERE session_id=? AND status='active'", (session_id,))
         return [r[0] for r in rows.fetchall()]
 
+    def live_model_ids(self) -> list[str]:
+        rows = self._exec("SELECT model_id FROM models WHERE status='active' ORDER BY created_at")
+        return [r[0] for r in rows.fetchall()]
+
     def set_model_status(self, model_id: str, status: str) -> None:
         self._exec("UPDATE models SET status=? WHERE model_id=?", (status, model_id))
 

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from hosted_tinker.api import openai_routes, ops_routes, rest_routes, tinker_routes
+from hosted_tinker.api import openai_proxy_routes, openai_routes, ops_routes, rest_routes, tinker_routes
 from hosted_tinker.api.state import ServerState
 from hosted_tinker.protocol.proto_codec import WireError
 from hosted_tinker.serving.errors import ApiError
@@ -24,8 +24,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.scheduler.bind_loop(asyncio.get_running_loop())
         sweeper = asyncio.create_task(_delete_expired_checkpoints(state))
+        if state.vllm is not None:  # training is served while vLLM loads
+            state.vllm.live.bind_loop(asyncio.get_running_loop())
+            state.vllm.host.start()
         yield
         sweeper.cancel()
+        if state.vllm is not None:
+            await state.vllm.host.stop()
+            await state.vllm.close()
+            state.vllm.live.close()
         state.scheduler.shutdown()
         state.store.close()
 
@@ -33,13 +40,13 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.include_router(tinker_routes.router)
     app.include_router(rest_routes.router)
-    app.include_router(openai_routes.router)
+    app.include_router(openai_routes.router if state.vllm is None else openai_proxy_routes.router)
     app.include_router(ops_routes.router)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if _is_openai(request):
-            return _openai_error(exc.status, exc.detail, code=exc.code)
+            return _openai_error(exc.status, exc.detail, code=exc.code, headers=exc.headers)
         return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(WireError)
@@ -70,11 +77,18 @@ def _is_openai(request: Request) -> bool:
     return request.url.path.startswith("/v1/")
 
 
-def _openai_error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+def _openai_error(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """OpenAI's error shape, which its SDK turns into typed exceptions."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _delete_expired_checkpoints(state: ServerState, every_s: float = 600.0) -> None:

@@ -12,17 +12,26 @@ from transformers import AutoTokenizer
 
 from hosted_tinker.backends import make_backend
 from hosted_tinker.backends.base import TrainingBackend
-from hosted_tinker.checkpoints import CheckpointFiles
+from hosted_tinker.checkpoints import MANIFEST, CheckpointFiles
 from hosted_tinker.config import ServerConfig
+from hosted_tinker.inference.embedded import EmbeddedEngine
+from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.inference.lora_sync import LiveAdapters, default_root, write_zero_adapter
+from hosted_tinker.inference.vllm_engine import VllmEngine
+from hosted_tinker.inference.vllm_process import EngineState, ExternalVllm, VllmLaunch, VllmSupervisor, free_port
+from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
 from hosted_tinker.scheduler import Scheduler
 from hosted_tinker.serving.checkpoints import CheckpointService
 from hosted_tinker.serving.openai import OpenAIService
+from hosted_tinker.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.serving.sampling import SamplingService
 from hosted_tinker.serving.sessions import SessionService
 from hosted_tinker.serving.training import TrainingService
 from hosted_tinker.store import Store
 
 log = logging.getLogger(__name__)
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @dataclass
@@ -36,6 +45,8 @@ class ServerState:
     checkpoints: CheckpointService
     sampling: SamplingService
     openai: OpenAIService
+    vllm: VllmEngine | None = None
+    openai_proxy: OpenAIProxy | None = None
 
 
 def build_state(config: ServerConfig) -> ServerState:
@@ -53,6 +64,9 @@ def build_state(config: ServerConfig) -> ServerState:
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
+    if vllm is not None:
+        training.live, training.max_lora_rank = vllm.live, config.max_lora_rank
     sampling = SamplingService(
         backend,
         scheduler,
@@ -61,9 +75,11 @@ def build_state(config: ServerConfig) -> ServerState:
         ephemeral,
         tokenizer,
         _eos_ids(model_path, tokenizer),
-        batch_window_s=config.sample_batch_window_s,
+        EmbeddedEngine(backend, scheduler, tokenizer, batch_window_s=config.sample_batch_window_s),
+        vllm,
     )
     checkpoints = CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir))
+    openai = OpenAIService(sampling, store, config.served_names(), live_runs=vllm is not None)
     return ServerState(
         config=config,
         store=store,
@@ -73,8 +89,59 @@ def build_state(config: ServerConfig) -> ServerState:
         training=training,
         checkpoints=checkpoints,
         sampling=sampling,
-        openai=OpenAIService(sampling, store, config.served_names()),
+        openai=openai,
+        vllm=vllm,
+        openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,
     )
+
+
+def _build_vllm(config: ServerConfig, model_path: str, backend: TrainingBackend) -> VllmEngine:
+    """The vLLM engine: a supervised child process, or a server at ``--inference-url``."""
+    if config.inference_url is not None:
+        host = ExternalVllm(config.inference_url)
+    else:
+        python = config.vllm_python or default_vllm_python()
+        if python is not None:
+            python = os.path.abspath(python)  # not resolve(): a venv's python is a symlink out of it
+        if python is None:
+            raise SystemExit(
+                "--inference vllm: this interpreter cannot import vllm. Create its environment with "
+                "`hosted-tinker setup-vllm DIR` and pass --vllm-python DIR/bin/python."
+            )
+        try:
+            version = check_vllm_python(python)
+        except (RuntimeError, OSError) as e:
+            raise SystemExit(f"--vllm-python {python}: {e}") from None
+        log.info("vLLM %s from %s", version, python)
+        sharing_gpu = config.vllm_gpus is None and config.device.startswith("cuda")
+        launch = VllmLaunch(
+            python=python,
+            model=model_path,
+            served_names=config.served_names(),
+            port=config.vllm_port or free_port(),
+            dtype=config.dtype,
+            max_lora_rank=config.max_lora_rank,
+            max_loras=config.vllm_max_loras,
+            max_model_len=backend.capabilities.max_seq_len,
+            gpus=config.vllm_gpus,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization or (0.45 if sharing_gpu else None),
+            extra_args=config.vllm_args,
+            log_path=config.data_dir / "logs" / "vllm.log",
+        )
+        host = VllmSupervisor(launch)
+
+    def files_version(weights: WeightsRef) -> str:
+        return str((weights.directory() / MANIFEST).stat().st_mtime_ns)
+
+    def verify(weights: WeightsRef) -> None:  # SHA-256 of every file, before vLLM reads them
+        weights.files.read(weights.path, only=ADAPTER_FILES)
+
+    engine = VllmEngine(host, files_version, verify)
+    root = default_root(config.port, config.data_dir)
+    engine.live = LiveAdapters(engine.adapters, lambda: host.state is EngineState.READY, root)
+    if not (config.vllm_gpus is not None or config.device.startswith("cuda")):
+        engine.zero_adapter = write_zero_adapter(root, *backend.zero_adapter())  # see its comment
+    return engine
 
 
 def _eos_ids(model_path: str, tokenizer) -> set[int]:

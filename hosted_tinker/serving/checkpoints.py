@@ -237,6 +237,7 @@ class CheckpointService:
             def job() -> tuple[bytes, str]:
                 loaded = state_from_files(path, self.files.read(path))
                 self.backend.load_state(model.model_id, loaded.state, with_optimizer=req.optimizer)
+                self.training.weights_changed(model.model_id)
                 return json_result({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
             return job

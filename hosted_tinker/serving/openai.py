@@ -1,7 +1,8 @@
 """OpenAI-compatible completions and chat completions, served by the same sampler as Tinker.
 
 Model names: a served base-model name samples the base model; a ``tinker://…/sampler_weights/…``
-(or ``…/weights/…``) path, or the id of an ephemeral sampling session, samples that adapter.
+(or ``…/weights/…``) path, or the id of an ephemeral sampling session, samples that adapter;
+with vLLM, a training run's model id samples its adapter as of its latest optimizer step.
 Streaming is real: tokens reach the client as the engine produces them.
 """
 
@@ -15,11 +16,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from hosted_tinker.checkpoints import CheckpointError, TinkerPath
+from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.inference.generate import SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 from hosted_tinker.serving.errors import ApiError, bad_request
-from hosted_tinker.serving.sampling import SamplingService, WeightsRef
+from hosted_tinker.serving.sampling import SamplingService
 from hosted_tinker.store import Store
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -39,8 +41,11 @@ class _Row:
 
 
 class OpenAIService:
-    def __init__(self, sampling: SamplingService, store: Store, served_names: list[str]) -> None:
+    def __init__(
+        self, sampling: SamplingService, store: Store, served_names: list[str], live_runs: bool = False
+    ) -> None:
         self.sampling = sampling
+        self.live_runs = live_runs  # training run ids name their live adapters (vLLM only)
         self.store = store
         self.served_names = served_names
         self.tokenizer = sampling.tokenizer
@@ -55,6 +60,8 @@ class OpenAIService:
             if c.kind == "sampler_weights"
         ]
         names += self.store.ephemeral_sampler_ids()
+        if self.live_runs:
+            names += self.store.live_model_ids()
         now = int(time.time())
         return {
             "object": "list",
@@ -73,9 +80,12 @@ class OpenAIService:
                 raise model_not_found(name)
             return WeightsRef(name, self.sampling.files, path)
         sampler = self.store.get_sampler(name)
-        if sampler is None:
-            raise model_not_found(name)
-        return self.sampling.weights_of(sampler)
+        if sampler is not None:
+            return self.sampling.weights_of(sampler)
+        model = self.store.get_model(name)
+        if self.live_runs and model is not None and model.status == "active":
+            return WeightsRef(None, live=name)  # the run's adapter as of its latest step
+        raise model_not_found(name)
 
     # ---- requests -> specs ------------------------------------------------------------------
 

@@ -1,53 +1,32 @@
-"""Sampling: validate a request into a ``SampleSpec``, then batch it with whatever else is
-waiting and run the batch on the backend worker.
+"""Sampling: validate a request into a ``SampleSpec`` and hand it to the inference engine.
 
-Requests that arrive while the worker is busy (training another model, or a previous batch)
-accumulate and go out as one batch, so concurrent requests share forward passes, and a
-training request waits for at most one sampling batch.
+The engine is the embedded one (batched on the backend worker) or vLLM. With vLLM, requests
+that need prompt logprobs still go to the embedded engine: the training backend computes
+them exactly, and vLLM 0.32 cannot (see ``vllm_engine.needs_embedded``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import secrets
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
-
-from safetensors.torch import load as load_safetensors
 
 from hosted_tinker.backends.base import UserError
 from hosted_tinker.checkpoints import CheckpointFiles, TinkerPath
+from hosted_tinker.inference.embedded import EmbeddedEngine
+from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.inference.generate import SampleOutput, SampleSpec
+from hosted_tinker.inference.vllm_engine import VllmEngine, needs_embedded
+from hosted_tinker.inference.vllm_process import EngineUnavailable
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.proto_codec import encode_sample_response
 from hosted_tinker.scheduler import Scheduler
-from hosted_tinker.serving.errors import bad_request, not_found
+from hosted_tinker.serving.errors import ApiError, bad_request, not_found
 from hosted_tinker.store import SamplerRecord, Store
 
 DEFAULT_MAX_TOKENS = 256
 MAX_NUM_SAMPLES = 128
 MAX_TOPK = 64
-MAX_BATCH_ROWS = 64  # sequences decoded together in one batch
-
-
-@dataclass
-class WeightsRef:
-    """Which weights a sampler uses: the base model (``key`` None) or a saved adapter."""
-
-    key: str | None
-    files: CheckpointFiles | None = None
-    path: TinkerPath | None = None
-
-
-@dataclass
-class _Pending:
-    request_id: str
-    weights: WeightsRef
-    spec: SampleSpec
-    on_done: Callable[[object], None] | None = None  # for in-process callers (OpenAI routes)
 
 
 class SamplingService:
@@ -60,21 +39,19 @@ class SamplingService:
         ephemeral: CheckpointFiles,
         tokenizer,
         eos_token_ids: set[int],
-        batch_window_s: float = 0.01,
+        embedded: EmbeddedEngine,
+        vllm: VllmEngine | None = None,
     ) -> None:
         self.backend = backend
-        # A request that finds the engine idle waits this long for company: clients send a
-        # group's requests at once, and one batch of 16 costs about what a batch of 1 does.
-        self.batch_window_s = batch_window_s
         self.scheduler = scheduler
         self.store = store
         self.files = files
         self.ephemeral = ephemeral
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._lock = threading.Lock()
-        self._pending: list[_Pending] = []
-        self._scheduled = False
+        self.embedded = embedded
+        self.vllm = vllm
+        self._tasks: set[asyncio.Task] = set()
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -189,113 +166,37 @@ class SamplingService:
             prompt_logprobs_last_n=req.prompt_logprobs_last_n,
             topk_sample_logprobs=req.topk_sample_logprobs,
         )
+        if self.uses_vllm(spec):
+            self._check_vllm_ready()  # a 503 the SDK retries, rather than a failed future
         request_id = self.scheduler.register("sample", model_id=sampler.sampler_id, seq_id=seq_id)
-        self.enqueue(_Pending(request_id, self.weights_of(sampler), spec))
+        task = asyncio.get_running_loop().create_task(self._sample_into(request_id, self.weights_of(sampler), spec))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return request_id, sequence_ids
 
-    async def run(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
-        """Sample in-process (for the OpenAI routes): batched with everything else, awaited here."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def on_done(result: object) -> None:
-            loop.call_soon_threadsafe(_settle, done, result)
-
-        self.enqueue(_Pending("", weights, spec, on_done))
-        return await done
-
-    # ---- batching ---------------------------------------------------------------------------
-
-    def enqueue(self, item: _Pending) -> None:
-        """Add a request (on the event loop); start a batch after the window if none is coming."""
-        with self._lock:
-            self._pending.append(item)
-            if self._scheduled:
-                return
-            self._scheduled = True
-        if self.batch_window_s > 0:
-            asyncio.get_running_loop().call_later(self.batch_window_s, self.scheduler.run_on_worker, self._run_batch)
-        else:
-            self.scheduler.run_on_worker(self._run_batch)
-
-    def _take(self, key: str | None, max_rows: int) -> list[_Pending]:
-        """Oldest-first waiting requests on weights ``key``, up to ``max_rows`` sequences."""
-        with self._lock:
-            taken, rest, rows = [], [], 0
-            for item in self._pending:
-                if item.weights.key == key and rows + item.spec.num_samples <= max_rows:
-                    taken.append(item)
-                    rows += item.spec.num_samples
-                else:
-                    rest.append(item)
-            self._pending = rest
-            return taken
-
-    def _run_batch(self) -> None:
-        """On the worker: decode the oldest request's weights group, admitting newcomers on the
-        same weights between steps, up to ``MAX_BATCH_ROWS`` sequences per run (so a run ends,
-        and training requests queued behind it wait for one run at most)."""
-        with self._lock:
-            head = self._pending[0] if self._pending else None
-        if head is not None:
-            self._sample_group(head.weights)
-        with self._lock:
-            more = bool(self._pending)
-            self._scheduled = more
-        if more:
-            self.scheduler.run_on_worker(self._run_batch)
-
-    def _sample_group(self, weights: WeightsRef) -> None:
-        items = self._take(weights.key, MAX_BATCH_ROWS)
-        budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)
-
-        def admit() -> list[SampleSpec]:
-            nonlocal budget
-            if budget <= 0:
-                return []
-            arrivals = self._take(weights.key, budget)
-            budget -= sum(i.spec.num_samples for i in arrivals)
-            items.extend(arrivals)
-            return [i.spec for i in arrivals]
-
+    async def _sample_into(self, request_id: str, weights: WeightsRef, spec: SampleSpec) -> None:
         try:
-            self._ensure_loaded(weights)
-            specs = [i.spec for i in items]
-            outputs = self.backend.generate(weights.key, specs, self._decode, lambda: secrets.randbits(62), admit)
+            output = await self.run(weights, spec)
         except UserError as e:
-            self._fail(items, str(e), "user")
-            return
+            self.scheduler.fail(request_id, str(e), "user")
+        except EngineUnavailable as e:
+            self.scheduler.fail(request_id, str(e), "server")
         except Exception as e:
-            self._fail(items, f"internal error while sampling: {type(e).__name__}: {e}", "server")
-            return
-        for item, output in zip(items, outputs, strict=True):
-            if item.on_done is not None:
-                item.on_done(output)
-            else:
-                self.scheduler.complete(item.request_id, encode_sample_response(output), "application/x-protobuf")
+            self.scheduler.fail(request_id, f"internal error while sampling: {type(e).__name__}: {e}", "server")
+        else:
+            self.scheduler.complete(request_id, encode_sample_response(output), "application/x-protobuf")
 
-    def _fail(self, items: list[_Pending], error: str, category: str) -> None:
-        for item in items:
-            if item.on_done is not None:
-                item.on_done(UserError(error) if category == "user" else RuntimeError(error))
-            else:
-                self.scheduler.fail(item.request_id, error, category)
+    def uses_vllm(self, spec: SampleSpec) -> bool:
+        return self.vllm is not None and not needs_embedded(spec)
 
-    def _ensure_loaded(self, weights: WeightsRef) -> None:
-        if weights.key is None or self.backend.has_sampler(weights.key):
-            return
-        files = weights.files.read(weights.path, only=("adapter_config.json", "adapter_model.safetensors"))
-        config = json.loads(files["adapter_config.json"])
-        self.backend.load_sampler(weights.key, config, load_safetensors(files["adapter_model.safetensors"]))
+    def _check_vllm_ready(self) -> None:
+        try:
+            self.vllm.check_ready()
+        except EngineUnavailable as e:
+            raise ApiError(503, str(e), headers={"Retry-After": str(int(e.retry_after))}) from None
 
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
-
-
-def _settle(future: asyncio.Future, result: object) -> None:
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
+    async def run(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
+        """Sample on the engine that serves ``spec`` (for the Tinker and the OpenAI routes)."""
+        if self.uses_vllm(spec):
+            return await self.vllm.sample(weights, spec)
+        return await self.embedded.sample(weights, spec)

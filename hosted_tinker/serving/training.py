@@ -20,6 +20,7 @@ from hosted_tinker.backends.base import (
     TrainingBackend,
     UserError,
 )
+from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.proto_codec import (
     WireDatum,
@@ -49,6 +50,14 @@ class TrainingService:
         self.store = store
         self.served_names = served_names
         self.tokenizer_id = tokenizer_id
+        self.live: LiveAdapters | None = None  # with vLLM: each run's adapter synced after every change
+        self.max_lora_rank: int | None = None  # the inference engine's limit, if it has one
+
+    def weights_changed(self, model_id: str) -> None:
+        """On the worker, after a job that set a model's weights (create, load, optim_step)."""
+        if self.live is not None:
+            step, weights = self.backend.snapshot_weights(model_id)
+            self.live.publish(model_id, step, self.backend.peft_config(model_id), weights)
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -110,6 +119,11 @@ class TrainingService:
         after_create: Callable[[str], None] | None = None,
     ) -> str:
         """Register a model and queue its creation as its request 0 (``after_create`` may load state)."""
+        if self.max_lora_rank is not None and lora.rank > self.max_lora_rank:
+            raise bad_request(
+                f"lora_config.rank {lora.rank} is above the inference engine's limit of {self.max_lora_rank} "
+                "(start the server with a larger --max-lora-rank)"
+            )
         status = self.store.session_status(session_id)
         if status is None:
             raise not_found(f"session_id {session_id!r} does not exist")
@@ -129,6 +143,7 @@ class TrainingService:
                 self.backend.create_adapter(model_id, lora)
                 if after_create is not None:
                     after_create(model_id)
+                self.weights_changed(model_id)
             except BaseException:
                 self.store.set_model_status(model_id, "failed")
                 if self.backend.has_adapter(model_id):
@@ -161,6 +176,8 @@ class TrainingService:
         self.live_model(model_id)
         self.store.set_model_status(model_id, "unloaded")
         self.scheduler.close_model(model_id)
+        if self.live is not None:
+            self.live.drop(model_id)
 
         def job() -> tuple[bytes, str]:
             self.backend.delete_adapter(model_id)
@@ -295,7 +312,13 @@ class TrainingService:
                 family = req.optimizer_params.get("type")
                 raise bad_request(f"optimizer_params of type {family!r} are not supported; send adam_params")
             params = _adam_params(req.adam_params or wire.AdamParams())
-            return lambda: json_result({"metrics": self.backend.optim_step(req.model_id, params)})
+
+            def job() -> tuple[bytes, str]:
+                metrics = self.backend.optim_step(req.model_id, params)
+                self.weights_changed(req.model_id)
+                return json_result({"metrics": metrics})
+
+            return job
 
         return self.submit_ordered("optim_step", req.model_id, req.seq_id, prepare)
 

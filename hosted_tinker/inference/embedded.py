@@ -1,0 +1,146 @@
+"""The embedded engine: the training backend samples on its own worker, requests batched.
+
+Requests that arrive while the worker is busy (training another model, or a previous batch)
+accumulate and go out as one batch, so concurrent requests share forward passes, and a
+training request waits for at most one sampling batch (``MAX_BATCH_ROWS`` sequences).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+from dataclasses import dataclass
+
+from safetensors.torch import load as load_safetensors
+
+from hosted_tinker.backends.base import UserError
+from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.inference.generate import SampleOutput, SampleSpec
+from hosted_tinker.scheduler import Scheduler
+
+MAX_BATCH_ROWS = 64  # sequences decoded together in one run
+
+
+@dataclass
+class _Pending:
+    weights: WeightsRef
+    spec: SampleSpec
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def settle(self, result: SampleOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(_settle, self.done, result)
+
+
+class EmbeddedEngine:
+    name = "embedded"
+
+    def __init__(self, backend, scheduler: Scheduler, tokenizer, batch_window_s: float = 0.01) -> None:
+        self.backend = backend
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        # A request that finds the engine idle waits this long for company: clients send a
+        # group's requests at once, and one batch of 16 costs about what a batch of 1 does.
+        self.batch_window_s = batch_window_s
+        self._lock = threading.Lock()
+        self._pending: list[_Pending] = []
+        self._scheduled = False
+
+    def status(self) -> dict:
+        with self._lock:
+            waiting = len(self._pending)
+        return {"engine": self.name, "state": "ready", "waiting": waiting}
+
+    async def sample(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
+        if weights.live is not None:
+            raise UserError("the live adapter of a training run is served by --inference vllm only")
+        loop = asyncio.get_running_loop()
+        item = _Pending(weights, spec, loop.create_future(), loop)
+        with self._lock:
+            self._pending.append(item)
+            start = not self._scheduled
+            self._scheduled = True
+        if start and self.batch_window_s > 0:
+            loop.call_later(self.batch_window_s, self.scheduler.run_on_worker, self._run_batch)
+        elif start:
+            self.scheduler.run_on_worker(self._run_batch)
+        return await item.done
+
+    # ---- on the worker ----------------------------------------------------------------------
+
+    def _take(self, key: str | None, max_rows: int) -> list[_Pending]:
+        """Oldest-first waiting requests on weights ``key``, up to ``max_rows`` sequences."""
+        with self._lock:
+            taken, rest, rows = [], [], 0
+            for item in self._pending:
+                if item.weights.key == key and rows + item.spec.num_samples <= max_rows:
+                    taken.append(item)
+                    rows += item.spec.num_samples
+                else:
+                    rest.append(item)
+            self._pending = rest
+            return taken
+
+    def _run_batch(self) -> None:
+        """Decode the oldest request's weights group, admitting newcomers on the same weights
+        between steps, up to ``MAX_BATCH_ROWS`` sequences per run (so a run ends, and training
+        requests queued behind it wait for one run at most)."""
+        with self._lock:
+            head = self._pending[0] if self._pending else None
+        if head is not None:
+            self._sample_group(head.weights)
+        with self._lock:
+            more = bool(self._pending)
+            self._scheduled = more
+        if more:
+            self.scheduler.run_on_worker(self._run_batch)
+
+    def _sample_group(self, weights: WeightsRef) -> None:
+        items = self._take(weights.key, MAX_BATCH_ROWS)
+        budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)
+
+        def admit() -> list[SampleSpec]:
+            nonlocal budget
+            if budget <= 0:
+                return []
+            arrivals = self._take(weights.key, budget)
+            budget -= sum(i.spec.num_samples for i in arrivals)
+            items.extend(arrivals)
+            return [i.spec for i in arrivals]
+
+        try:
+            self._ensure_loaded(weights)
+            specs = [i.spec for i in items]
+            outputs = self.backend.generate(weights.key, specs, self._decode, lambda: secrets.randbits(62), admit)
+        except UserError as e:
+            for item in items:
+                item.settle(e)
+            return
+        except Exception as e:
+            error = RuntimeError(f"internal error while sampling: {type(e).__name__}: {e}")
+            for item in items:
+                item.settle(error)
+            return
+        for item, output in zip(items, outputs, strict=True):
+            item.settle(output)
+
+    def _ensure_loaded(self, weights: WeightsRef) -> None:
+        if weights.key is None or self.backend.has_sampler(weights.key):
+            return
+        files = weights.files.read(weights.path, only=("adapter_config.json", "adapter_model.safetensors"))
+        config = json.loads(files["adapter_config.json"])
+        self.backend.load_sampler(weights.key, config, load_safetensors(files["adapter_model.safetensors"]))
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def _settle(future: asyncio.Future, result: object) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

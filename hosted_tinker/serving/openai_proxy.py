@@ -1,0 +1,121 @@
+"""``/v1/*`` with vLLM as the engine: requests forwarded to vLLM, responses streamed straight back.
+
+Our model names (served base names, ``tinker://`` sampler paths, sampling session ids, training
+run ids for the live adapter) are resolved here, the adapter is leased in vLLM for the request's
+lifetime, and vLLM's name for it is swapped back to the client's in every response line. vLLM's
+own parameters pass through untouched, so it validates them; its admin routes are not exposed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from hosted_tinker.backends.base import UserError
+from hosted_tinker.inference.vllm_engine import VllmEngine
+from hosted_tinker.inference.vllm_process import EngineUnavailable
+from hosted_tinker.serving.errors import ApiError, bad_request
+from hosted_tinker.serving.openai import OpenAIService
+
+# Paths of vLLM's we never forward: adapter management is ours alone.
+BLOCKED = {"load_lora_adapter", "unload_lora_adapter"}
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+
+
+def unavailable(e: EngineUnavailable) -> ApiError:
+    return ApiError(503, str(e), headers={"Retry-After": str(int(e.retry_after))}, code="engine_unavailable")
+
+
+class OpenAIProxy:
+    def __init__(self, openai: OpenAIService, vllm: VllmEngine) -> None:
+        self.openai = openai
+        self.vllm = vllm
+
+    async def forward(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> Response:
+        if path in BLOCKED:
+            raise ApiError(404, f"/v1/{path} is not available through this server")
+        payload = None
+        if body:
+            try:
+                payload = json.loads(body)
+            except ValueError:
+                raise bad_request("the request body is not valid JSON") from None
+        if isinstance(payload, dict) and (
+            payload.get("prompt_logprobs") is not None or (payload.get("echo") and payload.get("logprobs") is not None)
+        ):
+            # vLLM 0.32's engine dies on prompt logprobs whenever LoRA is enabled (vllm#29955).
+            raise bad_request(
+                "prompt logprobs (prompt_logprobs, or echo with logprobs) are not available through vLLM here; "
+                "use the Tinker SDK's compute_logprobs, which the trainer answers"
+            )
+        stack = AsyncExitStack()
+        try:
+            name = payload.get("model") if isinstance(payload, dict) else None
+            if name is not None:
+                if not isinstance(name, str):
+                    raise bad_request("model must be a string")
+                weights = self.openai.resolve(name)
+                vllm_name = await stack.enter_async_context(self.vllm.lease(weights))
+                body = json.dumps(payload | {"model": vllm_name}).encode()
+                rename = (json.dumps(vllm_name).encode(), json.dumps(name).encode())
+            else:
+                self.vllm.check_ready()
+                rename = None
+            request = self.vllm.client.build_request(
+                method,
+                f"{self.vllm.host.base_url}/v1/{path}",
+                content=body,
+                headers={"content-type": headers.get("content-type", "application/json")},
+            )
+            upstream = await self.vllm.client.send(request, stream=True)
+            stack.push_async_callback(upstream.aclose)
+        except EngineUnavailable as e:
+            await stack.aclose()
+            raise unavailable(e) from None
+        except httpx.HTTPError as e:
+            await stack.aclose()
+            raise unavailable(EngineUnavailable(f"vLLM is not answering ({type(e).__name__}: {e})")) from None
+        except UserError as e:
+            await stack.aclose()
+            raise bad_request(str(e)) from None
+        except BaseException:
+            await stack.aclose()
+            raise
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return StreamingResponse(
+                _lines(upstream, rename, stack), status_code=upstream.status_code, headers=out_headers
+            )
+        try:
+            content = await upstream.aread()
+        finally:
+            await stack.aclose()
+        if rename is not None:
+            content = content.replace(*rename)
+        return Response(content, status_code=upstream.status_code, headers=out_headers)
+
+
+async def _lines(
+    upstream: httpx.Response, rename: tuple[bytes, bytes] | None, stack: AsyncExitStack
+) -> AsyncIterator[bytes]:
+    """Pass server-sent events through as they arrive, a whole line at a time (a name is never
+    split across chunks), releasing the adapter when the stream ends or the client leaves."""
+    try:
+        pending = b""
+        async for chunk in upstream.aiter_raw():
+            pending += chunk
+            cut = pending.rfind(b"\n") + 1
+            if cut:
+                ready, pending = pending[:cut], pending[cut:]
+                yield ready.replace(*rename) if rename is not None else ready
+        if pending:
+            yield pending.replace(*rename) if rename is not None else pending
+    except httpx.HTTPError as e:
+        error = {"error": {"message": f"vLLM failed mid-stream: {type(e).__name__}", "type": "server_error"}}
+        yield f"data: {json.dumps(error)}\n\n".encode()
+    finally:
+        await stack.aclose()

