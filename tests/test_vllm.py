@@ -178,6 +178,28 @@ def test_openai_proxy_streams_and_maps_names(base_url, trained):
     assert inference(base_url)["state"] == "ready"
 
 
+def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, tiny_model_dir, trained):
+    """A second server borrows the first one's vLLM: base and adapter sampling both work."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
+    srv = start_server(tmp_path, "--inference-url", inference(vllm_server.base_url)["url"])
+    try:
+        status = wait_ready(srv.base_url, timeout=30)
+        assert status["external"] is True
+        prompt = types.ModelInput.from_ints(trained["prompt"])
+        with tinker.ServiceClient(base_url=srv.base_url) as sc:
+            base = sc.create_sampling_client(base_model=ALIAS).result()
+            theirs = trained["sc"].create_sampling_client(base_model=ALIAS).result()
+            assert base.sample(prompt, 1, GREEDY).result().sequences[0].tokens == (
+                theirs.sample(prompt, 1, GREEDY).result().sequences[0].tokens
+            )
+            tc = sc.create_lora_training_client(base_model=ALIAS, rank=8).result()
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            assert len(sampler.sample(prompt, 2, types.SamplingParams(max_tokens=5, stop=[])).result().sequences) == 2
+    finally:
+        srv.stop()
+
+
 @pytest.mark.timeout(900)
 def test_killing_vllm_fails_calls_cleanly_and_it_comes_back(tmp_path, tiny_model_dir):
     """SIGKILL vLLM mid-run: in-flight sampling fails with a clear error, new calls get 503 while

@@ -25,14 +25,11 @@ def create_app(state: ServerState) -> FastAPI:
         state.scheduler.bind_loop(asyncio.get_running_loop())
         sweeper = asyncio.create_task(_delete_expired_checkpoints(state))
         if state.vllm is not None:  # training is served while vLLM loads
-            state.vllm.live.bind_loop(asyncio.get_running_loop())
-            state.vllm.host.start()
+            state.vllm.start()
         yield
         sweeper.cancel()
         if state.vllm is not None:
-            await state.vllm.host.stop()
-            await state.vllm.close()
-            state.vllm.live.close()
+            await state.vllm.stop()
         state.scheduler.shutdown()
         state.store.close()
 

@@ -79,6 +79,8 @@ def build_state(config: ServerConfig) -> ServerState:
         vllm,
     )
     checkpoints = CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir))
+    if vllm is not None:
+        checkpoints.on_sampler_saved = vllm.prefetch_threadsafe
     openai = OpenAIService(sampling, store, config.served_names(), live_runs=vllm is not None)
     return ServerState(
         config=config,

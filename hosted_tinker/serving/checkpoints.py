@@ -14,6 +14,7 @@ import hmac
 import json
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hosted_tinker.backends.base import TrainingBackend
@@ -28,6 +29,7 @@ from hosted_tinker.checkpoints import (
     validate_name,
 )
 from hosted_tinker.checkpoints import describe as describe_checkpoint
+from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.scheduler import Job, Scheduler
 from hosted_tinker.serving.errors import ApiError, bad_request, not_found
@@ -62,6 +64,12 @@ class CheckpointService:
         self.files = files
         self.ephemeral = ephemeral  # snapshots behind save_weights_and_get_sampling_client
         self._secret = secret
+        # Called on the worker with each new sampler adapter (vLLM loads it before it is asked for).
+        self.on_sampler_saved: Callable[[WeightsRef], None] | None = None
+
+    def _sampler_saved(self, files: CheckpointFiles, path: TinkerPath) -> None:
+        if self.on_sampler_saved is not None:
+            self.on_sampler_saved(WeightsRef(str(path), files, path))
 
     # ---- saving -----------------------------------------------------------------------------
 
@@ -100,6 +108,8 @@ class CheckpointService:
                     model_id, kind, name, size_bytes=size, ttl_seconds=ttl_seconds, user_metadata=user_metadata or {}
                 )
                 result = {"path": str(path), "type": request_kind, **(extra or {})}
+                if kind == "sampler_weights":
+                    self._sampler_saved(self.files, path)
                 if kind == "external_weights":
                     result["size_bytes"] = size
                 return json_result(result)
@@ -167,6 +177,7 @@ class CheckpointService:
                     snapshot=str(snapshot),
                 )
                 self._retire_snapshots(self.store.ephemeral_samplers(model_id=req.model_id)[KEEP_SNAPSHOTS:])
+                self._sampler_saved(self.ephemeral, snapshot)
                 return json_result({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
             return job

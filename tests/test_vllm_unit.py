@@ -1,0 +1,271 @@
+"""The vLLM engine's parts without vLLM: request/response mapping, adapter bookkeeping, LoRA sync,
+launch command, and the supervisor's restart loop (against a stand-in server process)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import stat
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from hosted_tinker.inference.generate import SampleSpec
+from hosted_tinker.inference.lora_sync import LiveAdapters
+from hosted_tinker.inference.vllm_engine import AdapterRegistry, needs_embedded, parse_response, request_body
+from hosted_tinker.inference.vllm_process import EngineState, EngineUnavailable, VllmLaunch, VllmSupervisor, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---- SampleSpec <-> /v1/completions ---------------------------------------------------------
+
+
+def test_request_body_carries_every_sampling_parameter():
+    spec = SampleSpec(
+        prompt=[1, 2, 3],
+        max_tokens=7,
+        num_samples=3,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        seed=11,
+        stop_token_ids=frozenset({9, 4}),
+        stop_strings=("\n\n",),
+        topk_sample_logprobs=2,
+    )
+    body = request_body("ht-1", spec)
+    assert body["model"] == "ht-1" and body["prompt"] == [1, 2, 3] and body["n"] == 3
+    assert (body["max_tokens"], body["temperature"], body["top_k"], body["top_p"], body["seed"]) == (
+        7,
+        0.7,
+        20,
+        0.9,
+        11,
+    )
+    assert body["stop_token_ids"] == [4, 9] and body["stop"] == ["\n\n"] and body["ignore_eos"] is True
+    assert body["logprobs"] == 2 and body["return_token_ids"] and body["return_tokens_as_token_ids"]
+    assert "seed" not in request_body("x", SampleSpec(prompt=[1], max_tokens=1))
+
+
+def test_parse_response_orders_choices_and_keeps_the_top_k():
+    spec = SampleSpec(prompt=[1], max_tokens=2, num_samples=2, topk_sample_logprobs=2)
+    body = {
+        "choices": [
+            {
+                "index": 1,
+                "token_ids": [7, 2],
+                "finish_reason": "stop",
+                "logprobs": {
+                    "token_logprobs": [-3.0, -0.1],
+                    # the sampled token (7) is not in the top 2: vLLM adds it, we drop it
+                    "top_logprobs": [
+                        {"token_id:7": -3.0, "token_id:5": -0.5, "token_id:6": -1.0},
+                        {"token_id:2": -0.1, "token_id:3": -2.5},
+                    ],
+                },
+            },
+            {
+                "index": 0,
+                "token_ids": [5, 5],
+                "finish_reason": "length",
+                "logprobs": {
+                    "token_logprobs": [-0.5, -0.2],
+                    "top_logprobs": [{"token_id:5": -0.5, "token_id:6": -1.0}, {"token_id:5": -0.2, "token_id:1": -2}],
+                },
+            },
+        ]
+    }
+    out = parse_response(body, spec)
+    assert [s.tokens for s in out.sequences] == [[5, 5], [7, 2]]
+    assert [s.stop_reason for s in out.sequences] == ["length", "stop"]
+    assert out.sequences[1].topk[0] == ([5, 6], [-0.5, -1.0])
+    assert out.sequences[1].logprobs == [-3.0, -0.1]
+
+
+def test_prompt_logprob_requests_stay_with_the_trainer():
+    assert needs_embedded(SampleSpec(prompt=[1, 2], max_tokens=1, prompt_logprobs=True))
+    assert needs_embedded(SampleSpec(prompt=[1, 2], max_tokens=1, topk_prompt_logprobs=3))
+    assert needs_embedded(SampleSpec(prompt=[1, 2], max_tokens=0))
+    assert not needs_embedded(SampleSpec(prompt=[1, 2], max_tokens=5, topk_sample_logprobs=3))
+
+
+# ---- adapter bookkeeping --------------------------------------------------------------------
+
+
+class FakeVllm:
+    """Records load/unload calls; can be told to fail loads."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.fail = False
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.01)  # a load takes time: concurrent callers overlap
+        body = json.loads(request.content)
+        op = request.url.path.rsplit("/", 1)[-1]
+        self.calls.append((op, body["lora_name"]))
+        if self.fail:
+            return httpx.Response(400, text="bad adapter")
+        return httpx.Response(200, text="ok")
+
+
+def registry(fake: FakeVllm) -> AdapterRegistry:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(fake.handler))
+    return AdapterRegistry(client, lambda: "http://vllm")
+
+
+def test_concurrent_users_share_one_load_and_retired_versions_unload_after_use(tmp_path):
+    async def run() -> None:
+        fake = FakeVllm()
+        reg = registry(fake)
+        names = await asyncio.gather(*(reg.acquire("v1", tmp_path) for _ in range(5)))
+        assert len(set(names)) == 1 and fake.calls == [("load_lora_adapter", names[0])]
+        assert reg.retire("v1") is True
+        for _ in range(4):
+            reg.release("v1")
+        await asyncio.sleep(0)
+        assert len(fake.calls) == 1  # still one user
+        reg.release("v1")
+        await asyncio.sleep(0.1)
+        assert fake.calls[-1] == ("unload_lora_adapter", names[0])
+        assert reg.retire("never-loaded") is False
+        second = await reg.acquire("v1", tmp_path)  # a retired key loads again under a new name
+        assert second != names[0]
+
+    asyncio.run(run())
+
+
+def test_a_failed_load_reaches_every_waiter_and_is_retried(tmp_path):
+    async def run() -> None:
+        fake = FakeVllm()
+        fake.fail = True
+        reg = registry(fake)
+        results = await asyncio.gather(*(reg.acquire("v1", tmp_path) for _ in range(3)), return_exceptions=True)
+        assert all("refused" in str(r) for r in results) and len(fake.calls) == 1
+        fake.fail = False
+        assert await reg.acquire("v1", tmp_path)
+        reg.forget()  # vLLM restarted
+        assert reg.loaded() == 0
+
+    asyncio.run(run())
+
+
+def test_live_sync_coalesces_steps_and_readers_wait_for_it(tmp_path):
+    async def run() -> None:
+        fake = FakeVllm()
+        reg = registry(fake)
+        live = LiveAdapters(reg, lambda: True, tmp_path)
+        live.bind_loop(asyncio.get_running_loop())
+        config = {"peft_type": "LORA", "r": 1, "target_modules": ["q_proj"]}
+        for step in range(1, 6):  # five steps published back to back, before any sync ran
+            live.publish("run:train:0", step, config, {"w.lora_A.weight": torch.full((1, 2), float(step))})
+        await asyncio.sleep(0)
+        key, directory = await live.current("run:train:0")
+        assert directory.name.startswith("step5-")
+        loads = [c for c in fake.calls if c[0] == "load_lora_adapter"]
+        assert len(loads) <= 2  # the first, then only the newest pending one
+        assert sorted(p.name for p in directory.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert not list(directory.parent.glob(".writing-*"))
+        stats = live.stats()
+        assert stats["synced_versions"] == len(loads) and stats["latency_ms_last"] is not None
+        live.drop("run:train:0")
+        await asyncio.sleep(0.1)
+        assert fake.calls[-1][0] == "unload_lora_adapter" and not directory.exists()
+        with pytest.raises(Exception, match="no adapter"):
+            await live.current("run:train:0")
+
+    asyncio.run(run())
+
+
+# ---- launching ------------------------------------------------------------------------------
+
+
+def test_launch_command_and_environment():
+    launch = VllmLaunch(
+        python="/venv/bin/python",
+        model="/m",
+        served_names=["a", "b"],
+        port=1234,
+        dtype="bfloat16",
+        max_lora_rank=32,
+        gpus="1,2",
+        gpu_memory_utilization=0.45,
+        extra_args=["--tensor-parallel-size", "2"],
+    )
+    cmd = launch.command()
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--served-model-name") + 1 : cmd.index("--served-model-name") + 3] == ["a", "b"]
+    assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1] == "32"
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45" and cmd[-2:] == ["--tensor-parallel-size", "2"]
+    env = launch.env()
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,2" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    mine = VllmLaunch("p", "/m", ["a"], 1, gpu_memory_utilization=0.45, extra_args=["--gpu-memory-utilization", "0.9"])
+    assert mine.command().count("--gpu-memory-utilization") == 1  # the user's value wins
+
+
+STAND_IN = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_supervisor_restarts_a_killed_server_and_stops_it(tmp_path):
+    """A stand-in for vLLM's server module, launched through a wrapper "python"."""
+    package = tmp_path / "site" / "vllm" / "entrypoints" / "openai"
+    package.mkdir(parents=True)
+    for d in (package, package.parent, package.parent.parent):
+        (d / "__init__.py").write_text("")
+    (package / "api_server.py").write_text(STAND_IN)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "site"} exec {sys.executable} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+
+    async def run() -> None:
+        restarted = []
+        launch = VllmLaunch(str(wrapper), "/m", ["m"], free_port(), log_path=tmp_path / "vllm.log")
+        sup = VllmSupervisor(launch, on_restart=lambda: restarted.append(1))
+        sup.start()
+        with pytest.raises(EngineUnavailable, match="starting"):
+            sup.check_ready()
+        assert await sup.wait_ready(30)
+        first = sup.pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while sup.state is EngineState.READY and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with pytest.raises(EngineUnavailable, match="restarting after: was killed by signal 9"):
+            sup.check_ready()
+        deadline = time.monotonic() + 30
+        while sup.state is not EngineState.READY and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert sup.state is EngineState.READY and sup.pid != first and sup.restarts == 1 and restarted == [1]
+        second = sup.pid
+        await sup.stop()
+        assert sup.state is EngineState.STOPPED
+        with pytest.raises(ProcessLookupError):
+            os.kill(second, 0)
+
+    asyncio.run(run())
+
+
+def test_setup_vllm_checks_its_arguments_and_the_interpreter(tmp_path):
+    from hosted_tinker.inference.vllm_setup import check_vllm_python, setup_vllm
+
+    with pytest.raises(ValueError, match="variant"):
+        setup_vllm(tmp_path / "env", "rocm")
+    assert not (tmp_path / "env").exists()  # refused before creating anything
+    if importlib.util.find_spec("vllm") is None:  # the training venv has no vllm
+        with pytest.raises(RuntimeError, match="cannot import vllm"):
+            check_vllm_python(sys.executable)
