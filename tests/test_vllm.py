@@ -108,7 +108,10 @@ def test_sampled_tokens_come_from_vllm(base_url, trained):
     sampler = trained["sc"].create_sampling_client(model_path=path).result()
     seq = sampler.sample(types.ModelInput.from_ints(trained["prompt"]), 1, GREEDY).result().sequences[0]
     assert trained["tok"].decode(seq.tokens) == "The capital of France is Paris.<|im_end|>"
-    assert inference(base_url)["adapter_loads"] == before + 1
+    assert inference(base_url)["adapter_loads"] == before + 1  # loaded once, when it was saved
+    tinker.RestClient(base_url=base_url).delete_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(Exception, match="no longer exists"):
+        sampler.sample(types.ModelInput.from_ints(trained["prompt"]), 1, GREEDY).result()
 
 
 def test_rank_above_the_engine_limit_is_refused(base_url):
@@ -235,6 +238,9 @@ def test_killing_vllm_fails_calls_cleanly_and_it_comes_back(tmp_path, tiny_model
         os.kill(inference(srv.base_url)["pid"], signal.SIGKILL)
         with pytest.raises(Exception, match="vLLM"):
             long.result(timeout=120)
+        deadline = time.monotonic() + 10  # the supervisor notices within half a second
+        while inference(srv.base_url)["state"] == "ready" and time.monotonic() < deadline:
+            time.sleep(0.1)
         during = httpx.post(
             f"{srv.base_url}/v1/completions", json={"model": ALIAS, "prompt": "hi", "max_tokens": 2}, timeout=30
         )

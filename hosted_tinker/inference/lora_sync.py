@@ -96,22 +96,31 @@ class LiveAdapters:
         try:
             while run.pending is not None:
                 snapshot, run.pending = run.pending, None
-                directory = self.root / model_id.replace(":", "_") / f"step{snapshot.step}-{secrets.token_hex(4)}"
-                await asyncio.to_thread(_write_adapter, directory, snapshot)
-                key = f"live:{model_id}:{directory.name}"
-                if self._ready():
-                    try:  # load now, so the first request after the step does not pay for it
-                        await self.adapters.acquire(key, directory, remove_dir(directory))
-                        self.adapters.release(key)
-                    except Exception as e:  # it loads on first use instead
-                        log.warning("LoRA sync of %s step %d: %s", model_id, snapshot.step, e)
-                previous, run.current = run.current, (key, directory)
-                if previous is not None and not self.adapters.retire(previous[0]):
-                    shutil.rmtree(previous[1], ignore_errors=True)
-                self._latencies.append(time.monotonic() - snapshot.taken_at)
-                self.synced += 1
+                try:
+                    await self._sync_one(model_id, run, snapshot)
+                except Exception:  # the previous version stays live; the next step tries again
+                    log.exception("LoRA sync of %s step %d failed", model_id, snapshot.step)
         finally:
             run.syncing.set()
+
+    async def _sync_one(self, model_id: str, run: _Run, snapshot: _Snapshot) -> None:
+        directory = self.root / model_id.replace(":", "_") / f"step{snapshot.step}-{secrets.token_hex(4)}"
+        await asyncio.to_thread(_write_adapter, directory, snapshot)
+        key = f"live:{model_id}:{directory.name}"
+        if self._runs.get(model_id) is not run:  # unloaded meanwhile
+            shutil.rmtree(directory, ignore_errors=True)
+            return
+        if self._ready():
+            try:  # load now, so the first request after the step does not pay for it
+                await self.adapters.acquire(key, directory, remove_dir(directory))
+                self.adapters.release(key)
+            except Exception as e:  # it loads on first use instead
+                log.warning("LoRA sync of %s step %d: %s", model_id, snapshot.step, e)
+        previous, run.current = run.current, (key, directory)
+        if previous is not None and not self.adapters.retire(previous[0]):
+            shutil.rmtree(previous[1], ignore_errors=True)
+        self._latencies.append(time.monotonic() - snapshot.taken_at)
+        self.synced += 1
 
     async def current(self, model_id: str) -> tuple[str, Path]:
         """The newest synced version of a run's adapter (waiting for a sync in progress)."""

@@ -230,7 +230,10 @@ class VllmEngine:
             key, directory, on_unload, verify = "base:zero", self.zero_adapter, None, None
         else:
             # The manifest's version: an overwritten checkpoint is another adapter.
-            key = f"{weights.key}#{self._files_version(weights)}"
+            try:
+                key = f"{weights.key}#{self._files_version(weights)}"
+            except FileNotFoundError:
+                raise UserError(f"{weights.key} no longer exists (deleted, or past its TTL)") from None
             directory, on_unload, verify = weights.directory(), None, lambda: self._verify(weights)
         name = await self.adapters.acquire(key, directory, on_unload, verify)
         try:
@@ -269,6 +272,9 @@ class VllmEngine:
                     resp = await self.client.post(url, json=body)
             except httpx.HTTPError as e:
                 raise EngineUnavailable(f"vLLM failed while sampling ({type(e).__name__}: {e})") from e
+        if resp.status_code == 404:  # a vLLM we did not see restart has forgotten our adapters
+            self.adapters.forget()
+            raise EngineUnavailable(f"vLLM no longer holds the adapter ({resp.text[:200]}); retry", 1.0)
         if resp.status_code >= 500:
             raise EngineUnavailable(f"vLLM failed while sampling: {resp.status_code} {resp.text[:300]}")
         if resp.status_code != 200:
