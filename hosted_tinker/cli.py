@@ -9,16 +9,13 @@ import shlex
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from hosted_tinker.config import ServerConfig
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from hosted_tinker.api.app import create_app
-    from hosted_tinker.api.state import build_state
-
-    config = ServerConfig(
+def _config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
         model=args.model,
         model_names=args.model_name,
         tokenizer_id=args.tokenizer_id,
@@ -44,6 +41,18 @@ def _serve(args: argparse.Namespace) -> int:
         vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_lora_rank=args.max_lora_rank,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hosted_tinker.api.app import create_app
+    from hosted_tinker.api.state import build_state
+
+    try:
+        config = _config(args)
+    except ValidationError as e:
+        raise SystemExit(f"invalid options: {e}") from None
     state = build_state(config)
     logging.getLogger(__name__).info("serving %s on http://%s:%d", config.served_names(), config.host, config.port)
     uvicorn.run(create_app(state), host=config.host, port=config.port, log_level=args.log_level)
@@ -106,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--inference-url", default=None, help="use this running vLLM server (implies vllm)")
     engine.add_argument("--vllm-python", default=None, help="python of the vLLM venv (see setup-vllm)")
-    engine.add_argument("--vllm-gpus", default=None, help="GPUs for vLLM, e.g. 1,2 (default: the training GPUs)")
+    engine.add_argument("--vllm-gpus", default=None, help="GPUs for vLLM, e.g. 1,2 (default: share the training GPU)")
     engine.add_argument(
         "--vllm-arg", action="append", default=[], help="extra arguments for vLLM's server (repeatable, shell-split)"
     )

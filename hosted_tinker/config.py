@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 TINY_MODEL_NAME = "hosted-tinker/tiny-qwen3"
+VLLM_LORA_RANKS = {1, 8, 16, 32, 64, 128, 256, 320, 512}  # the --max-lora-rank values vLLM accepts
 
 
 class ServerConfig(BaseModel):
@@ -42,6 +43,13 @@ class ServerConfig(BaseModel):
     vllm_max_loras: int = 4  # adapters vLLM batches together at once
     vllm_gpu_memory_utilization: float | None = None  # None: 0.45 when sharing a GPU with training
     max_lora_rank: int = 64  # vLLM reserves LoRA memory for this rank; larger ranks are refused
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_rank(cls, rank: int) -> int:
+        if rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {sorted(VLLM_LORA_RANKS)} (vLLM's sizes), got {rank}")
+        return rank
 
     @property
     def uses_vllm(self) -> bool:

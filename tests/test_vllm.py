@@ -174,8 +174,14 @@ def test_openai_proxy_streams_and_maps_names(base_url, trained):
         client.completions.create(model=ALIAS, prompt="hi", max_tokens=-1)
     with pytest.raises(openai.BadRequestError, match="prompt logprobs"):  # would crash vLLM 0.32
         client.completions.create(model=ALIAS, prompt="hi", max_tokens=1, echo=True, logprobs=1)
-    blocked = httpx.post(f"{base_url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
-    assert blocked.status_code == 404
+    for path in ("load_lora_adapter", "load_lora_adapter/", "unload_lora_adapter"):
+        blocked = httpx.post(f"{base_url}/v1/{path}", json={"lora_name": "x", "lora_path": "/tmp"})
+        assert blocked.status_code == 404, path
+    # No model: the base model, leased like any other (on CPU through the all-zero adapter).
+    bare = {"prompt": "hello", "max_tokens": 8, "temperature": 0}
+    unnamed = httpx.post(f"{base_url}/v1/completions", json=bare, timeout=60).json()
+    named = httpx.post(f"{base_url}/v1/completions", json=bare | {"model": ALIAS}, timeout=60).json()
+    assert unnamed["choices"][0]["text"] == named["choices"][0]["text"]
     bad = httpx.post(f"{base_url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     assert inference(base_url)["state"] == "ready"

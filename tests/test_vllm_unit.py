@@ -18,7 +18,8 @@ import torch
 
 from hosted_tinker.inference.generate import SampleSpec
 from hosted_tinker.inference.lora_sync import LiveAdapters
-from hosted_tinker.inference.vllm_engine import AdapterRegistry, needs_embedded, parse_response, request_body
+from hosted_tinker.inference.vllm_adapters import AdapterRegistry
+from hosted_tinker.inference.vllm_engine import needs_embedded, parse_response, request_body
 from hosted_tinker.inference.vllm_process import EngineState, EngineUnavailable, VllmLaunch, VllmSupervisor, free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,19 +126,53 @@ def test_concurrent_users_share_one_load_and_retired_versions_unload_after_use(t
     async def run() -> None:
         fake = FakeVllm()
         reg = registry(fake)
-        names = await asyncio.gather(*(reg.acquire("v1", tmp_path) for _ in range(5)))
-        assert len(set(names)) == 1 and fake.calls == [("load_lora_adapter", names[0])]
+        cleaned = []
+        held = await asyncio.gather(*(reg.acquire("v1", tmp_path, lambda: cleaned.append(1)) for _ in range(5)))
+        assert len({a.name for a in held}) == 1 and fake.calls == [("load_lora_adapter", held[0].name)]
         assert reg.retire("v1") is True
-        for _ in range(4):
-            reg.release("v1")
+        for adapter in held[:4]:
+            reg.release(adapter)
         await asyncio.sleep(0)
-        assert len(fake.calls) == 1  # still one user
-        reg.release("v1")
+        assert len(fake.calls) == 1 and not cleaned  # still one user
+        reg.release(held[4])
         await asyncio.sleep(0.1)
-        assert fake.calls[-1] == ("unload_lora_adapter", names[0])
+        assert fake.calls[-1] == ("unload_lora_adapter", held[0].name) and cleaned == [1]
         assert reg.retire("never-loaded") is False
-        second = await reg.acquire("v1", tmp_path)  # a retired key loads again under a new name
-        assert second != names[0]
+        again = await reg.acquire("v1", tmp_path)  # a retired key loads again under a new name
+        assert again.name != held[0].name
+
+    asyncio.run(run())
+
+
+def test_idle_eviction_unloads_without_deleting_and_restarts_keep_counts_apart(tmp_path, monkeypatch):
+    import hosted_tinker.inference.vllm_adapters as adapters
+
+    monkeypatch.setattr(adapters, "MAX_IDLE_ADAPTERS", 1)
+
+    async def run() -> None:
+        fake = FakeVllm()
+        reg = registry(fake)
+        cleaned = []
+        names = {}
+        for key in ("a", "b"):
+            adapter = await reg.acquire(key, tmp_path, lambda k=key: cleaned.append(k))
+            names[key] = adapter.name
+            reg.release(adapter)
+        await asyncio.sleep(0.1)
+        assert fake.calls[-1] == ("unload_lora_adapter", names["a"])
+        assert cleaned == [] and reg.loaded() == 1  # evicted, not deleted: it reloads on demand
+        assert reg.retire("a") is False  # not in vLLM: the caller deletes its files
+
+        old = await reg.acquire("b", tmp_path)
+        reg.forget()  # vLLM restarted while `old` was in use
+        new = await reg.acquire("b", tmp_path, lambda: cleaned.append("b"))
+        reg.release(old)  # the old holder's release must not count against the new load
+        assert new.users == 1 and reg.retire("b") is True
+        await asyncio.sleep(0.1)
+        assert ("unload_lora_adapter", new.name) not in fake.calls  # still in use
+        reg.release(new)
+        await asyncio.sleep(0.1)
+        assert fake.calls[-1] == ("unload_lora_adapter", new.name) and cleaned == ["b"]
 
     asyncio.run(run())
 
@@ -150,7 +185,7 @@ def test_a_failed_load_reaches_every_waiter_and_is_retried(tmp_path):
         results = await asyncio.gather(*(reg.acquire("v1", tmp_path) for _ in range(3)), return_exceptions=True)
         assert all("refused" in str(r) for r in results) and len(fake.calls) == 1
         fake.fail = False
-        assert await reg.acquire("v1", tmp_path)
+        assert (await reg.acquire("v1", tmp_path)).name
         reg.forget()  # vLLM restarted
         assert reg.loaded() == 0
 
@@ -203,6 +238,7 @@ def test_launch_command_and_environment():
     assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--served-model-name") + 1 : cmd.index("--served-model-name") + 3] == ["a", "b"]
     assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1] == "32"
+    assert cmd[cmd.index("--max-logprobs") + 1] == "64" and cmd[cmd.index("--logprobs-mode") + 1] == "raw_logprobs"
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45" and cmd[-2:] == ["--tensor-parallel-size", "2"]
     env = launch.env()
     assert env["CUDA_VISIBLE_DEVICES"] == "1,2" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
@@ -269,3 +305,13 @@ def test_setup_vllm_checks_its_arguments_and_the_interpreter(tmp_path):
     if importlib.util.find_spec("vllm") is None:  # the training venv has no vllm
         with pytest.raises(RuntimeError, match="cannot import vllm"):
             check_vllm_python(sys.executable)
+
+
+def test_max_lora_rank_must_be_a_size_vllm_accepts():
+    from pydantic import ValidationError
+
+    from hosted_tinker.config import ServerConfig
+
+    assert ServerConfig(max_lora_rank=32).max_lora_rank == 32
+    with pytest.raises(ValidationError, match="max_lora_rank must be one of"):
+        ServerConfig(max_lora_rank=48)

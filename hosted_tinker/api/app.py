@@ -28,9 +28,9 @@ def create_app(state: ServerState) -> FastAPI:
             state.vllm.start()
         yield
         sweeper.cancel()
+        state.scheduler.shutdown()  # first: a step finishing now may still publish to vLLM
         if state.vllm is not None:
             await state.vllm.stop()
-        state.scheduler.shutdown()
         state.store.close()
 
     app = FastAPI(title="hosted-tinker", lifespan=lifespan)

@@ -16,9 +16,9 @@ from hosted_tinker.checkpoints import MANIFEST, CheckpointFiles
 from hosted_tinker.config import ServerConfig
 from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import WeightsRef
-from hosted_tinker.inference.lora_sync import LiveAdapters, default_root, write_zero_adapter
+from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
 from hosted_tinker.inference.vllm_engine import VllmEngine
-from hosted_tinker.inference.vllm_process import EngineState, ExternalVllm, VllmLaunch, VllmSupervisor, free_port
+from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
 from hosted_tinker.scheduler import Scheduler
 from hosted_tinker.serving.checkpoints import CheckpointService
@@ -115,7 +115,9 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: TrainingBackend)
         except (RuntimeError, OSError) as e:
             raise SystemExit(f"--vllm-python {python}: {e}") from None
         log.info("vLLM %s from %s", version, python)
-        sharing_gpu = config.vllm_gpus is None and config.device.startswith("cuda")
+        gpus, sharing_gpu = config.vllm_gpus, False
+        if gpus is None and config.device.startswith("cuda"):  # default: the training GPU, shared
+            gpus, sharing_gpu = config.device.partition(":")[2] or "0", True
         launch = VllmLaunch(
             python=python,
             model=model_path,
@@ -125,7 +127,7 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: TrainingBackend)
             max_lora_rank=config.max_lora_rank,
             max_loras=config.vllm_max_loras,
             max_model_len=backend.capabilities.max_seq_len,
-            gpus=config.vllm_gpus,
+            gpus=gpus,
             gpu_memory_utilization=config.vllm_gpu_memory_utilization or (0.45 if sharing_gpu else None),
             extra_args=config.vllm_args,
             log_path=config.data_dir / "logs" / "vllm.log",
@@ -138,12 +140,10 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: TrainingBackend)
     def verify(weights: WeightsRef) -> None:  # SHA-256 of every file, before vLLM reads them
         weights.files.read(weights.path, only=ADAPTER_FILES)
 
-    engine = VllmEngine(host, files_version, verify)
-    root = default_root(config.port, config.data_dir)
-    engine.live = LiveAdapters(engine.adapters, lambda: host.state is EngineState.READY, root)
-    if not (config.vllm_gpus is not None or config.device.startswith("cuda")):
-        engine.zero_adapter = write_zero_adapter(root, *backend.zero_adapter())  # see its comment
-    return engine
+    root = default_root(config.data_dir)
+    on_gpu = config.vllm_gpus is not None or config.device.startswith("cuda")
+    zero = None if on_gpu else write_zero_adapter(root, *backend.zero_adapter())  # see VllmEngine
+    return VllmEngine(host, files_version, verify, root, zero)
 
 
 def _eos_ids(model_path: str, tokenizer) -> set[int]:

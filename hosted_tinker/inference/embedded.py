@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from safetensors.torch import load as load_safetensors
 
-from hosted_tinker.backends.base import UserError
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.inference.generate import SampleOutput, SampleSpec
 from hosted_tinker.scheduler import Scheduler
@@ -54,8 +53,6 @@ class EmbeddedEngine:
         return {"engine": self.name, "state": "ready", "waiting": waiting}
 
     async def sample(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
-        if weights.live is not None:
-            raise UserError("the live adapter of a training run is served by --inference vllm only")
         loop = asyncio.get_running_loop()
         item = _Pending(weights, spec, loop.create_future(), loop)
         with self._lock:
@@ -114,14 +111,9 @@ class EmbeddedEngine:
             self._ensure_loaded(weights)
             specs = [i.spec for i in items]
             outputs = self.backend.generate(weights.key, specs, self._decode, lambda: secrets.randbits(62), admit)
-        except UserError as e:
+        except Exception as e:  # UserError or not: the caller tells them apart
             for item in items:
                 item.settle(e)
-            return
-        except Exception as e:
-            error = RuntimeError(f"internal error while sampling: {type(e).__name__}: {e}")
-            for item in items:
-                item.settle(error)
             return
         for item, output in zip(items, outputs, strict=True):
             item.settle(output)

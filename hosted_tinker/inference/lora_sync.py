@@ -9,7 +9,8 @@ version is retired (unloaded once no request uses it, its directory deleted).
 
 Steps that come faster than syncs coalesce: only the newest pending weights are written.
 A request for a run's live adapter waits for a sync in progress, so after ``optim_step``
-returns, the next request samples the new weights.
+returns, the next request samples the new weights (if that sync failed, it is logged and the
+previous version stays live until the next step).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,16 +32,24 @@ import torch
 
 from hosted_tinker.backends.base import UserError
 from hosted_tinker.checkpoints import peft_adapter_files
-from hosted_tinker.inference.vllm_engine import AdapterRegistry, remove_dir
+from hosted_tinker.inference.vllm_adapters import AdapterRegistry, remove_dir, spawn
 
 log = logging.getLogger(__name__)
 
 
-def default_root(port: int, data_dir: Path) -> Path:
-    """Shared memory when the machine has it (an adapter write is then a memory copy)."""
+ROOT_PREFIX = "hosted-tinker-live-"
+
+
+def default_root(data_dir: Path) -> Path:
+    """A fresh folder in shared memory when the machine has it (an adapter write is then a memory
+    copy), else in ``data_dir``; folders of servers that died without cleaning up are removed."""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else data_dir
-    return Path(tempfile.mkdtemp(prefix=f"hosted-tinker-live-{port}-", dir=base))
+    for stale in base.glob(f"{ROOT_PREFIX}*"):
+        pid = stale.name.removeprefix(ROOT_PREFIX).split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-", dir=base))
 
 
 @dataclass
@@ -58,20 +68,22 @@ class _Run:
 
 
 class LiveAdapters:
-    def __init__(self, adapters: AdapterRegistry, ready: callable, root: Path) -> None:
+    def __init__(self, adapters: AdapterRegistry, ready: Callable[[], bool], root: Path) -> None:
         self.adapters = adapters
         self._ready = ready  # True when vLLM can load now (else a version loads on first use)
         self.root = root
         self._runs: dict[str, _Run] = {}
+        self._dropped: set[str] = set()  # unloaded runs: a step already on the worker is ignored
+        self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._latencies: deque[float] = deque(maxlen=256)
-        self._tasks: set[asyncio.Task] = set()
         self.synced = 0
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
     def close(self) -> None:
+        self._closed = True
         shutil.rmtree(self.root, ignore_errors=True)
 
     # ---- called on the worker -------------------------------------------------------------
@@ -84,13 +96,13 @@ class LiveAdapters:
     # ---- on the event loop ----------------------------------------------------------------
 
     def _enqueue(self, model_id: str, snapshot: _Snapshot) -> None:
+        if model_id in self._dropped or self._closed:
+            return
         run = self._runs.setdefault(model_id, _Run())
         run.pending = snapshot
         if run.syncing is None or run.syncing.is_set():
             run.syncing = asyncio.Event()
-            task = asyncio.get_running_loop().create_task(self._sync(model_id, run))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            spawn(self._sync(model_id, run))
 
     async def _sync(self, model_id: str, run: _Run) -> None:
         try:
@@ -112,8 +124,7 @@ class LiveAdapters:
             return
         if self._ready():
             try:  # load now, so the first request after the step does not pay for it
-                await self.adapters.acquire(key, directory, remove_dir(directory))
-                self.adapters.release(key)
+                self.adapters.release(await self.adapters.acquire(key, directory, remove_dir(directory)))
             except Exception as e:  # it loads on first use instead
                 log.warning("LoRA sync of %s step %d: %s", model_id, snapshot.step, e)
         previous, run.current = run.current, (key, directory)
@@ -133,12 +144,10 @@ class LiveAdapters:
 
     def drop(self, model_id: str) -> None:
         """The run was unloaded: retire its adapter."""
+        self._dropped.add(model_id)
         run = self._runs.pop(model_id, None)
         if run is not None and run.current is not None and not self.adapters.retire(run.current[0]):
             shutil.rmtree(run.current[1], ignore_errors=True)
-
-    def has(self, model_id: str) -> bool:
-        return model_id in self._runs
 
     def stats(self) -> dict:
         lat = list(self._latencies)

@@ -64,8 +64,9 @@ class VllmLaunch:
     served_names: list[str]
     port: int
     dtype: str = "auto"
-    max_lora_rank: int = 32
+    max_lora_rank: int = 64
     max_loras: int = 4
+    max_logprobs: int = 64  # top-k logprobs a request may ask for (vLLM's default is 20)
     max_model_len: int | None = None
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES for the child; None: inherit
     gpu_memory_utilization: float | None = None
@@ -97,6 +98,8 @@ class VllmLaunch:
             # trainer computes for the same tokens (and what the embedded engine reports).
             "--logprobs-mode",
             "raw_logprobs",
+            "--max-logprobs",
+            str(self.max_logprobs),
             "--disable-uvicorn-access-log",  # our health checks would fill its log
         ]
         if self.max_model_len is not None:
@@ -118,13 +121,16 @@ class VllmLaunch:
         return env
 
 
+try:  # resolved now: the child, forked from a threaded process, must only make the call
+    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except OSError:  # not Linux
+    _prctl = None
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
-    """In the child before exec: own process group, and SIGTERM when our server dies."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    """In the child before exec: SIGTERM when our server dies, however it dies."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _log_errors(path: Path | None, lines: int = 3) -> str:
@@ -146,7 +152,6 @@ class VllmSupervisor:
         self.base_url = f"http://{launch.host}:{launch.port}"
         self.model_name = launch.served_names[0]  # what vLLM calls the base model
         self.state = EngineState.STOPPED
-        self.generation = 0
         self.restarts = 0
         self.last_error: str | None = None
         self.started_at: float | None = None
@@ -213,15 +218,12 @@ class VllmSupervisor:
     async def _supervise(self) -> None:
         failures = 0
         while not self._stopping:
-            launched = time.monotonic()
-            await asyncio.to_thread(self._spawn)
-            exit_reason = await self._wait_healthy()
-            if exit_reason is None:
-                self.generation += 1
-                self.state, self.started_at = EngineState.READY, time.monotonic()
-                self._ready.set()
-                log.info("vLLM ready at %s (pid %s) after %.1f s", self.base_url, self.pid, time.monotonic() - launched)
-                exit_reason = await self._watch()
+            self.started_at = None
+            try:
+                exit_reason = await self._run_once()
+            except Exception as e:  # could not even launch it (a bad --vllm-python, a full disk)
+                log.exception("launching vLLM failed")
+                exit_reason = f"could not be launched: {type(e).__name__}: {e}"
             if self._stopping:
                 return
             # Dead or wedged: make sure nothing of it is left, then start again after a pause.
@@ -233,12 +235,24 @@ class VllmSupervisor:
             if self.on_restart is not None:
                 self.on_restart()
             if self.started_at is not None and time.monotonic() - self.started_at > STABLE_AFTER_S:
-                failures = 0
+                failures = 0  # this launch served for a good while: not a crash loop
             delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
             failures += 1
             self.restarts += 1
             log.error("vLLM %s; restarting in %.0f s (restart %d)", exit_reason, delay, self.restarts)
             await asyncio.sleep(delay)
+
+    async def _run_once(self) -> str:
+        """Launch vLLM and serve until it stops being healthy; return why it did."""
+        launched = time.monotonic()
+        await asyncio.to_thread(self._spawn)
+        exit_reason = await self._wait_healthy()
+        if exit_reason is not None:
+            return exit_reason
+        self.state, self.started_at = EngineState.READY, time.monotonic()
+        self._ready.set()
+        log.info("vLLM ready at %s (pid %s) after %.1f s", self.base_url, self.pid, time.monotonic() - launched)
+        return await self._watch()
 
     def _spawn(self) -> None:
         if self.launch.log_path is not None:
@@ -253,7 +267,8 @@ class VllmSupervisor:
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
+            start_new_session=True,  # its own process group, so that stopping it stops all of it
+            preexec_fn=_die_with_parent if _prctl is not None else None,
         )
         if out is not subprocess.DEVNULL:
             out.close()
@@ -322,12 +337,10 @@ class ExternalVllm:
         self.base_url = base_url.rstrip("/")
         self.model_name = ""  # read from its /v1/models once it answers
         self.state = EngineState.STARTING
-        self.generation = 0
-        self.restarts = 0
         self.last_error: str | None = None
         self.on_restart = on_restart
         self._task: asyncio.Task | None = None
-        self._ready = asyncio.Event()
+        self._answered_before = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="vllm-external")
@@ -337,16 +350,9 @@ class ExternalVllm:
             self._task.cancel()
         self.state = EngineState.STOPPED
 
-    pid = None
-
-    async def wait_ready(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
-
     def check_ready(self) -> None:
+        if self.state is EngineState.STARTING:
+            raise EngineUnavailable(f"the inference engine at {self.base_url} has not answered yet")
         if self.state is not EngineState.READY:
             raise EngineUnavailable(f"the inference engine at {self.base_url} is not answering ({self.last_error})")
 
@@ -372,12 +378,10 @@ class ExternalVllm:
                     ok, error = False, f"{type(e).__name__}: {e}"
                 if ok and self.state is not EngineState.READY:
                     # A server that comes back may be a new process: forget what it had loaded.
-                    self.generation += 1
-                    if self.generation > 1 and self.on_restart is not None:
+                    if self._answered_before and self.on_restart is not None:
                         self.on_restart()
+                    self._answered_before = True
                     self.state = EngineState.READY
-                    self._ready.set()
                 elif not ok:
                     self.state, self.last_error = EngineState.UNREACHABLE, error
-                    self._ready.clear()
                 await asyncio.sleep(HEALTH_INTERVAL_S)

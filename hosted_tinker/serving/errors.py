@@ -20,3 +20,8 @@ def bad_request(detail: str) -> ApiError:
 
 def not_found(detail: str) -> ApiError:
     return ApiError(404, detail)
+
+
+def unavailable(detail: str, retry_after: float) -> ApiError:
+    """The inference engine cannot take the request now (503: clients, the SDK among them, retry)."""
+    return ApiError(503, detail, headers={"Retry-After": str(max(1, round(retry_after)))}, code="engine_unavailable")

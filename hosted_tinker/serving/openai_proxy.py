@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from hosted_tinker.backends.base import UserError
 from hosted_tinker.inference.vllm_engine import VllmEngine
 from hosted_tinker.inference.vllm_process import EngineUnavailable
-from hosted_tinker.serving.errors import ApiError, bad_request
+from hosted_tinker.serving.errors import ApiError, bad_request, unavailable
 from hosted_tinker.serving.openai import OpenAIService
 
 # Paths of vLLM's we never forward: adapter management is ours alone.
@@ -26,8 +26,29 @@ BLOCKED = {"load_lora_adapter", "unload_lora_adapter"}
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
 
 
-def unavailable(e: EngineUnavailable) -> ApiError:
-    return ApiError(503, str(e), headers={"Retry-After": str(int(e.retry_after))}, code="engine_unavailable")
+def _unavailable(e: EngineUnavailable) -> ApiError:
+    return unavailable(str(e), e.retry_after)
+
+
+def _asks_prompt_logprobs(payload: dict) -> bool:
+    return payload.get("prompt_logprobs") is not None or bool(
+        payload.get("echo") and payload.get("logprobs") is not None
+    )
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer that releases the adapter lease and the upstream response even when the
+    client goes away before the first chunk (when the body generator never starts)."""
+
+    def __init__(self, content: AsyncIterator[bytes], stack: AsyncExitStack, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._stack = stack
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stack.aclose()
 
 
 class OpenAIProxy:
@@ -35,7 +56,8 @@ class OpenAIProxy:
         self.openai = openai
         self.vllm = vllm
 
-    async def forward(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> Response:
+    async def forward(self, method: str, path: str, query: str, body: bytes, headers: dict[str, str]) -> Response:
+        path = path.strip("/")
         if path in BLOCKED:
             raise ApiError(404, f"/v1/{path} is not available through this server")
         payload = None
@@ -44,9 +66,7 @@ class OpenAIProxy:
                 payload = json.loads(body)
             except ValueError:
                 raise bad_request("the request body is not valid JSON") from None
-        if isinstance(payload, dict) and (
-            payload.get("prompt_logprobs") is not None or (payload.get("echo") and payload.get("logprobs") is not None)
-        ):
+        if isinstance(payload, dict) and _asks_prompt_logprobs(payload):
             # vLLM 0.32's engine dies on prompt logprobs whenever LoRA is enabled (vllm#29955).
             raise bad_request(
                 "prompt logprobs (prompt_logprobs, or echo with logprobs) are not available through vLLM here; "
@@ -54,56 +74,53 @@ class OpenAIProxy:
             )
         stack = AsyncExitStack()
         try:
-            name = payload.get("model") if isinstance(payload, dict) else None
-            if name is not None:
+            rename, vllm_name = None, None
+            if isinstance(payload, dict):
+                # No model means the base model, which must still go through the engine's lease
+                # (on CPU it is an all-zero adapter, see VllmEngine.zero_adapter).
+                name = payload.get("model", self.openai.served_names[0])
                 if not isinstance(name, str):
                     raise bad_request("model must be a string")
                 weights = self.openai.resolve(name)
                 vllm_name = await stack.enter_async_context(self.vllm.lease(weights))
                 body = json.dumps(payload | {"model": vllm_name}).encode()
-                rename = (json.dumps(vllm_name).encode(), json.dumps(name).encode())
+                if vllm_name != name:
+                    rename = (json.dumps(vllm_name).encode(), json.dumps(name).encode())
             else:
                 self.vllm.check_ready()
-                rename = None
-            request = self.vllm.client.build_request(
-                method,
-                f"{self.vllm.host.base_url}/v1/{path}",
-                content=body,
-                headers={"content-type": headers.get("content-type", "application/json")},
-            )
+            url = f"{self.vllm.host.base_url}/v1/{path}" + (f"?{query}" if query else "")
+            content_type = headers.get("content-type", "application/json")
+            request = self.vllm.client.build_request(method, url, content=body, headers={"content-type": content_type})
             upstream = await self.vllm.client.send(request, stream=True)
             stack.push_async_callback(upstream.aclose)
+            if upstream.status_code == 404 and vllm_name is not None and vllm_name != name:
+                raise self.vllm.lost(vllm_name)
+            out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                lines = _lines(upstream, rename)
+                return _Stream(lines, stack, status_code=upstream.status_code, headers=out_headers)
+            content = await upstream.aread()
         except EngineUnavailable as e:
             await stack.aclose()
-            raise unavailable(e) from None
+            raise _unavailable(e) from None
         except httpx.HTTPError as e:
             await stack.aclose()
-            raise unavailable(EngineUnavailable(f"vLLM is not answering ({type(e).__name__}: {e})")) from None
+            raise _unavailable(EngineUnavailable(f"vLLM is not answering ({type(e).__name__}: {e})")) from None
         except UserError as e:
             await stack.aclose()
             raise bad_request(str(e)) from None
         except BaseException:
             await stack.aclose()
             raise
-        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
-        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(
-                _lines(upstream, rename, stack), status_code=upstream.status_code, headers=out_headers
-            )
-        try:
-            content = await upstream.aread()
-        finally:
-            await stack.aclose()
+        await stack.aclose()
         if rename is not None:
             content = content.replace(*rename)
         return Response(content, status_code=upstream.status_code, headers=out_headers)
 
 
-async def _lines(
-    upstream: httpx.Response, rename: tuple[bytes, bytes] | None, stack: AsyncExitStack
-) -> AsyncIterator[bytes]:
-    """Pass server-sent events through as they arrive, a whole line at a time (a name is never
-    split across chunks), releasing the adapter when the stream ends or the client leaves."""
+async def _lines(upstream: httpx.Response, rename: tuple[bytes, bytes] | None) -> AsyncIterator[bytes]:
+    """Pass server-sent events through as they arrive, whole lines at a time (a name is never
+    split across chunks), with vLLM's adapter name swapped for the client's."""
     try:
         pending = b""
         async for chunk in upstream.aiter_raw():
@@ -117,5 +134,3 @@ async def _lines(
     except httpx.HTTPError as e:
         error = {"error": {"message": f"vLLM failed mid-stream: {type(e).__name__}", "type": "server_error"}}
         yield f"data: {json.dumps(error)}\n\n".encode()
-    finally:
-        await stack.aclose()

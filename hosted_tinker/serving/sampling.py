@@ -21,7 +21,7 @@ from hosted_tinker.inference.vllm_process import EngineUnavailable
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.proto_codec import encode_sample_response
 from hosted_tinker.scheduler import Scheduler
-from hosted_tinker.serving.errors import ApiError, bad_request, not_found
+from hosted_tinker.serving.errors import bad_request, not_found, unavailable
 from hosted_tinker.store import SamplerRecord, Store
 
 DEFAULT_MAX_TOKENS = 256
@@ -183,6 +183,9 @@ class SamplingService:
             self.scheduler.fail(request_id, str(e), "server")
         except Exception as e:
             self.scheduler.fail(request_id, f"internal error while sampling: {type(e).__name__}: {e}", "server")
+        except asyncio.CancelledError:  # the server is shutting down: the future must still end
+            self.scheduler.fail(request_id, "the server stopped while sampling; retry", "server")
+            raise
         else:
             self.scheduler.complete(request_id, encode_sample_response(output), "application/x-protobuf")
 
@@ -193,7 +196,7 @@ class SamplingService:
         try:
             self.vllm.check_ready()
         except EngineUnavailable as e:
-            raise ApiError(503, str(e), headers={"Retry-After": str(int(e.retry_after))}) from None
+            raise unavailable(str(e), e.retry_after) from None
 
     async def run(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
         """Sample on the engine that serves ``spec`` (for the Tinker and the OpenAI routes)."""

@@ -4,6 +4,7 @@ queue a job that runs on the backend worker and encodes its own result."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 from collections.abc import Callable
@@ -36,6 +37,8 @@ JSON = "application/json"
 MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
 PROTOBUF = "application/x-protobuf"
 
+log = logging.getLogger(__name__)
+
 
 def json_result(obj: dict) -> tuple[bytes, str]:
     return json.dumps(obj).encode(), JSON
@@ -55,9 +58,13 @@ class TrainingService:
 
     def weights_changed(self, model_id: str) -> None:
         """On the worker, after a job that set a model's weights (create, load, optim_step)."""
-        if self.live is not None:
+        if self.live is None:
+            return
+        try:
             step, weights = self.backend.snapshot_weights(model_id)
             self.live.publish(model_id, step, self.backend.peft_config(model_id), weights)
+        except Exception:  # the step itself succeeded; vLLM keeps the previous version
+            log.exception("could not queue the LoRA sync of %s", model_id)
 
     # ---- models ---------------------------------------------------------------------------
 
