@@ -22,4 +22,5 @@ async def list_models(request: Request) -> dict:
 @router.api_route("/{path:path}", methods=["GET", "POST"], response_model=None)
 async def forward(path: str, request: Request) -> Response:
     """Completions, chat completions, and vLLM's other OpenAI-style routes."""
-    return await _state(request).openai_proxy.forward(request.method, path, await request.body(), dict(request.headers))
+    proxy = _state(request).openai_proxy
+    return await proxy.forward(request.method, path, request.url.query, await request.body(), dict(request.headers))
