@@ -11,18 +11,18 @@ from hosted_tinker.protocol.openai_types import ChatCompletionRequest, Completio
 router = APIRouter(prefix="/v1")
 
 
-def _state(request: Request) -> ServerState:
+def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
 @router.get("/models")
 async def list_models(request: Request) -> dict:
-    return _state(request).openai.list_models()
+    return server_state(request).openai.list_models()
 
 
 @router.post("/completions", response_model=None)
 async def completions(req: CompletionRequest, request: Request) -> dict | StreamingResponse:
-    service = _state(request).openai
+    service = server_state(request).openai
     if req.stream:
         return StreamingResponse(await service.stream(req), media_type="text/event-stream")
     return await service.respond(req)
@@ -30,7 +30,7 @@ async def completions(req: CompletionRequest, request: Request) -> dict | Stream
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> dict | StreamingResponse:
-    service = _state(request).openai
+    service = server_state(request).openai
     if req.stream:
         return StreamingResponse(await service.stream(req), media_type="text/event-stream")
     return await service.respond(req)
