@@ -228,7 +228,7 @@ class VllmSupervisor:
                 return
             # Dead or wedged: make sure nothing of it is left, then start again after a pause.
             self._ready.clear()
-            self.state = EngineState.RESTARTING
+            self.last_error, self.state = exit_reason, EngineState.RESTARTING  # the reason, at once
             await asyncio.to_thread(self._terminate)
             errors = _log_errors(self.launch.log_path)
             self.last_error = exit_reason + (f" (its log: {errors})" if errors else "")
