@@ -10,7 +10,6 @@ Prints a table and writes benchmarks/results/overhead-<device>.json.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -22,9 +21,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-os.environ.setdefault("TINKER_TELEMETRY", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
 from hosted_tinker.backends.base import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec  # noqa: E402

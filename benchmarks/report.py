@@ -17,6 +17,11 @@ from typing import Any
 
 from hosted_tinker.tiny_model import build_tiny_model
 
+# Every benchmark imports this module first, before tinker or transformers: run offline, quietly.
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+os.environ.setdefault("TINKER_API_KEY", "tml-bench")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TINY_MODEL_LABEL = "built-in tiny Qwen3 (0.46M params)"
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,10 +29,6 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-os.environ.setdefault("TINKER_TELEMETRY", "0")
-os.environ.setdefault("TINKER_API_KEY", "tml-bench")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
 from tests.conftest import ALIAS, start_server  # noqa: E402
