@@ -29,6 +29,8 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         sweeper.cancel()
         state.scheduler.shutdown()  # first: a step finishing now may still publish to vLLM
+        if state.openai_proxy is not None:
+            await state.openai_proxy.aclose()
         if state.vllm is not None:
             await state.vllm.stop()
         state.store.close()

@@ -46,7 +46,7 @@ class VllmEngine:
         zero_adapter: Path | None = None,
     ) -> None:
         self.host = host
-        # One pooled client for everything we send to vLLM (SDK sampling and the /v1 proxy).
+        # One pooled client for SDK sampling and adapter loads (the /v1 proxy streams over its own).
         # Idle connections are dropped before vLLM's own 5 s keep-alive ends, so a request never
         # goes out on a connection the server is closing at that moment.
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)

@@ -4,19 +4,25 @@ Our model names (served base names, ``tinker://`` sampler paths, sampling sessio
 run ids for the live adapter) are resolved here, the adapter is leased in vLLM for the request's
 lifetime, and vLLM's name for it is swapped back to the client's in every response line. vLLM's
 own parameters pass through untouched, so it validates them; its admin routes are not exposed.
+
+The bytes go over aiohttp rather than the engine's httpx client: a streamed answer is one SSE
+chunk per token, and aiohttp's C parser halves what each chunk costs us. On a 2-core machine,
+where the proxy shares a core with vLLM's API server, that moved streamed throughput through us
+from 0.82-0.91 of direct to 0.98-1.0 (benchmarks/vllm_proxy.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
-import httpx
+import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from hosted_tinker.backends.base import UserError
-from hosted_tinker.inference.vllm_engine import VllmEngine
+from hosted_tinker.inference.vllm_engine import REQUEST_TIMEOUT_S, VllmEngine
 from hosted_tinker.inference.vllm_process import EngineUnavailable
 from hosted_tinker.serving.errors import ApiError, bad_request, unavailable
 from hosted_tinker.serving.openai import OpenAIService
@@ -24,6 +30,7 @@ from hosted_tinker.serving.openai import OpenAIService
 # Paths of vLLM's we never forward: adapter management is ours alone.
 BLOCKED = {"load_lora_adapter", "unload_lora_adapter"}
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 def _unavailable(e: EngineUnavailable) -> ApiError:
@@ -55,6 +62,19 @@ class OpenAIProxy:
     def __init__(self, openai: OpenAIService, vllm: VllmEngine) -> None:
         self.openai = openai
         self.vllm = vllm
+        self._session: aiohttp.ClientSession | None = None
+
+    def _upstream(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made on first use: it belongs to the server's event loop
+            # Idle connections are dropped before vLLM's own 5 s keep-alive ends (see VllmEngine).
+            connector = aiohttp.TCPConnector(limit=512, keepalive_timeout=2.0)
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=REQUEST_TIMEOUT_S)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
     async def forward(self, method: str, path: str, query: str, body: bytes, headers: dict[str, str]) -> Response:
         path = path.strip("/")
@@ -90,20 +110,19 @@ class OpenAIProxy:
                 self.vllm.check_ready()
             url = f"{self.vllm.host.base_url}/v1/{path}" + (f"?{query}" if query else "")
             content_type = headers.get("content-type", "application/json")
-            request = self.vllm.client.build_request(method, url, content=body, headers={"content-type": content_type})
-            upstream = await self.vllm.client.send(request, stream=True)
-            stack.push_async_callback(upstream.aclose)
-            if upstream.status_code == 404 and vllm_name is not None and vllm_name != name:
+            upstream = await self._upstream().request(method, url, data=body, headers={"content-type": content_type})
+            stack.callback(upstream.close)  # a no-op once the body is read; else vLLM sees the client go
+            if upstream.status == 404 and vllm_name is not None and vllm_name != name:
                 raise self.vllm.lost(vllm_name)
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 lines = _lines(upstream, rename)
-                return _Stream(lines, stack, status_code=upstream.status_code, headers=out_headers)
-            content = await upstream.aread()
+                return _Stream(lines, stack, status_code=upstream.status, headers=out_headers)
+            content = await upstream.read()
         except EngineUnavailable as e:
             await stack.aclose()
             raise _unavailable(e) from None
-        except httpx.HTTPError as e:
+        except UPSTREAM_ERRORS as e:
             await stack.aclose()
             raise _unavailable(EngineUnavailable(f"vLLM is not answering ({type(e).__name__}: {e})")) from None
         except UserError as e:
@@ -115,15 +134,15 @@ class OpenAIProxy:
         await stack.aclose()
         if rename is not None:
             content = content.replace(*rename)
-        return Response(content, status_code=upstream.status_code, headers=out_headers)
+        return Response(content, status_code=upstream.status, headers=out_headers)
 
 
-async def _lines(upstream: httpx.Response, rename: tuple[bytes, bytes] | None) -> AsyncIterator[bytes]:
+async def _lines(upstream: aiohttp.ClientResponse, rename: tuple[bytes, bytes] | None) -> AsyncIterator[bytes]:
     """Pass server-sent events through as they arrive, whole lines at a time (a name is never
     split across chunks), with vLLM's adapter name swapped for the client's."""
     try:
         pending = b""
-        async for chunk in upstream.aiter_raw():
+        async for chunk in upstream.content.iter_any():
             pending += chunk
             cut = pending.rfind(b"\n") + 1
             if cut:
@@ -131,6 +150,6 @@ async def _lines(upstream: httpx.Response, rename: tuple[bytes, bytes] | None) -
                 yield ready.replace(*rename) if rename is not None else ready
         if pending:
             yield pending.replace(*rename) if rename is not None else pending
-    except httpx.HTTPError as e:
+    except UPSTREAM_ERRORS as e:
         error = {"error": {"message": f"vLLM failed mid-stream: {type(e).__name__}", "type": "server_error"}}
         yield f"data: {json.dumps(error)}\n\n".encode()
