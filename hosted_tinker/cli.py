@@ -1,8 +1,10 @@
-"""``hosted-tinker serve | setup-vllm | make-tiny-model | backends``."""
+"""``hosted-tinker serve | keys | setup-vllm | make-tiny-model | backends``."""
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import ipaddress
 import json
 import logging
 import shlex
@@ -40,7 +42,18 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         vllm_max_loras=args.vllm_max_loras,
         vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_lora_rank=args.max_lora_rank,
+        api_keys_file=args.api_keys_file,
+        dev_any_key=args.dev_any_key,
     )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -54,8 +67,39 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise SystemExit(f"invalid options: {e}") from None
     state = build_state(config)
-    logging.getLogger(__name__).info("serving %s on http://%s:%d", config.served_names(), config.host, config.port)
+    log = logging.getLogger(__name__)
+    if state.keys.allow_any:
+        log.warning("--dev-any-key: any tml- key is accepted; use it for development only")
+    if not state.keys.required and not _is_loopback(config.host):
+        log.warning(
+            "serving on %s with no API key configured: anyone who can reach it can use it. "
+            "Create one with `hosted-tinker keys create --data-dir %s`.",
+            config.host,
+            config.data_dir,
+        )
+    log.info("serving %s on http://%s:%d", config.served_names(), config.host, config.port)
     uvicorn.run(create_app(state), host=config.host, port=config.port, log_level=args.log_level)
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from hosted_tinker.keys import create_key
+    from hosted_tinker.store import Store
+
+    store = Store.in_data_dir(Path(args.data_dir))
+    if args.action == "create":
+        key_id, key = create_key(store, args.name)
+        print(key)
+        print(f"created {key_id} ({args.name}); the key is shown only now", file=sys.stderr)
+    elif args.action == "list":
+        for k in store.list_api_keys():
+            created = dt.datetime.fromtimestamp(k.created_at).isoformat(timespec="seconds")
+            state = "revoked" if k.revoked_at is not None else "active"
+            print(f"{k.key_id}  {k.prefix}...  {state:7}  {created}  {k.name}")
+    else:
+        if store.revoke_api_key(args.key) == 0:
+            raise SystemExit(f"no active key with id or name {args.key!r}")
+        print(f"revoked {args.key}", file=sys.stderr)
     return 0
 
 
@@ -109,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample-batch-window-ms", type=float, default=10.0, help="how long an idle sampler gathers a batch"
     )
     serve.add_argument("--log-level", default="info")
+    auth = serve.add_argument_group("API keys (besides `hosted-tinker keys create`)")
+    auth.add_argument("--api-keys-file", type=Path, default=None, help="file with one tml- key per line")
+    auth.add_argument(
+        "--dev-any-key", action="store_true", help="development only: accept any tml- key, each its own tenant"
+    )
     engine = serve.add_argument_group("inference engine")
     engine.add_argument(
         "--inference", default="embedded", choices=["embedded", "vllm"], help="who samples (default: embedded)"
@@ -124,6 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--vllm-gpu-memory-utilization", type=float, default=None)
     engine.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank vLLM must serve")
     serve.set_defaults(func=_serve)
+
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    for action, text in (("create", "print a new key"), ("list", "list keys"), ("revoke", "revoke a key")):
+        p = keys_sub.add_parser(action, help=text)
+        p.add_argument("--data-dir", default="./hosted-tinker-data")
+        if action == "create":
+            p.add_argument("--name", default="default", help="a label for the key")
+        if action == "revoke":
+            p.add_argument("key", help="the key's id (key-...) or name")
+    keys.set_defaults(func=_keys)
 
     setup = sub.add_parser("setup-vllm", help="create a virtual environment with vLLM; prints its python")
     setup.add_argument("dir")

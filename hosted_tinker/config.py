@@ -17,7 +17,7 @@ class ServerConfig(BaseModel):
     # What get_info reports for the SDK's get_tokenizer(): by default the model's path or hub id,
     # which a client on another machine can load only if it has the same path or hub access.
     tokenizer_id: str | None = None
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # loopback unless asked: the API is open until a key is configured
     port: int = 8000
     data_dir: Path = Path("./hosted-tinker-data")
     backend: str = "peft"
@@ -43,6 +43,9 @@ class ServerConfig(BaseModel):
     vllm_max_loras: int = 4  # adapters vLLM batches together at once
     vllm_gpu_memory_utilization: float | None = None  # None: 0.45 when sharing a GPU with training
     max_lora_rank: int = 64  # vLLM reserves LoRA memory for this rank; larger ranks are refused
+    # API keys besides those `hosted-tinker keys create` stores (see keys.py).
+    api_keys_file: Path | None = None
+    dev_any_key: bool = False  # development only: any tml- key is accepted, each its own tenant
 
     @field_validator("max_lora_rank")
     @classmethod

@@ -1,4 +1,4 @@
-"""SQLite persistence for sessions, models and futures; it survives a restart.
+"""SQLite persistence for API keys, sessions, models and futures; it survives a restart.
 
 One connection guarded by a lock: the event loop and the backend worker thread both write,
 each write is a short statement, and WAL keeps readers off the writer's back.
@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     user_metadata TEXT NOT NULL DEFAULT '{}',
     project_id TEXT,
     display_name TEXT,
-    sdk_version TEXT
+    sdk_version TEXT,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS models (
     model_id TEXT PRIMARY KEY,
@@ -61,6 +62,14 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     public INTEGER NOT NULL DEFAULT 0,
     user_metadata TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (model_id, kind, name)
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    sha256 TEXT NOT NULL UNIQUE,
+    prefix TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked_at REAL
 );
 CREATE TABLE IF NOT EXISTS samplers (
     sampler_id TEXT PRIMARY KEY,
@@ -114,6 +123,15 @@ class SamplerRecord:
 
 
 @dataclass(frozen=True)
+class ApiKeyRecord:
+    key_id: str
+    name: str
+    prefix: str  # the key's first characters, to tell keys apart in a listing
+    created_at: float
+    revoked_at: float | None
+
+
+@dataclass(frozen=True)
 class ModelRecord:
     model_id: str
     session_id: str
@@ -131,7 +149,19 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        self._migrate()
         self._lock = threading.Lock()
+
+    @classmethod
+    def in_data_dir(cls, data_dir: Path) -> Store:
+        """The server's database in ``data_dir`` (the server and ``hosted-tinker keys`` share it)."""
+        return cls(Path(data_dir) / "hosted_tinker.sqlite")
+
+    def _migrate(self) -> None:
+        """Columns added since a data dir was created (sessions made before keys belong to no key)."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
+        if "owner" not in columns:
+            self._db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
 
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self._lock:
@@ -159,6 +189,7 @@ class Store:
         self,
         session_id: str,
         *,
+        owner: str,
         tags: list[str],
         user_metadata: dict,
         project_id: str | None,
@@ -167,10 +198,45 @@ class Store:
     ) -> None:
         now = time.time()
         self._exec(
-            "INSERT INTO sessions(session_id, created_at, last_heartbeat, tags, user_metadata, project_id, "
-            "display_name, sdk_version) VALUES (?,?,?,?,?,?,?,?)",
-            (session_id, now, now, json.dumps(tags), json.dumps(user_metadata), project_id, display_name, sdk_version),
+            "INSERT INTO sessions(session_id, owner, created_at, last_heartbeat, tags, user_metadata, project_id, "
+            "display_name, sdk_version) VALUES (?,?,?,?,?,?,?,?,?)",
+            (
+                session_id,
+                owner,
+                now,
+                now,
+                json.dumps(tags),
+                json.dumps(user_metadata),
+                project_id,
+                display_name,
+                sdk_version,
+            ),
         )
+
+    # ---- owners: every object belongs to its session, a session to the key that opened it ----
+
+    def session_owner(self, session_id: str) -> str | None:
+        row = self._exec("SELECT owner FROM sessions WHERE session_id=?", (session_id,)).fetchone()
+        return row[0] if row else None
+
+    def model_owner(self, model_id: str) -> str | None:
+        row = self._exec(
+            "SELECT s.owner FROM models m JOIN sessions s ON s.session_id = m.session_id WHERE m.model_id=?",
+            (model_id,),
+        ).fetchone()
+        return row[0] if row else None
+
+    def sampler_owner(self, sampler_id: str) -> str | None:
+        row = self._exec(
+            "SELECT s.owner FROM samplers x JOIN sessions s ON s.session_id = x.session_id WHERE x.sampler_id=?",
+            (sampler_id,),
+        ).fetchone()
+        return row[0] if row else None
+
+    def future_subject(self, request_id: str) -> str | None:
+        """The model or sampler a future belongs to (every future names one)."""
+        row = self._exec("SELECT model_id FROM futures WHERE request_id=?", (request_id,)).fetchone()
+        return row[0] if row else None
 
     def session_status(self, session_id: str) -> str | None:
         row = self._exec("SELECT status FROM sessions WHERE session_id=?", (session_id,)).fetchone()
@@ -210,8 +276,12 @@ class Store:
         rows = self._exec("SELECT model_id FROM models WHERE session_id=? AND status='active'", (session_id,))
         return [r[0] for r in rows.fetchall()]
 
-    def live_model_ids(self) -> list[str]:
-        rows = self._exec("SELECT model_id FROM models WHERE status='active' ORDER BY created_at")
+    def live_model_ids(self, owner: str) -> list[str]:
+        rows = self._exec(
+            "SELECT m.model_id FROM models m JOIN sessions s ON s.session_id = m.session_id "
+            "WHERE m.status='active' AND s.owner=? ORDER BY m.created_at",
+            (owner,),
+        )
         return [r[0] for r in rows.fetchall()]
 
     def set_model_status(self, model_id: str, status: str) -> None:
@@ -301,6 +371,16 @@ class Store:
         rows = self._exec(f"SELECT {self._CHECKPOINT_COLUMNS} FROM checkpoints {where} ORDER BY created_at DESC", args)
         return [self._checkpoint(r) for r in rows.fetchall()]
 
+    def owned_checkpoints(self, owner: str) -> list[CheckpointRecord]:
+        """Newest first, of every run whose session ``owner`` opened."""
+        columns = ", ".join(f"c.{c}" for c in self._CHECKPOINT_COLUMNS.split(", "))
+        rows = self._exec(
+            f"SELECT {columns} FROM checkpoints c JOIN models m ON m.model_id = c.model_id "
+            "JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=? ORDER BY c.created_at DESC",
+            (owner,),
+        )
+        return [self._checkpoint(r) for r in rows.fetchall()]
+
     def delete_checkpoint(self, model_id: str, kind: str, name: str) -> None:
         self._exec("DELETE FROM checkpoints WHERE model_id=? AND kind=? AND name=?", (model_id, kind, name))
 
@@ -321,12 +401,13 @@ class Store:
 
     # ---- runs, sessions and samplers (REST) -------------------------------------------------
 
-    def list_models(self, limit: int, offset: int) -> tuple[list[ModelRecord], int]:
-        total = self._exec("SELECT COUNT(*) FROM models").fetchone()[0]
+    def list_models(self, owner: str, limit: int, offset: int) -> tuple[list[ModelRecord], int]:
+        owned = "FROM models m JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=?"
+        total = self._exec(f"SELECT COUNT(*) {owned}", (owner,)).fetchone()[0]
         rows = self._exec(
-            "SELECT model_id, session_id, model_seq_id, base_model, lora, user_metadata, status "
-            "FROM models ORDER BY created_at DESC LIMIT ? OFFSET ?",
-            (limit, offset),
+            "SELECT m.model_id, m.session_id, m.model_seq_id, m.base_model, m.lora, m.user_metadata, m.status "
+            f"{owned} ORDER BY m.created_at DESC LIMIT ? OFFSET ?",
+            (owner, limit, offset),
         ).fetchall()
         return [ModelRecord(r[0], r[1], r[2], r[3], json.loads(r[4]), json.loads(r[5]), r[6]) for r in rows], total
 
@@ -334,8 +415,11 @@ class Store:
         row = self._exec("SELECT MAX(created_at) FROM futures WHERE model_id=?", (model_id,)).fetchone()
         return row[0] or 0.0
 
-    def list_sessions(self, limit: int, offset: int) -> list[str]:
-        rows = self._exec("SELECT session_id FROM sessions ORDER BY created_at DESC LIMIT ? OFFSET ?", (limit, offset))
+    def list_sessions(self, owner: str, limit: int, offset: int) -> list[str]:
+        rows = self._exec(
+            "SELECT session_id FROM sessions WHERE owner=? ORDER BY created_at DESC LIMIT ? OFFSET ?",
+            (owner, limit, offset),
+        )
         return [r[0] for r in rows.fetchall()]
 
     def get_session(self, session_id: str) -> dict | None:
@@ -369,19 +453,24 @@ class Store:
             (sampler_id, session_id, base_model, model_path, model_id, snapshot, time.time()),
         )
 
-    def ephemeral_sampler_ids(self) -> list[str]:
-        return [s.sampler_id for s in reversed(self.ephemeral_samplers())]
+    def ephemeral_sampler_ids(self, owner: str) -> list[str]:
+        return [s.sampler_id for s in reversed(self.ephemeral_samplers(owner=owner))]
 
-    def ephemeral_samplers(self, *, model_id: str | None = None, session_id: str | None = None) -> list[SamplerRecord]:
-        """Samplers on ephemeral snapshots, newest first, optionally of one model or session."""
-        where, args = "snapshot IS NOT NULL", []
+    def ephemeral_samplers(
+        self, *, model_id: str | None = None, session_id: str | None = None, owner: str | None = None
+    ) -> list[SamplerRecord]:
+        """Samplers on ephemeral snapshots, newest first, optionally of one model, session or owner."""
+        where, args = "x.snapshot IS NOT NULL", []
         if model_id is not None:
-            where, args = where + " AND model_id=?", [*args, model_id]
+            where, args = where + " AND x.model_id=?", [*args, model_id]
         if session_id is not None:
-            where, args = where + " AND session_id=?", [*args, session_id]
+            where, args = where + " AND x.session_id=?", [*args, session_id]
+        if owner is not None:
+            where, args = where + " AND s.owner=?", [*args, owner]
         rows = self._exec(
-            "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot FROM samplers "
-            f"WHERE {where} ORDER BY created_at DESC, rowid DESC",
+            "SELECT x.sampler_id, x.session_id, x.base_model, x.model_path, x.model_id, x.snapshot "
+            "FROM samplers x LEFT JOIN sessions s ON s.session_id = x.session_id "
+            f"WHERE {where} ORDER BY x.created_at DESC, x.rowid DESC",
             tuple(args),
         )
         return [SamplerRecord(*r) for r in rows.fetchall()]
@@ -396,3 +485,33 @@ class Store:
             (sampler_id,),
         ).fetchone()
         return SamplerRecord(*row) if row else None
+
+    # ---- API keys (only their hashes) -------------------------------------------------------
+
+    def add_api_key(self, key_id: str, *, name: str, sha256: str, prefix: str) -> None:
+        self._exec(
+            "INSERT INTO api_keys(key_id, name, sha256, prefix, created_at) VALUES (?,?,?,?,?)",
+            (key_id, name, sha256, prefix, time.time()),
+        )
+
+    def api_key_id(self, sha256: str) -> str | None:
+        """The id of the unrevoked key with this hash, if any."""
+        row = self._exec("SELECT key_id FROM api_keys WHERE sha256=? AND revoked_at IS NULL", (sha256,)).fetchone()
+        return row[0] if row else None
+
+    def has_api_keys(self) -> bool:
+        """Whether a key was ever created here (revoked ones count: revoking the last key must not
+        open the server to everyone)."""
+        return self._exec("SELECT 1 FROM api_keys LIMIT 1").fetchone() is not None
+
+    def list_api_keys(self) -> list[ApiKeyRecord]:
+        rows = self._exec("SELECT key_id, name, prefix, created_at, revoked_at FROM api_keys ORDER BY created_at")
+        return [ApiKeyRecord(*r) for r in rows.fetchall()]
+
+    def revoke_api_key(self, key_id_or_name: str) -> int:
+        """Revoke the key with this id, or every key with this name; return how many."""
+        cur = self._exec(
+            "UPDATE api_keys SET revoked_at=? WHERE (key_id=? OR name=?) AND revoked_at IS NULL",
+            (time.time(), key_id_or_name, key_id_or_name),
+        )
+        return cur.rowcount

@@ -7,11 +7,12 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from hosted_tinker.api import openai_proxy_routes, openai_routes, ops_routes, rest_routes, tinker_routes
+from hosted_tinker.api.auth import authenticate
 from hosted_tinker.api.state import ServerState
 from hosted_tinker.protocol.proto_codec import WireError
 from hosted_tinker.serving.errors import ApiError
@@ -37,9 +38,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="hosted-tinker", lifespan=lifespan)
     app.state.server = state
-    app.include_router(tinker_routes.router)
-    app.include_router(rest_routes.router)
-    app.include_router(openai_routes.router if state.vllm is None else openai_proxy_routes.router)
+    keyed = [Depends(authenticate)]  # every route but health checks and signed downloads needs a key
+    app.include_router(tinker_routes.router, dependencies=keyed)
+    app.include_router(rest_routes.router, dependencies=keyed)
+    app.include_router(openai_routes.router if state.vllm is None else openai_proxy_routes.router, dependencies=keyed)
+    app.include_router(rest_routes.downloads)
     app.include_router(ops_routes.router)
 
     @app.exception_handler(ApiError)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from hosted_tinker.api.auth import tenant_of
 from hosted_tinker.api.openai_routes import list_models, server_state
 
 router = APIRouter(prefix="/v1")
@@ -15,4 +16,5 @@ router.add_api_route("/models", list_models, methods=["GET"])  # our names, as w
 async def forward(path: str, request: Request) -> Response:
     """Completions, chat completions, and vLLM's other OpenAI-style routes."""
     proxy = server_state(request).openai_proxy
-    return await proxy.forward(request.method, path, request.url.query, await request.body(), dict(request.headers))
+    body = await request.body()
+    return await proxy.forward(request.method, path, request.url.query, body, dict(request.headers), tenant_of(request))

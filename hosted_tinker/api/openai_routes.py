@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from hosted_tinker.api.auth import tenant_of
 from hosted_tinker.api.state import ServerState
 from hosted_tinker.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 
@@ -17,20 +18,20 @@ def server_state(request: Request) -> ServerState:
 
 @router.get("/models")
 async def list_models(request: Request) -> dict:
-    return server_state(request).openai.list_models()
+    return server_state(request).openai.list_models(tenant_of(request))
 
 
 @router.post("/completions", response_model=None)
 async def completions(req: CompletionRequest, request: Request) -> dict | StreamingResponse:
     service = server_state(request).openai
     if req.stream:
-        return StreamingResponse(await service.stream(req), media_type="text/event-stream")
-    return await service.respond(req)
+        return StreamingResponse(await service.stream(req, tenant_of(request)), media_type="text/event-stream")
+    return await service.respond(req, tenant_of(request))
 
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> dict | StreamingResponse:
     service = server_state(request).openai
     if req.stream:
-        return StreamingResponse(await service.stream(req), media_type="text/event-stream")
-    return await service.respond(req)
+        return StreamingResponse(await service.stream(req, tenant_of(request)), media_type="text/event-stream")
+    return await service.respond(req, tenant_of(request))

@@ -23,6 +23,7 @@ async def healthz(request: Request) -> dict:
         "queue": {"in_flight": state.scheduler.in_flight},
         "inference": state.vllm.status() if state.vllm is not None else state.sampling.embedded.status(),
         "active": state.store.count_active(),
+        "auth": state.keys.describe(),
     }
 
 

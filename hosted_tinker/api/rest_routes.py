@@ -1,5 +1,6 @@
 """REST routes used by RestClient, the cookbook and the ``tinker`` CLI: runs, checkpoints,
-sessions, samplers and checkpoint downloads. HTTP only."""
+sessions, samplers and checkpoint downloads. HTTP only; each route checks that the caller's key
+owns what it names (published checkpoints can be read by every key)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import asyncio
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 
+from hosted_tinker.api.auth import tenant_of
 from hosted_tinker.api.state import ServerState
 from hosted_tinker.protocol import json_types as wire
 
 router = APIRouter(prefix="/api/v1")
+# Signed download links are their own credential: the CLI fetches them without an API key.
+downloads = APIRouter(prefix="/api/v1")
 
 
 def _state(request: Request) -> ServerState:
@@ -26,42 +30,48 @@ async def list_training_runs(
     access_scope: str = "owned",
     project_id: str | None = None,
 ) -> dict:
-    return _state(request).checkpoints.list_runs(limit, offset)
+    return _state(request).checkpoints.list_runs(tenant_of(request), limit, offset)
+
+
+def _own_run(request: Request, run_id: str) -> ServerState:
+    state = _state(request)
+    state.tenancy.model(tenant_of(request), run_id, field="training run")
+    return state
 
 
 @router.get("/training_runs/{run_id}")
 async def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
-    return _state(request).checkpoints.get_run(run_id)
+    return _own_run(request, run_id).checkpoints.get_run(run_id)
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_run_checkpoints(run_id: str, request: Request) -> dict:
-    return _state(request).checkpoints.list_checkpoints(run_id)
+    return _own_run(request, run_id).checkpoints.list_checkpoints(run_id)
 
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(
     request: Request, limit: int = Query(100, ge=1, le=10000), offset: int = Query(0, ge=0)
 ) -> dict:
-    return _state(request).checkpoints.list_checkpoints(None, limit, offset)
+    return _state(request).checkpoints.list_owned_checkpoints(tenant_of(request), limit, offset)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
 async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
     # Removing a large adapter's files takes a while: keep it off the event loop.
-    await asyncio.to_thread(_state(request).checkpoints.delete, run_id, f"{kind}/{name}")
+    await asyncio.to_thread(_own_run(request, run_id).checkpoints.delete, run_id, f"{kind}/{name}")
     return Response(status_code=204)
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
 async def publish_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
-    _state(request).checkpoints.set_public(run_id, f"{kind}/{name}", True)
+    _own_run(request, run_id).checkpoints.set_public(run_id, f"{kind}/{name}", True)
     return Response(status_code=204)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
 async def unpublish_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
-    _state(request).checkpoints.set_public(run_id, f"{kind}/{name}", False)
+    _own_run(request, run_id).checkpoints.set_public(run_id, f"{kind}/{name}", False)
     return Response(status_code=204)
 
 
@@ -69,39 +79,46 @@ async def unpublish_checkpoint(run_id: str, kind: str, name: str, request: Reque
 async def set_checkpoint_ttl(
     run_id: str, kind: str, name: str, req: wire.CheckpointTtlRequest, request: Request
 ) -> Response:
-    _state(request).checkpoints.set_ttl(run_id, f"{kind}/{name}", req.ttl_seconds)
+    _own_run(request, run_id).checkpoints.set_ttl(run_id, f"{kind}/{name}", req.ttl_seconds)
     return Response(status_code=204)
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
 async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
+    state = _state(request)
+    state.tenancy.readable(tenant_of(request), f"tinker://{run_id}/{kind}/{name}")
     base_url = str(request.base_url).rstrip("/")
-    return _state(request).checkpoints.download_urls(run_id, f"{kind}/{name}", base_url)
+    return state.checkpoints.download_urls(run_id, f"{kind}/{name}", base_url)
 
 
-@router.get("/files/{token}/{signature}/{file_name}")
+@downloads.get("/files/{token}/{signature}/{file_name}")
 async def download_file(token: str, signature: str, file_name: str, request: Request) -> FileResponse:
-    # Signed URLs are the credential here: the CLI fetches them without an API key.
     return FileResponse(_state(request).checkpoints.download_file(token, signature), filename=file_name)
 
 
 @router.post("/weights_info")
 async def weights_info(req: wire.WeightsInfoRequest, request: Request) -> dict:
-    return _state(request).checkpoints.weights_info(req.tinker_path)
+    state = _state(request)
+    state.tenancy.readable(tenant_of(request), req.tinker_path, field="tinker_path")
+    return state.checkpoints.weights_info(req.tinker_path)
 
 
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(sampler_id: str, request: Request) -> dict:
-    return _state(request).checkpoints.get_sampler(sampler_id)
+    state = _state(request)
+    state.tenancy.sampler(tenant_of(request), sampler_id, field="sampler")
+    return state.checkpoints.get_sampler(sampler_id)
 
 
 @router.get("/sessions")
 async def list_sessions(
     request: Request, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0), access_scope: str = "owned"
 ) -> dict:
-    return {"sessions": _state(request).store.list_sessions(limit, offset)}
+    return {"sessions": _state(request).store.list_sessions(tenant_of(request), limit, offset)}
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, request: Request, access_scope: str = "owned") -> dict:
-    return _state(request).checkpoints.get_session(session_id)
+    state = _state(request)
+    state.tenancy.session(tenant_of(request), session_id, field="session")
+    return state.checkpoints.get_session(session_id)

@@ -20,12 +20,14 @@ from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
 from hosted_tinker.inference.vllm_engine import VllmEngine
 from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
+from hosted_tinker.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.scheduler import Scheduler
 from hosted_tinker.serving.checkpoints import CheckpointService
 from hosted_tinker.serving.openai import OpenAIService
 from hosted_tinker.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.serving.sampling import SamplingService
 from hosted_tinker.serving.sessions import SessionService
+from hosted_tinker.serving.tenancy import Tenancy
 from hosted_tinker.serving.training import TrainingService
 from hosted_tinker.store import Store
 
@@ -38,6 +40,8 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 class ServerState:
     config: ServerConfig
     store: Store
+    keys: KeyRing
+    tenancy: Tenancy
     scheduler: Scheduler
     backend: TrainingBackend
     sessions: SessionService
@@ -52,7 +56,12 @@ class ServerState:
 def build_state(config: ServerConfig) -> ServerState:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model_path()
-    store = Store(config.data_dir / "hosted_tinker.sqlite")
+    store = Store.in_data_dir(config.data_dir)
+    try:
+        static_keys = env_keys() + (read_keys_file(config.api_keys_file) if config.api_keys_file else [])
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"API keys: {e}") from None
+    keys = KeyRing(store, static_keys, allow_any=config.dev_any_key)
     failed, lost = store.recover_after_restart()
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
@@ -81,10 +90,13 @@ def build_state(config: ServerConfig) -> ServerState:
     checkpoints = CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir))
     if vllm is not None:
         checkpoints.on_sampler_saved = vllm.prefetch_threadsafe
-    openai = OpenAIService(sampling, store, config.served_names(), live_runs=vllm is not None)
+    tenancy = Tenancy(store)
+    openai = OpenAIService(sampling, store, tenancy, config.served_names(), live_runs=vllm is not None)
     return ServerState(
         config=config,
         store=store,
+        keys=keys,
+        tenancy=tenancy,
         scheduler=scheduler,
         backend=backend,
         sessions=SessionService(store, training, on_finish=checkpoints.finish_session),

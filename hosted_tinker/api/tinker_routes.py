@@ -1,4 +1,5 @@
-"""``/api/v1`` routes of the Tinker protocol. HTTP only: parse, call a service, answer."""
+"""``/api/v1`` routes of the Tinker protocol. HTTP only: parse, check that the caller's key owns
+the ids it names (``state.tenancy``), call a service, answer."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 from fastapi import APIRouter, Request, Response
 
+from hosted_tinker.api.auth import tenant_of
 from hosted_tinker.api.state import ServerState
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.proto_codec import decode_forward_backward, decompress
@@ -42,17 +44,21 @@ async def client_dynamic_config(req: wire.ClientConfigRequest) -> dict:
 
 @router.post("/create_session")
 async def create_session(req: wire.CreateSessionRequest, request: Request) -> wire.CreateSessionResponse:
-    return _state(request).sessions.create(req)
+    return _state(request).sessions.create(req, owner=tenant_of(request))
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(req: wire.SessionHeartbeatRequest, request: Request) -> dict:
-    return _state(request).sessions.heartbeat(req)
+    state = _state(request)
+    state.tenancy.session(tenant_of(request), req.session_id)
+    return state.sessions.heartbeat(req)
 
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, req: wire.FinishSessionRequest, request: Request) -> dict:
-    return _state(request).sessions.finish(session_id, req)
+    state = _state(request)
+    state.tenancy.session(tenant_of(request), session_id)
+    return state.sessions.finish(session_id, req)
 
 
 @router.post("/telemetry")
@@ -78,12 +84,16 @@ async def get_server_capabilities(request: Request) -> dict:
 
 @router.post("/create_model")
 async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.UntypedFuture:
-    return _future(_state(request).training.create_model(req))
+    state = _state(request)
+    state.tenancy.session(tenant_of(request), req.session_id)
+    return _future(state.training.create_model(req))
 
 
 @router.post("/get_info")
 async def get_info(req: wire.GetInfoRequest, request: Request) -> dict:
-    return _state(request).training.get_info(req)
+    state = _state(request)
+    state.tenancy.model(tenant_of(request), req.model_id)
+    return state.training.get_info(req)
 
 
 @router.post("/forward_backward")
@@ -103,17 +113,22 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
     if len(body) > limit:
         raise ApiError(413, f"body of {len(body)} bytes exceeds the limit of {limit} bytes")
     req = decode_forward_backward(decompress(body, request.headers.get("content-encoding"), limit))
+    state.tenancy.model(tenant_of(request), req.model_id)
     return _future(state.training.forward_backward(req), req.model_id)
 
 
 @router.post("/optim_step")
 async def optim_step(req: wire.OptimStepRequest, request: Request) -> wire.UntypedFuture:
-    return _future(_state(request).training.optim_step(req), req.model_id)
+    state = _state(request)
+    state.tenancy.model(tenant_of(request), req.model_id)
+    return _future(state.training.optim_step(req), req.model_id)
 
 
 @router.post("/unload_model")
 async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.UntypedFuture:
-    return _future(_state(request).training.unload_model(req.model_id), req.model_id)
+    state = _state(request)
+    state.tenancy.model(tenant_of(request), req.model_id)
+    return _future(state.training.unload_model(req.model_id), req.model_id)
 
 
 # ---- checkpoints and sampling sessions -------------------------------------------------------
@@ -121,32 +136,51 @@ async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.U
 
 @router.post("/save_weights")
 async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.UntypedFuture:
-    return _future(_state(request).checkpoints.save_weights(req), req.model_id)
+    state = _state(request)
+    state.tenancy.model(tenant_of(request), req.model_id)
+    return _future(state.checkpoints.save_weights(req), req.model_id)
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, request: Request) -> wire.UntypedFuture:
-    return _future(_state(request).checkpoints.save_weights_for_sampler(req), req.model_id)
+    state = _state(request)
+    state.tenancy.model(tenant_of(request), req.model_id)
+    return _future(state.checkpoints.save_weights_for_sampler(req), req.model_id)
 
 
 @router.post("/save_weights_external")
 async def save_weights_external(req: wire.SaveWeightsExternalRequest, request: Request) -> wire.UntypedFuture:
-    return _future(_state(request).checkpoints.save_weights_external(req), req.model_id)
+    state = _state(request)
+    state.tenancy.model(tenant_of(request), req.model_id)
+    return _future(state.checkpoints.save_weights_external(req), req.model_id)
 
 
 @router.post("/load_weights")
 async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.UntypedFuture:
-    return _future(_state(request).checkpoints.load_weights(req), req.model_id)
+    state, tenant = _state(request), tenant_of(request)
+    if req.model_id is not None:
+        state.tenancy.model(tenant, req.model_id)
+    elif req.session_id is not None:  # creates a model in this session
+        state.tenancy.session(tenant, req.session_id)
+    state.tenancy.readable(tenant, req.path)
+    return _future(state.checkpoints.load_weights(req), req.model_id)
 
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(req: wire.CreateSamplingSessionRequest, request: Request) -> dict:
-    return _state(request).checkpoints.create_sampling_session(req)
+    state, tenant = _state(request), tenant_of(request)
+    state.tenancy.session(tenant, req.session_id)
+    if req.model_path is not None:
+        state.tenancy.readable(tenant, req.model_path, field="model_path")
+    return state.checkpoints.create_sampling_session(req)
 
 
 @router.post("/asample")
 async def asample(req: wire.SampleRequest, request: Request) -> dict:
-    request_id, sequence_ids = _state(request).sampling.asample(req)
+    state = _state(request)
+    if req.sampling_session_id is not None:
+        state.tenancy.sampler(tenant_of(request), req.sampling_session_id)
+    request_id, sequence_ids = state.sampling.asample(req)
     return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
 
@@ -156,6 +190,7 @@ async def asample(req: wire.SampleRequest, request: Request) -> dict:
 @router.post("/retrieve_future")
 async def retrieve_future(req: wire.RetrieveFutureRequest, request: Request) -> Response:
     state = _state(request)
+    state.tenancy.future(tenant_of(request), req.request_id)
     record = await state.scheduler.wait(req.request_id, state.config.poll_timeout_s)
     if record is None:
         raise not_found(f"request_id {req.request_id!r} does not exist")

@@ -344,7 +344,7 @@ class CheckpointService:
         return {
             "training_run_id": model.model_id,
             "base_model": model.base_model,
-            "model_owner": "local",
+            "model_owner": self.store.session_owner(model.session_id) or "local",
             "is_lora": True,
             "corrupted": False,
             "lora_rank": model.lora["rank"],
@@ -354,8 +354,8 @@ class CheckpointService:
             "user_metadata": {k: str(v) for k, v in model.user_metadata.items()},
         }
 
-    def list_runs(self, limit: int, offset: int) -> dict:
-        models, total = self.store.list_models(limit, offset)
+    def list_runs(self, owner: str, limit: int, offset: int) -> dict:
+        models, total = self.store.list_models(owner, limit, offset)
         return {
             "training_runs": [self._run_json(m) for m in models],
             "cursor": {"offset": offset, "limit": limit, "total_count": total},
@@ -367,10 +367,16 @@ class CheckpointService:
             raise not_found(f"training run {run_id!r} does not exist")
         return self._run_json(model)
 
-    def list_checkpoints(self, run_id: str | None, limit: int | None = None, offset: int = 0) -> dict:
-        if run_id is not None and self.store.get_model(run_id) is None:
+    def list_checkpoints(self, run_id: str) -> dict:
+        if self.store.get_model(run_id) is None:
             raise not_found(f"training run {run_id!r} does not exist")
-        records = self.store.list_checkpoints(run_id)
+        return self._checkpoints_page(self.store.list_checkpoints(run_id), None, 0)
+
+    def list_owned_checkpoints(self, owner: str, limit: int, offset: int) -> dict:
+        """Every checkpoint of every run of ``owner``'s sessions, newest first."""
+        return self._checkpoints_page(self.store.owned_checkpoints(owner), limit, offset)
+
+    def _checkpoints_page(self, records: list[CheckpointRecord], limit: int | None, offset: int) -> dict:
         page = records[offset : offset + limit] if limit is not None else records
         cursor = {"offset": offset, "limit": limit or len(records), "total_count": len(records)}
         return {"checkpoints": [self._checkpoint_json(r) for r in page], "cursor": cursor}

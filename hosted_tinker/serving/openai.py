@@ -22,6 +22,7 @@ from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 from hosted_tinker.serving.errors import ApiError, bad_request
 from hosted_tinker.serving.sampling import SamplingService
+from hosted_tinker.serving.tenancy import Tenancy
 from hosted_tinker.store import Store
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -42,9 +43,15 @@ class _Row:
 
 class OpenAIService:
     def __init__(
-        self, sampling: SamplingService, store: Store, served_names: list[str], live_runs: bool = False
+        self,
+        sampling: SamplingService,
+        store: Store,
+        tenancy: Tenancy,
+        served_names: list[str],
+        live_runs: bool = False,
     ) -> None:
         self.sampling = sampling
+        self.tenancy = tenancy
         self.live_runs = live_runs  # training run ids name their live adapters (vLLM only)
         self.store = store
         self.served_names = served_names
@@ -52,23 +59,26 @@ class OpenAIService:
 
     # ---- models -----------------------------------------------------------------------------
 
-    def list_models(self) -> dict:
+    def list_models(self, tenant: str) -> dict:
+        """The base model's names and what ``tenant`` may sample: its saved sampler weights, its
+        sampling sessions, and (with vLLM) its live training runs."""
         names = list(self.served_names)
         names += [
             str(TinkerPath(c.model_id, c.kind, c.name))
-            for c in self.store.list_checkpoints()
+            for c in self.store.owned_checkpoints(tenant)
             if c.kind == "sampler_weights"
         ]
-        names += self.store.ephemeral_sampler_ids()
+        names += self.store.ephemeral_sampler_ids(tenant)
         if self.live_runs:
-            names += self.store.live_model_ids()
+            names += self.store.live_model_ids(tenant)
         now = int(time.time())
         return {
             "object": "list",
             "data": [{"id": n, "object": "model", "created": now, "owned_by": "hosted-tinker"} for n in names],
         }
 
-    def resolve(self, name: str) -> WeightsRef:
+    def resolve(self, name: str, tenant: str) -> WeightsRef:
+        """The weights a ``model`` name stands for, if ``tenant`` may sample them (else a 404)."""
         if name in self.served_names:
             return WeightsRef(None)
         if name.startswith("tinker://"):
@@ -78,12 +88,14 @@ class OpenAIService:
                 raise model_not_found(name) from None
             if path.kind == "external_weights" or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
                 raise model_not_found(name)
+            if not self.tenancy.can_read(tenant, path):
+                raise model_not_found(name)
             return WeightsRef(name, self.sampling.files, path)
         sampler = self.store.get_sampler(name)
-        if sampler is not None:
+        if sampler is not None and self.store.sampler_owner(name) == tenant:
             return self.sampling.weights_of(sampler)
         model = self.store.get_model(name)
-        if self.live_runs and model is not None and model.status == "active":
+        if self.live_runs and model is not None and model.status == "active" and self.store.model_owner(name) == tenant:
             return WeightsRef(None, live=name)  # the run's adapter as of its latest step
         raise model_not_found(name)
 
@@ -185,11 +197,11 @@ class OpenAIService:
 
     # ---- non-streaming ----------------------------------------------------------------------
 
-    async def respond(self, req: CompletionRequest | ChatCompletionRequest) -> dict:
+    async def respond(self, req: CompletionRequest | ChatCompletionRequest, tenant: str) -> dict:
         """A whole completion or chat completion: every choice, its text, logprobs and usage."""
         chat = isinstance(req, ChatCompletionRequest)
         prompt, spec = self._prepare(req)
-        output = await self.sampling.run(self.resolve(req.model), spec)
+        output = await self.sampling.run(self.resolve(req.model, tenant), spec)
         choices = []
         for i, seq in enumerate(output.sequences):
             text, _ = self._text(seq.tokens, spec)
@@ -212,14 +224,14 @@ class OpenAIService:
 
     # ---- streaming --------------------------------------------------------------------------
 
-    async def stream(self, req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
+    async def stream(self, req: CompletionRequest | ChatCompletionRequest, tenant: str) -> AsyncIterator[str]:
         """Server-sent events: one chunk per token as it is sampled, then finish reasons, usage, [DONE].
 
         Validation happens before the first chunk, so a bad request is still a plain 4xx.
         """
         chat = isinstance(req, ChatCompletionRequest)
         prompt, spec = self._prepare(req)
-        weights = self.resolve(req.model)
+        weights = self.resolve(req.model, tenant)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         spec.on_token = lambda s, token, lp: loop.call_soon_threadsafe(events.put_nowait, (s, token, lp))

@@ -76,7 +76,9 @@ class OpenAIProxy:
         if self._session is not None:
             await self._session.close()
 
-    async def forward(self, method: str, path: str, query: str, body: bytes, headers: dict[str, str]) -> Response:
+    async def forward(
+        self, method: str, path: str, query: str, body: bytes, headers: dict[str, str], tenant: str
+    ) -> Response:
         path = path.strip("/")
         if path in BLOCKED:
             raise ApiError(404, f"/v1/{path} is not available through this server")
@@ -101,7 +103,7 @@ class OpenAIProxy:
                 name = payload.get("model", self.openai.served_names[0])
                 if not isinstance(name, str):
                     raise bad_request("model must be a string")
-                weights = self.openai.resolve(name)
+                weights = self.openai.resolve(name, tenant)
                 vllm_name = await stack.enter_async_context(self.vllm.lease(weights))
                 body = json.dumps(payload | {"model": vllm_name}).encode()
                 if vllm_name != name:

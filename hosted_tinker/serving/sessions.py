@@ -17,10 +17,11 @@ class SessionService:
         self.training = training
         self.on_finish = on_finish  # more clean-up for a finished session (its sampler snapshots)
 
-    def create(self, req: wire.CreateSessionRequest) -> wire.CreateSessionResponse:
+    def create(self, req: wire.CreateSessionRequest, owner: str) -> wire.CreateSessionResponse:
         session_id = f"sess-{secrets.token_urlsafe(12)}"
         self.store.add_session(
             session_id,
+            owner=owner,
             tags=req.tags,
             user_metadata=req.user_metadata or {},
             project_id=req.project_id,

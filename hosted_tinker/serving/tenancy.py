@@ -1,0 +1,60 @@
+"""Who may touch what.
+
+Every object belongs to the session it was made in: model ids are ``{session}:train:{n}``,
+sampler ids ``{session}:sample:{n}``, a checkpoint lives under its model, and a future names its
+model or sampler. A session belongs to the tenant (API key) that opened it. Another tenant gets
+the same 404 as for an id that does not exist, so ids of others cannot even be confirmed.
+
+A published checkpoint (``RestClient.publish_checkpoint_from_tinker_path``) can be read (loaded,
+sampled, described) by every tenant; only its owner can change or delete it.
+"""
+
+from __future__ import annotations
+
+from hosted_tinker.checkpoints import CheckpointError, TinkerPath
+from hosted_tinker.serving.errors import not_found
+from hosted_tinker.store import Store
+
+
+class Tenancy:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def session(self, tenant: str, session_id: str, field: str = "session_id") -> None:
+        if self.store.session_owner(session_id) != tenant:
+            raise not_found(f"{field} {session_id!r} does not exist")
+
+    def model(self, tenant: str, model_id: str, field: str = "model_id") -> None:
+        if self.store.model_owner(model_id) != tenant:
+            raise not_found(f"{field} {model_id!r} does not exist")
+
+    def sampler(self, tenant: str, sampler_id: str, field: str = "sampling_session_id") -> None:
+        if self.store.sampler_owner(sampler_id) != tenant:
+            raise not_found(f"{field} {sampler_id!r} does not exist")
+
+    def future(self, tenant: str, request_id: str) -> None:
+        subject = self.store.future_subject(request_id)
+        owner = None
+        if subject is not None:
+            owner = self.store.model_owner(subject)
+            if owner is None:
+                owner = self.store.sampler_owner(subject)
+        if owner != tenant:
+            raise not_found(f"request_id {request_id!r} does not exist")
+
+    def can_read(self, tenant: str, path: TinkerPath) -> bool:
+        """Whether ``tenant`` may load, sample or describe the checkpoint at ``path``."""
+        if self.store.model_owner(path.run_id) == tenant:
+            return True
+        record = self.store.get_checkpoint(path.run_id, path.kind, path.name)
+        return record is not None and record.public
+
+    def readable(self, tenant: str, path: str, field: str = "path") -> None:
+        """404 for a ``tinker://`` path this tenant may not read; a malformed path is left to the
+        service, which answers it with a 400 that says what is wrong."""
+        try:
+            parsed = TinkerPath.parse(path)
+        except CheckpointError:
+            return
+        if not self.can_read(tenant, parsed):
+            raise not_found(f"{field}: checkpoint {path} does not exist")
