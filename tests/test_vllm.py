@@ -189,10 +189,12 @@ def test_openai_proxy_streams_and_maps_names(base_url, trained):
 
 
 def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, tiny_model_dir, trained):
-    """A second server borrows the first one's vLLM: base and adapter sampling both work."""
+    """A second server borrows the first one's vLLM: base and adapter sampling both work. It
+    requires keys (--dev-any-key), so the proxied /v1 is checked for 401s and tenants too."""
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
-    srv = start_server(tmp_path, "--inference-url", inference(vllm_server.base_url)["url"])
+    url = inference(vllm_server.base_url)["url"]
+    srv = start_server(tmp_path, "--inference-url", url, "--dev-any-key")
     try:
         status = wait_ready(srv.base_url, timeout=30)
         assert status["external"] is True
@@ -206,6 +208,16 @@ def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, tin
             tc = sc.create_lora_training_client(base_model=ALIAS, rank=8).result()
             sampler = tc.save_weights_and_get_sampling_client().result()
             assert len(sampler.sample(prompt, 2, types.SamplingParams(max_tokens=5, stop=[])).result().sequences) == 2
+            body = {"model": tc.model_id, "prompt": trained["prompt"], "max_tokens": 2}
+            mine = {"Authorization": f"Bearer {os.environ['TINKER_API_KEY']}"}
+            other = {"Authorization": "Bearer tml-someone-else"}
+            anonymous = httpx.post(f"{srv.base_url}/v1/completions", json=body)
+            assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.post(f"{srv.base_url}/v1/completions", json=body, headers=mine).status_code == 200
+            theirs = httpx.post(f"{srv.base_url}/v1/completions", json=body, headers=other)
+            assert theirs.status_code == 404, theirs.text
+            assert tc.model_id not in httpx.get(f"{srv.base_url}/v1/models", headers=other).text
+            assert tc.model_id in httpx.get(f"{srv.base_url}/v1/models", headers=mine).text
     finally:
         srv.stop()
 
