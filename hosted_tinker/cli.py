@@ -42,6 +42,8 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         vllm_max_loras=args.vllm_max_loras,
         vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         max_lora_rank=args.max_lora_rank,
+        max_pending=args.max_pending,
+        max_pending_per_model=args.max_pending_per_model,
         api_keys_file=args.api_keys_file,
         dev_any_key=args.dev_any_key,
     )
@@ -153,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample-batch-window-ms", type=float, default=10.0, help="how long an idle sampler gathers a batch"
     )
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
+    serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")
     auth = serve.add_argument_group("API keys (besides `hosted-tinker keys create`)")
     auth.add_argument("--api-keys-file", type=Path, default=None, help="file with one tml- key per line")
     auth.add_argument(

@@ -33,6 +33,8 @@ class ServerConfig(BaseModel):
     # httpx answers a call ~5 ms sooner than pyqwest (benchmarks/overhead.py).
     sdk_transport: Literal["httpx", "pyqwest"] = "httpx"
     max_body_bytes: int = 256 << 20
+    max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
+    max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
     # Inference: the training backend's own sampler, or vLLM (launched here, or at inference_url).
     inference: Literal["embedded", "vllm"] = "embedded"
     inference_url: str | None = None  # an already running vLLM (implies inference="vllm")

@@ -1,4 +1,4 @@
-"""Per-model ``seq_id`` ordering, de-duplication, and dispatch to the backend worker.
+"""Per-model ``seq_id`` ordering, de-duplication, backpressure, and dispatch to the backend worker.
 
 A request becomes a future at submit time. It waits in its model's queue until every lower
 ``seq_id`` has been dispatched, then runs on the single backend worker thread. Jobs reach that
@@ -29,6 +29,16 @@ Job = Callable[[], tuple[bytes, str]]
 # runs at most a few requests ahead (chunks of one call, the cookbook's 2-batch pipeline).
 MAX_WAITING_PER_MODEL = 256
 MAX_SEQ_AHEAD = 4096
+RETRY_AFTER_S = 1  # what a 429 asks for; the SDK's HTTP layer honours Retry-After
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Bounds on accepted, unfinished requests (each holds its decoded input in memory until it
+    has run). Over a bound, a submit gets 429 + Retry-After and the SDK sends it again later."""
+
+    max_pending: int = 1024  # over all models and samplers
+    max_pending_per_model: int = 64  # per training model or sampling session
 
 
 @dataclass
@@ -38,8 +48,12 @@ class _ModelQueue:
 
 
 class Scheduler:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, limits: QueueLimits = QueueLimits()) -> None:
         self.store = store
+        self.limits = limits
+        self._pending: dict[str, str | None] = {}  # request id -> its model, until it finishes
+        self._pending_per_model: dict[str | None, int] = {}
+        self.refused = 0  # submits answered 429
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
         self._queues: dict[str, _ModelQueue] = {}
         self._events: dict[str, asyncio.Event] = {}
@@ -59,17 +73,35 @@ class Scheduler:
         """The request id already registered for ``(model_id, seq_id)``, if any."""
         return self.store.find_future(model_id, seq_id)
 
-    def check_capacity(self, model_id: str, seq_id: int) -> None:
-        """Refuse, for now, an early arrival that would wait too far ahead (429: the SDK retries)."""
+    def check_capacity(self, model_id: str, seq_id: int | None) -> None:
+        """Refuse, for now, a request over a queue bound (429: the SDK retries it after Retry-After).
+
+        The request a model's queue is waiting for is always let in: refusing it while its
+        successors hold the slots would leave them waiting forever.
+        """
         queue = self._queues.get(model_id)
-        if queue is None or seq_id == queue.next_seq:
+        if queue is not None and seq_id == queue.next_seq and queue.waiting:
             return
-        if seq_id - queue.next_seq > MAX_SEQ_AHEAD or len(queue.waiting) >= MAX_WAITING_PER_MODEL:
-            raise ApiError(
-                429,
-                f"seq_id {seq_id} is too far ahead of model {model_id} (next to run: {queue.next_seq}); retry later",
-                headers={"Retry-After": "1"},
-            )
+        if queue is not None and seq_id is not None and seq_id != queue.next_seq:
+            if seq_id - queue.next_seq > MAX_SEQ_AHEAD or len(queue.waiting) >= MAX_WAITING_PER_MODEL:
+                self.refused += 1
+                raise _busy(f"seq_id {seq_id} is too far ahead of model {model_id} (next to run: {queue.next_seq})")
+        if self._pending_per_model.get(model_id, 0) >= self.limits.max_pending_per_model:
+            self.refused += 1
+            raise _busy(f"{model_id} has {self.limits.max_pending_per_model} requests pending (the per-model bound)")
+        if len(self._pending) >= self.limits.max_pending:
+            self.refused += 1
+            raise _busy(f"the server has {self.limits.max_pending} requests pending (its global bound)")
+
+    def queue_status(self) -> dict:
+        """For /healthz: what is queued, and the bounds."""
+        return {
+            "in_flight": self.in_flight,
+            "pending": len(self._pending),
+            "max_pending": self.limits.max_pending,
+            "max_pending_per_model": self.limits.max_pending_per_model,
+            "refused": self.refused,
+        }
 
     def open_model(self, model_id: str, first_seq: int = 1) -> None:
         """Start ordering a model's requests; its creation was seq 0."""
@@ -109,6 +141,9 @@ class Scheduler:
         request_id = f"req-{secrets.token_urlsafe(12)}"
         self.store.add_future(request_id, kind=kind, model_id=model_id, seq_id=seq_id)
         self._events[request_id] = asyncio.Event()
+        with self._count_lock:
+            self._pending[request_id] = model_id
+            self._pending_per_model[model_id] = self._pending_per_model.get(model_id, 0) + 1
         return request_id
 
     def complete(self, request_id: str, payload: bytes, media_type: str) -> None:
@@ -166,6 +201,12 @@ class Scheduler:
             self.store.fail_future(request_id, error, category or "server")
         else:
             self.store.complete_future(request_id, payload or b"", media_type or "application/json")
+        with self._count_lock:
+            if request_id in self._pending:
+                model_id = self._pending.pop(request_id)
+                left = self._pending_per_model.pop(model_id) - 1
+                if left:
+                    self._pending_per_model[model_id] = left
         event = self._events.pop(request_id, None)
         if event is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(event.set)
@@ -183,3 +224,7 @@ class Scheduler:
         except TimeoutError:
             pass
         return self.store.get_future(request_id)
+
+
+def _busy(detail: str) -> ApiError:
+    return ApiError(429, f"{detail}; retry later", headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -20,7 +20,7 @@ async def healthz(request: Request) -> dict:
         "status": "ok",
         "served_models": state.config.served_names(),
         "capabilities": asdict(state.backend.capabilities),
-        "queue": {"in_flight": state.scheduler.in_flight},
+        "queue": state.scheduler.queue_status(),
         "inference": state.vllm.status() if state.vllm is not None else state.sampling.embedded.status(),
         "active": state.store.count_active(),
         "auth": state.keys.describe(),

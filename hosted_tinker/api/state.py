@@ -21,7 +21,7 @@ from hosted_tinker.inference.vllm_engine import VllmEngine
 from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
 from hosted_tinker.keys import KeyRing, env_keys, read_keys_file
-from hosted_tinker.scheduler import Scheduler
+from hosted_tinker.scheduler import QueueLimits, Scheduler
 from hosted_tinker.serving.checkpoints import CheckpointService
 from hosted_tinker.serving.openai import OpenAIService
 from hosted_tinker.serving.openai_proxy import OpenAIProxy
@@ -66,7 +66,7 @@ def build_state(config: ServerConfig) -> ServerState:
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = make_backend(config, model_path)
-    scheduler = Scheduler(store)
+    scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
     training = TrainingService(
         backend, scheduler, store, config.served_names(), tokenizer_id=config.tokenizer_id or model_path
     )

@@ -168,6 +168,7 @@ class SamplingService:
         )
         if self.uses_vllm(spec):
             self._check_vllm_ready()  # a 503 the SDK retries, rather than a failed future
+        self.scheduler.check_capacity(sampler.sampler_id, None)
         request_id = self.scheduler.register("sample", model_id=sampler.sampler_id, seq_id=seq_id)
         task = asyncio.get_running_loop().create_task(self._sample_into(request_id, self.weights_of(sampler), spec))
         self._tasks.add(task)

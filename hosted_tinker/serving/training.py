@@ -136,6 +136,7 @@ class TrainingService:
             raise not_found(f"session_id {session_id!r} does not exist")
         if status != "active":
             raise bad_request(f"session {session_id} has finished; start a new ServiceClient")
+        self.scheduler.check_capacity(model_id, 0)
         self.store.add_model(
             model_id,
             session_id=session_id,

@@ -1,0 +1,78 @@
+"""Queue bounds: over a bound a submit gets 429 + Retry-After (which the SDK honours), the
+request a model's queue waits for is always let in, and /healthz shows the bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import ALIAS, start_server
+from tests.test_http_protocol import Api, fwdbwd_body
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    srv = start_server(
+        tmp_path_factory.mktemp("tight"),
+        "--model",
+        str(tiny_model_dir),
+        "--max-pending-per-model",
+        "2",
+        "--max-pending",
+        "8",
+    )
+    yield srv
+    srv.stop()
+
+
+def test_over_the_per_model_bound_is_429_and_the_awaited_request_still_gets_in(tight):
+    api = Api(tight.base_url)
+    model = api.new_model()
+    waiting = [api.fwdbwd(fwdbwd_body(model, seq)) for seq in (2, 3)]  # early: they wait for seq 1
+    r = api.post("forward_backward", content=fwdbwd_body(model, 4), headers={"Content-Type": "application/x-protobuf"})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1" and "per-model bound" in r.json()["detail"]
+    health = httpx.get(f"{tight.base_url}/healthz").json()["queue"]
+    assert health["pending"] == 2 and health["max_pending_per_model"] == 2 and health["max_pending"] == 8
+    first = api.fwdbwd(fwdbwd_body(model, 1))  # over the bound, but the one the queue waits for
+    for request_id in (first, *waiting):
+        assert not isinstance(api.result(request_id), dict)  # a ForwardBackwardOutput, not an error
+    api.fwdbwd(fwdbwd_body(model, 4))  # room again: the refused seq_id was not used up
+    assert httpx.get(f"{tight.base_url}/healthz").json()["status"] == "ok"
+
+
+def test_the_global_bound_refuses_other_models_too(tight):
+    api = Api(tight.base_url)
+    models = [api.new_model() for _ in range(5)]
+    for m in models[:4]:
+        for seq in (2, 3):
+            api.fwdbwd(fwdbwd_body(m, seq))  # 8 early arrivals fill the global bound
+    r = api.post(
+        "forward_backward", content=fwdbwd_body(models[4], 1), headers={"Content-Type": "application/x-protobuf"}
+    )
+    assert r.status_code == 429 and "global bound" in r.json()["detail"]
+    for m in models[:4]:  # each model's awaited request still gets in, and drains its queue
+        assert not isinstance(api.result(api.fwdbwd(fwdbwd_body(m, 1))), dict)
+    assert not isinstance(api.result(api.fwdbwd(fwdbwd_body(models[4], 1))), dict)
+
+
+def test_the_sdk_waits_out_429s(tight):
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(10, 40))),
+        loss_fn_inputs={"target_tokens": list(range(11, 41)), "weights": [1.0] * 30},
+    )
+    refused_before = httpx.get(f"{tight.base_url}/healthz").json()["queue"]["refused"]
+    with tinker.ServiceClient(base_url=tight.base_url) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        # Nine requests submitted at once on a model allowed two pending: some are refused and resent.
+        futures = [tc.forward_backward([datum], "cross_entropy") for _ in range(8)]
+        futures.append(tc.optim_step(types.AdamParams(learning_rate=1e-3)))
+        losses = [f.result().metrics["loss:sum"] for f in futures[:-1]]
+        futures[-1].result()
+    assert losses == [losses[0]] * 8  # all ran, in order, on the same weights
+    assert httpx.get(f"{tight.base_url}/healthz").json()["queue"]["refused"] > refused_before
