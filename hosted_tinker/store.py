@@ -234,7 +234,8 @@ class Store:
         return row[0] if row else None
 
     def future_subject(self, request_id: str) -> str | None:
-        """The model or sampler a future belongs to (every future names one)."""
+        """The model or sampler id a future belongs to (every future names one; both ids start
+        with their session's id: ``{session}:train:{n}``, ``{session}:sample:{n}``)."""
         row = self._exec("SELECT model_id FROM futures WHERE request_id=?", (request_id,)).fetchone()
         return row[0] if row else None
 

@@ -33,13 +33,11 @@ class Tenancy:
             raise not_found(f"{field} {sampler_id!r} does not exist")
 
     def future(self, tenant: str, request_id: str) -> None:
+        # Through the session named in the future's model or sampler id, not through that
+        # model's or sampler's row: a retired ephemeral sampler's finished samples stay readable.
         subject = self.store.future_subject(request_id)
-        owner = None
-        if subject is not None:
-            owner = self.store.model_owner(subject)
-            if owner is None:
-                owner = self.store.sampler_owner(subject)
-        if owner != tenant:
+        session_id = subject.partition(":")[0] if subject is not None else None
+        if session_id is None or self.store.session_owner(session_id) != tenant:
             raise not_found(f"request_id {request_id!r} does not exist")
 
     def can_read(self, tenant: str, path: TinkerPath) -> bool:
