@@ -17,35 +17,12 @@ from hosted_tinker.config import ServerConfig
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
+    """Flags are named after the config's fields (``dest=``); only two need converting."""
+    given = {name: value for name, value in vars(args).items() if name in ServerConfig.model_fields}
     return ServerConfig(
-        model=args.model,
-        model_names=args.model_name,
-        tokenizer_id=args.tokenizer_id,
-        host=args.host,
-        port=args.port,
-        data_dir=Path(args.data_dir),
-        backend=args.backend,
-        device=args.device,
-        dtype=args.dtype,
-        lora_alpha=args.lora_alpha,
-        max_seq_len=args.max_seq_len,
-        proto_compress=args.proto_compress,
-        sdk_transport=args.sdk_transport,
-        poll_timeout_s=args.poll_timeout,
+        **given,
         sample_batch_window_s=args.sample_batch_window_ms / 1000,
-        inference="vllm" if args.inference_url else args.inference,
-        inference_url=args.inference_url,
-        vllm_python=args.vllm_python,
-        vllm_gpus=args.vllm_gpus,
         vllm_args=[a for arg in args.vllm_arg for a in shlex.split(arg)],
-        vllm_port=args.vllm_port,
-        vllm_max_loras=args.vllm_max_loras,
-        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        max_lora_rank=args.max_lora_rank,
-        max_pending=args.max_pending,
-        max_pending_per_model=args.max_pending_per_model,
-        api_keys_file=args.api_keys_file,
-        dev_any_key=args.dev_any_key,
     )
 
 
@@ -136,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the Tinker-compatible server")
     serve.add_argument("--model", default=None, help="HF id or local dir (default: the built-in tiny model)")
-    serve.add_argument("--model-name", action="append", default=[], help="another name the model answers to")
+    serve.add_argument(
+        "--model-name", dest="model_names", action="append", default=[], help="another name the model answers to"
+    )
     serve.add_argument("--tokenizer-id", default=None, help="tokenizer name get_info reports (default: --model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -150,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--sdk-transport", default="httpx", choices=["httpx", "pyqwest"], help="HTTP stack the SDK should use"
     )
-    serve.add_argument("--poll-timeout", type=float, default=30.0, help="long-poll cap of retrieve_future (s)")
+    serve.add_argument(
+        "--poll-timeout", dest="poll_timeout_s", type=float, default=30.0, help="long-poll cap of retrieve_future (s)"
+    )
     serve.add_argument(
         "--sample-batch-window-ms", type=float, default=10.0, help="how long an idle sampler gathers a batch"
     )

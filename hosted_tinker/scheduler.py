@@ -84,14 +84,19 @@ class Scheduler:
             return
         if queue is not None and seq_id is not None and seq_id != queue.next_seq:
             if seq_id - queue.next_seq > MAX_SEQ_AHEAD or len(queue.waiting) >= MAX_WAITING_PER_MODEL:
-                self.refused += 1
-                raise _busy(f"seq_id {seq_id} is too far ahead of model {model_id} (next to run: {queue.next_seq})")
+                raise self._refuse(
+                    f"seq_id {seq_id} is too far ahead of model {model_id} (next to run: {queue.next_seq})"
+                )
         if self._pending_per_model.get(model_id, 0) >= self.limits.max_pending_per_model:
-            self.refused += 1
-            raise _busy(f"{model_id} has {self.limits.max_pending_per_model} requests pending (the per-model bound)")
+            raise self._refuse(
+                f"{model_id} has {self.limits.max_pending_per_model} requests pending (the per-model bound)"
+            )
         if len(self._pending) >= self.limits.max_pending:
-            self.refused += 1
-            raise _busy(f"the server has {self.limits.max_pending} requests pending (its global bound)")
+            raise self._refuse(f"the server has {self.limits.max_pending} requests pending (its global bound)")
+
+    def _refuse(self, detail: str) -> ApiError:
+        self.refused += 1
+        return ApiError(429, f"{detail}; retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def queue_status(self) -> dict:
         """For /healthz: what is queued, and the bounds."""
@@ -224,7 +229,3 @@ class Scheduler:
         except TimeoutError:
             pass
         return self.store.get_future(request_id)
-
-
-def _busy(detail: str) -> ApiError:
-    return ApiError(429, f"{detail}; retry later", headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -213,24 +213,10 @@ class Store:
             ),
         )
 
-    # ---- owners: every object belongs to its session, a session to the key that opened it ----
+    # ---- owners: a session belongs to the key that opened it (see serving/tenancy.py) ----
 
     def session_owner(self, session_id: str) -> str | None:
         row = self._exec("SELECT owner FROM sessions WHERE session_id=?", (session_id,)).fetchone()
-        return row[0] if row else None
-
-    def model_owner(self, model_id: str) -> str | None:
-        row = self._exec(
-            "SELECT s.owner FROM models m JOIN sessions s ON s.session_id = m.session_id WHERE m.model_id=?",
-            (model_id,),
-        ).fetchone()
-        return row[0] if row else None
-
-    def sampler_owner(self, sampler_id: str) -> str | None:
-        row = self._exec(
-            "SELECT s.owner FROM samplers x JOIN sessions s ON s.session_id = x.session_id WHERE x.sampler_id=?",
-            (sampler_id,),
-        ).fetchone()
         return row[0] if row else None
 
     def future_subject(self, request_id: str) -> str | None:

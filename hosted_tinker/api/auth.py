@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from hosted_tinker.api.state import server_state
 from hosted_tinker.serving.errors import ApiError
 
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="hosted-tinker"'}
@@ -24,7 +25,7 @@ def presented_key(request: Request) -> str | None:
 def authenticate(request: Request) -> None:
     """A router dependency: 401 unless the request carries a key valid here."""
     key = presented_key(request)
-    tenant = request.app.state.server.keys.tenant_of(key)
+    tenant = server_state(request).keys.tenant_of(key)
     if tenant is None:
         detail = (
             "missing API key: send it as X-API-Key (the Tinker SDK's TINKER_API_KEY) or Authorization: Bearer"

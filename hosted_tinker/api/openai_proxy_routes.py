@@ -6,7 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from hosted_tinker.api.auth import tenant_of
-from hosted_tinker.api.openai_routes import list_models, server_state
+from hosted_tinker.api.openai_routes import list_models
+from hosted_tinker.api.state import server_state
 
 router = APIRouter(prefix="/v1")
 router.add_api_route("/models", list_models, methods=["GET"])  # our names, as with the embedded engine

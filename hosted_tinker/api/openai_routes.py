@@ -6,14 +6,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from hosted_tinker.api.auth import tenant_of
-from hosted_tinker.api.state import ServerState
+from hosted_tinker.api.state import server_state
 from hosted_tinker.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter(prefix="/v1")
-
-
-def server_state(request: Request) -> ServerState:
-    return request.app.state.server
 
 
 @router.get("/models")

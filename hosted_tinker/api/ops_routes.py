@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 
-from hosted_tinker.api.state import ServerState
+from hosted_tinker.api.state import server_state
 
 router = APIRouter()
 
@@ -15,7 +15,7 @@ router = APIRouter()
 @router.get("/health")
 @router.get("/")
 async def healthz(request: Request) -> dict:
-    state: ServerState = request.app.state.server
+    state = server_state(request)
     return {
         "status": "ok",
         "served_models": state.config.served_names(),

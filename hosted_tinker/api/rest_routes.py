@@ -10,16 +10,12 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 
 from hosted_tinker.api.auth import tenant_of
-from hosted_tinker.api.state import ServerState
+from hosted_tinker.api.state import ServerState, server_state
 from hosted_tinker.protocol import json_types as wire
 
 router = APIRouter(prefix="/api/v1")
 # Signed download links are their own credential: the CLI fetches them without an API key.
 downloads = APIRouter(prefix="/api/v1")
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
 
 
 @router.get("/training_runs")
@@ -30,11 +26,11 @@ async def list_training_runs(
     access_scope: str = "owned",
     project_id: str | None = None,
 ) -> dict:
-    return _state(request).checkpoints.list_runs(tenant_of(request), limit, offset)
+    return server_state(request).checkpoints.list_runs(tenant_of(request), limit, offset)
 
 
 def _own_run(request: Request, run_id: str) -> ServerState:
-    state = _state(request)
+    state = server_state(request)
     state.tenancy.model(tenant_of(request), run_id, field="training run")
     return state
 
@@ -53,7 +49,7 @@ async def list_run_checkpoints(run_id: str, request: Request) -> dict:
 async def list_user_checkpoints(
     request: Request, limit: int = Query(100, ge=1, le=10000), offset: int = Query(0, ge=0)
 ) -> dict:
-    return _state(request).checkpoints.list_owned_checkpoints(tenant_of(request), limit, offset)
+    return server_state(request).checkpoints.list_owned_checkpoints(tenant_of(request), limit, offset)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
@@ -85,7 +81,7 @@ async def set_checkpoint_ttl(
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
 async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
-    state = _state(request)
+    state = server_state(request)
     state.tenancy.readable(tenant_of(request), f"tinker://{run_id}/{kind}/{name}")
     base_url = str(request.base_url).rstrip("/")
     return state.checkpoints.download_urls(run_id, f"{kind}/{name}", base_url)
@@ -93,19 +89,19 @@ async def external_weights_urls(run_id: str, kind: str, name: str, request: Requ
 
 @downloads.get("/files/{token}/{signature}/{file_name}")
 async def download_file(token: str, signature: str, file_name: str, request: Request) -> FileResponse:
-    return FileResponse(_state(request).checkpoints.download_file(token, signature), filename=file_name)
+    return FileResponse(server_state(request).checkpoints.download_file(token, signature), filename=file_name)
 
 
 @router.post("/weights_info")
 async def weights_info(req: wire.WeightsInfoRequest, request: Request) -> dict:
-    state = _state(request)
+    state = server_state(request)
     state.tenancy.readable(tenant_of(request), req.tinker_path, field="tinker_path")
     return state.checkpoints.weights_info(req.tinker_path)
 
 
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(sampler_id: str, request: Request) -> dict:
-    state = _state(request)
+    state = server_state(request)
     state.tenancy.sampler(tenant_of(request), sampler_id, field="sampler")
     return state.checkpoints.get_sampler(sampler_id)
 
@@ -114,11 +110,11 @@ async def get_sampler(sampler_id: str, request: Request) -> dict:
 async def list_sessions(
     request: Request, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0), access_scope: str = "owned"
 ) -> dict:
-    return {"sessions": _state(request).store.list_sessions(tenant_of(request), limit, offset)}
+    return {"sessions": server_state(request).store.list_sessions(tenant_of(request), limit, offset)}
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, request: Request, access_scope: str = "owned") -> dict:
-    state = _state(request)
+    state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id, field="session")
     return state.checkpoints.get_session(session_id)

@@ -8,6 +8,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastapi import Request
 from transformers import AutoTokenizer
 
 from hosted_tinker.backends import make_backend
@@ -51,6 +52,11 @@ class ServerState:
     openai: OpenAIService
     vllm: VllmEngine | None = None
     openai_proxy: OpenAIProxy | None = None
+
+
+def server_state(request: Request) -> ServerState:
+    """The state of the server a request reached (for the routers)."""
+    return request.app.state.server
 
 
 def build_state(config: ServerConfig) -> ServerState:

@@ -8,7 +8,7 @@ import json
 from fastapi import APIRouter, Request, Response
 
 from hosted_tinker.api.auth import tenant_of
-from hosted_tinker.api.state import ServerState
+from hosted_tinker.api.state import ServerState, server_state
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.proto_codec import decode_forward_backward, decompress
 from hosted_tinker.serving.errors import ApiError, bad_request, not_found
@@ -16,8 +16,11 @@ from hosted_tinker.serving.errors import ApiError, bad_request, not_found
 router = APIRouter(prefix="/api/v1")
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
+def _owner_of_model(request: Request, model_id: str) -> ServerState:
+    """The server state, once the caller's key is known to own ``model_id`` (else a 404)."""
+    state = server_state(request)
+    state.tenancy.model(tenant_of(request), model_id)
+    return state
 
 
 def _future(request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
@@ -29,7 +32,7 @@ def _future(request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
 
 @router.post("/client/config")
 async def client_config(req: wire.ClientConfigRequest, request: Request) -> dict:
-    config = _state(request).config
+    config = server_state(request).config
     return {
         "pjwt_auth_enabled": False,
         "proto_compress_fwdbwd": config.proto_compress,
@@ -44,19 +47,19 @@ async def client_dynamic_config(req: wire.ClientConfigRequest) -> dict:
 
 @router.post("/create_session")
 async def create_session(req: wire.CreateSessionRequest, request: Request) -> wire.CreateSessionResponse:
-    return _state(request).sessions.create(req, owner=tenant_of(request))
+    return server_state(request).sessions.create(req, owner=tenant_of(request))
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(req: wire.SessionHeartbeatRequest, request: Request) -> dict:
-    state = _state(request)
+    state = server_state(request)
     state.tenancy.session(tenant_of(request), req.session_id)
     return state.sessions.heartbeat(req)
 
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, req: wire.FinishSessionRequest, request: Request) -> dict:
-    state = _state(request)
+    state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id)
     return state.sessions.finish(session_id, req)
 
@@ -69,7 +72,7 @@ async def telemetry(req: wire.TelemetryRequest) -> dict:
 
 @router.get("/get_server_capabilities")
 async def get_server_capabilities(request: Request) -> dict:
-    state = _state(request)
+    state = server_state(request)
     caps = state.backend.capabilities
     return {
         "supported_models": [
@@ -84,21 +87,20 @@ async def get_server_capabilities(request: Request) -> dict:
 
 @router.post("/create_model")
 async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.UntypedFuture:
-    state = _state(request)
+    state = server_state(request)
     state.tenancy.session(tenant_of(request), req.session_id)
     return _future(state.training.create_model(req))
 
 
 @router.post("/get_info")
 async def get_info(req: wire.GetInfoRequest, request: Request) -> dict:
-    state = _state(request)
-    state.tenancy.model(tenant_of(request), req.model_id)
+    state = _owner_of_model(request, req.model_id)
     return state.training.get_info(req)
 
 
 @router.post("/forward_backward")
 async def forward_backward(request: Request) -> wire.UntypedFuture:
-    state = _state(request)
+    state = server_state(request)
     content_type = request.headers.get("content-type", "")
     if "protobuf" not in content_type:
         raise bad_request(
@@ -119,15 +121,13 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
 
 @router.post("/optim_step")
 async def optim_step(req: wire.OptimStepRequest, request: Request) -> wire.UntypedFuture:
-    state = _state(request)
-    state.tenancy.model(tenant_of(request), req.model_id)
+    state = _owner_of_model(request, req.model_id)
     return _future(state.training.optim_step(req), req.model_id)
 
 
 @router.post("/unload_model")
 async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.UntypedFuture:
-    state = _state(request)
-    state.tenancy.model(tenant_of(request), req.model_id)
+    state = _owner_of_model(request, req.model_id)
     return _future(state.training.unload_model(req.model_id), req.model_id)
 
 
@@ -136,28 +136,25 @@ async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.U
 
 @router.post("/save_weights")
 async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.UntypedFuture:
-    state = _state(request)
-    state.tenancy.model(tenant_of(request), req.model_id)
+    state = _owner_of_model(request, req.model_id)
     return _future(state.checkpoints.save_weights(req), req.model_id)
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, request: Request) -> wire.UntypedFuture:
-    state = _state(request)
-    state.tenancy.model(tenant_of(request), req.model_id)
+    state = _owner_of_model(request, req.model_id)
     return _future(state.checkpoints.save_weights_for_sampler(req), req.model_id)
 
 
 @router.post("/save_weights_external")
 async def save_weights_external(req: wire.SaveWeightsExternalRequest, request: Request) -> wire.UntypedFuture:
-    state = _state(request)
-    state.tenancy.model(tenant_of(request), req.model_id)
+    state = _owner_of_model(request, req.model_id)
     return _future(state.checkpoints.save_weights_external(req), req.model_id)
 
 
 @router.post("/load_weights")
 async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.UntypedFuture:
-    state, tenant = _state(request), tenant_of(request)
+    state, tenant = server_state(request), tenant_of(request)
     if req.model_id is not None:
         state.tenancy.model(tenant, req.model_id)
     elif req.session_id is not None:  # creates a model in this session
@@ -168,7 +165,7 @@ async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.U
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(req: wire.CreateSamplingSessionRequest, request: Request) -> dict:
-    state, tenant = _state(request), tenant_of(request)
+    state, tenant = server_state(request), tenant_of(request)
     state.tenancy.session(tenant, req.session_id)
     if req.model_path is not None:
         state.tenancy.readable(tenant, req.model_path, field="model_path")
@@ -177,7 +174,7 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, reques
 
 @router.post("/asample")
 async def asample(req: wire.SampleRequest, request: Request) -> dict:
-    state = _state(request)
+    state = server_state(request)
     if req.sampling_session_id is not None:
         state.tenancy.sampler(tenant_of(request), req.sampling_session_id)
     request_id, sequence_ids = state.sampling.asample(req)
@@ -189,7 +186,7 @@ async def asample(req: wire.SampleRequest, request: Request) -> dict:
 
 @router.post("/retrieve_future")
 async def retrieve_future(req: wire.RetrieveFutureRequest, request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     state.tenancy.future(tenant_of(request), req.request_id)
     record = await state.scheduler.wait(req.request_id, state.config.poll_timeout_s)
     if record is None:

@@ -92,10 +92,10 @@ class OpenAIService:
                 raise model_not_found(name)
             return WeightsRef(name, self.sampling.files, path)
         sampler = self.store.get_sampler(name)
-        if sampler is not None and self.store.sampler_owner(name) == tenant:
+        if sampler is not None and self.tenancy.owns(tenant, name):
             return self.sampling.weights_of(sampler)
         model = self.store.get_model(name)
-        if self.live_runs and model is not None and model.status == "active" and self.store.model_owner(name) == tenant:
+        if self.live_runs and model is not None and model.status == "active" and self.tenancy.owns(tenant, name):
             return WeightsRef(None, live=name)  # the run's adapter as of its latest step
         raise model_not_found(name)
 

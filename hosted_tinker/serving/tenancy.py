@@ -20,29 +20,34 @@ class Tenancy:
     def __init__(self, store: Store) -> None:
         self.store = store
 
+    def owns(self, tenant: str, object_id: str) -> bool:
+        """Whether ``tenant`` opened the session that ``object_id`` (a session, model, run or
+        sampler id) starts with. Ids name their session, so no other row is needed: an unknown
+        id in one's own session passes here and is answered by the service's own 404."""
+        return self.store.session_owner(object_id.partition(":")[0]) == tenant
+
     def session(self, tenant: str, session_id: str, field: str = "session_id") -> None:
-        if self.store.session_owner(session_id) != tenant:
+        if ":" in session_id or not self.owns(tenant, session_id):
             raise not_found(f"{field} {session_id!r} does not exist")
 
     def model(self, tenant: str, model_id: str, field: str = "model_id") -> None:
-        if self.store.model_owner(model_id) != tenant:
+        if not self.owns(tenant, model_id):
             raise not_found(f"{field} {model_id!r} does not exist")
 
     def sampler(self, tenant: str, sampler_id: str, field: str = "sampling_session_id") -> None:
-        if self.store.sampler_owner(sampler_id) != tenant:
+        if not self.owns(tenant, sampler_id):
             raise not_found(f"{field} {sampler_id!r} does not exist")
 
     def future(self, tenant: str, request_id: str) -> None:
-        # Through the session named in the future's model or sampler id, not through that
-        # model's or sampler's row: a retired ephemeral sampler's finished samples stay readable.
+        # Through the id of the future's model or sampler, not that object's row: a retired
+        # ephemeral sampler's finished samples stay readable.
         subject = self.store.future_subject(request_id)
-        session_id = subject.partition(":")[0] if subject is not None else None
-        if session_id is None or self.store.session_owner(session_id) != tenant:
+        if subject is None or not self.owns(tenant, subject):
             raise not_found(f"request_id {request_id!r} does not exist")
 
     def can_read(self, tenant: str, path: TinkerPath) -> bool:
         """Whether ``tenant`` may load, sample or describe the checkpoint at ``path``."""
-        if self.store.model_owner(path.run_id) == tenant:
+        if self.owns(tenant, path.run_id):
             return True
         record = self.store.get_checkpoint(path.run_id, path.kind, path.name)
         return record is not None and record.public
