@@ -1,3 +1,4 @@
 from hosted_tinker.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # a spawned worker process imports this module too
+    raise SystemExit(main())

@@ -1,9 +1,10 @@
 """Per-model ``seq_id`` ordering, de-duplication, backpressure, and dispatch to the backend worker.
 
 A request becomes a future at submit time. It waits in its model's queue until every lower
-``seq_id`` has been dispatched, then runs on the single backend worker thread. Jobs reach that
-thread in dispatch order, so each model's requests execute in ``seq_id`` order, while the event
-loop stays free to answer polls and health checks. A finished future wakes its pollers at once.
+``seq_id`` has been dispatched, then runs on the single dispatch thread, which drives the
+backend's worker process. Jobs reach that thread in dispatch order, so each model's requests
+execute in ``seq_id`` order, while the event loop stays free to answer polls and health
+checks. A finished future wakes its pollers at once.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from hosted_tinker.backends.base import UserError
+from hosted_tinker.backends.base import UserError, WorkerCrashed
 from hosted_tinker.serving.errors import ApiError
 from hosted_tinker.store import FutureRecord, Store
+from hosted_tinker.worker.process import WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class Scheduler:
         self._pending: dict[str, str | None] = {}  # request id -> its model, until it finishes
         self._pending_per_model: dict[str | None, int] = {}
         self.refused = 0  # submits answered 429
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dispatch")
         self._queues: dict[str, _ModelQueue] = {}
         self._events: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -112,10 +114,16 @@ class Scheduler:
         """Start ordering a model's requests; its creation was seq 0."""
         self._queues.setdefault(model_id, _ModelQueue(next_seq=first_seq))
 
-    def close_model(self, model_id: str) -> None:
+    def close_model(self, model_id: str, why: str = "was unloaded", category: str = "user") -> None:
+        """Stop ordering a model's requests; those still waiting for their turn fail."""
         queue = self._queues.pop(model_id, None)
         for request_id, _ in queue.waiting.values() if queue else ():
-            self._finish(request_id, error=f"model {model_id} was unloaded before this request ran", category="user")
+            self._finish(request_id, error=f"model {model_id} {why} before this request ran", category=category)
+
+    def close_model_threadsafe(self, model_id: str, why: str, category: str) -> None:
+        """``close_model`` from the dispatch thread: the queues belong to the event loop."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self.close_model, model_id, why, category)
 
     def submit(self, kind: str, job: Job, *, model_id: str | None = None, seq_id: int | None = None) -> str:
         """Register a future for ``job`` and queue it; return its request id.
@@ -184,6 +192,11 @@ class Scheduler:
             payload, media_type = job()
         except UserError as e:
             self._finish(request_id, error=str(e), category="user")
+        except WorkerCrashed as e:
+            self._finish(request_id, error=e.message_for(self._pending.get(request_id)), category="server")
+        except WorkerError as e:
+            log.error("request %s failed in the worker: %s", request_id, e)
+            self._finish(request_id, error=f"internal error in the training worker: {e}", category="server")
         except Exception as e:
             log.exception("request %s failed", request_id)
             self._finish(request_id, error=f"internal error: {type(e).__name__}: {e}", category="server")

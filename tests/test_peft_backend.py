@@ -123,9 +123,6 @@ def test_a_failed_request_leaves_accumulated_gradients_untouched(backend: PeftBa
 def test_requests_admitted_mid_decode_match_solo_runs(backend: PeftBackend):
     from hosted_tinker.inference.generate import SampleSpec
 
-    def decode(tokens: list[int]) -> str:
-        return " ".join(map(str, tokens))
-
     first = SampleSpec(prompt=list(range(10, 40)), max_tokens=12, temperature=0.0)
     late = [
         SampleSpec(prompt=list(range(50, 55)), max_tokens=8, temperature=0.0),
@@ -137,8 +134,8 @@ def test_requests_admitted_mid_decode_match_solo_runs(backend: PeftBackend):
         calls.append(1)
         return late if len(calls) == 3 else []  # join after a few decode steps
 
-    together = backend.generate(None, [first], decode, lambda: 0, admit)
-    alone = [backend.generate(None, [spec], decode, lambda: 0)[0] for spec in (first, *late)]
+    together = backend.generate(None, [first], admit)
+    alone = [backend.generate(None, [spec])[0] for spec in (first, *late)]
     assert len(together) == 3
     for joint, solo in zip(together, alone, strict=True):
         for a, b in zip(joint.sequences, solo.sequences, strict=True):

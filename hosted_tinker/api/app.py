@@ -25,11 +25,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.scheduler.bind_loop(asyncio.get_running_loop())
         sweeper = asyncio.create_task(_delete_expired_checkpoints(state))
+        watchdog = asyncio.create_task(_watch_worker(state))
         if state.vllm is not None:  # training is served while vLLM loads
             state.vllm.start()
         yield
         sweeper.cancel()
+        watchdog.cancel()
         state.scheduler.shutdown()  # first: a step finishing now may still publish to vLLM
+        state.backend.close()
         if state.openai_proxy is not None:
             await state.openai_proxy.aclose()
         if state.vllm is not None:
@@ -103,3 +106,11 @@ async def _delete_expired_checkpoints(state: ServerState, every_s: float = 600.0
         except Exception:
             log.exception("expired-checkpoint sweep failed")
         await asyncio.sleep(every_s)
+
+
+async def _watch_worker(state: ServerState, every_s: float = 1.0) -> None:
+    """A worker that dies while idle is replaced within a second, not at the next request."""
+    while True:
+        await asyncio.sleep(every_s)
+        if not state.backend.status()["alive"]:  # a new worker counts as alive while it loads
+            state.scheduler.run_on_worker(state.backend.ensure_alive)

@@ -21,6 +21,7 @@ async def healthz(request: Request) -> dict:
         "served_models": state.config.served_names(),
         "capabilities": asdict(state.backend.capabilities),
         "queue": state.scheduler.queue_status(),
+        "worker": state.backend.status(),
         "inference": state.vllm.status() if state.vllm is not None else state.sampling.embedded.status(),
         "active": state.store.count_active(),
         "auth": state.keys.describe(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -26,11 +27,13 @@ from hosted_tinker.scheduler import QueueLimits, Scheduler
 from hosted_tinker.serving.checkpoints import CheckpointService
 from hosted_tinker.serving.openai import OpenAIService
 from hosted_tinker.serving.openai_proxy import OpenAIProxy
+from hosted_tinker.serving.recovery import ModelRecovery
 from hosted_tinker.serving.sampling import SamplingService
 from hosted_tinker.serving.sessions import SessionService
 from hosted_tinker.serving.tenancy import Tenancy
 from hosted_tinker.serving.training import TrainingService
 from hosted_tinker.store import Store
+from hosted_tinker.worker.backend import ProcessBackend
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class ServerState:
     keys: KeyRing
     tenancy: Tenancy
     scheduler: Scheduler
-    backend: TrainingBackend
+    backend: ProcessBackend
     sessions: SessionService
     training: TrainingService
     checkpoints: CheckpointService
@@ -71,7 +74,7 @@ def build_state(config: ServerConfig) -> ServerState:
     failed, lost = store.recover_after_restart()
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
-    backend = make_backend(config, model_path)
+    backend = ProcessBackend(functools.partial(make_backend, config, model_path))  # loads meanwhile
     scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
     training = TrainingService(
         backend, scheduler, store, config.served_names(), tokenizer_id=config.tokenizer_id or model_path
@@ -79,6 +82,7 @@ def build_state(config: ServerConfig) -> ServerState:
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    log.info("training worker (pid %d): %s on %s", backend.status()["pid"], backend.capabilities.arch, config.device)
     vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
     if vllm is not None:
         training.live, training.max_lora_rank = vllm.live, config.max_lora_rank
@@ -90,10 +94,11 @@ def build_state(config: ServerConfig) -> ServerState:
         ephemeral,
         tokenizer,
         _eos_ids(model_path, tokenizer),
-        EmbeddedEngine(backend, scheduler, tokenizer, batch_window_s=config.sample_batch_window_s),
+        EmbeddedEngine(backend, scheduler, batch_window_s=config.sample_batch_window_s),
         vllm,
     )
     checkpoints = CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir))
+    backend.restore = ModelRecovery(training, files)
     if vllm is not None:
         checkpoints.on_sampler_saved = vllm.prefetch_threadsafe
     tenancy = Tenancy(store)

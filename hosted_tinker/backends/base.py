@@ -1,9 +1,10 @@
 """The one interface between the scheduler and a training backend, and its typed payloads.
 
-Backends are called from a single worker thread, one command at a time, so an implementation
-needs no locking of its own. Every method either returns a result or raises ``UserError``
-(the caller's mistake; reported with ``category: user``) or any other exception (ours;
-reported with ``category: server``).
+Backends run in a worker process (``hosted_tinker.worker``) and are called from one thread,
+one command at a time, so an implementation needs no locking of its own. Every method either
+returns a result or raises ``UserError`` (the caller's mistake; reported with ``category:
+user``) or any other exception (ours; reported with ``category: server``). A failed call must
+leave the backend's state as it was before the call.
 """
 
 from __future__ import annotations
@@ -18,6 +19,26 @@ import torch
 
 class UserError(ValueError):
     """A request the backend cannot honour because of what the user asked for."""
+
+
+class WorkerCrashed(RuntimeError):
+    """The worker process died while running a call; a new one has taken its place.
+
+    reason    how it died, e.g. "killed by SIGKILL"
+    restored  per training model: how it came back ("restored from tinker://...") or why not
+    """
+
+    def __init__(self, reason: str, restored: dict[str, str]) -> None:
+        super().__init__(f"{reason}; the worker was restarted")
+        self.reason = reason
+        self.restored = restored
+
+    def message_for(self, model_id: str | None) -> str:
+        """What the failed request of ``model_id`` is told (nothing about other tenants' models)."""
+        message = f"{self.reason}; the worker was restarted and this request was not completed"
+        if model_id in self.restored:
+            message += f". Model {model_id} {self.restored[model_id]}"
+        return message
 
 
 @dataclass(frozen=True)
@@ -135,11 +156,7 @@ class TrainingBackend(Protocol):
 
     def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
 
-    def generate(
-        self,
-        key: str | None,
-        specs: list,
-        decode: Callable[[list[int]], str],
-        default_seed: Callable[[], int],
-        admit: Callable[[], list] | None = None,
-    ) -> list: ...
+    def generate(self, key: str | None, specs: list, admit: Callable[[], list] | None = None) -> list:
+        """Sample ``specs`` on the base model (``key`` None) or a loaded sampler; between decode
+        steps ``admit`` may hand over more requests on the same weights."""
+        ...

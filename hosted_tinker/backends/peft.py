@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import secrets
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -81,9 +82,10 @@ class PeftBackend:
         max_seq_len: int | None = None,
         max_tokens_per_microbatch: int = 16384,
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings
         self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.base.to(self.device).eval()
         self.base.requires_grad_(False)
@@ -397,12 +399,7 @@ class PeftBackend:
             self._remove_peft_adapter(evicted)
 
     def generate(
-        self,
-        key: str | None,
-        specs: list[SampleSpec],
-        decode: Callable[[list[int]], str],
-        default_seed: Callable[[], int],
-        admit: Callable[[], list[SampleSpec]] | None = None,
+        self, key: str | None, specs: list[SampleSpec], admit: Callable[[], list[SampleSpec]] | None = None
     ) -> list[SampleOutput]:
         """Sample from the base model (``key`` None) or from a loaded sampler adapter."""
         if key is None:
@@ -412,4 +409,12 @@ class PeftBackend:
             self.peft.set_adapter(self.samplers[key])
             context, lm = contextlib.nullcontext(), self.peft.base_model.model
         with context:
-            return generate(lm, specs, pad_id=self.pad_id, decode=decode, default_seed=default_seed, admit=admit)
+            return generate(lm, specs, pad_id=self.pad_id, decode=self._decode, default_seed=_seed, admit=admit)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def _seed() -> int:
+    """A request without a seed still gets one, so each of its samples has its own stream."""
+    return secrets.randbits(62)

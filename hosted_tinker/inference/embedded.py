@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import threading
 from dataclasses import dataclass
 
@@ -36,10 +35,9 @@ class _Pending:
 class EmbeddedEngine:
     name = "embedded"
 
-    def __init__(self, backend, scheduler: Scheduler, tokenizer, batch_window_s: float = 0.01) -> None:
+    def __init__(self, backend, scheduler: Scheduler, batch_window_s: float = 0.01) -> None:
         self.backend = backend
         self.scheduler = scheduler
-        self.tokenizer = tokenizer
         # A request that finds the engine idle waits this long for company: clients send a
         # group's requests at once, and one batch of 16 costs about what a batch of 1 does.
         self.batch_window_s = batch_window_s
@@ -110,7 +108,7 @@ class EmbeddedEngine:
         try:
             self._ensure_loaded(weights)
             specs = [i.spec for i in items]
-            outputs = self.backend.generate(weights.key, specs, self._decode, lambda: secrets.randbits(62), admit)
+            outputs = self.backend.generate(weights.key, specs, admit)
         except Exception as e:  # UserError or not: the caller tells them apart
             for item in items:
                 item.settle(e)
@@ -124,9 +122,6 @@ class EmbeddedEngine:
         files = weights.files.read(weights.path, only=("adapter_config.json", "adapter_model.safetensors"))
         config = json.loads(files["adapter_config.json"])
         self.backend.load_sampler(weights.key, config, load_safetensors(files["adapter_model.safetensors"]))
-
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def _settle(future: asyncio.Future, result: object) -> None:

@@ -1,0 +1,78 @@
+"""The worker process: build the backend, then run the server's calls one at a time."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from hosted_tinker.backends.base import TrainingBackend, UserError
+from hosted_tinker.worker.messages import Callback, recv, send
+
+log = logging.getLogger("hosted_tinker.worker")
+
+
+def serve(conn: Connection, factory: Callable[[], TrainingBackend]) -> None:
+    """Entry point of the worker process; returns when told to stop or when the server is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it stops us
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    try:
+        backend = factory()
+    except BaseException as e:
+        log.exception("could not build the backend")
+        send(conn, "error", f"{type(e).__name__}: {e}")
+        return
+    send(conn, "ready", backend.capabilities)
+    while True:
+        try:
+            message = recv(conn)
+        except (EOFError, OSError):  # the server exited
+            return
+        if message[0] == "stop":
+            return
+        _, method, args, kwargs = message
+        kwargs = {k: _remote(conn, v) if isinstance(v, Callback) else v for k, v in kwargs.items()}
+        try:
+            result = getattr(backend, method)(*args, **kwargs)
+            reply: tuple = ("ok", _portable(result))
+        except UserError as e:
+            reply = ("user_error", str(e))
+        except Exception as e:
+            log.exception("%s failed", method)
+            if torch.cuda.is_initialized():  # after an OOM, give the cached blocks back
+                torch.cuda.empty_cache()
+            reply = ("error", f"{type(e).__name__}: {e}")
+        try:
+            send(conn, *reply)
+        except (EOFError, OSError):
+            return
+        except Exception as e:  # a result that cannot be pickled is our bug, not a reason to die
+            send(conn, "error", f"{method} returned what cannot be sent to the server: {e}")
+
+
+def _remote(conn: Connection, callback: Callback) -> Callable[..., Any]:
+    """A stand-in that runs the server's callable and returns its answer."""
+
+    def call(*args: Any) -> Any:
+        send(conn, "callback", callback.name, args)
+        kind, value = recv(conn)
+        if kind == "answer_error":
+            raise RuntimeError(f"the server's {callback.name} failed: {value}")
+        return value
+
+    return call
+
+
+def _portable(value: Any) -> Any:
+    """``value`` with every tensor on the CPU: the server process never touches the GPU."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_portable(v) for v in value)
+    return value

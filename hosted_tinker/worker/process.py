@@ -1,0 +1,113 @@
+"""One worker process and the pipe to it, seen from the server: start, call, notice death, stop."""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hosted_tinker.backends.base import Capabilities, TrainingBackend, UserError
+from hosted_tinker.worker import child
+from hosted_tinker.worker.messages import Callback, recv, send
+
+POLL_S = 0.2  # how often a waiting call checks that the worker is still alive
+
+
+class WorkerDied(RuntimeError):
+    """The worker process ended (the message says how)."""
+
+
+class WorkerError(RuntimeError):
+    """The backend raised an unexpected exception; the worker itself is still serving."""
+
+
+class WorkerProcess:
+    """A spawned child running ``child.serve``; calls are synchronous, one at a time."""
+
+    def __init__(self, factory: Callable[[], TrainingBackend]) -> None:
+        # spawn, not fork: the server has threads and an event loop, and CUDA cannot be forked.
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_end = context.Pipe()
+        self.process = context.Process(target=child.serve, args=(child_end, factory), name="backend-worker")
+        self.process.start()
+        child_end.close()  # ours closed, the pipe reports EOF as soon as the child is gone
+        self.pid: int = self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def wait_ready(self, timeout_s: float) -> Capabilities:
+        """Block until the backend is built (loading a model takes a while); its capabilities."""
+        kind, *rest = self._recv(deadline=time.monotonic() + timeout_s)
+        if kind == "error":
+            self.stop()
+            raise RuntimeError(f"the training worker could not start: {rest[0]}")
+        return rest[0]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``backend.method`` in the worker. Callable keyword arguments stay here; the
+        worker calls them back. Raises ``UserError``, ``WorkerError`` or ``WorkerDied``."""
+        callbacks = {k: v for k, v in kwargs.items() if callable(v)}
+        wire_kwargs = {k: Callback(k) if k in callbacks else v for k, v in kwargs.items()}
+        self._send("call", method, args, wire_kwargs)
+        while True:
+            kind, *rest = self._recv()
+            if kind == "callback":
+                name, callback_args = rest
+                try:
+                    answer = ("answer", callbacks[name](*callback_args))
+                except Exception as e:
+                    answer = ("answer_error", f"{type(e).__name__}: {e}")
+                self._send(*answer)
+            elif kind == "ok":
+                return rest[0]
+            elif kind == "user_error":
+                raise UserError(rest[0])
+            else:
+                raise WorkerError(rest[0])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the worker to exit; kill it if it does not."""
+        if self.alive:
+            try:
+                self._send("stop")
+            except WorkerDied:
+                pass
+            self.process.join(timeout_s)
+        if self.alive:
+            self.process.kill()
+            self.process.join(timeout_s)
+        self._conn.close()
+
+    def how_it_died(self) -> str:
+        self.process.join(5)
+        code = self.process.exitcode
+        who = f"the training worker (pid {self.pid})"
+        if code is None:
+            return f"{who} stopped answering"
+        if code < 0:
+            name = signal.Signals(-code).name
+            hint = " (the kernel's out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+            return f"{who} was killed by {name}{hint}"
+        return f"{who} exited with code {code}"
+
+    def _send(self, *message: Any) -> None:
+        try:
+            send(self._conn, *message)
+        except OSError:
+            raise WorkerDied(self.how_it_died()) from None
+
+    def _recv(self, deadline: float | None = None) -> tuple:
+        while not self._conn.poll(POLL_S):
+            if not self.alive:
+                raise WorkerDied(self.how_it_died())
+            if deadline is not None and time.monotonic() > deadline:
+                self.process.kill()
+                raise WorkerDied("the training worker did not start in time")
+        try:
+            return recv(self._conn)
+        except (EOFError, OSError):
+            raise WorkerDied(self.how_it_died()) from None

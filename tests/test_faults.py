@@ -1,0 +1,138 @@
+"""Faults, end to end: the training worker is SIGKILLed mid-request; clients hang up mid-poll.
+
+Only the request that was running fails (``category: server``, saying how the worker died
+and what became of its model); the worker is replaced, a model with a saved training state
+is restored from it, one without is reported lost, and the next requests succeed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import ALIAS, start_server
+from tests.test_http_protocol import Api, fwdbwd_body
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ADAM = types.AdamParams(learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    srv = start_server(tmp_path_factory.mktemp("faults"))
+    yield srv
+    srv.stop()
+
+
+def health(base_url: str) -> dict:
+    return httpx.get(f"{base_url}/healthz", timeout=5).json()
+
+
+def datum(length: int, start: int = 1) -> types.Datum:
+    tokens = [(start + i) % 500 + 1 for i in range(length + 1)]
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length},
+    )
+
+
+SMALL = [datum(16)]
+HEAVY = [datum(2048, start=i) for i in range(24)]  # a few seconds of CPU: time to kill it
+
+
+def kill_worker_when_busy(base_url: str) -> int:
+    """SIGKILL the worker once it is running a request; its pid."""
+    deadline = time.monotonic() + 60
+    while health(base_url)["queue"]["in_flight"] == 0:
+        assert time.monotonic() < deadline, "the request never reached the worker"
+        time.sleep(0.02)
+    time.sleep(0.3)  # well inside the forward pass
+    pid = health(base_url)["worker"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def forward_logprobs(tc) -> np.ndarray:
+    return tc.forward(SMALL, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_sigkill_mid_forward_backward_fails_only_that_request(server):
+    service = tinker.ServiceClient(base_url=server.base_url)
+    saved = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
+    unsaved = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=2).result()
+    for tc in (saved, unsaved):
+        tc.forward_backward(SMALL, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+    path = saved.save_state("before-crash").result().path
+    at_save = forward_logprobs(saved)
+    saved.forward_backward(SMALL, "cross_entropy").result()
+    saved.optim_step(ADAM).result()
+    assert not np.array_equal(forward_logprobs(saved), at_save)  # trained on past the checkpoint
+
+    doomed = saved.forward_backward(HEAVY, "cross_entropy")
+    pid = kill_worker_when_busy(server.base_url)
+    with pytest.raises(tinker.RequestFailedError) as failure:
+        doomed.result()
+    message = str(failure.value)
+    assert failure.value.category == types.RequestErrorCategory.Server
+    assert f"pid {pid}) was killed by SIGKILL" in message
+    assert f"was restored from {path} (optimizer step 1)" in message
+
+    worker = health(server.base_url)["worker"]
+    assert worker["alive"] and worker["restarts"] == 1 and worker["pid"] != pid
+    # The saved model is back exactly as checkpointed, and trains on.
+    np.testing.assert_array_equal(forward_logprobs(saved), at_save)
+    saved.forward_backward(SMALL, "cross_entropy").result()
+    assert saved.optim_step(ADAM).result().metrics["optimizer_step"] == 2.0
+
+    # The unsaved model is lost, and says so.
+    with pytest.raises(tinker.BadRequestError, match="was lost"):
+        unsaved.forward_backward(SMALL, "cross_entropy").result()
+    # New models and sampling work on the new worker.
+    fresh = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=3).result()
+    fresh.forward_backward(SMALL, "cross_entropy").result()
+    sampler = service.create_sampling_client(base_model=ALIAS)
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0)).result()
+    assert len(out.sequences[0].tokens) == 4
+    assert health(server.base_url)["status"] == "ok"
+
+
+def test_sigkill_while_idle_is_repaired_without_failing_anything(server):
+    pid = health(server.base_url)["worker"]["pid"]
+    restarts = health(server.base_url)["worker"]["restarts"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while (worker := health(server.base_url)["worker"])["restarts"] == restarts:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert worker["pid"] != pid and "killed by SIGKILL" in worker["last_death"]
+    tc = tinker.ServiceClient(base_url=server.base_url).create_lora_training_client(base_model=ALIAS, rank=4).result()
+    tc.forward_backward(SMALL, "cross_entropy").result()
+
+
+def test_client_that_hangs_up_mid_poll_loses_nothing(server):
+    api = Api(server.base_url)
+    request_id = api.fwdbwd(fwdbwd_body(api.new_model(), 1, n_datums=16, length=2048))
+
+    def hang_up() -> None:  # give up in the middle of the long poll, as a dropped client would
+        with pytest.raises(httpx.ReadTimeout):
+            api.http.post("/api/v1/retrieve_future", json={"request_id": request_id}, timeout=0.3)
+
+    threads = [threading.Thread(target=hang_up) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    result = api.result(request_id)  # the result was kept for whoever asks next
+    assert len(result.loss_fn_outputs) == 16
+    assert health(server.base_url)["status"] == "ok"

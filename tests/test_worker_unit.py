@@ -1,0 +1,123 @@
+"""The worker process on its own: calls, callbacks, errors, and deaths (with a fake backend)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from hosted_tinker.backends.base import Capabilities, ForwardBackwardBatch, LoraSpec, UserError, WorkerCrashed
+from hosted_tinker.worker.backend import ProcessBackend
+from hosted_tinker.worker.process import WorkerError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeBackend:
+    """Picklable by name, so the spawned worker can build it. ``loss_fn`` picks the behaviour."""
+
+    capabilities = Capabilities(
+        backend="fake", arch="Fake", losses=("cross_entropy",), max_seq_len=8, max_tokens_per_batch=8, vocab_size=8
+    )
+
+    def __init__(self) -> None:
+        self.adapters: set[str] = set()
+
+    def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
+        self.adapters.add(model_id)
+
+    def has_adapter(self, model_id: str) -> bool:
+        return model_id in self.adapters
+
+    def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> str:
+        if batch.loss_fn == "user":
+            raise UserError("that is your mistake")
+        if batch.loss_fn == "oom":
+            raise MemoryError("cannot allocate 1 TiB")
+        if batch.loss_fn == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return f"{model_id}: ok, pid {os.getpid()}"
+
+    def generate(self, key: str | None, specs: list, admit=None) -> list:
+        return [*specs, *admit(), *admit()]
+
+
+def batch(loss_fn: str) -> ForwardBackwardBatch:
+    return ForwardBackwardBatch(data=[], loss_fn=loss_fn, loss_config={}, forward_only=False)
+
+
+@pytest.fixture
+def backend():
+    backend = ProcessBackend(FakeBackend)
+    assert backend.capabilities.backend == "fake"
+    yield backend
+    backend.close()
+
+
+def test_calls_and_callbacks_cross_the_process(backend: ProcessBackend):
+    backend.create_adapter("m", LoraSpec(rank=1, seed=0))
+    assert backend.has_adapter("m")
+    pid = backend.status()["pid"]
+    assert backend.forward_backward("m", batch("cross_entropy")) == f"m: ok, pid {pid}"
+    assert pid != os.getpid()
+    arrivals = iter([["b"], ["c"]])
+    assert backend.generate(None, ["a"], admit=lambda: next(arrivals)) == ["a", "b", "c"]
+
+
+def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):
+    pid = backend.status()["pid"]
+    with pytest.raises(UserError, match="your mistake"):
+        backend.forward_backward("m", batch("user"))
+    with pytest.raises(WorkerError, match="MemoryError: cannot allocate"):
+        backend.forward_backward("m", batch("oom"))
+    with pytest.raises(WorkerError, match="the server's admit failed: ZeroDivisionError"):
+        backend.generate(None, [], admit=lambda: 1 / 0)
+    assert backend.status() == {"pid": pid, "alive": True, "restarts": 0, "last_death": None}
+    assert backend.forward_backward("m", batch("cross_entropy")).endswith(str(pid))
+
+
+def test_death_mid_call_restarts_and_restores(backend: ProcessBackend):
+    restored_with: list[list[str]] = []
+
+    def restore(model_ids: list[str]) -> dict[str, str]:
+        restored_with.append(model_ids)
+        for model_id in model_ids:
+            backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
+        return {model_id: "was restored" for model_id in model_ids}
+
+    backend.restore = restore
+    for model_id in ("a", "b"):
+        backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
+    old_pid = backend.status()["pid"]
+    with pytest.raises(WorkerCrashed) as crash:
+        backend.forward_backward("a", batch("die"))
+    assert f"pid {old_pid}) was killed by SIGKILL" in crash.value.reason
+    assert crash.value.message_for("a").endswith("Model a was restored")
+    assert "Model" not in crash.value.message_for("other")  # other tenants' models go unmentioned
+    assert restored_with == [["a", "b"]]
+    status = backend.status()
+    assert status["restarts"] == 1 and status["alive"] and status["pid"] != old_pid
+    assert backend.has_adapter("b")
+    assert backend.forward_backward("b", batch("cross_entropy")) == f"b: ok, pid {status['pid']}"
+
+
+def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBackend):
+    old_pid = backend.status()["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    backend._worker.process.join(10)
+    assert not backend.status()["alive"]
+    assert backend.forward_backward("m", batch("cross_entropy")).startswith("m: ok")  # runs, no error
+    assert backend.status()["restarts"] == 1
+    assert "killed by SIGKILL" in backend.status()["last_death"]
+
+
+def test_a_backend_that_cannot_start_says_why():
+    backend = ProcessBackend(_broken_factory)
+    with pytest.raises(RuntimeError, match="could not start: OSError: no such model"):
+        _ = backend.capabilities
+    backend.close()
+
+
+def _broken_factory() -> FakeBackend:
+    raise OSError("no such model")
