@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
     serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")
+    serve.add_argument(
+        "--result-retention",
+        dest="result_retention_s",
+        type=float,
+        default=7 * 86400.0,
+        help="seconds a finished request's result stays retrievable (default: 7 days)",
+    )
     auth = serve.add_argument_group("API keys (besides `hosted-tinker keys create`)")
     auth.add_argument("--api-keys-file", type=Path, default=None, help="file with one tml- key per line")
     auth.add_argument(

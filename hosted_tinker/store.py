@@ -52,6 +52,7 @@ CREATE TABLE IF NOT EXISTS futures (
     completed_at REAL
 );
 CREATE UNIQUE INDEX IF NOT EXISTS futures_by_seq ON futures(model_id, seq_id) WHERE seq_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS futures_by_completion ON futures(completed_at);
 CREATE TABLE IF NOT EXISTS checkpoints (
     model_id TEXT NOT NULL,
     kind TEXT NOT NULL,
@@ -303,6 +304,10 @@ class Store:
             "UPDATE futures SET status='failed', error=?, category=?, completed_at=? WHERE request_id=?",
             (error, category, time.time(), request_id),
         )
+
+    def delete_futures_finished_before(self, cutoff: float) -> int:
+        """Forget results finished before ``cutoff`` (a pending future is never deleted)."""
+        return self._exec("DELETE FROM futures WHERE status != 'pending' AND completed_at < ?", (cutoff,)).rowcount
 
     def get_future(self, request_id: str) -> FutureRecord | None:
         row = self._exec(

@@ -286,3 +286,23 @@ def test_restart_keeps_results_and_fails_in_flight(tmp_path, tiny_model_dir):
         assert r.status_code == 400 and "restart" in r.json()["detail"]
     finally:
         srv.stop()
+
+
+def test_results_are_deleted_after_retention(tmp_path, tiny_model_dir):
+    srv = start_server(tmp_path, "--result-retention", "1")
+    try:
+        api = Api(srv.base_url)
+        model_id = api.new_model()
+        first = api.fwdbwd(fwdbwd_body(model_id, 1))
+        api.result(first)
+        deadline = time.monotonic() + 30
+        while api.poll(first).status_code != 404:  # swept within a second or two of expiring
+            assert time.monotonic() < deadline, "the finished result was never deleted"
+            time.sleep(0.25)
+        assert "does not exist" in api.poll(first).json()["detail"]
+        # The model lives on; its old seq_id stays used, though its result is gone.
+        assert len(api.result(api.fwdbwd(fwdbwd_body(model_id, 2))).loss_fn_outputs) == 1
+        resent = api.result(api.fwdbwd(fwdbwd_body(model_id, 1)))
+        assert resent["category"] == "user" and "already used" in resent["error"]
+    finally:
+        srv.stop()

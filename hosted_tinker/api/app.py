@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -24,7 +25,7 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.scheduler.bind_loop(asyncio.get_running_loop())
-        sweeper = asyncio.create_task(_delete_expired_checkpoints(state))
+        sweeper = asyncio.create_task(_sweep(state))
         watchdog = asyncio.create_task(_watch_worker(state))
         if state.vllm is not None:  # training is served while vLLM loads
             state.vllm.start()
@@ -96,15 +97,19 @@ def _openai_error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def _delete_expired_checkpoints(state: ServerState, every_s: float = 600.0) -> None:
-    """Checkpoints past their TTL are deleted at start-up and every ``every_s`` seconds."""
+async def _sweep(state: ServerState) -> None:
+    """At start-up and periodically: delete checkpoints past their TTL and results past retention,
+    so that neither the disk nor the database grows without bound."""
+    retention = state.config.result_retention_s
+    every_s = min(600.0, max(1.0, retention / 4))
     while True:
         try:
-            deleted = await asyncio.to_thread(state.checkpoints.delete_expired)
-            if deleted:
-                log.info("deleted %d expired checkpoints", deleted)
+            checkpoints = await asyncio.to_thread(state.checkpoints.delete_expired)
+            results = await asyncio.to_thread(state.store.delete_futures_finished_before, time.time() - retention)
+            if checkpoints or results:
+                log.info("deleted %d expired checkpoints and %d old results", checkpoints, results)
         except Exception:
-            log.exception("expired-checkpoint sweep failed")
+            log.exception("sweep failed")
         await asyncio.sleep(every_s)
 
 
