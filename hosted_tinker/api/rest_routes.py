@@ -13,6 +13,8 @@ from hosted_tinker.api.auth import tenant_of
 from hosted_tinker.api.state import ServerState, server_state
 from hosted_tinker.protocol import json_types as wire
 
+MAX_OFFSET = 2**62  # SQLite integers are 64-bit: a larger offset is a 422, not an overflow
+
 router = APIRouter(prefix="/api/v1")
 # Signed download links are their own credential: the CLI fetches them without an API key.
 downloads = APIRouter(prefix="/api/v1")
@@ -22,7 +24,7 @@ downloads = APIRouter(prefix="/api/v1")
 async def list_training_runs(
     request: Request,
     limit: int = Query(20, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET),
     access_scope: str = "owned",
     project_id: str | None = None,
 ) -> dict:
@@ -47,7 +49,7 @@ async def list_run_checkpoints(run_id: str, request: Request) -> dict:
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(
-    request: Request, limit: int = Query(100, ge=1, le=10000), offset: int = Query(0, ge=0)
+    request: Request, limit: int = Query(100, ge=1, le=10000), offset: int = Query(0, ge=0, le=MAX_OFFSET)
 ) -> dict:
     return server_state(request).checkpoints.list_owned_checkpoints(tenant_of(request), limit, offset)
 
@@ -108,7 +110,10 @@ async def get_sampler(sampler_id: str, request: Request) -> dict:
 
 @router.get("/sessions")
 async def list_sessions(
-    request: Request, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0), access_scope: str = "owned"
+    request: Request,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET),
+    access_scope: str = "owned",
 ) -> dict:
     return {"sessions": server_state(request).store.list_sessions(tenant_of(request), limit, offset)}
 
