@@ -105,6 +105,7 @@ class Scheduler:
         return {
             "in_flight": self.in_flight,
             "pending": len(self._pending),
+            "pending_busiest_model": max(self._pending_per_model.values(), default=0),
             "max_pending": self.limits.max_pending,
             "max_pending_per_model": self.limits.max_pending_per_model,
             "refused": self.refused,
