@@ -39,8 +39,14 @@ class FakeBackend:
             os.kill(os.getpid(), signal.SIGKILL)
         return f"{model_id}: ok, pid {os.getpid()}"
 
-    def generate(self, key: str | None, specs: list, admit=None) -> list:
-        return [*specs, *admit(), *admit()]
+    def generate(self, key: str | None, specs: list, admit=None, on_token=None) -> list:
+        specs = [*specs, *admit(), *admit()]
+        if on_token is not None:
+            for i, spec in enumerate(specs):
+                on_token(i, 0, ord(spec), -1.0)
+                if spec == "x":
+                    on_token(i, 0, 0, "a listener that raises must not stop the call")
+        return specs
 
 
 def batch(loss_fn: str) -> ForwardBackwardBatch:
@@ -63,6 +69,21 @@ def test_calls_and_callbacks_cross_the_process(backend: ProcessBackend):
     assert pid != os.getpid()
     arrivals = iter([["b"], ["c"]])
     assert backend.generate(None, ["a"], admit=lambda: next(arrivals)) == ["a", "b", "c"]
+
+
+def test_listeners_hear_every_notification_in_order(backend: ProcessBackend):
+    """A listener (``on_token``) is notified without a round trip per call, in order; one that
+    raises is logged and the call still returns."""
+    heard = []
+
+    def on_token(request: int, sample: int, token: int, logprob: float) -> None:
+        if isinstance(logprob, str):
+            raise ValueError(logprob)
+        heard.append((request, chr(token)))
+
+    arrivals = iter([["x"], ["c"]])
+    assert backend.generate(None, ["a"], admit=lambda: next(arrivals), on_token=on_token) == ["a", "x", "c"]
+    assert heard == [(0, "a"), (1, "x"), (2, "c")]
 
 
 def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):

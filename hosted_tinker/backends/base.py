@@ -156,7 +156,14 @@ class TrainingBackend(Protocol):
 
     def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
 
-    def generate(self, key: str | None, specs: list, admit: Callable[[], list] | None = None) -> list:
+    def generate(
+        self,
+        key: str | None,
+        specs: list,
+        admit: Callable[[], list] | None = None,
+        on_token: Callable[[int, int, int, float], None] | None = None,
+    ) -> list:
         """Sample ``specs`` on the base model (``key`` None) or a loaded sampler; between decode
-        steps ``admit`` may hand over more requests on the same weights."""
+        steps ``admit`` may hand over more requests on the same weights. ``on_token`` hears each
+        token of a ``stream`` spec as it is chosen (``inference.generate.generate``)."""
         ...

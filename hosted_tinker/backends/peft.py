@@ -32,7 +32,7 @@ from hosted_tinker.backends.base import (
     UserError,
 )
 from hosted_tinker.backends.logprobs import target_logprobs
-from hosted_tinker.inference.generate import SampleOutput, SampleSpec, generate
+from hosted_tinker.inference.generate import SampleOutput, SampleSpec, TokenListener, generate
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +399,11 @@ class PeftBackend:
             self._remove_peft_adapter(evicted)
 
     def generate(
-        self, key: str | None, specs: list[SampleSpec], admit: Callable[[], list[SampleSpec]] | None = None
+        self,
+        key: str | None,
+        specs: list[SampleSpec],
+        admit: Callable[[], list[SampleSpec]] | None = None,
+        on_token: TokenListener | None = None,
     ) -> list[SampleOutput]:
         """Sample from the base model (``key`` None) or from a loaded sampler adapter."""
         if key is None:
@@ -409,7 +413,9 @@ class PeftBackend:
             self.peft.set_adapter(self.samplers[key])
             context, lm = contextlib.nullcontext(), self.peft.base_model.model
         with context:
-            return generate(lm, specs, pad_id=self.pad_id, decode=self._decode, default_seed=_seed, admit=admit)
+            return generate(
+                lm, specs, pad_id=self.pad_id, decode=self._decode, default_seed=_seed, admit=admit, on_token=on_token
+            )
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)

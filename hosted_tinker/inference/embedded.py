@@ -8,13 +8,14 @@ training request waits for at most one sampling batch (``MAX_BATCH_ROWS`` sequen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from dataclasses import dataclass
 
 from safetensors.torch import load as load_safetensors
 
-from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.generate import SampleOutput, SampleSpec
 from hosted_tinker.scheduler import Scheduler
 
@@ -27,6 +28,7 @@ class _Pending:
     spec: SampleSpec
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    on_token: SampleListener | None = None
 
     def settle(self, result: SampleOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(_settle, self.done, result)
@@ -50,9 +52,12 @@ class EmbeddedEngine:
             waiting = len(self._pending)
         return {"engine": self.name, "state": "ready", "waiting": waiting}
 
-    async def sample(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
+    async def sample(
+        self, weights: WeightsRef, spec: SampleSpec, on_token: SampleListener | None = None
+    ) -> SampleOutput:
         loop = asyncio.get_running_loop()
-        item = _Pending(weights, spec, loop.create_future(), loop)
+        spec = dataclasses.replace(spec, stream=on_token is not None)
+        item = _Pending(weights, spec, loop.create_future(), loop, on_token)
         with self._lock:
             self._pending.append(item)
             start = not self._scheduled
@@ -105,10 +110,15 @@ class EmbeddedEngine:
             items.extend(arrivals)
             return [i.spec for i in arrivals]
 
+        def on_token(request: int, sample: int, token: int, logprob: float) -> None:
+            listener = items[request].on_token  # items and the engine's requests share one order
+            if listener is not None:
+                listener(sample, token, logprob)
+
         try:
             self._ensure_loaded(weights)
             specs = [i.spec for i in items]
-            outputs = self.backend.generate(weights.key, specs, admit)
+            outputs = self.backend.generate(weights.key, specs, admit, on_token)
         except Exception as e:  # UserError or not: the caller tells them apart
             for item in items:
                 item.settle(e)

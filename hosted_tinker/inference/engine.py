@@ -6,6 +6,7 @@ the worker) and ``VllmEngine`` (a co-launched or external vLLM server, adapters 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,11 +34,18 @@ class WeightsRef:
         return self.files.directory(self.path) if self.files is not None and self.path is not None else None
 
 
+# (sample index, token, logprob): one request's tokens, as they are sampled.
+SampleListener = Callable[[int, int, float], None]
+
+
 class InferenceEngine(Protocol):
     name: str
 
-    async def sample(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
-        """Sample ``spec`` on ``weights``; raise ``UserError`` for a request the engine refuses."""
+    async def sample(
+        self, weights: WeightsRef, spec: SampleSpec, on_token: SampleListener | None = None
+    ) -> SampleOutput:
+        """Sample ``spec`` on ``weights``; raise ``UserError`` for a request the engine refuses.
+        ``on_token`` hears each token as soon as the engine has it."""
         ...
 
     def status(self) -> dict:

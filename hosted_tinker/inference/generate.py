@@ -21,6 +21,9 @@ from hosted_tinker.backends.logprobs import target_logprobs
 
 MASK_LOGPROB = -99999.0  # the SDK's marker for an empty top-k cell
 
+# (request index, sample index, token, logprob), for each token of a streamed request.
+TokenListener = Callable[[int, int, int, float], None]
+
 
 @dataclass
 class SampleSpec:
@@ -39,8 +42,8 @@ class SampleSpec:
     topk_prompt_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None
     topk_sample_logprobs: int = 0
-    # Called on the engine's thread for each sampled token: (sample index, token, logprob).
-    on_token: Callable[[int, int, float], None] | None = field(default=None, compare=False)
+    # Report each sampled token as it is chosen, through ``generate``'s ``on_token`` (streaming).
+    stream: bool = False
 
 
 @dataclass
@@ -162,12 +165,14 @@ def generate(
     decode: Callable[[list[int]], str],
     default_seed: Callable[[], int],
     admit: Callable[[], list[SampleSpec]] | None = None,
+    on_token: TokenListener | None = None,
 ) -> list[SampleOutput]:
     """Sample every request of ``specs``; ``lm`` is a causal LM with its adapter set.
 
     Between decode steps, ``admit`` may hand over more requests (same weights): they are
     prefilled and join the running batch, so a request never waits for a whole batch to end.
-    Returns one output per request, ``specs`` first, then admitted ones in order.
+    Returns one output per request, ``specs`` first, then admitted ones in order; requests
+    are numbered in that order for ``on_token``, which hears every token of a ``stream`` spec.
     """
     device = next(lm.parameters()).device
     decoder = getattr(lm, lm.base_model_prefix)
@@ -214,8 +219,8 @@ def generate(
             if spec.topk_sample_logprobs:
                 values, indices = torch.topk(logp[r], min(spec.topk_sample_logprobs, logp.shape[-1]))
                 seq.topk.append((indices.tolist(), values.tolist()))
-            if spec.on_token is not None:
-                spec.on_token(s, token, seq.logprobs[-1])
+            if spec.stream and on_token is not None:
+                on_token(i, s, token, seq.logprobs[-1])
             if token in spec.stop_token_ids or _hit_stop_string(seq.tokens, spec.stop_strings, decode):
                 seq.stop_reason = "stop"
             elif len(seq.tokens) < spec.max_tokens:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from hosted_tinker.backends.base import UserError
-from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.generate import SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.inference.vllm_adapters import AdapterRegistry, remove_dir, spawn
@@ -129,7 +129,11 @@ class VllmEngine:
 
     # ---- Tinker sampling --------------------------------------------------------------------
 
-    async def sample(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
+    async def sample(
+        self, weights: WeightsRef, spec: SampleSpec, on_token: SampleListener | None = None
+    ) -> SampleOutput:
+        """One non-streamed vLLM request: ``on_token`` hears the tokens when it answers (the
+        OpenAI routes stream through the ``/v1`` proxy instead)."""
         async with self.lease(weights) as model:
             url, body = f"{self.host.base_url}/v1/completions", request_body(model, spec)
             try:
@@ -147,7 +151,12 @@ class VllmEngine:
             raise EngineUnavailable(f"vLLM failed while sampling: {resp.status_code} {resp.text[:300]}")
         if resp.status_code != 200:
             raise UserError(f"vLLM refused the request: {resp.text[:500]}")
-        return parse_response(resp.json(), spec)
+        output = parse_response(resp.json(), spec)
+        if on_token is not None:
+            for s, seq in enumerate(output.sequences):
+                for token, logprob in zip(seq.tokens, seq.logprobs, strict=True):
+                    on_token(s, token, logprob)
+        return output
 
     def lost(self, model: str) -> EngineUnavailable:
         """vLLM says it does not know ``model`` (a restart we did not see): reload it next time."""

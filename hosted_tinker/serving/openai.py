@@ -234,8 +234,11 @@ class OpenAIService:
         weights = self.resolve(req.model, tenant)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        spec.on_token = lambda s, token, lp: loop.call_soon_threadsafe(events.put_nowait, (s, token, lp))
-        task = asyncio.ensure_future(self.sampling.run(weights, spec))
+
+        def on_token(sample: int, token: int, logprob: float) -> None:  # on the dispatch thread
+            loop.call_soon_threadsafe(events.put_nowait, (sample, token, logprob))
+
+        task = asyncio.ensure_future(self.sampling.run(weights, spec, on_token))
         task.add_done_callback(lambda _: events.put_nowait(None))
         return self._sse(req, chat, prompt, spec, events, task)
 

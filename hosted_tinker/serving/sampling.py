@@ -14,7 +14,7 @@ import secrets
 from hosted_tinker.backends.base import UserError
 from hosted_tinker.checkpoints import CheckpointFiles, TinkerPath
 from hosted_tinker.inference.embedded import EmbeddedEngine
-from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.generate import SampleOutput, SampleSpec
 from hosted_tinker.inference.vllm_engine import VllmEngine, needs_embedded
 from hosted_tinker.inference.vllm_process import EngineUnavailable
@@ -199,8 +199,8 @@ class SamplingService:
         except EngineUnavailable as e:
             raise unavailable(str(e), e.retry_after) from None
 
-    async def run(self, weights: WeightsRef, spec: SampleSpec) -> SampleOutput:
+    async def run(self, weights: WeightsRef, spec: SampleSpec, on_token: SampleListener | None = None) -> SampleOutput:
         """Sample on the engine that serves ``spec`` (for the Tinker and the OpenAI routes)."""
         if self.uses_vllm(spec):
-            return await self.vllm.sample(weights, spec)
-        return await self.embedded.sample(weights, spec)
+            return await self.vllm.sample(weights, spec, on_token)
+        return await self.embedded.sample(weights, spec, on_token)

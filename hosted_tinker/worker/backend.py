@@ -26,6 +26,7 @@ from hosted_tinker.backends.base import (
     TrainingBackend,
     WorkerCrashed,
 )
+from hosted_tinker.worker.messages import Listener
 from hosted_tinker.worker.process import WorkerDied, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -148,5 +149,12 @@ class ProcessBackend:
     def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None:
         self._call("load_sampler", key, adapter_config, weights)
 
-    def generate(self, key: str | None, specs: list, admit: Callable[[], list] | None = None) -> list:
-        return self._call("generate", key, specs, admit=admit)
+    def generate(
+        self,
+        key: str | None,
+        specs: list,
+        admit: Callable[[], list] | None = None,
+        on_token: Callable[[int, int, int, float], None] | None = None,
+    ) -> list:
+        listener = Listener(on_token) if on_token is not None else None
+        return self._call("generate", key, specs, admit=admit, on_token=listener)

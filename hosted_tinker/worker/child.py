@@ -58,6 +58,9 @@ def _remote(conn: Connection, callback: Callback) -> Callable[..., Any]:
     """A stand-in that runs the server's callable and returns its answer."""
 
     def call(*args: Any) -> Any:
+        if not callback.answer:
+            send(conn, "notify", callback.name, args)
+            return None
         send(conn, "callback", callback.name, args)
         kind, value = recv(conn)
         if kind == "answer_error":

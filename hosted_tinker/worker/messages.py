@@ -6,6 +6,7 @@ parent -> child   ("call", method, args, kwargs)   run ``backend.method(*args, *
                   ("stop",)                        exit cleanly
 child -> parent   ("ready", capabilities)          the backend is built
                   ("callback", name, args)         call the parent's callable argument ``name``
+                  ("notify", name, args)           the same, but send no answer (streamed tokens)
                   ("ok", value)                    the call's result
                   ("user_error", message)          the backend raised ``UserError``
                   ("error", summary)               the backend raised anything else
@@ -17,6 +18,7 @@ handles, so nothing the server holds refers to memory of a worker that may die.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -24,9 +26,19 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Callback:
-    """Stands in, on the wire, for a callable argument the worker calls back (``admit``)."""
+    """Stands in, on the wire, for a callable argument the worker calls back (``admit``).
+    ``answer`` False: the worker does not wait for the call (a listener such as ``on_token``)."""
 
     name: str
+    answer: bool = True
+
+
+@dataclass(frozen=True)
+class Listener:
+    """Wraps a callable argument whose return value nobody needs: the worker notifies it and
+    goes on, rather than waiting a round trip per call (one per streamed token)."""
+
+    fn: Callable[..., Any]
 
 
 def send(conn: Connection, *message: Any) -> None:

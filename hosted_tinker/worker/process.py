@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import signal
 import time
@@ -10,7 +11,9 @@ from typing import Any
 
 from hosted_tinker.backends.base import Capabilities, TrainingBackend, UserError
 from hosted_tinker.worker import child
-from hosted_tinker.worker.messages import Callback, recv, send
+from hosted_tinker.worker.messages import Callback, Listener, recv, send
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often a waiting call checks that the worker is still alive
 
@@ -48,14 +51,27 @@ class WorkerProcess:
         return rest[0]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``backend.method`` in the worker. Callable keyword arguments stay here; the
-        worker calls them back. Raises ``UserError``, ``WorkerError`` or ``WorkerDied``."""
-        callbacks = {k: v for k, v in kwargs.items() if callable(v)}
-        wire_kwargs = {k: Callback(k) if k in callbacks else v for k, v in kwargs.items()}
+        """Run ``backend.method`` in the worker. Callable keyword arguments (and ``Listener``s)
+        stay here; the worker calls them back. Raises ``UserError``, ``WorkerError`` or
+        ``WorkerDied``."""
+        callbacks, wire_kwargs = {}, {}
+        for k, v in kwargs.items():
+            if isinstance(v, Listener):
+                callbacks[k], wire_kwargs[k] = v.fn, Callback(k, answer=False)
+            elif callable(v):
+                callbacks[k], wire_kwargs[k] = v, Callback(k)
+            else:
+                wire_kwargs[k] = v
         self._send("call", method, args, wire_kwargs)
         while True:
             kind, *rest = self._recv()
-            if kind == "callback":
+            if kind == "notify":
+                name, callback_args = rest
+                try:
+                    callbacks[name](*callback_args)
+                except Exception:  # a listener's failure is its own; the call goes on
+                    log.exception("the listener %s failed", name)
+            elif kind == "callback":
                 name, callback_args = rest
                 try:
                     answer = ("answer", callbacks[name](*callback_args))
