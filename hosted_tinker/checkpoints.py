@@ -30,7 +30,8 @@ from hosted_tinker.backends.base import AdapterState, LoraSpec, UserError
 KIND_TO_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
-_RUN_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+# Not starting with '.': a run id is a directory name, and "." or ".." would leave the root.
+_RUN_ID = re.compile(r"^[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]{0,199}$")
 FORMAT_VERSION = 1
 
 
@@ -56,16 +57,19 @@ class TinkerPath:
     name: str
 
     @classmethod
-    def parse(cls, path: str) -> TinkerPath:
+    def parse(cls, path: str, field: str = "path") -> TinkerPath:
+        """Parse ``path``; errors name ``field``, the request field it came in."""
         if not path.startswith("tinker://"):
-            raise CheckpointError(f"path {path!r} is not a tinker:// path")
+            raise CheckpointError(f"{field} {path!r} is not a tinker:// path")
         parts = path[len("tinker://") :].split("/")
-        if len(parts) != 3 or parts[1] not in KIND_TO_TYPE:
-            raise CheckpointError(f"path {path!r} must look like tinker://<run_id>/<{'|'.join(KIND_TO_TYPE)}>/<name>")
+        if len(parts) != 3:
+            raise CheckpointError(f"{field} {path!r} must look like tinker://<run_id>/<kind>/<name>")
         run_id, kind, name = parts
+        if kind not in KIND_TO_TYPE:
+            raise CheckpointError(f"{field} {path!r}: checkpoint kind {kind!r} is not one of {', '.join(KIND_TO_TYPE)}")
         if not _RUN_ID.match(run_id):
-            raise CheckpointError(f"path {path!r} has an invalid run id")
-        return cls(run_id, kind, validate_name(name))
+            raise CheckpointError(f"{field} {path!r} has an invalid run id {run_id!r}")
+        return cls(run_id, kind, validate_name(name, field))
 
     @classmethod
     def from_checkpoint_id(cls, run_id: str, checkpoint_id: str) -> TinkerPath:

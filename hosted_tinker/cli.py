@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
     serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")
     serve.add_argument(
+        "--max-body-bytes", type=int, default=256 << 20, help="largest request body, after zstd (413 above)"
+    )
+    serve.add_argument(
         "--result-retention",
         dest="result_retention_s",
         type=float,

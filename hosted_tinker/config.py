@@ -32,7 +32,7 @@ class ServerConfig(BaseModel):
     # The SDK's transport, chosen by the server in client/config. Against this server (HTTP/1.1)
     # httpx answers a call ~5 ms sooner than pyqwest (benchmarks/overhead.py).
     sdk_transport: Literal["httpx", "pyqwest"] = "httpx"
-    max_body_bytes: int = 256 << 20
+    max_body_bytes: int = Field(256 << 20, ge=1024)  # a request body, also once inflated (413 above)
     max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
     max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
     # Finished futures (and their payloads) are deleted this long after they finished.

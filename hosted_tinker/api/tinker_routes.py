@@ -11,7 +11,7 @@ from hosted_tinker.api.auth import tenant_of
 from hosted_tinker.api.state import ServerState, server_state
 from hosted_tinker.protocol import json_types as wire
 from hosted_tinker.protocol.proto_codec import decode_forward_backward, decompress
-from hosted_tinker.serving.errors import ApiError, bad_request, not_found
+from hosted_tinker.serving.errors import ApiError, not_found
 
 router = APIRouter(prefix="/api/v1")
 
@@ -103,17 +103,14 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
     state = server_state(request)
     content_type = request.headers.get("content-type", "")
     if "protobuf" not in content_type:
-        raise bad_request(
+        raise ApiError(
+            415,
             f"forward_backward takes an application/x-protobuf ForwardBackwardRequest body "
-            f"(tinker SDK >= 0.25), got Content-Type {content_type!r}"
+            f"(tinker SDK >= 0.25), got Content-Type {content_type!r}",
         )
+    # The app's BodyLimit has already bounded the body; the same limit bounds its inflated size.
     limit = state.config.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"body of {declared} bytes exceeds the limit of {limit} bytes")
     body = await request.body()
-    if len(body) > limit:
-        raise ApiError(413, f"body of {len(body)} bytes exceeds the limit of {limit} bytes")
     req = decode_forward_backward(decompress(body, request.headers.get("content-encoding"), limit))
     state.tenancy.model(tenant_of(request), req.model_id)
     return _future(state.training.forward_backward(req), req.model_id)

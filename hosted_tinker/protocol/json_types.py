@@ -186,8 +186,9 @@ class EncodedTextChunk(Request):
     type: Literal["encoded_text"] = "encoded_text"
 
 
-class ModelInput(BaseModel):
-    # Other chunk types (images, audio) are parsed loosely and refused by the service by name.
+class ModelInput(Request):
+    # Chunks are parsed loosely: an image or audio chunk is refused by the service by name, and
+    # a text chunk is validated there (``sampling.prompt_tokens``), its errors named by index.
     chunks: list[dict[str, Any]]
 
 

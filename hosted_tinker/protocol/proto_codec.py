@@ -21,6 +21,14 @@ from hosted_tinker.inference.generate import SampleOutput
 class WireError(ValueError):
     """A request body that cannot be decoded; the message names the offending field."""
 
+    status = 400
+
+
+class UnsupportedEncoding(WireError):
+    """A Content-Encoding we cannot undo: the body is fine, its packaging is not (415)."""
+
+    status = 415
+
 
 _DTYPES = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
 
@@ -63,7 +71,7 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
     if not content_encoding or content_encoding.lower() == "identity":
         return body
     if content_encoding.lower() != "zstd":
-        raise WireError(f"Content-Encoding {content_encoding!r} is not supported (use zstd or none)")
+        raise UnsupportedEncoding(f"Content-Encoding {content_encoding!r} is not supported (use zstd or none)")
     dctx = zstandard.ZstdDecompressor()
     out = bytearray()
     pending = bytes(body)

@@ -140,8 +140,13 @@ class CheckpointService:
         )
 
     def save_weights_for_sampler(self, req: wire.SaveWeightsForSamplerRequest) -> str:
+        refusal = None
         if req.kind != "snapshot":
-            raise bad_request(f"kind {req.kind!r} is not supported; this server saves 'snapshot' sampler weights")
+            refusal = bad_request(f"kind {req.kind!r} is not supported; this server saves 'snapshot' sampler weights")
+        elif req.path is None and req.sampling_session_seq_id is None:
+            refusal = bad_request("save_weights_for_sampler needs either path (a name) or sampling_session_seq_id")
+        if refusal is not None:
+            return self.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, refusal)
         if req.path is not None:
             return self._save(
                 "sampler_weights",
@@ -152,8 +157,6 @@ class CheckpointService:
                 ttl_seconds=req.ttl_seconds,
                 user_metadata=req.user_metadata,
             )
-        if req.sampling_session_seq_id is None:
-            raise bad_request("save_weights_for_sampler needs either path (a name) or sampling_session_seq_id")
         return self._save_ephemeral(req)
 
     def _save_ephemeral(self, req: wire.SaveWeightsForSamplerRequest) -> str:
@@ -196,7 +199,8 @@ class CheckpointService:
 
     def save_weights_external(self, req: wire.SaveWeightsExternalRequest) -> str:
         if req.age_encryption_recipients:
-            raise bad_request("age_encryption_recipients is not supported: this server does not encrypt exports")
+            refusal = bad_request("age_encryption_recipients is not supported: this server does not encrypt exports")
+            return self.training.refuse_ordered("save_weights_external", req.model_id, req.seq_id, refusal)
         return self._save(
             "external_weights",
             req.model_id,
@@ -209,28 +213,36 @@ class CheckpointService:
 
     # ---- loading ----------------------------------------------------------------------------
 
-    def _training_path(self, path: str) -> TinkerPath:
+    def _training_path(self, path: str, field: str = "path") -> TinkerPath:
+        """A training-state checkpoint that exists; errors name ``field``, the path's request field."""
         try:
-            parsed = TinkerPath.parse(path)
+            parsed = TinkerPath.parse(path, field)
         except CheckpointError as e:
             raise bad_request(str(e)) from None
         if parsed.kind != "weights":
-            raise bad_request(f"{path} is a {parsed.checkpoint_type} checkpoint; load_weights needs a weights/ path")
+            raise bad_request(
+                f"{field} {path} is a {parsed.checkpoint_type} checkpoint; this needs a training-state weights/ path"
+            )
         if self.store.get_checkpoint(parsed.run_id, parsed.kind, parsed.name) is None:
-            raise not_found(f"checkpoint {path} does not exist")
+            raise not_found(f"{field}: checkpoint {path} does not exist")
         return parsed
 
-    def load_weights(self, req: wire.LoadWeightsRequest) -> str:
+    @staticmethod
+    def _check_load_options(req: wire.LoadWeightsRequest) -> None:
         if req.weights_access_token is not None:
             raise bad_request("weights_access_token is not supported: checkpoints here have no access tokens")
         if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
             raise bad_request(f"optimizer_config.type {req.optimizer_config.type!r} is not supported; use 'adamw'")
+
+    def load_weights(self, req: wire.LoadWeightsRequest) -> str:
         if req.model_id is None:
+            self._check_load_options(req)
             return self._create_via_load(req)
         if req.seq_id is None:
             raise bad_request("load_weights on an existing model needs seq_id")
 
-        def prepare() -> Job:
+        def prepare() -> Job:  # every refusal in here still consumes the seq_id
+            self._check_load_options(req)
             path = self._training_path(req.path)
             model = self.training.live_model(req.model_id)
             try:
@@ -308,14 +320,14 @@ class CheckpointService:
             base_model = req.base_model
         else:
             try:
-                path = TinkerPath.parse(req.model_path)
+                path = TinkerPath.parse(req.model_path, "model_path")
             except CheckpointError as e:
                 raise bad_request(str(e)) from None
             if path.kind == "external_weights":
-                raise bad_request(f"{path} is an export; sample from a sampler_weights/ or weights/ path")
+                raise bad_request(f"model_path {path} is an export; sample from a sampler_weights/ or weights/ path")
             model = self.store.get_model(path.run_id)
             if model is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
-                raise not_found(f"checkpoint {req.model_path} does not exist")
+                raise not_found(f"model_path: checkpoint {req.model_path} does not exist")
             base_model = model.base_model
         self.store.add_sampler(
             sampler_id, session_id=req.session_id, base_model=base_model, model_path=req.model_path, model_id=None
@@ -407,7 +419,7 @@ class CheckpointService:
         self.store.update_checkpoint(path.run_id, path.kind, path.name, expires_at=expires)
 
     def weights_info(self, tinker_path: str) -> dict:
-        path = self._training_path(tinker_path)
+        path = self._training_path(tinker_path, "tinker_path")
         try:
             return describe_checkpoint(path, self.files.read(path, only=("training_state.json",)))
         except CheckpointError as e:

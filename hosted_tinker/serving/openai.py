@@ -127,9 +127,9 @@ class OpenAIService:
         for i, m in enumerate(req.messages):
             content = m.content or ""
             if isinstance(content, list):
-                if any(part.get("type") != "text" for part in content):
-                    raise bad_request(f"messages[{i}].content: only text parts are supported")
-                content = "".join(part.get("text", "") for part in content)
+                if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                    raise bad_request(f"messages[{i}].content: only text parts, each with a string text, are supported")
+                content = "".join(part["text"] for part in content)
             messages.append({"role": m.role, "content": content})
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False

@@ -11,6 +11,8 @@ import asyncio
 import math
 import secrets
 
+from pydantic import ValidationError
+
 from hosted_tinker.backends.base import UserError
 from hosted_tinker.checkpoints import CheckpointFiles, TinkerPath
 from hosted_tinker.inference.embedded import EmbeddedEngine
@@ -27,6 +29,28 @@ from hosted_tinker.store import SamplerRecord, Store
 DEFAULT_MAX_TOKENS = 256
 MAX_NUM_SAMPLES = 128
 MAX_TOPK = 64
+
+
+def check_num_samples(num_samples: int) -> None:
+    if not 1 <= num_samples <= MAX_NUM_SAMPLES:
+        raise bad_request(f"num_samples must be between 1 and {MAX_NUM_SAMPLES}, got {num_samples}")
+
+
+def prompt_tokens(prompt: wire.ModelInput) -> list[int]:
+    """The prompt's token ids. Chunks arrive loosely typed (so that an image is refused by name
+    here), so each text chunk is validated now and its errors are reported against it."""
+    tokens: list[int] = []
+    for i, chunk in enumerate(prompt.chunks):
+        where = f"prompt.chunks[{i}]"
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise bad_request(f"{where}: {chunk.get('type')} chunks are not supported (text only)")
+        try:
+            tokens += wire.EncodedTextChunk.model_validate(chunk).tokens
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+            raise bad_request(f"{where}{loc}: {first['msg']}") from None
+    return tokens
 
 
 class SamplingService:
@@ -79,8 +103,12 @@ class SamplingService:
         bad = [t for t in prompt if not 0 <= t < caps.vocab_size]
         if bad:
             raise bad_request(f"prompt contains token id {bad[0]}, outside the vocabulary [0, {caps.vocab_size})")
-        if not 1 <= num_samples <= MAX_NUM_SAMPLES:
-            raise bad_request(f"num_samples must be between 1 and {MAX_NUM_SAMPLES}, got {num_samples}")
+        if len(prompt) >= caps.max_seq_len:  # not even one token fits after it
+            raise bad_request(f"prompt has {len(prompt)} tokens; the context holds {caps.max_seq_len} in all")
+        check_num_samples(num_samples)
+        # The SDK documents any 64-bit seed; a larger one would fail in the engine instead of here.
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            raise bad_request(f"sampling_params.seed must fit in 64 bits, got {params.seed}")
         room = caps.max_seq_len - len(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
         if not 0 <= max_tokens <= room:
@@ -142,6 +170,7 @@ class SamplingService:
     # ---- the Tinker endpoint ----------------------------------------------------------------
 
     def asample(self, req: wire.SampleRequest) -> tuple[str, list[str]]:
+        check_num_samples(req.num_samples)  # first: it sizes the list of sequence ids below
         if req.sampling_session_id is None:
             raise bad_request("asample needs sampling_session_id (create a sampling client first)")
         sampler = self.store.get_sampler(req.sampling_session_id)
@@ -152,13 +181,8 @@ class SamplingService:
         if (existing := self.scheduler.find(sampler.sampler_id, seq_id)) is not None:  # a resend
             return existing, sequence_ids
         self._refuse_unsupported(req)
-        tokens: list[int] = []
-        for i, chunk in enumerate(req.prompt.chunks):
-            if chunk.get("type", "encoded_text") != "encoded_text":
-                raise bad_request(f"prompt.chunks[{i}]: {chunk.get('type')} chunks are not supported (text only)")
-            tokens += wire.EncodedTextChunk.model_validate(chunk).tokens
         spec = self.spec(
-            tokens,
+            prompt_tokens(req.prompt),
             req.sampling_params,
             num_samples=req.num_samples,
             prompt_logprobs=req.prompt_logprobs,

@@ -221,6 +221,16 @@ class TrainingService:
             raise
         return self.scheduler.submit(kind, job, model_id=model_id, seq_id=seq_id)
 
+    def refuse_ordered(self, kind: str, model_id: str, seq_id: int, error: ApiError) -> str:
+        """Refuse one of a model's requests that failed before its ``prepare`` (a body that did not
+        validate, an option we lack) as its ``seq_id``, which it still consumes: raises ``error``,
+        or ``submit_ordered``'s own refusal; a resend gets the original future."""
+
+        def prepare() -> Job:
+            raise error
+
+        return self.submit_ordered(kind, model_id, seq_id, prepare)
+
     def forward_backward(self, req: WireForwardBackward) -> str:
         def prepare() -> Job:
             batch = self._validate_batch(req)
