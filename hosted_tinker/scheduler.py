@@ -13,8 +13,9 @@ import asyncio
 import logging
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from hosted_tinker.backends.base import UserError, WorkerCrashed
@@ -155,10 +156,34 @@ class Scheduler:
         request_id = f"req-{secrets.token_urlsafe(12)}"
         self.store.add_future(request_id, kind=kind, model_id=model_id, seq_id=seq_id)
         self._events[request_id] = asyncio.Event()
+        self._hold(request_id, model_id)
+        return request_id
+
+    @contextmanager
+    def slot(self, key: str) -> Iterator[None]:
+        """A place under the bounds for a request that has no future (an OpenAI completion,
+        answered on its own connection), held while it runs; 429 when there is none. ``key`` is
+        what the per-model bound counts it against."""
+        self.check_capacity(key, None)
+        token = f"slot-{secrets.token_urlsafe(12)}"
+        self._hold(token, key)
+        try:
+            yield
+        finally:
+            self._release(token)
+
+    def _hold(self, request_id: str, model_id: str | None) -> None:
         with self._count_lock:
             self._pending[request_id] = model_id
             self._pending_per_model[model_id] = self._pending_per_model.get(model_id, 0) + 1
-        return request_id
+
+    def _release(self, request_id: str) -> None:
+        with self._count_lock:
+            if request_id in self._pending:
+                model_id = self._pending.pop(request_id)
+                left = self._pending_per_model.pop(model_id) - 1
+                if left:
+                    self._pending_per_model[model_id] = left
 
     def complete(self, request_id: str, payload: bytes, media_type: str) -> None:
         self._finish(request_id, payload=payload, media_type=media_type)
@@ -220,12 +245,7 @@ class Scheduler:
             self.store.fail_future(request_id, error, category or "server")
         else:
             self.store.complete_future(request_id, payload or b"", media_type or "application/json")
-        with self._count_lock:
-            if request_id in self._pending:
-                model_id = self._pending.pop(request_id)
-                left = self._pending_per_model.pop(model_id) - 1
-                if left:
-                    self._pending_per_model[model_id] = left
+        self._release(request_id)
         event = self._events.pop(request_id, None)
         if event is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(event.set)

@@ -3,9 +3,11 @@ request a model's queue waits for is always let in, and /healthz shows the bound
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import tinker
 from tinker import types
@@ -76,3 +78,27 @@ def test_the_sdk_waits_out_429s(tight):
         futures[-1].result()
     assert losses == [losses[0]] * 8  # all ran, in order, on the same weights
     assert httpx.get(f"{tight.base_url}/healthz").json()["queue"]["refused"] > refused_before
+
+
+def test_openai_requests_hold_a_place_under_the_bounds(tight):
+    """/v1 completions have no future, but each holds a place under the bounds while it samples
+    (streamed or not): over the per-model bound, 429 in OpenAI's shape, which its SDK waits out."""
+    body = {"model": ALIAS, "prompt": "Once upon a time", "max_tokens": 128, "temperature": 1.0}
+
+    def post(stream: bool) -> httpx.Response:
+        return httpx.post(f"{tight.base_url}/v1/completions", json=body | {"stream": stream}, timeout=60)
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(post, [False, True] * 4))
+    statuses = [r.status_code for r in replies]
+    assert set(statuses) == {200, 429} and statuses.count(200) >= 2, statuses
+    refused = next(r for r in replies if r.status_code == 429)
+    assert refused.headers["retry-after"] == "1"
+    assert "per-model bound" in refused.json()["error"]["message"]
+
+    client = openai.OpenAI(base_url=f"{tight.base_url}/v1", api_key="tml-test", max_retries=10)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: client.completions.create(**body), range(8)))
+    assert all(a.usage.completion_tokens > 0 for a in answers)
+    queue = httpx.get(f"{tight.base_url}/healthz").json()["queue"]
+    assert queue["pending"] == 0 and queue["pending_busiest_model"] == 0

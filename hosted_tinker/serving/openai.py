@@ -13,6 +13,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 
 from hosted_tinker.checkpoints import CheckpointError, TinkerPath
@@ -76,6 +77,11 @@ class OpenAIService:
             "object": "list",
             "data": [{"id": n, "object": "model", "created": now, "owned_by": "hosted-tinker"} for n in names],
         }
+
+    def slot(self, name: str, tenant: str) -> AbstractContextManager[None]:
+        """A place for one request on model ``name`` under the server's queue bounds (429 when
+        none is free), counted per tenant and model like a sampling session's requests."""
+        return self.sampling.scheduler.slot(f"{tenant}/v1/{name}")
 
     def resolve(self, name: str, tenant: str) -> WeightsRef:
         """The weights a ``model`` name stands for, if ``tenant`` may sample them (else a 404)."""
@@ -201,7 +207,9 @@ class OpenAIService:
         """A whole completion or chat completion: every choice, its text, logprobs and usage."""
         chat = isinstance(req, ChatCompletionRequest)
         prompt, spec = self._prepare(req)
-        output = await self.sampling.run(self.resolve(req.model, tenant), spec)
+        weights = self.resolve(req.model, tenant)
+        with self.slot(req.model, tenant):
+            output = await self.sampling.run(weights, spec)
         choices = []
         for i, seq in enumerate(output.sequences):
             text, _ = self._text(seq.tokens, spec)
@@ -238,8 +246,15 @@ class OpenAIService:
         def on_token(sample: int, token: int, logprob: float) -> None:  # on the dispatch thread
             loop.call_soon_threadsafe(events.put_nowait, (sample, token, logprob))
 
+        held = ExitStack()  # the slot is held while the engine works, whether or not the client reads
+        held.enter_context(self.slot(req.model, tenant))
         task = asyncio.ensure_future(self.sampling.run(weights, spec, on_token))
-        task.add_done_callback(lambda _: events.put_nowait(None))
+
+        def finished(_: asyncio.Future) -> None:
+            held.close()
+            events.put_nowait(None)
+
+        task.add_done_callback(finished)
         return self._sse(req, chat, prompt, spec, events, task)
 
     async def _sse(

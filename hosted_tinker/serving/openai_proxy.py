@@ -104,6 +104,7 @@ class OpenAIProxy:
                 if not isinstance(name, str):
                     raise bad_request("model must be a string")
                 weights = self.openai.resolve(name, tenant)
+                stack.enter_context(self.openai.slot(name, tenant))
                 vllm_name = await stack.enter_async_context(self.vllm.lease(weights))
                 body = json.dumps(payload | {"model": vllm_name}).encode()
                 if vllm_name != name:
