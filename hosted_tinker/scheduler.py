@@ -222,7 +222,7 @@ class Scheduler:
             self._finish(request_id, error=e.message_for(self._pending.get(request_id)), category="server")
         except WorkerError as e:
             log.error("request %s failed in the worker: %s", request_id, e)
-            self._finish(request_id, error=f"internal error in the training worker: {e}", category="server")
+            self._finish(request_id, error=f"the training worker failed this request: {e}", category="server")
         except Exception as e:
             log.exception("request %s failed", request_id)
             self._finish(request_id, error=f"internal error: {type(e).__name__}: {e}", category="server")

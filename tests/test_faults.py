@@ -1,13 +1,16 @@
-"""Faults, end to end: the training worker is SIGKILLed mid-request; clients hang up mid-poll.
+"""Faults, end to end: the training worker is SIGKILLed mid-request, or runs out of memory;
+clients hang up mid-poll.
 
-Only the request that was running fails (``category: server``, saying how the worker died
-and what became of its model); the worker is replaced, a model with a saved training state
-is restored from it, one without is reported lost, and the next requests succeed.
+Only the request that was running fails (``category: server``, saying what happened). After a
+death the worker is replaced, a model with a saved training state is restored from it, one
+without is reported lost; after an out-of-memory error the worker and the model stay as they
+were. Either way the next requests succeed.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import threading
 import time
@@ -136,3 +139,44 @@ def test_client_that_hangs_up_mid_poll_loses_nothing(server):
     result = api.result(request_id)  # the result was kept for whoever asks next
     assert len(result.loss_fn_outputs) == 16
     assert health(server.base_url)["status"] == "ok"
+
+
+def test_out_of_memory_fails_only_that_request_and_changes_nothing(tmp_path, tiny_model_dir):
+    """The worker's address space is capped (prlimit) just above what it uses, so a heavy batch
+    fails to allocate, as on a full GPU: that request fails with a plain out-of-memory message,
+    the same worker stays, and the model, its accumulated gradients included, is untouched.
+    A server of its own: a worker that has run heavy batches keeps their freed memory mapped."""
+    server = start_server(tmp_path)
+    try:
+        _out_of_memory(server)
+    finally:
+        server.stop()
+
+
+def _out_of_memory(server) -> None:
+    service = tinker.ServiceClient(base_url=server.base_url)
+    victim, twin = (service.create_lora_training_client(base_model=ALIAS, rank=4, seed=7).result() for _ in range(2))
+    for tc in (victim, twin):
+        tc.forward_backward(SMALL, "cross_entropy").result()  # gradients waiting for optim_step
+    worker = health(server.base_url)["worker"]
+    used = _address_space_bytes(worker["pid"])
+    resource.prlimit(worker["pid"], resource.RLIMIT_AS, (used + (64 << 20), resource.RLIM_INFINITY))
+    try:
+        doomed = victim.forward_backward(HEAVY, "cross_entropy")
+        with pytest.raises(tinker.RequestFailedError) as failure:
+            doomed.result()
+    finally:
+        resource.prlimit(worker["pid"], resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert failure.value.category == types.RequestErrorCategory.Server
+    assert "out of memory" in str(failure.value) and "the model is as it was" in str(failure.value)
+    assert health(server.base_url)["worker"] == worker  # the same process, never restarted
+
+    for tc in (victim, twin):
+        tc.optim_step(ADAM).result()
+    np.testing.assert_array_equal(forward_logprobs(victim), forward_logprobs(twin))
+
+
+def _address_space_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+    return kib << 10

@@ -45,13 +45,25 @@ def serve(conn: Connection, factory: Callable[[], TrainingBackend]) -> None:
             log.exception("%s failed", method)
             if torch.cuda.is_initialized():  # after an OOM, give the cached blocks back
                 torch.cuda.empty_cache()
-            reply = ("error", f"{type(e).__name__}: {e}")
+            reply = ("error", describe(e))
         try:
             send(conn, *reply)
         except (EOFError, OSError):
             return
         except Exception as e:  # a result that cannot be pickled is our bug, not a reason to die
             send(conn, "error", f"{method} returned what cannot be sent to the server: {e}")
+
+
+def describe(error: Exception) -> str:
+    """What the failed request's error says. Running out of memory is said plainly, with what
+    it means here: a failed call leaves the backend as it was (``backends.base``)."""
+    summary = f"{type(error).__name__}: {error}"
+    out_of_memory = isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)  # torch's CPU allocator
+    )
+    if out_of_memory:
+        return f"out of memory ({summary}); the model is as it was before this request (a smaller batch may fit)"
+    return summary
 
 
 def _remote(conn: Connection, callback: Callback) -> Callable[..., Any]:
