@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 
 import pytest
+import torch
 
 from hosted_tinker.backends.base import Capabilities, ForwardBackwardBatch, LoraSpec, UserError, WorkerCrashed
 from hosted_tinker.worker.backend import ProcessBackend
+from hosted_tinker.worker.messages import dumps
 from hosted_tinker.worker.process import WorkerError
 
 pytestmark = pytest.mark.timeout(120)
@@ -84,6 +87,24 @@ def test_listeners_hear_every_notification_in_order(backend: ProcessBackend):
     arrivals = iter([["x"], ["c"]])
     assert backend.generate(None, ["a"], admit=lambda: next(arrivals), on_token=on_token) == ["a", "x", "c"]
     assert heard == [(0, "a"), (1, "x"), (2, "c")]
+
+
+def test_tensors_cross_the_pipe_intact():
+    """Tensors travel as numpy buffers: every dtype we send (bfloat16 as its bits), any strides,
+    and what numpy cannot hold (sparse) by torch's own reduction."""
+    sent = {
+        "strided": torch.randn(3, 4)[:, ::2],
+        "bf16": torch.randn(5, dtype=torch.bfloat16),
+        "int64": torch.arange(4),
+        "needs_grad": torch.tensor([1.5, -2.0], requires_grad=True),
+        "empty": torch.zeros(0, 7),
+        "sparse": torch.randn(4).to_sparse(),
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+    }
+    got = pickle.loads(dumps(("ok", sent)))[1]
+    for name, tensor in sent.items():
+        assert got[name].dtype == tensor.dtype and not got[name].requires_grad, name
+        assert torch.equal(got[name].to_dense(), tensor.detach().to_dense()), name
 
 
 def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):

@@ -9,6 +9,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from fastapi import Request
 from transformers import AutoTokenizer
 
@@ -63,6 +64,9 @@ def server_state(request: Request) -> ServerState:
 
 
 def build_state(config: ServerConfig) -> ServerState:
+    # The model runs in the worker process; this one only moves small tensors. A pool of
+    # intra-op threads here would spin after each of them, on the cores the worker computes on.
+    torch.set_num_threads(1)
     config.data_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model_path()
     store = Store.in_data_dir(config.data_dir)

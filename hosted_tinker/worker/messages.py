@@ -12,16 +12,23 @@ child -> parent   ("ready", capabilities)          the backend is built
                   ("error", summary)               the backend raised anything else
 
 Plain pickle, not multiprocessing's: tensors travel by value rather than as shared-memory
-handles, so nothing the server holds refers to memory of a worker that may die.
+handles, so nothing the server holds refers to memory of a worker that may die. They travel as
+numpy arrays, which pickle their buffers directly: torch's own reduction serialises each
+storage like ``torch.save`` and costs ~20x more (5 ms for one 8 x 256-token batch).
 """
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,36 @@ class Listener:
 
 
 def send(conn: Connection, *message: Any) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(dumps(message))
+
+
+def dumps(message: tuple) -> bytes:
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(message)
+    return buffer.getvalue()
+
+
+# numpy has no bfloat16: such tensors travel as their bits, viewed as int16.
+_BITS = {torch.bfloat16: torch.int16}
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> tuple:
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type != "cpu":
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # torch's own way, for the rare rest
+    tensor = tensor.detach().resolve_conj().resolve_neg()  # numpy() refuses lazy conj/neg views
+    if tensor.dtype in _BITS:
+        return _from_bits, (tensor.view(_BITS[tensor.dtype]).numpy(), str(tensor.dtype).removeprefix("torch."))
+    return torch.from_numpy, (tensor.numpy(),)
+
+
+def _from_bits(bits: np.ndarray, dtype: str) -> torch.Tensor:
+    return torch.from_numpy(bits).view(getattr(torch, dtype))
+
+
+# Exact types only: an ``nn.Parameter`` (never sent) would keep torch's own reduction.
+_DISPATCH = copyreg.dispatch_table | {torch.Tensor: _reduce_tensor}
 
 
 def recv(conn: Connection) -> tuple:
