@@ -33,7 +33,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    add_common_args,
+    busy_cpu_seconds,
+    model_label,
+    print_table,
+    process_tree,
+    result_header,
+    setup,
+    write_results,
+)
 from tests.conftest import ALIAS, start_server  # noqa: E402
 
 # ---- what the clients see -------------------------------------------------------------------
@@ -204,31 +213,6 @@ def sampler_group(
 # ---- what the server shows ------------------------------------------------------------------
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (the server may run its backend in child processes)."""
-    try:
-        import psutil
-
-        proc = psutil.Process(pid)
-        return [pid] + [c.pid for c in proc.children(recursive=True)]
-    except ImportError:
-        pass
-    except Exception:
-        return [pid]
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    tree, frontier = [pid], [pid]
-    while frontier:
-        frontier = [child for child, parent in parents.items() if parent in frontier]
-        tree += frontier
-    return tree
-
-
 def memory_kb(pid: int, field_name: str) -> int:
     """``VmRSS`` or ``VmHWM`` (peak RSS) of one process in kB, from /proc; 0 where unreadable."""
     try:
@@ -238,21 +222,6 @@ def memory_kb(pid: int, field_name: str) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
-
-
-def busy_cpu_seconds(pids: list[int]) -> tuple[float, float] | None:
-    """CPU seconds used so far by the whole machine and by ``pids`` (Linux /proc; None elsewhere)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        ticks = os.sysconf("SC_CLK_TCK")
-        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))  # all but idle, iowait
-        own = 0
-        for pid in pids:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            own += int(stat[11]) + int(stat[12])  # utime, stime
-        return busy / ticks, own / ticks
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class HealthPoller(threading.Thread):

@@ -78,3 +78,43 @@ def write_results(results: dict[str, Any], out: str | None, device: str) -> Path
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the server may run its backend in child processes)."""
+    try:
+        import psutil
+
+        proc = psutil.Process(pid)
+        return [pid] + [c.pid for c in proc.children(recursive=True)]
+    except ImportError:
+        pass
+    except Exception:
+        return [pid]
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def busy_cpu_seconds(pids: list[int]) -> tuple[float, float] | None:
+    """CPU seconds used so far by the whole machine and by ``pids`` (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = os.sysconf("SC_CLK_TCK")
+        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))  # all but idle, iowait
+        own = 0
+        for pid in pids:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            own += int(stat[11]) + int(stat[12])  # utime, stime
+        return busy / ticks, own / ticks
+    except (OSError, ValueError, IndexError):
+        return None

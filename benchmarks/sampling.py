@@ -24,7 +24,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    add_common_args,
+    busy_cpu_seconds,
+    model_label,
+    print_table,
+    process_tree,
+    result_header,
+    setup,
+    write_results,
+)
 from tests.conftest import ALIAS, start_server  # noqa: E402
 
 
@@ -128,21 +137,6 @@ class OverHttp:
         self.service.close("success").result()
 
 
-def busy_cpu_seconds(pids: list[int]) -> tuple[float, float] | None:
-    """CPU seconds used so far by the whole machine and by ``pids`` (Linux /proc; None elsewhere)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        ticks = os.sysconf("SC_CLK_TCK")
-        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))  # all but idle, iowait
-        own = 0
-        for pid in pids:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            own += int(stat[11]) + int(stat[12])  # utime, stime
-        return busy / ticks, own / ticks
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def run_rounds(local: HfGenerate, remote: OverHttp, rounds: int, warmup: int) -> dict[str, list]:
     """Alternate the four paths within each round so that drifting machine load hits them alike."""
     out: dict[str, list] = {k: [] for k in ("server_concurrent", "server_sequential", "hf_sequential", "hf_batched")}
@@ -183,7 +177,7 @@ def main() -> None:
     server = start_server(work, "--model", model, "--device", args.device)
     try:
         remote = OverHttp(server.base_url, prompts, args.new_tokens)
-        pids = [os.getpid(), server.proc.pid]
+        pids = [os.getpid(), *process_tree(server.proc.pid)]  # the server with its worker
         cpu_before, wall_before = busy_cpu_seconds(pids), time.perf_counter()
         rates = run_rounds(local, remote, args.rounds, args.warmup)
         cpu_after, wall = busy_cpu_seconds(pids), time.perf_counter() - wall_before
