@@ -63,6 +63,25 @@ def test_the_global_bound_refuses_other_models_too(tight):
     assert not isinstance(api.result(api.fwdbwd(fwdbwd_body(models[4], 1))), dict)
 
 
+
+def test_a_request_refused_while_the_server_is_full_gets_429_not_its_422(tight):
+    """An invalid ordered request still uses up its seq_id, which needs room in the queue; with
+    none, the answer is the 429 (the SDK resends), not the 422 (which it would not, leaving the
+    model waiting on that seq_id forever). Resent once there is room, it gets its 422."""
+    api = Api(tight.base_url)
+    models = [api.new_model() for _ in range(5)]
+    for m in models[:4]:
+        for seq in (2, 3):
+            api.fwdbwd(fwdbwd_body(m, seq))  # 8 early arrivals fill the global bound
+    invalid = {"model_id": models[4], "seq_id": 1, "adam_params": {"learning_rate": None}}
+    busy = api.post("optim_step", json=invalid)
+    assert busy.status_code == 429 and "global bound" in busy.json()["detail"], busy.text
+    for m in models[:4]:
+        api.result(api.fwdbwd(fwdbwd_body(m, 1)))  # drain
+    refused = api.post("optim_step", json=invalid)
+    assert refused.status_code == 422 and "learning_rate" in refused.text
+    assert not isinstance(api.result(api.fwdbwd(fwdbwd_body(models[4], 2))), dict)  # seq 1 was used up
+
 def test_the_sdk_waits_out_429s(tight):
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(list(range(10, 40))),

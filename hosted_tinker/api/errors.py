@@ -32,7 +32,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Keep each error's location and message; drop echoed input (it may be large).
         errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
-        _consume_refused_seq(request, exc.body, errors)
+        if (busy := _consume_refused_seq(request, exc.body, errors)) is not None:
+            return error_response(request.url.path, busy.status, busy.detail, headers=busy.headers)
         if is_openai(request.url.path):
             first = errors[0]
             if first["type"] == "json_invalid":  # its location is a character offset, not a field
@@ -82,22 +83,26 @@ _ORDERED_ROUTES = {
 }
 
 
-def _consume_refused_seq(request: Request, body: Any, errors: list[dict]) -> None:
+def _consume_refused_seq(request: Request, body: Any, errors: list[dict]) -> ApiError | None:
     """An ordered request whose body fails validation (say, NaN that the SDK sends as null) still
     uses up its seq_id, if the body names a model of the caller's and a seq_id; else every later
-    request of that model would wait for it forever."""
+    request of that model would wait for it forever. Returns the 429 to answer instead of the
+    422 when the model's queue has no room even for the refusal: the SDK sends the request
+    again, and then its seq_id is used up."""
     kind = _ORDERED_ROUTES.get(request.url.path)
     tenant = getattr(request.state, "tenant", None)
     if kind is None or tenant is None or not isinstance(body, dict):
-        return
+        return None
     model_id, seq_id = body.get("model_id"), body.get("seq_id")
     if not isinstance(model_id, str) or type(seq_id) is not int:
-        return
+        return None
     state = server_state(request)
     if not state.tenancy.owns(tenant, model_id):
-        return
+        return None
     where = ".".join(str(p) for p in errors[0]["loc"][1:]) or "body"
     try:
         state.training.refuse_ordered(kind, model_id, seq_id, bad_request(f"{where}: {errors[0]['msg']}"))
-    except ApiError:
-        pass  # refused as expected; the caller gets the 422 itself
+    except ApiError as e:
+        if e.status == 429:
+            return e
+    return None  # refused as expected (or the model is gone): the caller gets the 422 itself
