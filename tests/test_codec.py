@@ -318,6 +318,13 @@ def test_decompress_streamed_frame_without_content_size():
     assert decompress(compressed, "zstd", len(data)) == data
 
 
+def test_decompress_many_frames_of_every_size():
+    """Frames end inside the pieces the decoder reads: the next frame must start exactly there."""
+    chunks = [bytes([i % 251]) * (i % 700) + bytes(range(i % 256)) for i in range(3000)]
+    compressed = b"".join(zstandard.ZstdCompressor(level=i % 5 + 1).compress(c) for i, c in enumerate(chunks))
+    assert decompress(compressed, "zstd", 10 << 20) == b"".join(chunks)
+
+
 @pytest.mark.parametrize("encoding", [None, "", "identity", "IDENTITY"])
 def test_decompress_identity(encoding):
     body = b"\x0a\x03abc not compressed"

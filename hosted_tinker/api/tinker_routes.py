@@ -3,6 +3,7 @@ the ids it names (``state.tenancy``), call a service, answer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import APIRouter, Request, Response
@@ -110,8 +111,9 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
         )
     # The app's BodyLimit has already bounded the body; the same limit bounds its inflated size.
     limit = state.config.max_body_bytes
-    body = await request.body()
-    req = decode_forward_backward(decompress(body, request.headers.get("content-encoding"), limit))
+    body, encoding = await request.body(), request.headers.get("content-encoding")
+    # Inflating and parsing up to the limit takes a while: not on the event loop.
+    req = await asyncio.to_thread(lambda: decode_forward_backward(decompress(body, encoding, limit)))
     state.tenancy.model(tenant_of(request), req.model_id)
     return _future(state.training.forward_backward(req), req.model_id)
 

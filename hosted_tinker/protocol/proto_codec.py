@@ -74,18 +74,19 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
         raise UnsupportedEncoding(f"Content-Encoding {content_encoding!r} is not supported (use zstd or none)")
     dctx = zstandard.ZstdDecompressor()
     out = bytearray()
-    pending = bytes(body)
+    view, pos = memoryview(body), 0  # an offset, not slices: slicing bytes copies the rest each time
     try:
-        while pending:
+        while pos < len(view):
             frame = dctx.decompressobj()
             while not frame.eof:
-                if not pending:
+                if pos >= len(view):
                     raise WireError("zstd body is truncated: its last frame is incomplete")
-                piece, pending = pending[:_ZSTD_PIECE], pending[_ZSTD_PIECE:]
+                piece = view[pos : pos + _ZSTD_PIECE]
+                pos += len(piece)
                 out += frame.decompress(piece)
                 if len(out) > max_bytes:
                     raise WireError(f"decompressed body exceeds {max_bytes} bytes")
-            pending = frame.unused_data + pending
+            pos -= len(frame.unused_data)  # the next frame starts inside the last piece
     except zstandard.ZstdError as e:
         raise WireError(f"body is not valid zstd: {e}") from None
     return bytes(out)
