@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from hosted_tinker.backends.base import UserError, WorkerCrashed
+from hosted_tinker.backends.base import RolledBack, UserError, WorkerCrashed
 from hosted_tinker.serving.errors import ApiError
 from hosted_tinker.store import FutureRecord, Store
 from hosted_tinker.worker.process import WorkerError
@@ -220,6 +220,8 @@ class Scheduler:
             self._finish(request_id, error=str(e), category="user")
         except WorkerCrashed as e:
             self._finish(request_id, error=e.message_for(self._pending.get(request_id)), category="server")
+        except RolledBack as e:
+            self._finish(request_id, error=str(e), category="server")
         except WorkerError as e:
             log.error("request %s failed in the worker: %s", request_id, e)
             self._finish(request_id, error=f"the training worker failed this request: {e}", category="server")

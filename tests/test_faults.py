@@ -72,10 +72,12 @@ def test_sigkill_mid_forward_backward_fails_only_that_request(server):
     service = tinker.ServiceClient(base_url=server.base_url)
     saved = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
     unsaved = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=2).result()
-    for tc in (saved, unsaved):
+    bystander = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=3).result()
+    for tc in (saved, unsaved, bystander):
         tc.forward_backward(SMALL, "cross_entropy").result()
         tc.optim_step(ADAM).result()
     path = saved.save_state("before-crash").result().path
+    bystander_path = bystander.save_state("bystander").result().path
     at_save = forward_logprobs(saved)
     saved.forward_backward(SMALL, "cross_entropy").result()
     saved.optim_step(ADAM).result()
@@ -97,11 +99,19 @@ def test_sigkill_mid_forward_backward_fails_only_that_request(server):
     saved.forward_backward(SMALL, "cross_entropy").result()
     assert saved.optim_step(ADAM).result().metrics["optimizer_step"] == 2.0
 
+    # A model that was only a bystander is back at its checkpoint too: its next request says so, once.
+    with pytest.raises(tinker.RequestFailedError) as rolled_back:
+        bystander.forward_backward(SMALL, "cross_entropy").result()
+    assert rolled_back.value.category == types.RequestErrorCategory.Server
+    assert "while running another request" in str(rolled_back.value)
+    assert f"was restored from {bystander_path}" in str(rolled_back.value)
+    bystander.forward_backward(SMALL, "cross_entropy").result()
+
     # The unsaved model is lost, and says so.
     with pytest.raises(tinker.BadRequestError, match="was lost"):
         unsaved.forward_backward(SMALL, "cross_entropy").result()
     # New models and sampling work on the new worker.
-    fresh = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=3).result()
+    fresh = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=4).result()
     fresh.forward_backward(SMALL, "cross_entropy").result()
     sampler = service.create_sampling_client(base_model=ALIAS)
     prompt = types.ModelInput.from_ints([1, 2, 3])

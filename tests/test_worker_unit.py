@@ -9,7 +9,14 @@ import signal
 import pytest
 import torch
 
-from hosted_tinker.backends.base import Capabilities, ForwardBackwardBatch, LoraSpec, UserError, WorkerCrashed
+from hosted_tinker.backends.base import (
+    Capabilities,
+    ForwardBackwardBatch,
+    LoraSpec,
+    RolledBack,
+    UserError,
+    WorkerCrashed,
+)
 from hosted_tinker.worker.backend import ProcessBackend
 from hosted_tinker.worker.messages import dumps
 from hosted_tinker.worker.process import WorkerError
@@ -28,7 +35,15 @@ class FakeBackend:
         self.adapters: set[str] = set()
 
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
+        if model_id == "poison" and lora.rank == 2:  # rank 2: as restored (see Recovery below)
+            os.kill(os.getpid(), signal.SIGKILL)
         self.adapters.add(model_id)
+
+    def delete_adapter(self, model_id: str) -> None:
+        self.adapters.discard(model_id)
+
+    def load_state(self, model_id: str, state: object, *, with_optimizer: bool) -> None:
+        pass
 
     def has_adapter(self, model_id: str) -> bool:
         return model_id in self.adapters
@@ -119,29 +134,59 @@ def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):
     assert backend.forward_backward("m", batch("cross_entropy")).endswith(str(pid))
 
 
-def test_death_mid_call_restarts_and_restores(backend: ProcessBackend):
-    restored_with: list[list[str]] = []
+class Recovery:
+    """Restores every model by recreating it (rank 2 marks a restored one); records the calls."""
 
-    def restore(model_ids: list[str]) -> dict[str, str]:
-        restored_with.append(model_ids)
-        for model_id in model_ids:
-            backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
-        return {model_id: "was restored" for model_id in model_ids}
+    def __init__(self, backend: ProcessBackend) -> None:
+        self.backend = backend
+        self.restored: list[str] = []
+        self.lost: dict[str, str] = {}
 
-    backend.restore = restore
-    for model_id in ("a", "b"):
+    def restore(self, model_id: str) -> str:
+        self.backend.create_adapter(model_id, LoraSpec(rank=2, seed=0))
+        self.restored.append(model_id)
+        return "was restored from its checkpoint"
+
+    def lose(self, model_id: str, why: str) -> str:
+        self.lost[model_id] = why
+        return f"{why} and is lost"
+
+
+def test_death_mid_call_restarts_restores_and_tells_the_others(backend: ProcessBackend):
+    recovery = backend.recovery = Recovery(backend)
+    for model_id in ("a", "b", "c"):
         backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
     old_pid = backend.status()["pid"]
     with pytest.raises(WorkerCrashed) as crash:
         backend.forward_backward("a", batch("die"))
     assert f"pid {old_pid}) was killed by SIGKILL" in crash.value.reason
-    assert crash.value.message_for("a").endswith("Model a was restored")
+    assert crash.value.message_for("a").endswith("Model a was restored from its checkpoint")
     assert "Model" not in crash.value.message_for("other")  # other tenants' models go unmentioned
-    assert restored_with == [["a", "b"]]
+    assert recovery.restored == ["a", "b", "c"]
     status = backend.status()
     assert status["restarts"] == 1 and status["alive"] and status["pid"] != old_pid
     assert backend.has_adapter("b")
+
+    # a's client was told by its failed request; b's next training call tells b's, once.
+    assert backend.forward_backward("a", batch("cross_entropy")).startswith("a: ok")
+    with pytest.raises(RolledBack, match=r"while running another request; .* model b was restored from its"):
+        backend.forward_backward("b", batch("cross_entropy"))
     assert backend.forward_backward("b", batch("cross_entropy")) == f"b: ok, pid {status['pid']}"
+    # Loading a state makes c's rollback moot: no notice after it.
+    backend.load_state("c", None, with_optimizer=True)
+    assert backend.forward_backward("c", batch("cross_entropy")).startswith("c: ok")
+
+
+def test_a_model_that_kills_the_new_worker_too_is_given_up(backend: ProcessBackend):
+    recovery = backend.recovery = Recovery(backend)
+    for model_id in ("a", "poison", "b"):
+        backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
+    with pytest.raises(WorkerCrashed) as crash:
+        backend.forward_backward("a", batch("die"))
+    assert recovery.restored == ["a", "b"] and list(recovery.lost) == ["poison"]
+    assert "killed the new worker too while being restored" in crash.value.restored["poison"]
+    assert backend.status()["restarts"] == 2 and backend.status()["alive"]
+    assert backend.has_adapter("b") and not backend.has_adapter("poison")
 
 
 def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBackend):

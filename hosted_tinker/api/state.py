@@ -102,7 +102,7 @@ def build_state(config: ServerConfig) -> ServerState:
         vllm,
     )
     checkpoints = CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir))
-    backend.restore = ModelRecovery(training, files)
+    backend.recovery = ModelRecovery(training, files)
     if vllm is not None:
         checkpoints.on_sampler_saved = vllm.prefetch_threadsafe
     tenancy = Tenancy(store)

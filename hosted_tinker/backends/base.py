@@ -41,6 +41,12 @@ class WorkerCrashed(RuntimeError):
         return message
 
 
+class RolledBack(RuntimeError):
+    """The worker died while running another request, and this model came back from its last
+    saved state. Its next request fails with this (``category: server``), once, so that its
+    client learns that the training since that state is gone."""
+
+
 @dataclass(frozen=True)
 class LoraSpec:
     rank: int

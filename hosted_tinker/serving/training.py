@@ -18,8 +18,10 @@ from hosted_tinker.backends.base import (
     DatumInput,
     ForwardBackwardBatch,
     LoraSpec,
+    RolledBack,
     TrainingBackend,
     UserError,
+    WorkerCrashed,
 )
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.protocol import json_types as wire
@@ -32,6 +34,7 @@ from hosted_tinker.protocol.proto_codec import (
 from hosted_tinker.scheduler import Job, Scheduler
 from hosted_tinker.serving.errors import ApiError, bad_request, not_found
 from hosted_tinker.store import ModelRecord, Store
+from hosted_tinker.worker.process import WorkerDied
 
 JSON = "application/json"
 MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
@@ -63,6 +66,8 @@ class TrainingService:
         try:
             step, weights = self.backend.snapshot_weights(model_id)
             self.live.publish(model_id, step, self.backend.peft_config(model_id), weights)
+        except (WorkerCrashed, RolledBack, WorkerDied):  # the weights are gone with the worker: say so
+            raise
         except Exception:  # the step itself succeeded; vLLM keeps the previous version
             log.exception("could not queue the LoRA sync of %s", model_id)
 
@@ -75,7 +80,9 @@ class TrainingService:
         if model.status == "unloaded":
             raise bad_request(f"model {model_id} was unloaded")
         if model.status == "lost":
-            raise bad_request(f"model {model_id} was lost in a server restart; recreate it (or load a saved state)")
+            raise bad_request(
+                f"model {model_id} was lost in a server restart or with its worker; recreate it (or load a saved state)"
+            )
         if model.status == "failed":
             raise bad_request(f"model {model_id} could not be created; its create_model future says why")
         return model

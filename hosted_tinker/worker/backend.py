@@ -5,6 +5,8 @@ a new worker is started, ``restore`` puts the training models back (from their l
 state where one exists), and the call raises ``WorkerCrashed``: its future fails with
 ``category: server`` while the requests queued behind it run on the new worker. A worker
 found dead between calls is replaced the same way before the next call, which then runs.
+Every other restored model is behind where its client thinks it is: its next training call
+raises ``RolledBack`` (once), unless that call replaces or deletes its state anyway.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,6 +25,7 @@ from hosted_tinker.backends.base import (
     ForwardBackwardBatch,
     ForwardBackwardResult,
     LoraSpec,
+    RolledBack,
     TrainingBackend,
     WorkerCrashed,
 )
@@ -32,6 +35,24 @@ from hosted_tinker.worker.process import WorkerDied, WorkerProcess
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 1800.0  # loading a large model from a cold disk can take minutes
+RESTORE_ATTEMPTS = 3  # new workers tried in a row when each dies while models are restored
+
+# Calls on one model's state: the first after its rollback raises ``RolledBack``...
+_TRAINING_CALLS = frozenset({"forward_backward", "optim_step", "export_state", "peft_config", "snapshot_weights"})
+# ...and these make the rollback moot.
+_STATE_REPLACING_CALLS = frozenset({"load_state", "delete_adapter"})
+
+
+class Recovery(Protocol):
+    """Puts the dead worker's training models back on a new one (``serving.recovery``)."""
+
+    def restore(self, model_id: str) -> str:
+        """Recreate ``model_id``; what became of it ("was restored from ...", or why not)."""
+        ...
+
+    def lose(self, model_id: str, why: str) -> str:
+        """Give ``model_id`` up; what its client is told."""
+        ...
 
 
 class ProcessBackend:
@@ -46,10 +67,9 @@ class ProcessBackend:
         self._capabilities: Capabilities | None = None
         self._ready = threading.Lock()
         self._restoring = False
-        # Set by the server: given the models the dead worker held, recreate them on the new one;
-        # returns per model what became of it (for the error of the request that was running).
-        self.restore: Callable[[list[str]], dict[str, str]] | None = None
+        self.recovery: Recovery | None = None  # set by the server; without it, models are not restored
         self._adapters: list[str] = []  # training models the worker holds, oldest first
+        self._rolled_back: dict[str, str] = {}  # model -> what its next training call is told
         self.restarts = 0
         self.last_death: str | None = None
 
@@ -82,32 +102,59 @@ class ProcessBackend:
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self.ensure_alive()
+        model_id = args[0] if method in _TRAINING_CALLS | _STATE_REPLACING_CALLS else None
+        if model_id is not None and not self._restoring:
+            notice = self._rolled_back.pop(model_id, None)
+            if notice is not None and method in _TRAINING_CALLS:
+                raise RolledBack(notice)
         try:
             return self._worker.call(method, *args, **kwargs)
         except WorkerDied as e:
-            if self._restoring:  # the new worker died too; restore() gives up on this model
+            if self._restoring:  # the new worker died too: _replace starts another
                 raise
             restored = self._replace(str(e))
+            self._rolled_back.pop(model_id, None)  # this call's own failure tells its client
             raise WorkerCrashed(str(e), restored) from None
 
     def _replace(self, reason: str) -> dict[str, str]:
-        """Start a new worker in place of the dead one and restore the models onto it."""
+        """Start a new worker in place of the dead one and restore the models onto it; per model,
+        what became of it. Each model that came back from a saved state is owed a ``RolledBack``
+        (see ``_call``). A model whose restoring kills the new worker too is given up."""
         log.error("%s; starting a new worker", reason)
         self.restarts += 1
         self.last_death = reason
-        self._worker.stop()
-        self._worker = WorkerProcess(self._factory)
-        self._worker.wait_ready(START_TIMEOUT_S)
         held, self._adapters = self._adapters, []
-        if self.restore is None:
-            return {}
-        self._restoring = True
-        try:
-            restored = self.restore(held)
-        finally:
-            self._restoring = False
-        log.info("after the restart: %s", "; ".join(f"{m} {how}" for m, how in restored.items()) or "no models")
-        return restored
+        outcome: dict[str, str] = {}
+        for _ in range(RESTORE_ATTEMPTS):
+            self._worker.stop()
+            self._worker = WorkerProcess(self._factory)
+            self._worker.wait_ready(START_TIMEOUT_S)
+            if self.recovery is None:
+                return outcome
+            self._restoring = True
+            try:
+                while held:
+                    outcome[held[0]] = self.recovery.restore(held[0])
+                    held.pop(0)
+                break
+            except WorkerDied as e:  # while restoring held[0]: not tried again
+                log.error("%s while restoring %s; starting another worker", e, held[0])
+                self.restarts += 1
+                self.last_death = str(e)
+                outcome[held[0]] = self.recovery.lose(held[0], f"killed the new worker too while being restored ({e})")
+                held.pop(0)
+            finally:
+                self._restoring = False
+        for model_id in held:  # the workers kept dying
+            outcome[model_id] = self.recovery.lose(model_id, "could not be restored: new workers kept dying")
+        log.info("after the restart: %s", "; ".join(f"{m} {how}" for m, how in outcome.items()) or "no models")
+        for model_id, how in outcome.items():
+            if how.startswith("was restored"):
+                self._rolled_back[model_id] = (
+                    f"{reason} while running another request; the worker was restarted and model {model_id} {how}. "
+                    "Training goes on from that state from your next request"
+                )
+        return outcome
 
     # ---- the backend interface ------------------------------------------------------------------
 
