@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import pickle
 import signal
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hosted_tinker.api.app import _watch_worker
 from hosted_tinker.backends.base import (
     Capabilities,
     ForwardBackwardBatch,
@@ -183,10 +190,74 @@ def test_a_model_that_kills_the_new_worker_too_is_given_up(backend: ProcessBacke
         backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
     with pytest.raises(WorkerCrashed) as crash:
         backend.forward_backward("a", batch("die"))
-    assert recovery.restored == ["a", "b"] and list(recovery.lost) == ["poison"]
+    # a went onto the worker that poison then killed, so a goes onto the next one again.
+    assert recovery.restored == ["a", "a", "b"] and list(recovery.lost) == ["poison"]
     assert "killed the new worker too while being restored" in crash.value.restored["poison"]
     assert backend.status()["restarts"] == 2 and backend.status()["alive"]
-    assert backend.has_adapter("b") and not backend.has_adapter("poison")
+    assert backend.has_adapter("a") and backend.has_adapter("b") and not backend.has_adapter("poison")
+
+
+def test_a_worker_that_cannot_start_keeps_the_models_owed(tmp_path: Path):
+    broken = tmp_path / "broken"
+    backend = ProcessBackend(functools.partial(FlakyBackend, str(broken)))
+    try:
+        recovery = backend.recovery = Recovery(backend)
+        for model_id in ("a", "b"):
+            backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
+        broken.touch()
+        os.kill(backend.status()["pid"], signal.SIGKILL)
+        backend._worker.process.join(10)
+        with pytest.raises(RuntimeError, match="could not start: OSError: the disk is gone"):
+            backend.ensure_alive()
+        broken.unlink()
+        backend.ensure_alive()
+        assert recovery.restored == ["a", "b"] and backend.has_adapter("a") and backend.has_adapter("b")
+    finally:
+        backend.close()
+
+
+class FlakyBackend(FakeBackend):
+    """A FakeBackend that cannot start while the file ``broken`` exists."""
+
+    def __init__(self, broken: str) -> None:
+        if os.path.exists(broken):
+            raise OSError("the disk is gone")
+        super().__init__()
+
+
+def test_the_watchdog_queues_one_replacement_at_a_time_and_backs_off():
+    """While a replacement is queued or running, no other is queued; failed ones wait longer."""
+    calls, running, overlaps = [], 0, []
+
+    class Backend:
+        def status(self) -> dict:
+            return {"alive": len(calls) >= 4 and running == 0}
+
+        def ensure_alive(self) -> None:
+            nonlocal running
+            running += 1
+            overlaps.append(running)
+            calls.append(time.monotonic())
+            time.sleep(0.05)
+            running -= 1
+            if len(calls) < 4:
+                raise RuntimeError("the training worker could not start")
+
+    class Scheduler:
+        def run_on_worker(self, fn) -> None:
+            threading.Thread(target=fn).start()
+
+    state = SimpleNamespace(backend=Backend(), scheduler=Scheduler())
+
+    async def watch_for(seconds: float) -> None:
+        task = asyncio.create_task(_watch_worker(state, every_s=0.02, max_wait_s=0.08))
+        await asyncio.sleep(seconds)
+        task.cancel()
+
+    asyncio.run(watch_for(0.6))
+    assert len(calls) == 4 and max(overlaps) == 1  # three failures, then a success, never two at once
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert gaps[1] > gaps[0] + 0.01  # backing off
 
 
 def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBackend):

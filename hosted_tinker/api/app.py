@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -67,9 +68,28 @@ async def _sweep(state: ServerState) -> None:
         await asyncio.sleep(every_s)
 
 
-async def _watch_worker(state: ServerState, every_s: float = 1.0) -> None:
-    """A worker that dies while idle is replaced within a second, not at the next request."""
+async def _watch_worker(state: ServerState, every_s: float = 1.0, max_wait_s: float = 60.0) -> None:
+    """A worker that dies while idle is replaced within a second, not at the next request. One
+    replacement is queued at a time, and after a failed one (a worker that cannot start) the
+    next waits twice as long, up to ``max_wait_s``."""
+    queued, wait_s = threading.Event(), every_s
+
+    def replace() -> None:  # on the dispatch thread
+        nonlocal wait_s
+        try:
+            state.backend.ensure_alive()
+            wait_s = every_s
+        except Exception:
+            log.exception("could not replace the training worker; trying again in %.0f s", 2 * wait_s)
+            wait_s = min(2 * wait_s, max_wait_s)
+        finally:
+            queued.clear()
+
     while True:
-        await asyncio.sleep(every_s)
-        if not state.backend.status()["alive"]:  # a new worker counts as alive while it loads
-            state.scheduler.run_on_worker(state.backend.ensure_alive)
+        await asyncio.sleep(wait_s)
+        try:
+            if not queued.is_set() and not state.backend.status()["alive"]:  # alive while it loads
+                queued.set()
+                state.scheduler.run_on_worker(replace)
+        except Exception:  # the watch must go on
+            log.exception("watching the training worker failed")

@@ -101,6 +101,7 @@ class ProcessBackend:
             self._replace(self._worker.how_it_died())
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        _ = self.capabilities  # the first worker's "ready" must be read before any call's answer
         self.ensure_alive()
         model_id = args[0] if method in _TRAINING_CALLS | _STATE_REPLACING_CALLS else None
         if model_id is not None and not self._restoring:
@@ -119,33 +120,39 @@ class ProcessBackend:
     def _replace(self, reason: str) -> dict[str, str]:
         """Start a new worker in place of the dead one and restore the models onto it; per model,
         what became of it. Each model that came back from a saved state is owed a ``RolledBack``
-        (see ``_call``). A model whose restoring kills the new worker too is given up."""
+        (see ``_call``). A model whose restoring kills the new worker too is given up, and the
+        others go onto yet another worker."""
         log.error("%s; starting a new worker", reason)
         self.restarts += 1
         self.last_death = reason
-        held, self._adapters = self._adapters, []
+        todo, self._adapters = self._adapters, []  # models to put back, oldest first
         outcome: dict[str, str] = {}
         for _ in range(RESTORE_ATTEMPTS):
             self._worker.stop()
-            self._worker = WorkerProcess(self._factory)
-            self._worker.wait_ready(START_TIMEOUT_S)
+            try:
+                self._worker = WorkerProcess(self._factory)
+                self._worker.wait_ready(START_TIMEOUT_S)
+            except BaseException:
+                self._adapters = todo  # still owed: the next replacement restores them
+                raise
             if self.recovery is None:
                 return outcome
             self._restoring = True
             try:
-                while held:
-                    outcome[held[0]] = self.recovery.restore(held[0])
-                    held.pop(0)
+                while todo:
+                    outcome[todo[0]] = self.recovery.restore(todo[0])
+                    todo.pop(0)
                 break
-            except WorkerDied as e:  # while restoring held[0]: not tried again
-                log.error("%s while restoring %s; starting another worker", e, held[0])
+            except WorkerDied as e:  # while restoring todo[0], which is not tried again
+                log.error("%s while restoring %s; starting another worker", e, todo[0])
                 self.restarts += 1
                 self.last_death = str(e)
-                outcome[held[0]] = self.recovery.lose(held[0], f"killed the new worker too while being restored ({e})")
-                held.pop(0)
+                culprit = todo.pop(0)
+                outcome[culprit] = self.recovery.lose(culprit, f"killed the new worker too while being restored ({e})")
+                todo, self._adapters = self._adapters + todo, []  # those restored died with it
             finally:
                 self._restoring = False
-        for model_id in held:  # the workers kept dying
+        for model_id in todo:  # the workers kept dying
             outcome[model_id] = self.recovery.lose(model_id, "could not be restored: new workers kept dying")
         log.info("after the restart: %s", "; ".join(f"{m} {how}" for m, how in outcome.items()) or "no models")
         for model_id, how in outcome.items():
