@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=int, default=256 << 20, help="largest request body, after zstd (413 above)"
     )
     serve.add_argument(
+        "--worker-timeout",
+        dest="worker_timeout_s",
+        type=float,
+        default=3600.0,
+        help="seconds a backend call may go without a sign of life before its worker is killed and replaced",
+    )
+    serve.add_argument(
         "--result-retention",
         dest="result_retention_s",
         type=float,

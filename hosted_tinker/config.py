@@ -35,6 +35,8 @@ class ServerConfig(BaseModel):
     max_body_bytes: int = Field(256 << 20, ge=1024)  # a request body, also once inflated (413 above)
     max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
     max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
+    # A worker call with no sign of life for this long has hung: the worker is killed and replaced.
+    worker_timeout_s: float = Field(3600.0, gt=0)
     # Finished futures (and their payloads) are deleted this long after they finished.
     result_retention_s: float = Field(7 * 86400.0, gt=0)
     # Inference: the training backend's own sampler, or vLLM (launched here, or at inference_url).

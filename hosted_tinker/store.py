@@ -305,9 +305,19 @@ class Store:
             (error, category, time.time(), request_id),
         )
 
-    def delete_futures_finished_before(self, cutoff: float) -> int:
-        """Forget results finished before ``cutoff`` (a pending future is never deleted)."""
-        return self._exec("DELETE FROM futures WHERE status != 'pending' AND completed_at < ?", (cutoff,)).rowcount
+    def delete_futures_finished_before(self, cutoff: float, batch: int = 1000) -> int:
+        """Forget results finished before ``cutoff`` (a pending future is never deleted), ``batch``
+        rows at a time: a first sweep over a large backlog must not hold the store for long."""
+        deleted = 0
+        while True:
+            n = self._exec(
+                "DELETE FROM futures WHERE rowid IN (SELECT rowid FROM futures "
+                "WHERE completed_at < ? AND status != 'pending' LIMIT ?)",
+                (cutoff, batch),
+            ).rowcount
+            deleted += n
+            if n < batch:
+                return deleted
 
     def get_future(self, request_id: str) -> FutureRecord | None:
         row = self._exec(

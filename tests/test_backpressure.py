@@ -63,7 +63,6 @@ def test_the_global_bound_refuses_other_models_too(tight):
     assert not isinstance(api.result(api.fwdbwd(fwdbwd_body(models[4], 1))), dict)
 
 
-
 def test_a_request_refused_while_the_server_is_full_gets_429_not_its_422(tight):
     """An invalid ordered request still uses up its seq_id, which needs room in the queue; with
     none, the answer is the 429 (the SDK resends), not the 422 (which it would not, leaving the
@@ -81,6 +80,7 @@ def test_a_request_refused_while_the_server_is_full_gets_429_not_its_422(tight):
     refused = api.post("optim_step", json=invalid)
     assert refused.status_code == 422 and "learning_rate" in refused.text
     assert not isinstance(api.result(api.fwdbwd(fwdbwd_body(models[4], 2))), dict)  # seq 1 was used up
+
 
 def test_the_sdk_waits_out_429s(tight):
     datum = types.Datum(

@@ -25,8 +25,8 @@ from hosted_tinker.backends.base import (
     WorkerCrashed,
 )
 from hosted_tinker.worker.backend import ProcessBackend
-from hosted_tinker.worker.messages import dumps
-from hosted_tinker.worker.process import WorkerError
+from hosted_tinker.worker.messages import Listener, dumps
+from hosted_tinker.worker.process import WorkerError, WorkerProcess
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,7 +62,18 @@ class FakeBackend:
             raise MemoryError("cannot allocate 1 TiB")
         if batch.loss_fn == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        if batch.loss_fn == "hang":
+            time.sleep(120)
+        if batch.loss_fn == "realtime-signal":
+            signal.signal(signal.SIGRTMIN + 1, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGRTMIN + 1)
         return f"{model_id}: ok, pid {os.getpid()}"
+
+    def chatter(self, seconds: float, tick) -> str:
+        for i in range(int(seconds * 10)):
+            time.sleep(0.1)
+            tick(i)
+        return "done"
 
     def generate(self, key: str | None, specs: list, admit=None, on_token=None) -> list:
         specs = [*specs, *admit(), *admit()]
@@ -122,11 +133,18 @@ def test_tensors_cross_the_pipe_intact():
         "empty": torch.zeros(0, 7),
         "sparse": torch.randn(4).to_sparse(),
         "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "float8": torch.randn(4).to(torch.float8_e4m3fn),  # torch's own pickling fails on this one
+        "complex32": torch.randn(3, dtype=torch.complex64).to(torch.complex32),
     }
     got = pickle.loads(dumps(("ok", sent)))[1]
     for name, tensor in sent.items():
         assert got[name].dtype == tensor.dtype and not got[name].requires_grad, name
-        assert torch.equal(got[name].to_dense(), tensor.detach().to_dense()), name
+        assert torch.equal(_bytes(got[name]), _bytes(tensor)), name
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Its values as bytes, whatever the dtype (== on float8 or complex32 is not implemented)."""
+    return tensor.detach().resolve_conj().to_dense().contiguous().view(torch.uint8)
 
 
 def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):
@@ -258,6 +276,36 @@ def test_the_watchdog_queues_one_replacement_at_a_time_and_backs_off():
     assert len(calls) == 4 and max(overlaps) == 1  # three failures, then a success, never two at once
     gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
     assert gaps[1] > gaps[0] + 0.01  # backing off
+
+
+def test_a_hung_call_kills_the_worker_and_the_next_call_runs():
+    backend = ProcessBackend(FakeBackend, call_timeout_s=1.0)
+    try:
+        backend.create_adapter("m", LoraSpec(rank=1, seed=0))
+        with pytest.raises(WorkerCrashed, match=r"did not answer forward_backward within 1.0 s and was killed"):
+            backend.forward_backward("m", batch("hang"))
+        assert backend.forward_backward("m", batch("cross_entropy")).startswith("m: ok")
+    finally:
+        backend.close()
+
+
+def test_a_long_call_that_keeps_talking_is_not_cut_off():
+    """Callbacks and notifications (streamed tokens) are signs of life: the limit starts again."""
+    worker = WorkerProcess(FakeBackend, call_timeout_s=1.0)
+    try:
+        worker.wait_ready(60)
+        ticks = []
+        assert worker.call("chatter", 2.5, tick=Listener(ticks.append)) == "done"
+        assert len(ticks) >= 20
+    finally:
+        worker.stop()
+
+
+def test_odd_deaths_and_answers_are_reported(backend: ProcessBackend):
+    with pytest.raises(WorkerError, match="the answer could not be sent"):
+        backend.generate(None, [], admit=lambda: [lambda: None])  # a lambda cannot be pickled
+    with pytest.raises(WorkerCrashed, match=r"was killed by signal \d+"):  # no name: a real-time one
+        backend.forward_backward("m", batch("realtime-signal"))
 
 
 def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBackend):

@@ -31,7 +31,7 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        encoding = headers.get("content-encoding", "identity").strip().lower()
+        encoding = headers.get("content-encoding", "").strip().lower() or "identity"
         if encoding not in self.ENCODINGS:
             detail = f"Content-Encoding {encoding!r} is not supported; send zstd or an unencoded body"
             await _refusal(scope, 415, detail)(scope, receive, send)

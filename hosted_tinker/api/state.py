@@ -78,7 +78,7 @@ def build_state(config: ServerConfig) -> ServerState:
     failed, lost = store.recover_after_restart()
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
-    backend = ProcessBackend(functools.partial(make_backend, config, model_path))  # loads meanwhile
+    backend = ProcessBackend(functools.partial(make_backend, config, model_path), config.worker_timeout_s)
     scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
     training = TrainingService(
         backend, scheduler, store, config.served_names(), tokenizer_id=config.tokenizer_id or model_path

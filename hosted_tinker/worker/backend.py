@@ -61,9 +61,10 @@ class ProcessBackend:
     Called from the scheduler's single worker thread only, like any backend.
     """
 
-    def __init__(self, factory: Callable[[], TrainingBackend]) -> None:
+    def __init__(self, factory: Callable[[], TrainingBackend], call_timeout_s: float | None = None) -> None:
         self._factory = factory
-        self._worker = WorkerProcess(factory)  # starts loading now; ``capabilities`` waits for it
+        self._call_timeout_s = call_timeout_s  # see WorkerProcess
+        self._worker = WorkerProcess(factory, call_timeout_s)  # loads now; ``capabilities`` waits for it
         self._capabilities: Capabilities | None = None
         self._ready = threading.Lock()
         self._restoring = False
@@ -130,7 +131,7 @@ class ProcessBackend:
         for _ in range(RESTORE_ATTEMPTS):
             self._worker.stop()
             try:
-                self._worker = WorkerProcess(self._factory)
+                self._worker = WorkerProcess(self._factory, self._call_timeout_s)
                 self._worker.wait_ready(START_TIMEOUT_S)
             except BaseException:
                 self._adapters = todo  # still owed: the next replacement restores them

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable
@@ -86,6 +87,9 @@ def _portable(value: Any) -> Any:
     """``value`` with every tensor on the CPU: the server process never touches the GPU."""
     if isinstance(value, torch.Tensor):
         return value.cpu()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _portable(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)
     if isinstance(value, dict):
         return {k: _portable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -60,17 +60,19 @@ def dumps(message: tuple) -> bytes:
     return buffer.getvalue()
 
 
-# numpy has no bfloat16: such tensors travel as their bits, viewed as int16.
-_BITS = {torch.bfloat16: torch.int16}
+# A dtype numpy lacks (bfloat16, float8, complex32) travels as its bits, as integers of its size.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _reduce_tensor(tensor: torch.Tensor) -> tuple:
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type != "cpu":
         return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # torch's own way, for the rare rest
     tensor = tensor.detach().resolve_conj().resolve_neg()  # numpy() refuses lazy conj/neg views
-    if tensor.dtype in _BITS:
-        return _from_bits, (tensor.view(_BITS[tensor.dtype]).numpy(), str(tensor.dtype).removeprefix("torch."))
-    return torch.from_numpy, (tensor.numpy(),)
+    try:
+        return torch.from_numpy, (tensor.numpy(),)
+    except TypeError:
+        bits = tensor.view(_BITS[tensor.element_size()]).numpy()
+        return _from_bits, (bits, str(tensor.dtype).removeprefix("torch."))
 
 
 def _from_bits(bits: np.ndarray, dtype: str) -> torch.Tensor:

@@ -29,7 +29,10 @@ class WorkerError(RuntimeError):
 class WorkerProcess:
     """A spawned child running ``child.serve``; calls are synchronous, one at a time."""
 
-    def __init__(self, factory: Callable[[], TrainingBackend]) -> None:
+    def __init__(self, factory: Callable[[], TrainingBackend], call_timeout_s: float | None = None) -> None:
+        # A call that shows no sign of life (an answer, a callback, a notification) for this
+        # long has hung (a deadlocked collective, a wedged GPU): the worker is killed.
+        self.call_timeout_s = call_timeout_s
         # spawn, not fork: the server has threads and an event loop, and CUDA cannot be forked.
         context = multiprocessing.get_context("spawn")
         self._conn, child_end = context.Pipe()
@@ -44,7 +47,7 @@ class WorkerProcess:
 
     def wait_ready(self, timeout_s: float) -> Capabilities:
         """Block until the backend is built (loading a model takes a while); its capabilities."""
-        kind, *rest = self._recv(deadline=time.monotonic() + timeout_s)
+        kind, *rest = self._recv(time.monotonic() + timeout_s, f"did not start within {timeout_s:g} s")
         if kind == "error":
             self.stop()
             raise RuntimeError(f"the training worker could not start: {rest[0]}")
@@ -64,7 +67,8 @@ class WorkerProcess:
                 wire_kwargs[k] = v
         self._send("call", method, args, wire_kwargs)
         while True:
-            kind, *rest = self._recv()
+            deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
+            kind, *rest = self._recv(deadline, f"did not answer {method} within {self.call_timeout_s} s")
             if kind == "notify":
                 name, callback_args = rest
                 try:
@@ -77,7 +81,12 @@ class WorkerProcess:
                     answer = ("answer", callbacks[name](*callback_args))
                 except Exception as e:
                     answer = ("answer_error", f"{type(e).__name__}: {e}")
-                self._send(*answer)
+                try:
+                    self._send(*answer)
+                except WorkerDied:
+                    raise
+                except Exception as e:  # an answer that cannot be pickled: the worker still waits for one
+                    self._send("answer_error", f"the answer could not be sent: {type(e).__name__}: {e}")
             elif kind == "ok":
                 return rest[0]
             elif kind == "user_error":
@@ -105,7 +114,10 @@ class WorkerProcess:
         if code is None:
             return f"{who} stopped answering"
         if code < 0:
-            name = signal.Signals(-code).name
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:  # a real-time signal has no name
+                name = f"signal {-code}"
             hint = " (the kernel's out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
             return f"{who} was killed by {name}{hint}"
         return f"{who} exited with code {code}"
@@ -116,13 +128,15 @@ class WorkerProcess:
         except OSError:
             raise WorkerDied(self.how_it_died()) from None
 
-    def _recv(self, deadline: float | None = None) -> tuple:
+    def _recv(self, deadline: float | None, overdue: str) -> tuple:
+        """The worker's next message; past ``deadline`` the worker is killed: it ``overdue``."""
         while not self._conn.poll(POLL_S):
             if not self.alive:
                 raise WorkerDied(self.how_it_died())
             if deadline is not None and time.monotonic() > deadline:
                 self.process.kill()
-                raise WorkerDied("the training worker did not start in time")
+                self.process.join(5)
+                raise WorkerDied(f"the training worker (pid {self.pid}) {overdue} and was killed")
         try:
             return recv(self._conn)
         except (EOFError, OSError):
