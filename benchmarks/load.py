@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -97,32 +98,50 @@ def make_data(types, batch: int, seq_len: int, vocab: int, seed: int) -> list:
     return data
 
 
-def trainer(
-    index: int, args: argparse.Namespace, base_url: str, vocab: int, start: threading.Barrier, rec: Record, dl: Deadline
-) -> None:
-    """One user: its own ServiceClient and LoRA training client, then ``steps`` steps, each
-    forward_backward and optim_step submitted back to back (the SDK pipelines them)."""
+def connect(
+    where: str,
+    call: str,
+    make: Callable[[Any], Any],
+    base_url: str,
+    start: threading.Barrier,
+    rec: Record,
+    dl: Deadline,
+) -> tuple[Any, Any] | None:
+    """A ServiceClient and the client ``make`` asks it for (timed as ``call``), once every other
+    client exists too (``start``); None, with the failure recorded, if either went wrong."""
     import tinker
-    from tinker import types
 
-    where = f"trainer {index}"
     service = client = None
     try:
         t0 = time.perf_counter()
         service = tinker.ServiceClient(base_url=base_url)
-        client = service.create_lora_training_client(base_model=ALIAS, rank=args.rank, seed=index).result(
-            timeout=dl.left()
-        )
-        rec.time("create_lora_training_client", time.perf_counter() - t0)
+        client = make(service).result(timeout=dl.left())
+        rec.time(call, time.perf_counter() - t0)
     except Exception as e:
         rec.error(f"{where}: create", e)
     try:
         start.wait(timeout=dl.left())
     except threading.BrokenBarrierError as e:
         rec.error(f"{where}: start barrier", e)
+        return None
+    return None if client is None else (service, client)
+
+
+def trainer(
+    index: int, args: argparse.Namespace, base_url: str, vocab: int, start: threading.Barrier, rec: Record, dl: Deadline
+) -> None:
+    """One user: its own ServiceClient and LoRA training client, then ``steps`` steps, each
+    forward_backward and optim_step submitted back to back (the SDK pipelines them)."""
+    from tinker import types
+
+    where = f"trainer {index}"
+
+    def make(service: Any) -> Any:
+        return service.create_lora_training_client(base_model=ALIAS, rank=args.rank, seed=index)
+
+    if (connected := connect(where, "create_lora_training_client", make, base_url, start, rec, dl)) is None:
         return
-    if client is None:
-        return
+    service, client = connected
     data = make_data(types, args.batch, args.seq_len, vocab, seed=index)
     adam = types.AdamParams(learning_rate=args.lr)
     losses = []
@@ -163,25 +182,16 @@ def sampler_group(
 ) -> None:
     """One SamplingClient on the base model (its own ServiceClient) that sends ``n_requests``
     sample calls at once, then waits on all of them; each call is timed from submit to result."""
-    import tinker
     from tinker import types
 
     where = f"sampler {index}"
-    service = client = None
-    try:
-        t0 = time.perf_counter()
-        service = tinker.ServiceClient(base_url=base_url)
-        client = service.create_sampling_client(base_model=ALIAS).result(timeout=dl.left())
-        rec.time("create_sampling_client", time.perf_counter() - t0)
-    except Exception as e:
-        rec.error(f"{where}: create", e)
-    try:
-        start.wait(timeout=dl.left())
-    except threading.BrokenBarrierError as e:
-        rec.error(f"{where}: start barrier", e)
+
+    def make(service: Any) -> Any:
+        return service.create_sampling_client(base_model=ALIAS)
+
+    if (connected := connect(where, "create_sampling_client", make, base_url, start, rec, dl)) is None:
         return
-    if client is None:
-        return
+    service, client = connected
     rng = np.random.default_rng(1000 + index)
     submitted: dict[Any, float] = {}
     for i in range(n_requests):
