@@ -11,19 +11,28 @@ import shlex
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
-
+from hosted_tinker.backends import BACKENDS, backend_options
 from hosted_tinker.config import ServerConfig
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
-    """Flags are named after the config's fields (``dest=``); only two need converting."""
+    """Flags are named after the config's fields (``dest=``); only three need converting.
+    The backend's options are checked here too, so that a wrong one stops the start."""
     given = {name: value for name, value in vars(args).items() if name in ServerConfig.model_fields}
-    return ServerConfig(
+    options = {}
+    for item in args.backend_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--backend-option {item!r}: expected KEY=VALUE")
+        options[key.strip()] = value.strip()
+    config = ServerConfig(
         **given,
+        backend_options=options,
         sample_batch_window_s=args.sample_batch_window_ms / 1000,
         vllm_args=[a for arg in args.vllm_arg for a in shlex.split(arg)],
     )
+    backend_options(config)
+    return config
 
 
 def _is_loopback(host: str) -> bool:
@@ -36,15 +45,16 @@ def _is_loopback(host: str) -> bool:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    try:  # before the heavy imports: a wrong flag is said at once
+        config = _config(args)
+    except ValueError as e:  # pydantic's ValidationError among them
+        raise SystemExit(f"invalid options: {e}") from None
+
     import uvicorn
 
     from hosted_tinker.api.app import create_app
     from hosted_tinker.api.state import build_state
 
-    try:
-        config = _config(args)
-    except ValidationError as e:
-        raise SystemExit(f"invalid options: {e}") from None
     state = build_state(config)
     log = logging.getLogger(__name__)
     if state.keys.allow_any:
@@ -97,12 +107,25 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _backends(args: argparse.Namespace) -> int:
+    """Each backend: what it supports, where it trains, and its options (--backend-option)."""
+    from hosted_tinker.backends import OPTIONS
+    from hosted_tinker.backends.ddp import DdpRank
     from hosted_tinker.backends.peft import PeftBackend
 
-    info = {
-        cls.NAME: {"losses": list(cls.SUPPORTED_LOSSES), "topk_targets": True, "sampling": cls.SAMPLING}
-        for cls in (PeftBackend,)
-    }
+    devices = {"peft": "one: --device cpu | cuda:N", "ddp": "one per rank: --train-devices cpu:N | cuda:0,1,..."}
+    info = {}
+    for cls in (PeftBackend, DdpRank):
+        options = {
+            name: {"default": field.default, "description": field.description}
+            for name, field in OPTIONS[cls.NAME].model_fields.items()
+        }
+        info[cls.NAME] = {
+            "losses": list(cls.SUPPORTED_LOSSES),
+            "topk_targets": True,
+            "sampling": cls.SAMPLING,
+            "devices": devices[cls.NAME],
+            "options": options,
+        }
     print(json.dumps(info, indent=2))
     return 0
 
@@ -120,8 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--data-dir", default="./hosted-tinker-data")
-    serve.add_argument("--backend", default="peft", choices=["peft"])
-    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    serve.add_argument("--backend", default="peft", choices=BACKENDS, help="peft: one process; ddp: data parallel")
+    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the peft backend's device)")
+    serve.add_argument(
+        "--train-devices", default=None, help="a device per data-parallel rank: cpu:N or cuda:0,1,... (ddp)"
+    )
+    serve.add_argument(
+        "--backend-option",
+        dest="backend_option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend option (repeatable; `hosted-tinker backends` lists them)",
+    )
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--lora-alpha", type=float, default=32.0)
     serve.add_argument("--max-seq-len", type=int, default=None)

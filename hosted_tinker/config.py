@@ -5,10 +5,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 TINY_MODEL_NAME = "hosted-tinker/tiny-qwen3"
 VLLM_LORA_RANKS = {1, 8, 16, 32, 64, 128, 256, 320, 512}  # the --max-lora-rank values vLLM accepts
+
+
+def parse_devices(spec: str) -> list[str]:
+    """One device per rank: ``cpu`` or ``cpu:N`` (N ranks on the CPU), ``cuda`` or ``cuda:0,1,...``."""
+    kind, _, rest = spec.strip().partition(":")
+    if kind == "cpu":
+        if rest and (not rest.isdigit() or int(rest) < 1):
+            raise ValueError(f"train devices {spec!r}: cpu:N needs a whole number of ranks N >= 1")
+        return ["cpu"] * (int(rest) if rest else 1)
+    if kind == "cuda":
+        ids = rest.split(",") if rest else ["0"]
+        if not all(i.strip().isdigit() for i in ids):
+            raise ValueError(f"train devices {spec!r}: cuda:I,J,... needs GPU numbers")
+        devices = [f"cuda:{int(i)}" for i in ids]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"train devices {spec!r}: a GPU can hold one rank only")
+        return devices
+    raise ValueError(f"train devices {spec!r}: expected cpu, cpu:N, cuda or cuda:I,J,...")
 
 
 class ServerConfig(BaseModel):
@@ -20,12 +38,14 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"  # loopback unless asked: the API is open until a key is configured
     port: int = 8000
     data_dir: Path = Path("./hosted-tinker-data")
-    backend: str = "peft"
-    device: str = "cpu"
+    backend: Literal["peft", "ddp"] = "peft"
+    device: str = "cpu"  # the one device of a single-process backend
+    # Data parallel: a device per rank, "cpu:2" or "cuda:0,1" (parse_devices).
+    train_devices: str | None = None
+    backend_options: dict[str, str] = Field(default_factory=dict)  # checked by backends.backend_options
     dtype: str = "float32"
     lora_alpha: float = 32.0
     max_seq_len: int | None = None
-    max_tokens_per_microbatch: int = 16384
     sample_batch_window_s: float = 0.01  # how long an idle sampler waits to gather a batch
     poll_timeout_s: float = 30.0  # long-poll cap of retrieve_future (the SDK times out at 45 s)
     proto_compress: bool = False  # ask the SDK to zstd-compress forward_backward bodies
@@ -59,6 +79,17 @@ class ServerConfig(BaseModel):
         if rank not in VLLM_LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {sorted(VLLM_LORA_RANKS)} (vLLM's sizes), got {rank}")
         return rank
+
+    @model_validator(mode="after")
+    def _devices_fit_the_backend(self) -> ServerConfig:
+        devices = self.training_devices()  # raises on a malformed spec
+        if self.backend == "peft" and len(devices) > 1:
+            raise ValueError(f"the peft backend trains on one device, not {len(devices)}; use --backend ddp")
+        return self
+
+    def training_devices(self) -> list[str]:
+        """One device per training rank (one for the peft backend)."""
+        return parse_devices(self.train_devices) if self.train_devices is not None else [self.device]
 
     @property
     def uses_vllm(self) -> bool:

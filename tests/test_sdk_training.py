@@ -1,4 +1,5 @@
-"""End-to-end: the real tinker 0.38 SDK trains LoRA adapters on a live server."""
+"""End-to-end: the real tinker 0.38 SDK trains LoRA adapters on a live server, once on the
+peft backend (the session's shared server) and once on the ddp backend (two gloo ranks)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,28 @@ import tinker
 import torch
 from tinker import types
 
-from tests.conftest import ALIAS
+from tests.conftest import ALIAS, ServerProcess, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module", params=["peft", "ddp"])
+def base_url(request, server: ServerProcess, tmp_path_factory, tiny_model_dir) -> str:
+    """Every test here runs against both backends."""
+    if request.param == "peft":
+        yield server.base_url
+        return
+    ddp = start_server(tmp_path_factory.mktemp("ddp"), "--backend", "ddp", "--train-devices", "cpu:2")
+    assert capabilities(ddp.base_url)["devices"] == ["cpu", "cpu"]
+    yield ddp.base_url
+    ddp.stop()
+
+
+def capabilities(base_url: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{base_url}/healthz", timeout=5).json()["capabilities"]
+
 
 CHAT = [
     {"role": "user", "content": "What is the capital of France?"},

@@ -24,7 +24,7 @@ from hosted_tinker.backends.base import (
     UserError,
     WorkerCrashed,
 )
-from hosted_tinker.worker.backend import ProcessBackend
+from hosted_tinker.worker.backend import ProcessBackend, one_worker
 from hosted_tinker.worker.messages import Listener, dumps
 from hosted_tinker.worker.process import WorkerError, WorkerProcess
 
@@ -91,7 +91,7 @@ def batch(loss_fn: str) -> ForwardBackwardBatch:
 
 @pytest.fixture
 def backend():
-    backend = ProcessBackend(FakeBackend)
+    backend = ProcessBackend(one_worker(FakeBackend))
     assert backend.capabilities.backend == "fake"
     yield backend
     backend.close()
@@ -155,7 +155,7 @@ def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):
         backend.forward_backward("m", batch("oom"))
     with pytest.raises(WorkerError, match="the server's admit failed: ZeroDivisionError"):
         backend.generate(None, [], admit=lambda: 1 / 0)
-    assert backend.status() == {"pid": pid, "alive": True, "restarts": 0, "last_death": None}
+    assert backend.status() == {"pid": pid, "pids": [pid], "alive": True, "restarts": 0, "last_death": None}
     assert backend.forward_backward("m", batch("cross_entropy")).endswith(str(pid))
 
 
@@ -217,14 +217,14 @@ def test_a_model_that_kills_the_new_worker_too_is_given_up(backend: ProcessBacke
 
 def test_a_worker_that_cannot_start_keeps_the_models_owed(tmp_path: Path):
     broken = tmp_path / "broken"
-    backend = ProcessBackend(functools.partial(FlakyBackend, str(broken)))
+    backend = ProcessBackend(one_worker(functools.partial(FlakyBackend, str(broken))))
     try:
         recovery = backend.recovery = Recovery(backend)
         for model_id in ("a", "b"):
             backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
         broken.touch()
         os.kill(backend.status()["pid"], signal.SIGKILL)
-        backend._worker.process.join(10)
+        backend._group.workers[0].process.join(10)
         with pytest.raises(RuntimeError, match="could not start: OSError: the disk is gone"):
             backend.ensure_alive()
         broken.unlink()
@@ -279,7 +279,7 @@ def test_the_watchdog_queues_one_replacement_at_a_time_and_backs_off():
 
 
 def test_a_hung_call_kills_the_worker_and_the_next_call_runs():
-    backend = ProcessBackend(FakeBackend, call_timeout_s=1.0)
+    backend = ProcessBackend(one_worker(FakeBackend), call_timeout_s=1.0)
     try:
         backend.create_adapter("m", LoraSpec(rank=1, seed=0))
         with pytest.raises(WorkerCrashed, match=r"did not answer forward_backward within 1.0 s and was killed"):
@@ -311,7 +311,7 @@ def test_odd_deaths_and_answers_are_reported(backend: ProcessBackend):
 def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBackend):
     old_pid = backend.status()["pid"]
     os.kill(old_pid, signal.SIGKILL)
-    backend._worker.process.join(10)
+    backend._group.workers[0].process.join(10)
     assert not backend.status()["alive"]
     assert backend.forward_backward("m", batch("cross_entropy")).startswith("m: ok")  # runs, no error
     assert backend.status()["restarts"] == 1
@@ -319,7 +319,7 @@ def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBacke
 
 
 def test_a_backend_that_cannot_start_says_why():
-    backend = ProcessBackend(_broken_factory)
+    backend = ProcessBackend(one_worker(_broken_factory))
     with pytest.raises(RuntimeError, match="could not start: OSError: no such model"):
         _ = backend.capabilities
     backend.close()

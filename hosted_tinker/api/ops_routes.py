@@ -7,6 +7,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Request
 
 from hosted_tinker.api.state import server_state
+from hosted_tinker.backends import backend_options
 
 router = APIRouter()
 
@@ -20,6 +21,7 @@ async def healthz(request: Request) -> dict:
         "status": "ok",
         "served_models": state.config.served_names(),
         "capabilities": asdict(state.backend.capabilities),
+        "backend_options": backend_options(state.config).model_dump(),
         "queue": state.scheduler.queue_status(),
         "worker": state.backend.status(),
         "inference": state.vllm.status() if state.vllm is not None else state.sampling.embedded.status(),

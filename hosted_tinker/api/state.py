@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import secrets
@@ -13,7 +12,7 @@ import torch
 from fastapi import Request
 from transformers import AutoTokenizer
 
-from hosted_tinker.backends import make_backend
+from hosted_tinker.backends import rank_factories
 from hosted_tinker.backends.base import TrainingBackend
 from hosted_tinker.checkpoints import MANIFEST, CheckpointFiles
 from hosted_tinker.config import ServerConfig
@@ -78,7 +77,7 @@ def build_state(config: ServerConfig) -> ServerState:
     failed, lost = store.recover_after_restart()
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
-    backend = ProcessBackend(functools.partial(make_backend, config, model_path), config.worker_timeout_s)
+    backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s)  # loads meanwhile
     scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
     training = TrainingService(
         backend, scheduler, store, config.served_names(), tokenizer_id=config.tokenizer_id or model_path
@@ -86,7 +85,9 @@ def build_state(config: ServerConfig) -> ServerState:
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    log.info("training worker (pid %d): %s on %s", backend.status()["pid"], backend.capabilities.arch, config.device)
+    caps = backend.capabilities
+    pids = backend.status()["pids"]
+    log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))
     vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
     if vllm is not None:
         training.live, training.max_lora_rank = vllm.live, config.max_lora_rank
@@ -143,8 +144,9 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: TrainingBackend)
             raise SystemExit(f"--vllm-python {python}: {e}") from None
         log.info("vLLM %s from %s", version, python)
         gpus, sharing_gpu = config.vllm_gpus, False
-        if gpus is None and config.device.startswith("cuda"):  # default: the training GPU, shared
-            gpus, sharing_gpu = config.device.partition(":")[2] or "0", True
+        training_device = config.training_devices()[0]
+        if gpus is None and training_device.startswith("cuda"):  # default: rank 0's GPU, shared
+            gpus, sharing_gpu = training_device.partition(":")[2] or "0", True
         launch = VllmLaunch(
             python=python,
             model=model_path,
@@ -168,7 +170,7 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: TrainingBackend)
         weights.files.read(weights.path, only=ADAPTER_FILES)
 
     root = default_root(config.data_dir)
-    on_gpu = config.vllm_gpus is not None or config.device.startswith("cuda")
+    on_gpu = config.vllm_gpus is not None or config.training_devices()[0].startswith("cuda")
     zero = None if on_gpu else write_zero_adapter(root, *backend.zero_adapter())  # see VllmEngine
     return VllmEngine(host, files_version, verify, root, zero)
 

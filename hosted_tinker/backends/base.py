@@ -41,6 +41,11 @@ class WorkerCrashed(RuntimeError):
         return message
 
 
+class PeerFailed(RuntimeError):
+    """Another rank of a data-parallel group failed this request; that rank's error is the one
+    to report, and this rank has undone its part too."""
+
+
 class RolledBack(RuntimeError):
     """The worker died while running another request, and this model came back from its last
     saved state. Its next request fails with this (``category: server``), once, so that its
@@ -129,6 +134,7 @@ class Capabilities:
     vocab_size: int
     topk_targets: bool = True
     sampling: bool = False
+    devices: tuple[str, ...] = ()  # where it trains: one device, or one per data-parallel rank
 
 
 class TrainingBackend(Protocol):

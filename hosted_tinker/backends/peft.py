@@ -29,6 +29,7 @@ from hosted_tinker.backends.base import (
     ForwardBackwardBatch,
     ForwardBackwardResult,
     LoraSpec,
+    PeerFailed,
     UserError,
 )
 from hosted_tinker.backends.logprobs import target_logprobs
@@ -102,6 +103,7 @@ class PeftBackend:
             max_tokens_per_batch=max(max_seq_len or cfg_len, 1 << 20),
             vocab_size=self.base.config.vocab_size,
             sampling=self.SAMPLING,
+            devices=(str(self.device),),
         )
         self.peft = None  # the PeftModel, created with the first adapter
         self.adapters: dict[str, _Adapter] = {}
@@ -234,23 +236,33 @@ class PeftBackend:
         return out
 
     def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        adapter = self._adapter(model_id)
-        lm = self._activate(adapter)
         # This request's gradients go to fresh buffers and join the accumulated ones only if
         # every micro-batch succeeds: a failed request must leave no partial gradient behind.
-        accumulated = [p.grad for p in adapter.params]
-        for p in adapter.params:
-            p.grad = None
+        params: list[nn.Parameter] = []
+        accumulated: list[torch.Tensor | None] = []
+        failure: Exception | None = None
         try:
+            adapter = self._adapter(model_id)
+            lm = self._activate(adapter)
+            params, accumulated = adapter.params, [p.grad for p in adapter.params]
+            for p in params:
+                p.grad = None
             result = self._run_batch(lm, batch)
-        except BaseException:
-            for p, g in zip(adapter.params, accumulated, strict=True):
+        except Exception as e:
+            failure = e
+        if not self._all_succeeded(failure is None):
+            for p, g in zip(params, accumulated, strict=True):
                 p.grad = g
-            raise
-        for p, g in zip(adapter.params, accumulated, strict=True):
+            raise failure if failure is not None else PeerFailed("another rank failed this request")
+        for p, g in zip(params, accumulated, strict=True):
             if g is not None:
                 p.grad = g if p.grad is None else g.add_(p.grad)
         return result
+
+    def _all_succeeded(self, succeeded: bool) -> bool:
+        """Whether a request's gradients are kept: here, if it succeeded; in a data-parallel
+        group, if it succeeded on every rank (``ddp.DdpRank``)."""
+        return succeeded
 
     def _run_batch(self, lm: nn.Module, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
         spec = losses.LOSSES[batch.loss_fn]

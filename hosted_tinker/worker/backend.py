@@ -1,12 +1,17 @@
-"""``ProcessBackend``: the training backend interface, served by a worker process that may die.
+"""``ProcessBackend``: the training backend interface, served by worker processes that may die.
 
-When the worker dies during a call (SIGKILL, the kernel's OOM killer, a crash in native code),
-a new worker is started, ``restore`` puts the training models back (from their last saved
-state where one exists), and the call raises ``WorkerCrashed``: its future fails with
-``category: server`` while the requests queued behind it run on the new worker. A worker
-found dead between calls is replaced the same way before the next call, which then runs.
-Every other restored model is behind where its client thinks it is: its next training call
-raises ``RolledBack`` (once), unless that call replaces or deletes its state anyway.
+The backend runs in a ``WorkerGroup``: one worker process, or one per data-parallel rank
+(``backends.ddp``). What changes a model's state goes to every rank; a ``forward_backward``
+batch is split across ranks by token count; what needs one copy (export, sampling) is rank 0's.
+
+When a worker dies during a call (SIGKILL, the kernel's OOM killer, a crash in native code, a
+hang past the call timeout), the group is stopped and a new one started, ``recovery`` puts the
+training models back (from their last saved state where one exists), and the call raises
+``WorkerCrashed``: its future fails with ``category: server`` while the requests queued behind
+it run on the new group. A group found dead between calls is replaced the same way before the
+next call, which then runs. Every other restored model is behind where its client thinks it
+is: its next training call raises ``RolledBack`` (once), unless that call replaces or deletes
+its state anyway.
 """
 
 from __future__ import annotations
@@ -29,22 +34,31 @@ from hosted_tinker.backends.base import (
     TrainingBackend,
     WorkerCrashed,
 )
+from hosted_tinker.backends.ddp import merge_results, shard_batch, shard_by_tokens
+from hosted_tinker.worker.group import WorkerGroup
 from hosted_tinker.worker.messages import Listener
-from hosted_tinker.worker.process import WorkerDied, WorkerProcess
+from hosted_tinker.worker.process import WorkerDied
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 1800.0  # loading a large model from a cold disk can take minutes
-RESTORE_ATTEMPTS = 3  # new workers tried in a row when each dies while models are restored
+RESTORE_ATTEMPTS = 3  # new groups tried in a row when each dies while models are restored
 
 # Calls on one model's state: the first after its rollback raises ``RolledBack``...
 _TRAINING_CALLS = frozenset({"forward_backward", "optim_step", "export_state", "peft_config", "snapshot_weights"})
 # ...and these make the rollback moot.
 _STATE_REPLACING_CALLS = frozenset({"load_state", "delete_adapter"})
 
+Factory = Callable[[], TrainingBackend]
+
+
+def one_worker(factory: Factory) -> Callable[[], list[Factory]]:
+    """The ``ranks`` of a backend that runs in a single worker process."""
+    return lambda: [factory]
+
 
 class Recovery(Protocol):
-    """Puts the dead worker's training models back on a new one (``serving.recovery``)."""
+    """Puts the dead group's training models back on a new one (``serving.recovery``)."""
 
     def restore(self, model_id: str) -> str:
         """Recreate ``model_id``; what became of it ("was restored from ...", or why not)."""
@@ -56,20 +70,21 @@ class Recovery(Protocol):
 
 
 class ProcessBackend:
-    """Implements ``TrainingBackend`` by calling the real backend in a worker process.
+    """Implements ``TrainingBackend`` by calling the real backend in worker processes.
 
-    Called from the scheduler's single worker thread only, like any backend.
+    ``ranks`` returns one factory per rank, afresh for every (re)start of the group. Called
+    from the scheduler's single dispatch thread only, like any backend.
     """
 
-    def __init__(self, factory: Callable[[], TrainingBackend], call_timeout_s: float | None = None) -> None:
-        self._factory = factory
+    def __init__(self, ranks: Callable[[], list[Factory]], call_timeout_s: float | None = None) -> None:
+        self._ranks = ranks
         self._call_timeout_s = call_timeout_s  # see WorkerProcess
-        self._worker = WorkerProcess(factory, call_timeout_s)  # loads now; ``capabilities`` waits for it
+        self._group = WorkerGroup(ranks(), call_timeout_s)  # loads now; ``capabilities`` waits for it
         self._capabilities: Capabilities | None = None
         self._ready = threading.Lock()
         self._restoring = False
         self.recovery: Recovery | None = None  # set by the server; without it, models are not restored
-        self._adapters: list[str] = []  # training models the worker holds, oldest first
+        self._adapters: list[str] = []  # training models the group holds, oldest first
         self._rolled_back: dict[str, str] = {}  # model -> what its next training call is told
         self.restarts = 0
         self.last_death: str | None = None
@@ -79,30 +94,32 @@ class ProcessBackend:
         if self._capabilities is None:
             with self._ready:
                 if self._capabilities is None:
-                    self._capabilities = self._worker.wait_ready(START_TIMEOUT_S)
+                    self._capabilities = self._group.wait_ready(START_TIMEOUT_S)
         return self._capabilities
 
     def status(self) -> dict:
         """For /healthz."""
         return {
-            "pid": self._worker.pid,
-            "alive": self._worker.alive,
+            "pid": self._group.pids[0],
+            "pids": self._group.pids,
+            "alive": self._group.alive,
             "restarts": self.restarts,
             "last_death": self.last_death,
         }
 
     def close(self) -> None:
-        self._worker.stop()
+        self._group.stop()
 
-    # ---- calls, and what happens when the worker dies -----------------------------------------
+    # ---- calls, and what happens when a worker dies -------------------------------------------
 
     def ensure_alive(self) -> None:
-        """Replace a worker that died between calls (on the dispatch thread, like a call)."""
-        if not self._worker.alive and not self._restoring:
-            self._replace(self._worker.how_it_died())
+        """Replace a group that lost a worker between calls (on the dispatch thread, like a call)."""
+        if not self._group.alive and not self._restoring:
+            self._replace(self._group.how_it_died())
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        _ = self.capabilities  # the first worker's "ready" must be read before any call's answer
+    def _run(self, method: str, args: tuple, send: Callable[[], Any]) -> Any:
+        """``send`` the call ``method(*args)`` to the group, with what a worker's death entails."""
+        _ = self.capabilities  # the first group's "ready" must be read before any call's answer
         self.ensure_alive()
         model_id = args[0] if method in _TRAINING_CALLS | _STATE_REPLACING_CALLS else None
         if model_id is not None and not self._restoring:
@@ -110,29 +127,36 @@ class ProcessBackend:
             if notice is not None and method in _TRAINING_CALLS:
                 raise RolledBack(notice)
         try:
-            return self._worker.call(method, *args, **kwargs)
+            return send()
         except WorkerDied as e:
-            if self._restoring:  # the new worker died too: _replace starts another
+            if self._restoring:  # the new group died too: _replace starts another
                 raise
             restored = self._replace(str(e))
             self._rolled_back.pop(model_id, None)  # this call's own failure tells its client
             raise WorkerCrashed(str(e), restored) from None
 
+    def _on_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._run(method, args, lambda: self._group.call(method, *args, **kwargs))
+
+    def _on_every_rank(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The same call on every rank (it changes state they all hold); rank 0's answer."""
+        return self._run(method, args, lambda: self._group.call_each(method, [args] * self._group.size, **kwargs)[0])
+
     def _replace(self, reason: str) -> dict[str, str]:
-        """Start a new worker in place of the dead one and restore the models onto it; per model,
+        """Start a new group in place of the dead one and restore the models onto it; per model,
         what became of it. Each model that came back from a saved state is owed a ``RolledBack``
-        (see ``_call``). A model whose restoring kills the new worker too is given up, and the
-        others go onto yet another worker."""
-        log.error("%s; starting a new worker", reason)
+        (see ``_run``). A model whose restoring kills the new group too is given up, and the
+        others go onto yet another group."""
+        log.error("%s; starting new training workers", reason)
         self.restarts += 1
         self.last_death = reason
         todo, self._adapters = self._adapters, []  # models to put back, oldest first
         outcome: dict[str, str] = {}
         for _ in range(RESTORE_ATTEMPTS):
-            self._worker.stop()
+            self._group.kill()
             try:
-                self._worker = WorkerProcess(self._factory, self._call_timeout_s)
-                self._worker.wait_ready(START_TIMEOUT_S)
+                self._group = WorkerGroup(self._ranks(), self._call_timeout_s)
+                self._group.wait_ready(START_TIMEOUT_S)
             except BaseException:
                 self._adapters = todo  # still owed: the next replacement restores them
                 raise
@@ -145,7 +169,7 @@ class ProcessBackend:
                     todo.pop(0)
                 break
             except WorkerDied as e:  # while restoring todo[0], which is not tried again
-                log.error("%s while restoring %s; starting another worker", e, todo[0])
+                log.error("%s while restoring %s; starting new training workers", e, todo[0])
                 self.restarts += 1
                 self.last_death = str(e)
                 culprit = todo.pop(0)
@@ -167,42 +191,51 @@ class ProcessBackend:
     # ---- the backend interface ------------------------------------------------------------------
 
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
-        self._call("create_adapter", model_id, lora)
+        self._on_every_rank("create_adapter", model_id, lora)
         self._adapters.append(model_id)
 
     def delete_adapter(self, model_id: str) -> None:
-        self._call("delete_adapter", model_id)
+        self._on_every_rank("delete_adapter", model_id)
         self._adapters.remove(model_id)
 
     def has_adapter(self, model_id: str) -> bool:
-        return self._call("has_adapter", model_id)
+        return self._on_rank0("has_adapter", model_id)
 
     def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        return self._call("forward_backward", model_id, batch)
+        size = self._group.size
+        if size == 1:
+            return self._on_rank0("forward_backward", model_id, batch)
+        shards = shard_by_tokens([d.num_tokens for d in batch.data], size)
+        per_rank = [(model_id, shard) for shard in shard_batch(batch, shards)]
+
+        def send() -> list[ForwardBackwardResult]:
+            return self._group.call_each("forward_backward", per_rank)
+
+        return merge_results(self._run("forward_backward", (model_id,), send), shards)
 
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        return self._call("optim_step", model_id, params)
+        return self._on_every_rank("optim_step", model_id, params)
 
     def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState:
-        return self._call("export_state", model_id, with_optimizer=with_optimizer)
+        return self._on_rank0("export_state", model_id, with_optimizer=with_optimizer)
 
     def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None:
-        self._call("load_state", model_id, state, with_optimizer=with_optimizer)
+        self._on_every_rank("load_state", model_id, state, with_optimizer=with_optimizer)
 
     def peft_config(self, model_id: str) -> dict:
-        return self._call("peft_config", model_id)
+        return self._on_rank0("peft_config", model_id)
 
     def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
-        return self._call("snapshot_weights", model_id)
+        return self._on_rank0("snapshot_weights", model_id)
 
     def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        return self._call("zero_adapter")
+        return self._on_rank0("zero_adapter")
 
     def has_sampler(self, key: str) -> bool:
-        return self._call("has_sampler", key)
+        return self._on_rank0("has_sampler", key)
 
     def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None:
-        self._call("load_sampler", key, adapter_config, weights)
+        self._on_rank0("load_sampler", key, adapter_config, weights)
 
     def generate(
         self,
@@ -212,4 +245,4 @@ class ProcessBackend:
         on_token: Callable[[int, int, int, float], None] | None = None,
     ) -> list:
         listener = Listener(on_token) if on_token is not None else None
-        return self._call("generate", key, specs, admit=admit, on_token=listener)
+        return self._on_rank0("generate", key, specs, admit=admit, on_token=listener)

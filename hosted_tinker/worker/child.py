@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hosted_tinker.backends.base import TrainingBackend, UserError
+from hosted_tinker.backends.base import PeerFailed, TrainingBackend, UserError
 from hosted_tinker.worker.messages import Callback, recv, send
 
 log = logging.getLogger("hosted_tinker.worker")
@@ -42,6 +42,8 @@ def serve(conn: Connection, factory: Callable[[], TrainingBackend]) -> None:
             reply: tuple = ("ok", _portable(result))
         except UserError as e:
             reply = ("user_error", str(e))
+        except PeerFailed as e:  # another rank's failure, which that rank reports
+            reply = ("peer_failed", str(e))
         except Exception as e:
             log.exception("%s failed", method)
             if torch.cuda.is_initialized():  # after an OOM, give the cached blocks back

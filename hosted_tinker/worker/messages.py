@@ -9,6 +9,7 @@ child -> parent   ("ready", capabilities)          the backend is built
                   ("notify", name, args)           the same, but send no answer (streamed tokens)
                   ("ok", value)                    the call's result
                   ("user_error", message)          the backend raised ``UserError``
+                  ("peer_failed", message)         another rank of the group failed the call
                   ("error", summary)               the backend raised anything else
 
 Plain pickle, not multiprocessing's: tensors travel by value rather than as shared-memory

@@ -7,6 +7,7 @@ import multiprocessing
 import signal
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 from hosted_tinker.backends.base import Capabilities, TrainingBackend, UserError
@@ -29,10 +30,16 @@ class WorkerError(RuntimeError):
 class WorkerProcess:
     """A spawned child running ``child.serve``; calls are synchronous, one at a time."""
 
-    def __init__(self, factory: Callable[[], TrainingBackend], call_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], TrainingBackend],
+        call_timeout_s: float | None = None,
+        label: str = "the training worker",
+    ) -> None:
         # A call that shows no sign of life (an answer, a callback, a notification) for this
         # long has hung (a deadlocked collective, a wedged GPU): the worker is killed.
         self.call_timeout_s = call_timeout_s
+        self.label = label  # how messages name it
         # spawn, not fork: the server has threads and an event loop, and CUDA cannot be forked.
         context = multiprocessing.get_context("spawn")
         self._conn, child_end = context.Pipe()
@@ -40,6 +47,11 @@ class WorkerProcess:
         self.process.start()
         child_end.close()  # ours closed, the pipe reports EOF as soon as the child is gone
         self.pid: int = self.process.pid
+
+    @property
+    def conn(self) -> Connection:
+        """Our end of the pipe, for ``multiprocessing.connection.wait`` over several workers."""
+        return self._conn
 
     @property
     def alive(self) -> bool:
@@ -50,8 +62,19 @@ class WorkerProcess:
         kind, *rest = self._recv(time.monotonic() + timeout_s, f"did not start within {timeout_s:g} s")
         if kind == "error":
             self.stop()
-            raise RuntimeError(f"the training worker could not start: {rest[0]}")
+            raise RuntimeError(f"{self.label} could not start: {rest[0]}")
         return rest[0]
+
+    def start_call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Send a call without waiting (no callable arguments): its answer comes to ``read``."""
+        self._send("call", method, args, kwargs)
+
+    def read(self) -> tuple:
+        """The next message, which ``conn`` says is there."""
+        try:
+            return recv(self._conn)
+        except (EOFError, OSError):
+            raise WorkerDied(self.how_it_died()) from None
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``backend.method`` in the worker. Callable keyword arguments (and ``Listener``s)
@@ -87,12 +110,8 @@ class WorkerProcess:
                     raise
                 except Exception as e:  # an answer that cannot be pickled: the worker still waits for one
                     self._send("answer_error", f"the answer could not be sent: {type(e).__name__}: {e}")
-            elif kind == "ok":
-                return rest[0]
-            elif kind == "user_error":
-                raise UserError(rest[0])
             else:
-                raise WorkerError(rest[0])
+                return outcome(kind, rest[0])
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to exit; kill it if it does not."""
@@ -107,10 +126,17 @@ class WorkerProcess:
             self.process.join(timeout_s)
         self._conn.close()
 
+    def kill(self) -> None:
+        """End the worker now, whatever it is doing."""
+        if self.alive:
+            self.process.kill()
+        self.process.join(10)
+        self._conn.close()
+
     def how_it_died(self) -> str:
         self.process.join(5)
         code = self.process.exitcode
-        who = f"the training worker (pid {self.pid})"
+        who = f"{self.label} (pid {self.pid})"
         if code is None:
             return f"{who} stopped answering"
         if code < 0:
@@ -136,8 +162,14 @@ class WorkerProcess:
             if deadline is not None and time.monotonic() > deadline:
                 self.process.kill()
                 self.process.join(5)
-                raise WorkerDied(f"the training worker (pid {self.pid}) {overdue} and was killed")
-        try:
-            return recv(self._conn)
-        except (EOFError, OSError):
-            raise WorkerDied(self.how_it_died()) from None
+                raise WorkerDied(f"{self.label} (pid {self.pid}) {overdue} and was killed")
+        return self.read()
+
+
+def outcome(kind: str, value: Any) -> Any:
+    """A call's final answer: its result, or the exception its kind stands for."""
+    if kind == "ok":
+        return value
+    if kind == "user_error":
+        raise UserError(value)
+    raise WorkerError(value)  # "error", or "peer_failed" (another rank's failure, see worker.group)

@@ -1,0 +1,113 @@
+"""Data parallelism: N ranks over torch.distributed, each a PEFT backend on its own device.
+
+The server runs one worker process per rank (``worker.group``); each holds the base model and
+every training model's adapter and optimizer, kept identical on all ranks:
+
+- ``forward_backward``: the batch is split across ranks by token count (``shard_by_tokens``);
+  each rank adds its shard's gradients to its own accumulated ones. Whether the request's
+  gradients are kept is decided by all ranks together (one tiny all-reduce), so a request that
+  fails on one rank leaves no trace on any. Per-datum results are put back in batch order.
+- ``optim_step``: the ranks' accumulated gradients are summed (all-reduce, SUM: Tinker's losses
+  are sums, so the update is the single-process one whatever the number of ranks), then every
+  rank takes the same AdamW step.
+- what needs one copy (export, sampling, LoRA sync) is rank 0's.
+
+Every rank enters every collective, also with an empty shard, so a batch smaller than the group
+cannot deadlock it; collectives time out after ``collective_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hosted_tinker.backends.base import AdamParams, ForwardBackwardBatch, ForwardBackwardResult
+from hosted_tinker.backends.peft import PeftBackend
+
+
+def shard_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
+    """Datum indices per rank, balanced by token count: longest first, each onto the rank with
+    the fewest tokens so far (ties: the lowest rank). A shard keeps the batch's order; a rank
+    may get none."""
+    load = [0] * ranks
+    shards: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shards[rank].append(i)
+        load[rank] += lengths[i]
+    return [sorted(shard) for shard in shards]
+
+
+def shard_batch(batch: ForwardBackwardBatch, shards: list[list[int]]) -> list[ForwardBackwardBatch]:
+    return [dataclasses.replace(batch, data=[batch.data[i] for i in shard]) for shard in shards]
+
+
+def merge_results(results: list[ForwardBackwardResult], shards: list[list[int]]) -> ForwardBackwardResult:
+    """The ranks' results as one: per-datum log-probs back in batch order, losses summed."""
+    logprobs: list[np.ndarray | None] = [None] * sum(len(s) for s in shards)
+    for result, shard in zip(results, shards, strict=True):
+        for i, lp in zip(shard, result.logprobs, strict=True):
+            logprobs[i] = lp
+    return ForwardBackwardResult(logprobs=logprobs, loss_sum=sum(r.loss_sum for r in results))
+
+
+class DdpRank(PeftBackend):
+    """One rank: a PEFT backend whose gradients are summed with the other ranks' at each step."""
+
+    NAME = "ddp"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        rank: int,
+        devices: list[str],
+        init_method: str,
+        collective_timeout_s: float,
+        **peft_options,
+    ) -> None:
+        device = devices[rank]
+        if device == "cpu":  # ranks share the cores: more threads each would only contend
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
+        else:
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "gloo" if device == "cpu" else "nccl",
+            init_method=init_method,
+            rank=rank,
+            world_size=len(devices),
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        self.rank = rank
+        super().__init__(model_path, device=device, **peft_options)
+        self.capabilities = dataclasses.replace(self.capabilities, backend=self.NAME, devices=tuple(devices))
+
+    def _all_succeeded(self, succeeded: bool) -> bool:
+        flag = torch.tensor([1 if succeeded else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+        _sum_gradients(self._adapter(model_id).params)
+        return super().optim_step(model_id, params)
+
+
+def _sum_gradients(params: list[nn.Parameter]) -> None:
+    """Every rank's gradients summed, on every rank, in one all-reduce. A parameter no rank has
+    a gradient for keeps none (AdamW then leaves it alone, as in a single process); one that
+    only some ranks have is zero on the others."""
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
+    flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+    buffer = torch.cat([has, *flat])
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    offset = len(params)
+    for i, p in enumerate(params):
+        n = p.numel()
+        p.grad = buffer[offset : offset + n].view_as(p).to(p.dtype) if buffer[i] > 0 else None
+        offset += n

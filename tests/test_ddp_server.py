@@ -1,0 +1,136 @@
+"""The ddp backend behind the real server (issue #7): start-up checks of devices and options,
+bit-identical resume, sampling and sampler weights from rank 0, and a rank killed mid-step.
+
+The core SDK suite runs on ddp too (``test_sdk_training.py``); the math against one process is
+pinned in ``test_ddp.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import ALIAS, start_server
+from tests.test_checkpoints import assert_identical, train
+from tests.test_faults import HEAVY, SMALL, forward_logprobs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ADAM = types.AdamParams(learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    srv = start_server(
+        tmp_path_factory.mktemp("ddp-server"),
+        "--backend",
+        "ddp",
+        "--train-devices",
+        "cpu:2",
+        "--backend-option",
+        "microbatch_tokens=4096",
+    )
+    yield srv
+    srv.stop()
+
+
+def health(base_url: str) -> dict:
+    return httpx.get(f"{base_url}/healthz", timeout=5).json()
+
+
+def serve_fails(tmp_path, *flags: str) -> str:
+    """Start the server with ``flags``; it must refuse to start. What it said."""
+    cmd = [sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path), "--port", "0", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout
+    return done.stderr
+
+
+def test_devices_and_options_are_checked_at_start_up(tmp_path):
+    assert "peft backend trains on one device" in serve_fails(tmp_path, "--train-devices", "cpu:2")
+    said = serve_fails(tmp_path, "--backend", "ddp", "--train-devices", "cpu:2", "--backend-option", "bucket_mb=25")
+    assert "bucket_mb" in said and "collective_timeout_s" in said  # the unknown one, and what it accepts
+    assert "expected KEY=VALUE" in serve_fails(tmp_path, "--backend", "ddp", "--backend-option", "nothing")
+    assert "train devices 'gpu:1'" in serve_fails(tmp_path, "--backend", "ddp", "--train-devices", "gpu:1")
+    said = serve_fails(tmp_path, "--backend-option", "microbatch_tokens=many")
+    assert "microbatch_tokens" in said
+
+
+def test_backends_command_lists_ddp_and_its_options():
+    out = subprocess.run(
+        [sys.executable, "-m", "hosted_tinker", "backends"], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert '"ddp"' in out and "collective_timeout_s" in out and "--train-devices" in out
+
+
+def test_health_shows_the_ranks_and_options(server):
+    h = health(server.base_url)
+    assert h["capabilities"]["backend"] == "ddp" and h["capabilities"]["devices"] == ["cpu", "cpu"]
+    assert h["backend_options"] == {"microbatch_tokens": 4096, "collective_timeout_s": 1800.0}
+    assert len(h["worker"]["pids"]) == 2 and h["worker"]["alive"]
+
+
+def test_resume_with_optimizer_is_bit_identical(server):
+    with tinker.ServiceClient(base_url=server.base_url) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=8, seed=0).result()
+        train(tc, 2)
+        path = tc.save_state("ddp-resume").result().path
+        uninterrupted = train(tc, 3)
+        resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+        assert_identical(train(resumed, 3), uninterrupted)
+
+
+def test_sampling_and_sampler_weights(server):
+    with tinker.ServiceClient(base_url=server.base_url) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=3).result()
+        train(tc, 2)
+        sampler = tc.save_weights_and_get_sampling_client("ddp-sampler")
+        prompt = types.ModelInput.from_ints([11, 12, 13])
+        out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=5, temperature=1.0, seed=4)).result()
+        assert [len(s.tokens) for s in out.sequences] == [5, 5]
+        # The sampled tokens' logprobs are the trainer's (rank 0's adapter, which every rank shares).
+        seq = out.sequences[0]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([11, 12, 13, *seq.tokens[:-1]]),
+            loss_fn_inputs={"target_tokens": [12, 13, *seq.tokens], "weights": [1.0] * (2 + len(seq.tokens))},
+        )
+        trainer = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        assert max(abs(a - b) for a, b in zip(trainer[2:], seq.logprobs, strict=True)) < 1e-4
+
+
+def test_a_rank_killed_mid_step_fails_that_request_and_the_group_comes_back(server):
+    service = tinker.ServiceClient(base_url=server.base_url)
+    tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
+    tc.forward_backward(SMALL, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    path = tc.save_state("before-the-kill").result().path
+    at_save = forward_logprobs(tc)
+
+    old = health(server.base_url)["worker"]["pids"]
+    doomed = tc.forward_backward(HEAVY, "cross_entropy")
+    deadline = time.monotonic() + 60
+    while health(server.base_url)["queue"]["in_flight"] == 0:
+        assert time.monotonic() < deadline, "the request never reached the ranks"
+        time.sleep(0.02)
+    time.sleep(0.3)
+    os.kill(old[1], signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError) as failure:
+        doomed.result()
+    assert failure.value.category == types.RequestErrorCategory.Server
+    assert f"training rank 1 (pid {old[1]}) was killed by SIGKILL" in str(failure.value)
+    assert f"was restored from {path}" in str(failure.value)
+
+    worker = health(server.base_url)["worker"]
+    assert worker["alive"] and worker["restarts"] == 1 and not set(worker["pids"]) & set(old)
+    assert forward_logprobs(tc).tolist() == at_save.tolist()  # back at its checkpoint, on both ranks
+    tc.forward_backward(SMALL, "cross_entropy").result()
+    assert tc.optim_step(ADAM).result().metrics["optimizer_step"] == 2.0
+    assert health(server.base_url)["status"] == "ok"
