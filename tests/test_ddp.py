@@ -4,12 +4,16 @@
 Sums, not means: whatever the split, the update is the single-process one. Batches of 1, 3
 and 7 datums of unequal lengths (so one rank's shard is sometimes empty), every loss, full
 AdamParams, gradients accumulated over several calls: logprobs and ``loss:sum`` agree within
-1e-5 after five steps, and the ranks' adapters stay bitwise identical.
+1e-5 after five steps, and the ranks' adapters stay bitwise identical. A rank that stops
+answering breaks the collective it was awaited in, and the group is replaced, not hung.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +22,12 @@ import torch
 
 from hosted_tinker import losses
 from hosted_tinker.backends import rank_factories
-from hosted_tinker.backends.base import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.backends.base import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec, WorkerCrashed
 from hosted_tinker.backends.ddp import merge_results, shard_by_tokens
 from hosted_tinker.backends.peft import PeftBackend
 from hosted_tinker.config import ServerConfig, parse_devices
 from hosted_tinker.worker.backend import ProcessBackend
+from hosted_tinker.worker.group import PEER_GRACE_S
 from hosted_tinker.worker.process import WorkerError
 
 pytestmark = pytest.mark.timeout(300)
@@ -163,3 +168,37 @@ def test_a_request_that_fails_on_one_rank_leaves_no_gradient_on_any(ddp: Process
     assert_same(forward(ddp, "atomic", good), forward(reference, "atomic", good), "after the failed request")
     for backend in (ddp, reference):
         backend.delete_adapter("atomic")
+
+
+def test_a_rank_that_hangs_fails_the_request_and_the_group_is_replaced(tiny_model_dir: Path):
+    """Rank 1 is stopped (SIGSTOP: alive, silent, as on a wedged GPU). Rank 0 does its shard, then
+    waits for rank 1 in the collective until ``collective_timeout_s``; the group is replaced and
+    the error names the rank that hung, long before the hour-long call timeout."""
+    timeout_s = 5.0
+    config = ServerConfig(
+        model=str(tiny_model_dir),
+        backend="ddp",
+        train_devices="cpu:2",
+        backend_options={"collective_timeout_s": str(timeout_s)},
+    )
+    backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)), call_timeout_s=3600)
+    try:
+        backend.create_adapter("m", LoraSpec(rank=4, seed=0))
+        hung = backend.status()["pids"][1]
+        os.kill(hung, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(WorkerCrashed) as crash:
+            backend.forward_backward("m", batch(np.random.default_rng(2), 3))
+        waited = time.monotonic() - started
+        assert f"training rank 1 (pid {hung}) did not take part in a collective that rank 0 gave up on" in str(
+            crash.value
+        )
+        assert "Timed out" in str(crash.value)  # gloo's own words, passed on
+        assert timeout_s <= waited < timeout_s + PEER_GRACE_S + 120  # the restart's imports included
+
+        status = backend.status()
+        assert status["alive"] and status["restarts"] == 1 and hung not in status["pids"]
+        backend.create_adapter("after", LoraSpec(rank=4, seed=0))  # no recovery here: "m" is gone
+        assert len(backend.forward_backward("after", batch(np.random.default_rng(3), 3)).logprobs) == 3
+    finally:
+        backend.close()

@@ -137,26 +137,31 @@ def test_live_adapter_follows_every_optimizer_step(base_url):
         for _ in range(3):
             tc.forward_backward([datum], "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-            out = client.completions.create(
-                model=tc.model_id,
-                prompt=prompt,
-                max_tokens=4,
-                temperature=1.0,
-                seed=7,
-                logprobs=0,
-                extra_body={"return_token_ids": True, "ignore_eos": True},
-            )
-            assert out.model == tc.model_id  # our name, not vLLM's
-            tokens = out.choices[0].model_extra["token_ids"]
-            full = prompt + tokens
-            check = types.Datum(
-                model_input=types.ModelInput.from_ints(full[:-1]),
-                loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
-            )
-            trainer = tc.forward([check], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-            np.testing.assert_allclose(out.choices[0].logprobs.token_logprobs, trainer[len(prompt) - 1 :], atol=1e-4)
-            picked.append(out.choices[0].logprobs.token_logprobs)
+            picked.append(vllm_samples_the_trainer(client, tc, prompt))
         assert picked[0] != picked[-1]  # the weights did move between steps
+
+
+def vllm_samples_the_trainer(client: openai.OpenAI, tc, prompt: list[int]) -> list[float]:
+    """Sample the run's live adapter through /v1; the logprobs of vLLM's tokens must be the
+    trainer's for the same tokens. Returns them."""
+    out = client.completions.create(
+        model=tc.model_id,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=1.0,
+        seed=7,
+        logprobs=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert out.model == tc.model_id  # our name, not vLLM's
+    full = prompt + out.choices[0].model_extra["token_ids"]
+    check = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+    )
+    trainer = tc.forward([check], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(out.choices[0].logprobs.token_logprobs, trainer[len(prompt) - 1 :], atol=1e-4)
+    return out.choices[0].logprobs.token_logprobs
 
 
 def test_openai_proxy_streams_and_maps_names(base_url, trained):
@@ -218,6 +223,33 @@ def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, tin
             assert theirs.status_code == 404, theirs.text
             assert tc.model_id not in httpx.get(f"{srv.base_url}/v1/models", headers=other).text
             assert tc.model_id in httpx.get(f"{srv.base_url}/v1/models", headers=mine).text
+    finally:
+        srv.stop()
+
+
+def test_a_ddp_server_syncs_rank_0s_adapter_to_vllm(vllm_server, tmp_path, tiny_model_dir):
+    """Issue #7: the ddp backend (two ranks) with vLLM for inference, here a borrowed one: after
+    each step vLLM samples the live adapter exactly as the ranks score it."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
+    url = inference(vllm_server.base_url)["url"]
+    srv = start_server(tmp_path, "--inference-url", url, "--backend", "ddp", "--train-devices", "cpu:2")
+    try:
+        wait_ready(srv.base_url, timeout=30)
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="tml-test")
+        prompt = [5, 6, 7, 8]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(prompt),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+        )
+        with tinker.ServiceClient(base_url=srv.base_url) as sc:
+            tc = sc.create_lora_training_client(base_model=ALIAS, rank=8, seed=2).result()
+            picked = []
+            for _ in range(2):
+                tc.forward_backward([datum, datum], "cross_entropy").result()  # one datum per rank
+                tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+                picked.append(vllm_samples_the_trainer(client, tc, prompt))
+            assert picked[0] != picked[-1]
     finally:
         srv.stop()
 

@@ -46,6 +46,11 @@ class PeerFailed(RuntimeError):
     to report, and this rank has undone its part too."""
 
 
+class GroupBroken(RuntimeError):
+    """A collective of a data-parallel group failed: a peer went away, or stayed silent past the
+    collective timeout. The group can no longer be trusted and is replaced as a whole."""
+
+
 class RolledBack(RuntimeError):
     """The worker died while running another request, and this model came back from its last
     saved state. Its next request fails with this (``category: server``), once, so that its

@@ -13,13 +13,16 @@ every training model's adapter and optimizer, kept identical on all ranks:
 - what needs one copy (export, sampling, LoRA sync) is rank 0's.
 
 Every rank enters every collective, also with an empty shard, so a batch smaller than the group
-cannot deadlock it; collectives time out after ``collective_timeout_s``.
+cannot deadlock it. A collective that fails (a peer gone, or silent for ``collective_timeout_s``)
+raises ``GroupBroken``: the server then replaces the whole group (``worker.group``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import numpy as np
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hosted_tinker.backends.base import AdamParams, ForwardBackwardBatch, ForwardBackwardResult
+from hosted_tinker.backends.base import AdamParams, ForwardBackwardBatch, ForwardBackwardResult, GroupBroken
 from hosted_tinker.backends.peft import PeftBackend
 
 
@@ -90,12 +93,23 @@ class DdpRank(PeftBackend):
 
     def _all_succeeded(self, succeeded: bool) -> bool:
         flag = torch.tensor([1 if succeeded else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        with _collective("forward_backward's agreement on its outcome"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        _sum_gradients(self._adapter(model_id).params)
+        with _collective("optim_step's gradient all-reduce"):
+            _sum_gradients(self._adapter(model_id).params)
         return super().optim_step(model_id, params)
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """Say a failed collective as ``GroupBroken``: after one, no rank knows what the others did."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo's timeouts and closed connections (dist.DistError among them)
+        raise GroupBroken(f"{what} failed: {e}") from e
 
 
 def _sum_gradients(params: list[nn.Parameter]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hosted_tinker.backends.base import PeerFailed, TrainingBackend, UserError
+from hosted_tinker.backends.base import GroupBroken, PeerFailed, TrainingBackend, UserError
 from hosted_tinker.worker.messages import Callback, recv, send
 
 log = logging.getLogger("hosted_tinker.worker")
@@ -44,6 +44,9 @@ def serve(conn: Connection, factory: Callable[[], TrainingBackend]) -> None:
             reply = ("user_error", str(e))
         except PeerFailed as e:  # another rank's failure, which that rank reports
             reply = ("peer_failed", str(e))
+        except GroupBroken as e:  # the server replaces the whole group
+            log.error("%s: %s", method, e)
+            reply = ("group_broken", str(e))
         except Exception as e:
             log.exception("%s failed", method)
             if torch.cuda.is_initialized():  # after an OOM, give the cached blocks back

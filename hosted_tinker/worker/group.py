@@ -2,9 +2,9 @@
 group (``backends.ddp``), started, called and stopped together.
 
 Rank 0 answers what needs one copy (``call``); what every rank must do goes to all at once
-(``call_each``), and while their answers are awaited every rank is watched: if one dies or
-hangs, the whole group is stopped (the others would wait for it in a collective) and
-``WorkerDied`` says which rank and how.
+(``call_each``), and while their answers are awaited every rank is watched: if one dies, hangs,
+or leaves the others waiting in a collective past its timeout, the whole group is stopped (a
+group that lost a collective cannot go on) and ``WorkerDied`` says which rank and how.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 from hosted_tinker.backends.base import Capabilities, TrainingBackend, UserError
 from hosted_tinker.worker.process import POLL_S, WorkerDied, WorkerError, WorkerProcess, outcome
+
+PEER_GRACE_S = 5.0  # after a rank's collective failed, how long the others get to answer
 
 
 class WorkerGroup:
@@ -101,8 +103,13 @@ class WorkerGroup:
         self, deadline: float | None, overdue: str, stop_early: Callable[[str], bool] | None = None
     ) -> dict[int, tuple]:
         """One message from each rank, by rank; stops (and stops the group) if a rank dies or
-        the deadline passes, and returns early once ``stop_early`` holds for a message's kind."""
+        the deadline passes, and returns early once ``stop_early`` holds for a message's kind.
+
+        A rank whose collective failed (``group_broken``) leaves the group unusable. The others
+        get ``PEER_GRACE_S`` to answer or be seen dead, so that the death that broke it is the
+        one reported; a rank still silent then is the one the collective waited for."""
         replies: dict[int, tuple] = {}
+        broken: int | None = None
         while len(replies) < self.size:
             waiting = {w.conn: rank for rank, w in enumerate(self.workers) if rank not in replies}
             for conn in wait([*waiting, *(w.process.sentinel for w in self.workers)], timeout=POLL_S):
@@ -113,8 +120,14 @@ class WorkerGroup:
                     except WorkerDied:
                         self.kill()
                         raise
-                    if stop_early is not None and stop_early(replies[rank][0]):
+                    kind = replies[rank][0]
+                    if stop_early is not None and stop_early(kind):
                         return replies
+                    if kind == "group_broken" and broken is None:
+                        broken = rank
+                        grace = time.monotonic() + PEER_GRACE_S
+                        deadline = grace if deadline is None else min(deadline, grace)
+                        overdue = f"did not take part in a collective that rank {rank} gave up on ({replies[rank][1]})"
             if not self.alive:
                 reason = self.how_it_died()
                 self.kill()
@@ -123,4 +136,7 @@ class WorkerGroup:
                 late = min(rank for rank in range(self.size) if rank not in replies)
                 self.kill()
                 raise WorkerDied(f"training rank {late} (pid {self.workers[late].pid}) {overdue} and was killed")
+        if broken is not None:  # every rank answered, yet one's collective failed
+            self.kill()
+            raise WorkerDied(f"training rank {broken} (pid {self.workers[broken].pid}): {replies[broken][1]}")
         return replies

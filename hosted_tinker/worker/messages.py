@@ -10,6 +10,7 @@ child -> parent   ("ready", capabilities)          the backend is built
                   ("ok", value)                    the call's result
                   ("user_error", message)          the backend raised ``UserError``
                   ("peer_failed", message)         another rank of the group failed the call
+                  ("group_broken", message)        a collective failed: the group must be replaced
                   ("error", summary)               the backend raised anything else
 
 Plain pickle, not multiprocessing's: tensors travel by value rather than as shared-memory

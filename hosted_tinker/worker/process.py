@@ -172,4 +172,4 @@ def outcome(kind: str, value: Any) -> Any:
         return value
     if kind == "user_error":
         raise UserError(value)
-    raise WorkerError(value)  # "error", or "peer_failed" (another rank's failure, see worker.group)
+    raise WorkerError(value)  # "error", or a data-parallel rank's "peer_failed" or "group_broken" (see worker.group)
