@@ -5,12 +5,14 @@ Sums, not means: whatever the split, the update is the single-process one. Batch
 and 7 datums of unequal lengths (so one rank's shard is sometimes empty), every loss, full
 AdamParams, gradients accumulated over several calls: logprobs and ``loss:sum`` agree within
 1e-5 after five steps, and the ranks' adapters stay bitwise identical. A rank that stops
-answering breaks the collective it was awaited in, and the group is replaced, not hung.
+answering breaks the collective it was awaited in, and the group is replaced, not hung; so is
+one whose ranks no longer agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import time
@@ -21,9 +23,9 @@ import pytest
 import torch
 
 from hosted_tinker import losses
-from hosted_tinker.backends import rank_factories
+from hosted_tinker.backends import _free_port, rank_factories
 from hosted_tinker.backends.base import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec, WorkerCrashed
-from hosted_tinker.backends.ddp import merge_results, shard_by_tokens
+from hosted_tinker.backends.ddp import DdpRank, merge_results, shard_by_tokens
 from hosted_tinker.backends.peft import PeftBackend
 from hosted_tinker.config import ServerConfig, parse_devices
 from hosted_tinker.worker.backend import ProcessBackend
@@ -145,6 +147,28 @@ def test_two_ranks_train_exactly_like_one_process(ddp: ProcessBackend, reference
         backend.delete_adapter("same")
 
 
+def test_one_rank_is_the_single_process_backend(tiny_model_dir: Path, reference: PeftBackend):
+    """``--train-devices cpu:1`` (or one GPU): no collective runs, and the steps are exactly
+    the peft backend's."""
+    config = ServerConfig(model=str(tiny_model_dir), backend="ddp", train_devices="cpu:1")
+    single = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+    try:
+        assert single.capabilities.devices == ("cpu",)
+        for backend in (single, reference):
+            backend.create_adapter("one", LoraSpec(rank=8, seed=4))
+        rng = np.random.default_rng(4)
+        for size in (3, 1):
+            b = batch(rng, size, "ppo")
+            got, want = single.forward_backward("one", b), reference.forward_backward("one", b)
+            assert got.loss_sum == want.loss_sum
+            assert single.optim_step("one", ADAM) == reference.optim_step("one", ADAM)
+        probe = batch(rng, 2)
+        assert_same(forward(single, "one", probe), forward(reference, "one", probe), "one rank")
+    finally:
+        reference.delete_adapter("one")
+        single.close()
+
+
 def test_a_request_that_fails_on_one_rank_leaves_no_gradient_on_any(ddp: ProcessBackend, reference: PeftBackend):
     """One datum whose target is outside the vocabulary (the server's validation would refuse
     it; the backend is called directly here) fails on its rank alone. The error is that rank's,
@@ -200,5 +224,45 @@ def test_a_rank_that_hangs_fails_the_request_and_the_group_is_replaced(tiny_mode
         assert status["alive"] and status["restarts"] == 1 and hung not in status["pids"]
         backend.create_adapter("after", LoraSpec(rank=4, seed=0))  # no recovery here: "m" is gone
         assert len(backend.forward_backward("after", batch(np.random.default_rng(3), 3)).logprobs) == 3
+    finally:
+        backend.close()
+
+
+class OneRankFails(DdpRank):
+    """A rank whose create_adapter fails on rank 1 alone (as on a GPU that went bad)."""
+
+    def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
+        if model_id == "too-big" and self.rank == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        super().create_adapter(model_id, lora)
+
+
+def one_rank_fails(model: str) -> list:
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    return [
+        functools.partial(
+            OneRankFails, model, rank=rank, devices=["cpu", "cpu"], init_method=init_method, collective_timeout_s=60
+        )
+        for rank in range(2)
+    ]
+
+
+def test_ranks_that_no_longer_agree_are_replaced(tiny_model_dir: Path):
+    """Rank 0 made the adapter, rank 1 could not: training on would run the ranks out of step,
+    so the group is rebuilt (from saved states, when the server's recovery is attached)."""
+    backend = ProcessBackend(lambda: one_rank_fails(str(tiny_model_dir)))
+    try:
+        backend.create_adapter("fits", LoraSpec(rank=4, seed=0))
+        before = backend.status()["pids"]
+        with pytest.raises(WorkerCrashed) as crash:
+            backend.create_adapter("too-big", LoraSpec(rank=4, seed=0))
+        assert (
+            "training rank 1 failed create_adapter (RuntimeError: CUDA error: an illegal memory access was "
+            "encountered) where rank 0 completed it, so the ranks no longer hold the same state" in str(crash.value)
+        )
+        status = backend.status()
+        assert status["alive"] and status["restarts"] == 1 and not set(status["pids"]) & set(before)
+        backend.create_adapter("fits", LoraSpec(rank=4, seed=0))  # no recovery attached: the group starts empty
+        assert len(backend.forward_backward("fits", batch(np.random.default_rng(5), 3)).logprobs) == 3
     finally:
         backend.close()

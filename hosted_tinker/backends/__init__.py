@@ -31,7 +31,9 @@ class PeftOptions(BaseModel):
 
 class DdpOptions(PeftOptions):
     collective_timeout_s: float = Field(
-        1800.0, gt=0, description="how long a rank waits for the others in a collective before failing"
+        1800.0,
+        gt=0,
+        description="how long a rank waits for the others (to join, or in a collective) before the group is replaced",
     )
 
 

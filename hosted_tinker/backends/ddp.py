@@ -88,18 +88,22 @@ class DdpRank(PeftBackend):
             timeout=timedelta(seconds=collective_timeout_s),
         )
         self.rank = rank
+        self.world_size = len(devices)
         super().__init__(model_path, device=device, **peft_options)
         self.capabilities = dataclasses.replace(self.capabilities, backend=self.NAME, devices=tuple(devices))
 
     def _all_succeeded(self, succeeded: bool) -> bool:
+        if self.world_size == 1:  # an all-reduce over one rank is the identity: a single-GPU ddp costs what peft does
+            return succeeded
         flag = torch.tensor([1 if succeeded else 0], device=self.device)
         with _collective("forward_backward's agreement on its outcome"):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        with _collective("optim_step's gradient all-reduce"):
-            _sum_gradients(self._adapter(model_id).params)
+        if self.world_size > 1:  # (as above)
+            with _collective("optim_step's gradient all-reduce"):
+                _sum_gradients(self._adapter(model_id).params)
         return super().optim_step(model_id, params)
 
 
@@ -120,8 +124,9 @@ def _sum_gradients(params: list[nn.Parameter]) -> None:
     flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
     buffer = torch.cat([has, *flat])
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    present = buffer[: len(params)].tolist()  # one device-to-host copy, not one per parameter
     offset = len(params)
-    for i, p in enumerate(params):
+    for p, has_grad in zip(params, present, strict=True):
         n = p.numel()
-        p.grad = buffer[offset : offset + n].view_as(p).to(p.dtype) if buffer[i] > 0 else None
+        p.grad = buffer[offset : offset + n].view_as(p).to(p.dtype) if has_grad > 0 else None
         offset += n

@@ -68,7 +68,9 @@ class WorkerGroup:
     def call_each(self, method: str, per_rank_args: Sequence[tuple], **kwargs: Any) -> list[Any]:
         """``method`` on every rank at once, rank r with ``per_rank_args[r]`` (and ``kwargs``, no
         callables); their results. A failure is reported from the rank where it happened, not
-        from a rank that only followed it (``PeerFailed``)."""
+        from a rank that only followed it (``PeerFailed``). If some ranks failed and others did
+        not, the state they should share has diverged: the group is stopped (``WorkerDied``),
+        to be rebuilt from the models' saved states, rather than train on out of step."""
         if self.size == 1:
             return [self.workers[0].call(method, *per_rank_args[0], **kwargs)]
         try:
@@ -84,6 +86,13 @@ class WorkerGroup:
         origin = [f for f in failed if f[1] != "peer_failed"] or failed
         if origin:
             rank, kind, value = origin[0]
+            if len(failed) < self.size:
+                done = min(r for r, (k, _) in replies.items() if k == "ok")
+                self.kill()
+                raise WorkerDied(
+                    f"training rank {rank} failed {method} ({value}) where rank {done} completed it, "
+                    "so the ranks no longer hold the same state"
+                )
             if kind == "user_error":
                 raise UserError(value)
             raise WorkerError(f"rank {rank}: {value}")
