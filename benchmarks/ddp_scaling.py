@@ -12,8 +12,8 @@ alternating rounds:
 
 On the CPU, N ranks share the machine's cores (each rank gets cores/N threads), so ddpN measures
 how well the work splits, not extra hardware. Every path trains the same adapter on the same
-batch, so their losses must agree (checked). Prints a table and writes
-benchmarks/results/ddp_scaling-<device>.json.
+batch, so their losses must agree (checked to a relative 1e-4: ranks sum in another order).
+Prints a table and writes benchmarks/results/ddp_scaling-<device>.json.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main() -> None:
         },
         "tokens_per_s": {name: tokens / s for name, s in median_s.items()},
         "ratio_ddp1_over_peft_step_time": median_s["ddp1"] / median_s["peft"],
-        "losses_identical_on_every_path": same_math,
+        "losses_equal_on_every_path_rtol_1e-4": same_math,
         "targets": {"ratio_ddp1_over_peft": 1.05},
     }
     rows = [(f"{name}: step", f"{1000 * s:8.1f} ms   {tokens / s:8.0f} tok/s") for name, s in median_s.items()]
@@ -183,7 +183,7 @@ def main() -> None:
     if ddp_n in median_s:
         results[f"speedup_{ddp_n}_over_ddp1"] = median_s["ddp1"] / median_s[ddp_n]
         rows.append((f"{ddp_n} speed-up over ddp1", f"{median_s['ddp1'] / median_s[ddp_n]:8.3f}"))
-    rows.append(("losses identical on every path", f"{same_math!s:>8}"))
+    rows.append(("losses equal on every path (rtol 1e-4)", f"{same_math!s:>8}"))
     print_table(
         f"ddp scaling on {results['device']}: {args.batch} sequences, {tokens} tokens a step, "
         f"{args.rounds} x {args.steps} steps per path",

@@ -62,6 +62,8 @@ def test_devices_and_options_are_checked_at_start_up(tmp_path):
     assert "train devices 'gpu:1'" in serve_fails(tmp_path, "--backend", "ddp", "--train-devices", "gpu:1")
     said = serve_fails(tmp_path, "--backend-option", "microbatch_tokens=many")
     assert "microbatch_tokens" in said
+    said = serve_fails(tmp_path, "--backend", "ddp", "--train-devices", "cpu:2", "--worker-timeout", "600")
+    assert "collective_timeout_s=1800 must be below --worker-timeout (600 s)" in said
 
 
 def test_backends_command_lists_ddp_and_its_options():

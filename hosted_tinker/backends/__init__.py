@@ -46,12 +46,19 @@ def backend_options(config: ServerConfig) -> PeftOptions:
     is wrong and what the backend accepts."""
     model = OPTIONS[config.backend]
     try:
-        return model.model_validate(config.backend_options)
+        options = model.model_validate(config.backend_options)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise ValueError(
             f"--backend-option for {config.backend}: {problems} (it accepts: {', '.join(model.model_fields)})"
         ) from None
+    if isinstance(options, DdpOptions) and options.collective_timeout_s >= config.worker_timeout_s:
+        # A hung rank must be caught by the collective that waits for it, which names it.
+        raise ValueError(
+            f"--backend-option collective_timeout_s={options.collective_timeout_s:g} must be below "
+            f"--worker-timeout ({config.worker_timeout_s:g} s)"
+        )
+    return options
 
 
 def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[Factory]]:

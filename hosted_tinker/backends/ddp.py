@@ -7,6 +7,7 @@ every training model's adapter and optimizer, kept identical on all ranks:
   each rank adds its shard's gradients to its own accumulated ones. Whether the request's
   gradients are kept is decided by all ranks together (one tiny all-reduce), so a request that
   fails on one rank leaves no trace on any. Per-datum results are put back in batch order.
+- ``create_adapter``: made on every rank or on none, starting from rank 0's initial weights.
 - ``optim_step``: the ranks' accumulated gradients are summed (all-reduce, SUM: Tinker's losses
   are sums, so the update is the single-process one whatever the number of ranks), then every
   rank takes the same AdamW step.
@@ -30,7 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hosted_tinker.backends.base import AdamParams, ForwardBackwardBatch, ForwardBackwardResult, GroupBroken
+from hosted_tinker.backends.base import (
+    AdamParams,
+    ForwardBackwardBatch,
+    ForwardBackwardResult,
+    GroupBroken,
+    LoraSpec,
+    PeerFailed,
+)
 from hosted_tinker.backends.peft import PeftBackend
 
 
@@ -77,43 +85,80 @@ class DdpRank(PeftBackend):
     ) -> None:
         device = devices[rank]
         if device == "cpu":  # ranks share the cores: more threads each would only contend
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // len(devices)))
         else:
             torch.cuda.set_device(device)
+            # A collective past its timeout then raises in this rank (GroupBroken), rather than
+            # NCCL's watchdog aborting the process: that would name the rank that waited.
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         dist.init_process_group(
             "gloo" if device == "cpu" else "nccl",
             init_method=init_method,
             rank=rank,
             world_size=len(devices),
             timeout=timedelta(seconds=collective_timeout_s),
+            device_id=None if device == "cpu" else torch.device(device),  # NCCL connects now, not mid-request
         )
         self.rank = rank
         self.world_size = len(devices)
         super().__init__(model_path, device=device, **peft_options)
         self.capabilities = dataclasses.replace(self.capabilities, backend=self.NAME, devices=tuple(devices))
 
+    # With one rank there is no one to agree with or sum with: no collective runs, and a
+    # single-GPU ddp costs what peft does.
+
     def _all_succeeded(self, succeeded: bool) -> bool:
-        if self.world_size == 1:  # an all-reduce over one rank is the identity: a single-GPU ddp costs what peft does
+        if self.world_size == 1:
             return succeeded
-        flag = torch.tensor([1 if succeeded else 0], device=self.device)
-        with _collective("forward_backward's agreement on its outcome"):
+        with _collective("the ranks' agreement on a call's outcome"):
+            flag = torch.tensor([1 if succeeded else 0], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+            return bool(flag.item())
+
+    def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
+        """Created on every rank or on none; then rank 0's initial weights are every rank's, so
+        the ranks start out identical whatever else each holds (samplers live on rank 0 only)."""
+        failure: Exception | None = None
+        try:
+            super().create_adapter(model_id, lora)
+        except Exception as e:
+            failure = e
+        if not self._all_succeeded(failure is None):
+            if failure is None:
+                super().delete_adapter(model_id)
+            raise failure if failure is not None else PeerFailed("another rank failed this request")
+        if self.world_size > 1:
+            params = self._adapter(model_id).params
+            with _collective("create_adapter's broadcast of rank 0's weights"):
+                _broadcast_from_rank0(params)
 
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        if self.world_size > 1:  # (as above)
+        if self.world_size > 1:
+            weights = self._adapter(model_id).params
             with _collective("optim_step's gradient all-reduce"):
-                _sum_gradients(self._adapter(model_id).params)
+                _sum_gradients(weights)
         return super().optim_step(model_id, params)
 
 
 @contextlib.contextmanager
 def _collective(what: str) -> Iterator[None]:
-    """Say a failed collective as ``GroupBroken``: after one, no rank knows what the others did."""
+    """Say a failed collective as ``GroupBroken``: after one, no rank knows what the others did.
+    The block holds all of it (buffers, the collective, reading its result), so that a rank
+    failing on its own device still answers as one that leaves the others waiting."""
     try:
         yield
-    except RuntimeError as e:  # gloo's timeouts and closed connections (dist.DistError among them)
+    except RuntimeError as e:  # gloo's timeouts and closed connections (dist.DistError among them), CUDA errors
         raise GroupBroken(f"{what} failed: {e}") from e
+
+
+def _broadcast_from_rank0(params: list[nn.Parameter]) -> None:
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    dist.broadcast(flat, src=0)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 def _sum_gradients(params: list[nn.Parameter]) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hosted_tinker.backends import Factory
 from hosted_tinker.backends.base import (
     AdamParams,
     AdapterState,
@@ -31,7 +32,6 @@ from hosted_tinker.backends.base import (
     ForwardBackwardResult,
     LoraSpec,
     RolledBack,
-    TrainingBackend,
     WorkerCrashed,
 )
 from hosted_tinker.backends.ddp import merge_results, shard_batch, shard_by_tokens
@@ -48,8 +48,6 @@ RESTORE_ATTEMPTS = 3  # new groups tried in a row when each dies while models ar
 _TRAINING_CALLS = frozenset({"forward_backward", "optim_step", "export_state", "peft_config", "snapshot_weights"})
 # ...and these make the rollback moot.
 _STATE_REPLACING_CALLS = frozenset({"load_state", "delete_adapter"})
-
-Factory = Callable[[], TrainingBackend]
 
 
 def one_worker(factory: Factory) -> Callable[[], list[Factory]]:

@@ -115,8 +115,9 @@ class WorkerGroup:
         the deadline passes, and returns early once ``stop_early`` holds for a message's kind.
 
         A rank whose collective failed (``group_broken``) leaves the group unusable. The others
-        get ``PEER_GRACE_S`` to answer or be seen dead, so that the death that broke it is the
-        one reported; a rank still silent then is the one the collective waited for."""
+        get ``PEER_GRACE_S`` to answer or be seen dead, so that a death that broke it is the one
+        reported; ranks still silent then are named with it (on a timeout, they are the ones
+        it waited for; otherwise they may be waiting for it)."""
         replies: dict[int, tuple] = {}
         broken: int | None = None
         while len(replies) < self.size:
@@ -136,16 +137,24 @@ class WorkerGroup:
                         broken = rank
                         grace = time.monotonic() + PEER_GRACE_S
                         deadline = grace if deadline is None else min(deadline, grace)
-                        overdue = f"did not take part in a collective that rank {rank} gave up on ({replies[rank][1]})"
             if not self.alive:
                 reason = self.how_it_died()
                 self.kill()
                 raise WorkerDied(reason)
             if deadline is not None and time.monotonic() > deadline:
-                late = min(rank for rank in range(self.size) if rank not in replies)
+                silent = [rank for rank in range(self.size) if rank not in replies]
                 self.kill()
-                raise WorkerDied(f"training rank {late} (pid {self.workers[late].pid}) {overdue} and was killed")
+                if broken is None:
+                    late = silent[0]
+                    raise WorkerDied(f"training rank {late} (pid {self.workers[late].pid}) {overdue} and was killed")
+                raise WorkerDied(f"{self._said_by(broken, replies)}; {self._named(silent)} had not answered")
         if broken is not None:  # every rank answered, yet one's collective failed
             self.kill()
-            raise WorkerDied(f"training rank {broken} (pid {self.workers[broken].pid}): {replies[broken][1]}")
+            raise WorkerDied(self._said_by(broken, replies))
         return replies
+
+    def _said_by(self, rank: int, replies: dict[int, tuple]) -> str:
+        return f"training rank {rank} (pid {self.workers[rank].pid}): {replies[rank][1]}"
+
+    def _named(self, ranks: list[int]) -> str:
+        return ", ".join(f"rank {rank} (pid {self.workers[rank].pid})" for rank in ranks)
