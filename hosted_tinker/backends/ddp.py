@@ -37,7 +37,6 @@ from hosted_tinker.backends.base import (
     ForwardBackwardResult,
     GroupBroken,
     LoraSpec,
-    PeerFailed,
 )
 from hosted_tinker.backends.peft import PeftBackend
 
@@ -123,10 +122,11 @@ class DdpRank(PeftBackend):
             super().create_adapter(model_id, lora)
         except Exception as e:
             failure = e
-        if not self._all_succeeded(failure is None):
-            if failure is None:
+        error = self._failure_anywhere(failure)
+        if error is not None:
+            if failure is None:  # made here, not elsewhere
                 super().delete_adapter(model_id)
-            raise failure if failure is not None else PeerFailed("another rank failed this request")
+            raise error
         if self.world_size > 1:
             params = self._adapter(model_id).params
             with _collective("create_adapter's broadcast of rank 0's weights"):

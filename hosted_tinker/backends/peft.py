@@ -250,18 +250,26 @@ class PeftBackend:
             result = self._run_batch(lm, batch)
         except Exception as e:
             failure = e
-        if not self._all_succeeded(failure is None):
+        error = self._failure_anywhere(failure)
+        if error is not None:
             for p, g in zip(params, accumulated, strict=True):
                 p.grad = g
-            raise failure if failure is not None else PeerFailed("another rank failed this request")
+            raise error
         for p, g in zip(params, accumulated, strict=True):
             if g is not None:
                 p.grad = g if p.grad is None else g.add_(p.grad)
         return result
 
+    def _failure_anywhere(self, failure: Exception | None) -> Exception | None:
+        """What a call that must succeed everywhere or nowhere raises, its effects undone by the
+        caller: its own ``failure``, else ``PeerFailed`` if it failed on another rank, else None."""
+        if self._all_succeeded(failure is None):
+            return None
+        return failure if failure is not None else PeerFailed("another rank failed this request")
+
     def _all_succeeded(self, succeeded: bool) -> bool:
-        """Whether a request's gradients are kept: here, if it succeeded; in a data-parallel
-        group, if it succeeded on every rank (``ddp.DdpRank``)."""
+        """Whether a call succeeded: here, if it did; in a data-parallel group, if it did on
+        every rank (``ddp.DdpRank``)."""
         return succeeded
 
     def _run_batch(self, lm: nn.Module, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
