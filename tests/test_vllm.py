@@ -66,6 +66,13 @@ def wait_ready(base_url: str, timeout: float = VLLM_READY_S) -> dict:
     raise AssertionError(f"vLLM not ready after {timeout}s: {status}")
 
 
+def vllm_requests_held(vllm_url: str) -> float:
+    """How many requests vLLM holds, running or waiting (its own Prometheus /metrics)."""
+    metrics = httpx.get(f"{vllm_url}/metrics", timeout=5).text
+    gauges = ("vllm:num_requests_running{", "vllm:num_requests_waiting{")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(gauges))
+
+
 def start_vllm_server(data_dir: Path) -> ServerProcess:
     srv = start_server(data_dir, "--inference", "vllm", "--vllm-python", vllm_python(), "--max-lora-rank", "32")
     try:
@@ -284,9 +291,15 @@ def test_killing_vllm_fails_calls_cleanly_and_it_comes_back(tmp_path, tiny_model
 
         trainer = threading.Thread(target=train, daemon=True)
         trainer.start()
-        long = sampler.sample(prompt, 4, types.SamplingParams(max_tokens=3000, stop=[]))
-        time.sleep(1.0)
-        os.kill(inference(srv.base_url)["pid"], signal.SIGKILL)
+        vllm = inference(srv.base_url)
+        long = sampler.sample(prompt, 4, types.SamplingParams(max_tokens=4000, stop=[]))
+        # Killed once vLLM holds it: killed before it arrives, the SDK would resend it after the
+        # restart. vLLM is asked directly: our /healthz answers slowly while vLLM has the cores.
+        deadline = time.monotonic() + 60
+        while vllm_requests_held(vllm["url"]) == 0:
+            assert time.monotonic() < deadline, "the sample never reached vLLM"
+            time.sleep(0.02)
+        os.kill(vllm["pid"], signal.SIGKILL)
         with pytest.raises(Exception, match="vLLM"):
             long.result(timeout=120)
         deadline = time.monotonic() + 10  # the supervisor notices within half a second
