@@ -32,17 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
-from hosted_tinker.backends import rank_factories  # noqa: E402
-from hosted_tinker.backends.base import (  # noqa: E402
-    AdamParams,
-    DatumInput,
-    ForwardBackwardBatch,
-    LoraSpec,
-    TrainingBackend,
-)
-from hosted_tinker.backends.peft import PeftBackend  # noqa: E402
-from hosted_tinker.config import ServerConfig  # noqa: E402
-from hosted_tinker.worker.backend import ProcessBackend  # noqa: E402
+from hosted_tinker.core.config import ServerConfig  # noqa: E402
+from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend  # noqa: E402
+from hosted_tinker.rank.peft_backend import PeftBackend  # noqa: E402
+from hosted_tinker.rank.plans import rank_factories  # noqa: E402
+from hosted_tinker.server.workers.backend import ProcessBackend  # noqa: E402
 
 LORA = LoraSpec(rank=32, seed=0)
 

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
-from hosted_tinker.backends.base import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec  # noqa: E402
-from hosted_tinker.backends.peft import PeftBackend  # noqa: E402
+from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec  # noqa: E402
+from hosted_tinker.rank.peft_backend import PeftBackend  # noqa: E402
 from tests.conftest import ALIAS, start_server  # noqa: E402
 
 

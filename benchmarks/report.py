@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hosted_tinker.tiny_model import build_tiny_model
+from hosted_tinker.core.tiny_model import build_tiny_model
 
 # Every benchmark imports this module first, before tinker or transformers: run offline, quietly.
 os.environ.setdefault("TINKER_TELEMETRY", "0")

@@ -11,8 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from hosted_tinker.backends import BACKENDS, backend_options
-from hosted_tinker.config import ServerConfig
+from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.rank.plans import BACKENDS, backend_options
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
@@ -52,8 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from hosted_tinker.api.app import create_app
-    from hosted_tinker.api.state import build_state
+    from hosted_tinker.server.api.app import create_app
+    from hosted_tinker.server.api.state import build_state
 
     state = build_state(config)
     log = logging.getLogger(__name__)
@@ -72,8 +72,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from hosted_tinker.keys import create_key
-    from hosted_tinker.store import Store
+    from hosted_tinker.server.keys import create_key
+    from hosted_tinker.server.store import Store
 
     store = Store.in_data_dir(Path(args.data_dir))
     if args.action == "create":
@@ -100,7 +100,7 @@ def _setup_vllm(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from hosted_tinker.tiny_model import build_tiny_model
+    from hosted_tinker.core.tiny_model import build_tiny_model
 
     print(build_tiny_model(args.dir, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed))
     return 0
@@ -108,9 +108,9 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 def _backends(args: argparse.Namespace) -> int:
     """Each backend: what it supports, where it trains, and its options (--backend-option)."""
-    from hosted_tinker.backends import OPTIONS
-    from hosted_tinker.backends.ddp import DdpRank
-    from hosted_tinker.backends.peft import PeftBackend
+    from hosted_tinker.rank.peft_backend import PeftBackend
+    from hosted_tinker.rank.plans import OPTIONS
+    from hosted_tinker.rank.plans.ddp import DdpRank
 
     devices = {"peft": "one: --device cpu | cuda:N", "ddp": "one per rank: --train-devices cpu:N | cuda:0,1,..."}
     info = {}

@@ -96,7 +96,7 @@ def shared_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(shared_data_dir: Path) -> Path:
-    from hosted_tinker.tiny_model import build_tiny_model
+    from hosted_tinker.core.tiny_model import build_tiny_model
 
     return build_tiny_model(shared_data_dir / "models" / "tiny-qwen3")
 

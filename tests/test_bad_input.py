@@ -1048,7 +1048,7 @@ def test_body_limit_cuts_off_a_body_without_content_length():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from hosted_tinker.api.body_limit import BodyLimit
+    from hosted_tinker.server.api.body_limit import BodyLimit
 
     app = FastAPI()
 

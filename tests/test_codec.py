@@ -18,8 +18,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from hosted_tinker.protocol.proto_codec import (
-    WireError,
+from hosted_tinker.core.errors import WireError
+from hosted_tinker.server.protocol.proto_codec import (
     WireForwardBackward,
     decode_forward_backward,
     decompress,

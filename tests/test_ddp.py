@@ -22,15 +22,16 @@ import numpy as np
 import pytest
 import torch
 
-from hosted_tinker import losses
-from hosted_tinker.backends import _free_port, rank_factories
-from hosted_tinker.backends.base import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec, WorkerCrashed
-from hosted_tinker.backends.ddp import DdpRank, merge_results, shard_by_tokens
-from hosted_tinker.backends.peft import PeftBackend
-from hosted_tinker.config import ServerConfig, parse_devices
-from hosted_tinker.worker.backend import ProcessBackend
-from hosted_tinker.worker.group import PEER_GRACE_S
-from hosted_tinker.worker.process import WorkerError
+from hosted_tinker.core import losses
+from hosted_tinker.core.config import ServerConfig, parse_devices
+from hosted_tinker.core.errors import WorkerCrashed, WorkerError
+from hosted_tinker.core.sharding import merge_results, shard_by_tokens
+from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.rank.peft_backend import PeftBackend
+from hosted_tinker.rank.plans import _free_port, rank_factories
+from hosted_tinker.rank.plans.ddp import DdpRank
+from hosted_tinker.server.workers.backend import ProcessBackend
+from hosted_tinker.server.workers.group import PEER_GRACE_S
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,7 +74,7 @@ def test_merge_puts_results_back_in_batch_order():
 
 
 def _result(logprobs: list[np.ndarray], loss: float):
-    from hosted_tinker.backends.base import ForwardBackwardResult
+    from hosted_tinker.core.types import ForwardBackwardResult
 
     return ForwardBackwardResult(logprobs=logprobs, loss_sum=loss)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hosted_tinker.keys import OPEN, KeyRing, create_key, key_hash, read_keys_file
-from hosted_tinker.store import Store
+from hosted_tinker.server.keys import OPEN, KeyRing, create_key, key_hash, read_keys_file
+from hosted_tinker.server.store import Store
 
 
 def test_open_until_a_key_exists_and_closed_for_good_after(tmp_path: Path):

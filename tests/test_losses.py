@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hosted_tinker.losses import LOSSES, UNSUPPORTED_LOSSES
+from hosted_tinker.core.losses import LOSSES, UNSUPPORTED_LOSSES
 
 TOL = 1e-10
 GAP = 0.02  # minimum distance between a ratio and a clip threshold

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hosted_tinker.backends.base import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec
-from hosted_tinker.backends.peft import PeftBackend
+from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.rank.peft_backend import PeftBackend
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_a_failed_request_leaves_accumulated_gradients_untouched(backend: PeftBa
 
 
 def test_requests_admitted_mid_decode_match_solo_runs(backend: PeftBackend):
-    from hosted_tinker.inference.generate import SampleSpec
+    from hosted_tinker.core.sampling import SampleSpec
 
     first = SampleSpec(prompt=list(range(10, 40)), max_tokens=12, temperature=0.0)
     late = [

@@ -16,11 +16,12 @@ import httpx
 import pytest
 import torch
 
-from hosted_tinker.inference.generate import SampleSpec
+from hosted_tinker.core.errors import EngineUnavailable
+from hosted_tinker.core.sampling import SampleSpec
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.inference.vllm_adapters import AdapterRegistry
 from hosted_tinker.inference.vllm_engine import needs_embedded, parse_response, request_body
-from hosted_tinker.inference.vllm_process import EngineState, EngineUnavailable, VllmLaunch, VllmSupervisor, free_port
+from hosted_tinker.inference.vllm_process import EngineState, VllmLaunch, VllmSupervisor, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -310,7 +311,7 @@ def test_setup_vllm_checks_its_arguments_and_the_interpreter(tmp_path):
 def test_max_lora_rank_must_be_a_size_vllm_accepts():
     from pydantic import ValidationError
 
-    from hosted_tinker.config import ServerConfig
+    from hosted_tinker.core.config import ServerConfig
 
     assert ServerConfig(max_lora_rank=32).max_lora_rank == 32
     with pytest.raises(ValidationError, match="max_lora_rank must be one of"):

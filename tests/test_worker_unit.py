@@ -15,18 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hosted_tinker.api.app import _watch_worker
-from hosted_tinker.backends.base import (
-    Capabilities,
-    ForwardBackwardBatch,
-    LoraSpec,
-    RolledBack,
-    UserError,
-    WorkerCrashed,
-)
-from hosted_tinker.worker.backend import ProcessBackend, one_worker
-from hosted_tinker.worker.messages import Listener, dumps
-from hosted_tinker.worker.process import WorkerError, WorkerProcess
+from hosted_tinker.core.errors import RolledBack, UserError, WorkerCrashed, WorkerError
+from hosted_tinker.core.messages import Listener, dumps
+from hosted_tinker.core.types import Capabilities, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.server.api.app import _watch_worker
+from hosted_tinker.server.workers.backend import ProcessBackend, one_worker
+from hosted_tinker.server.workers.process import WorkerProcess
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from safetensors.torch import load as load_safetensors
 
+from hosted_tinker.core.sampling import SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
-from hosted_tinker.inference.generate import SampleOutput, SampleSpec
-from hosted_tinker.scheduler import Scheduler
+from hosted_tinker.server.scheduler import Scheduler
 
 MAX_BATCH_ROWS = 64  # sequences decoded together in one run
 

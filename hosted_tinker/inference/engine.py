@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from hosted_tinker.checkpoints import CheckpointFiles, TinkerPath
-from hosted_tinker.inference.generate import SampleOutput, SampleSpec
+from hosted_tinker.core.checkpoints import CheckpointFiles, TinkerPath
+from hosted_tinker.core.sampling import SampleOutput, SampleSpec
 
 
 @dataclass(frozen=True)

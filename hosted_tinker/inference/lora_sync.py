@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from hosted_tinker.backends.base import UserError
-from hosted_tinker.checkpoints import peft_adapter_files
+from hosted_tinker.core.checkpoints import peft_adapter_files
+from hosted_tinker.core.errors import UserError
 from hosted_tinker.inference.vllm_adapters import AdapterRegistry, remove_dir, spawn
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from hosted_tinker.backends.base import UserError
-from hosted_tinker.inference.vllm_process import EngineUnavailable
+from hosted_tinker.core.errors import EngineUnavailable, UserError
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import httpx
 
-from hosted_tinker.backends.base import UserError
+from hosted_tinker.core.errors import EngineUnavailable, UserError
+from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
-from hosted_tinker.inference.generate import SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.inference.vllm_adapters import AdapterRegistry, remove_dir, spawn
-from hosted_tinker.inference.vllm_process import EngineState, EngineUnavailable, ExternalVllm, VllmSupervisor
+from hosted_tinker.inference.vllm_process import EngineState, ExternalVllm, VllmSupervisor
 
 log = logging.getLogger(__name__)
 

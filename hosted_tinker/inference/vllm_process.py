@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from hosted_tinker.core.errors import EngineUnavailable
+
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 900.0  # a cold 8B load with graph capture can take minutes
@@ -39,14 +41,6 @@ class EngineState(StrEnum):
     RESTARTING = "restarting"  # died; waiting out the backoff or loading again
     UNREACHABLE = "unreachable"  # an external server that does not answer
     STOPPED = "stopped"
-
-
-class EngineUnavailable(RuntimeError):
-    """The inference engine cannot take requests now; ``retry_after`` says when to try again."""
-
-    def __init__(self, message: str, retry_after: float = 5.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 def free_port(host: str = "127.0.0.1") -> int:

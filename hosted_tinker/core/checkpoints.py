@@ -1,0 +1,230 @@
+"""Checkpoints on disk: ``tinker://`` paths, atomic writes, SHA-256 manifests, verified reads.
+
+Layout: ``<root>/<run_id>/<kind>/<name>/`` holding the checkpoint's files and ``manifest.json``
+(``{file: {"sha256", "bytes"}}``). A checkpoint is written into a temporary directory and
+renamed into place, so a reader sees all of it or none of it; every read checks the manifest.
+
+Kinds (protocol reference §9): ``weights`` (training state: adapter, optimizer moments, step
+counter, RNG), ``sampler_weights`` (a PEFT adapter directory that ``PeftModel.from_pretrained``
+and vLLM load as is) and ``external_weights`` (the same adapter, for download).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from hosted_tinker.core.errors import UserError
+from hosted_tinker.core.types import AdapterState, LoraSpec
+
+KIND_TO_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+# Not starting with '.': a run id is a directory name, and "." or ".." would leave the root.
+_RUN_ID = re.compile(r"^[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]{0,199}$")
+FORMAT_VERSION = 1
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, malformed, corrupted or incompatible."""
+
+
+def validate_name(name: str, field: str = "path") -> str:
+    if not _NAME.match(name) or name in (".", ".."):
+        raise CheckpointError(
+            f"{field} {name!r} is not a valid checkpoint name: use 1-128 letters, digits, '_', '-' or '.', "
+            "not starting with '.' or '-'"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class TinkerPath:
+    """``tinker://<run_id>/<kind>/<name>``; the run id is the training model's id."""
+
+    run_id: str
+    kind: str
+    name: str
+
+    @classmethod
+    def parse(cls, path: str, field: str = "path") -> TinkerPath:
+        """Parse ``path``; errors name ``field``, the request field it came in."""
+        if not path.startswith("tinker://"):
+            raise CheckpointError(f"{field} {path!r} is not a tinker:// path")
+        parts = path[len("tinker://") :].split("/")
+        if len(parts) != 3:
+            raise CheckpointError(f"{field} {path!r} must look like tinker://<run_id>/<kind>/<name>")
+        run_id, kind, name = parts
+        if kind not in KIND_TO_TYPE:
+            raise CheckpointError(f"{field} {path!r}: checkpoint kind {kind!r} is not one of {', '.join(KIND_TO_TYPE)}")
+        if not _RUN_ID.match(run_id):
+            raise CheckpointError(f"{field} {path!r} has an invalid run id {run_id!r}")
+        return cls(run_id, kind, validate_name(name, field))
+
+    @classmethod
+    def from_checkpoint_id(cls, run_id: str, checkpoint_id: str) -> TinkerPath:
+        return cls.parse(f"tinker://{run_id}/{checkpoint_id}")
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    @property
+    def checkpoint_type(self) -> str:
+        return KIND_TO_TYPE[self.kind]
+
+    def __str__(self) -> str:
+        return f"tinker://{self.run_id}/{self.kind}/{self.name}"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class CheckpointFiles:
+    """Reads and writes checkpoint directories under one root."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._tmp = root / ".tmp"
+        self._tmp.mkdir(parents=True, exist_ok=True)
+
+    def directory(self, path: TinkerPath) -> Path:
+        return self.root / path.run_id / path.kind / path.name
+
+    def exists(self, path: TinkerPath) -> bool:
+        return (self.directory(path) / MANIFEST).exists()
+
+    def write(self, path: TinkerPath, files: dict[str, bytes], *, overwrite: bool) -> int:
+        """Write atomically; return the total size in bytes."""
+        final = self.directory(path)
+        if final.exists() and not overwrite:
+            raise CheckpointError(f"{path} already exists; save under another name or pass overwrite=True")
+        staging = Path(tempfile.mkdtemp(dir=self._tmp))
+        try:
+            manifest = {}
+            for name, data in files.items():
+                with open(staging / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                manifest[name] = {"sha256": _sha256(data), "bytes": len(data)}
+            (staging / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "files": manifest}, indent=1))
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if final.exists():  # overwrite: move the old one aside first, then swap
+                trash = Path(tempfile.mkdtemp(dir=self._tmp))
+                os.replace(final, trash / "old")
+                os.replace(staging, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return sum(len(d) for d in files.values())
+
+    def read(self, path: TinkerPath, only: tuple[str, ...] | None = None) -> dict[str, bytes]:
+        """The checkpoint's files (all, or ``only`` these), each checked against the manifest."""
+        directory = self.directory(path)
+        try:
+            manifest = json.loads((directory / MANIFEST).read_text())["files"]
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} does not exist") from None
+        except (ValueError, KeyError):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupted") from None
+        files = {}
+        for name, expected in manifest.items():
+            if only is not None and name not in only:
+                continue
+            try:
+                data = (directory / name).read_bytes()
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {path}: file {name} is missing") from None
+            if len(data) != expected["bytes"] or _sha256(data) != expected["sha256"]:
+                raise CheckpointError(f"checkpoint {path}: file {name} fails its SHA-256 check (corrupted)")
+            files[name] = data
+        return files
+
+    def delete(self, path: TinkerPath) -> None:
+        directory = self.directory(path)
+        if directory.exists():
+            trash = Path(tempfile.mkdtemp(dir=self._tmp))
+            os.replace(directory, trash / "gone")
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+# ---- training state <-> files ------------------------------------------------------------------
+
+
+def peft_adapter_files(adapter_config: dict, weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """A PEFT adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors``."""
+    return {
+        "adapter_config.json": json.dumps(adapter_config, indent=2).encode(),
+        "adapter_model.safetensors": save_safetensors({k: v.contiguous() for k, v in weights.items()}),
+    }
+
+
+def state_to_files(state: AdapterState, adapter_config: dict, base_model: str) -> dict[str, bytes]:
+    files = peft_adapter_files(adapter_config, state.weights)
+    files["optimizer.safetensors"] = save_safetensors({k: v.contiguous() for k, v in state.optimizer.items()})
+    meta = {
+        "format": FORMAT_VERSION,
+        "base_model": base_model,
+        "lora": state.lora.__dict__,
+        "steps": state.steps,
+        "rng_state": base64.b64encode(state.rng_state.numpy().tobytes()).decode(),
+    }
+    files["training_state.json"] = json.dumps(meta, indent=1).encode()
+    return files
+
+
+@dataclass(frozen=True)
+class LoadedState:
+    base_model: str
+    state: AdapterState
+
+
+def training_meta(path: TinkerPath, files: dict[str, bytes]) -> tuple[str, LoraSpec]:
+    """Base model and LoRA shape, from ``training_state.json`` alone."""
+    try:
+        meta = json.loads(files["training_state.json"])
+        return meta["base_model"], LoraSpec(**meta["lora"])
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint {path} is not a training-state checkpoint (missing {e})") from None
+
+
+def state_from_files(path: TinkerPath, files: dict[str, bytes]) -> LoadedState:
+    try:
+        meta = json.loads(files["training_state.json"])
+        weights = load_safetensors(files["adapter_model.safetensors"])
+        optimizer = load_safetensors(files["optimizer.safetensors"])
+        rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8)
+        state = AdapterState(LoraSpec(**meta["lora"]), weights, optimizer, int(meta["steps"]), rng)
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint {path} is not a training-state checkpoint (missing {e})") from None
+    return LoadedState(meta["base_model"], state)
+
+
+def describe(path: TinkerPath, files: dict[str, bytes]) -> dict:
+    """What ``weights_info`` reports: base model and LoRA shape of a training checkpoint."""
+    base_model, lora = training_meta(path, files)
+    return {
+        "base_model": base_model,
+        "is_lora": True,
+        "lora_rank": lora.rank,
+        "train_attn": lora.train_attn,
+        "train_mlp": lora.train_mlp,
+        "train_unembed": lora.train_unembed,
+        "optimizer_config": {"type": "adamw"},
+    }

@@ -1,0 +1,108 @@
+"""Typed server settings, filled from CLI flags (and, for tests, directly)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+TINY_MODEL_NAME = "hosted-tinker/tiny-qwen3"
+VLLM_LORA_RANKS = {1, 8, 16, 32, 64, 128, 256, 320, 512}  # the --max-lora-rank values vLLM accepts
+
+
+def parse_devices(spec: str) -> list[str]:
+    """One device per rank: ``cpu`` or ``cpu:N`` (N ranks on the CPU), ``cuda`` or ``cuda:0,1,...``."""
+    kind, _, rest = spec.strip().partition(":")
+    if kind == "cpu":
+        if rest and (not rest.isdigit() or int(rest) < 1):
+            raise ValueError(f"train devices {spec!r}: cpu:N needs a whole number of ranks N >= 1")
+        return ["cpu"] * (int(rest) if rest else 1)
+    if kind == "cuda":
+        ids = rest.split(",") if rest else ["0"]
+        if not all(i.strip().isdigit() for i in ids):
+            raise ValueError(f"train devices {spec!r}: cuda:I,J,... needs GPU numbers")
+        devices = [f"cuda:{int(i)}" for i in ids]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"train devices {spec!r}: a GPU can hold one rank only")
+        return devices
+    raise ValueError(f"train devices {spec!r}: expected cpu, cpu:N, cuda or cuda:I,J,...")
+
+
+class ServerConfig(BaseModel):
+    model: str | None = None  # HF id or local dir; None = the built-in tiny model
+    model_names: list[str] = Field(default_factory=list)  # extra names the model answers to
+    # What get_info reports for the SDK's get_tokenizer(): by default the model's path or hub id,
+    # which a client on another machine can load only if it has the same path or hub access.
+    tokenizer_id: str | None = None
+    host: str = "127.0.0.1"  # loopback unless asked: the API is open until a key is configured
+    port: int = 8000
+    data_dir: Path = Path("./hosted-tinker-data")
+    backend: Literal["peft", "ddp"] = "peft"
+    device: str = "cpu"  # the one device of a single-process backend
+    # Data parallel: a device per rank, "cpu:2" or "cuda:0,1" (parse_devices).
+    train_devices: str | None = None
+    backend_options: dict[str, str] = Field(default_factory=dict)  # checked by backends.backend_options
+    dtype: str = "float32"
+    lora_alpha: float = 32.0
+    max_seq_len: int | None = None
+    sample_batch_window_s: float = 0.01  # how long an idle sampler waits to gather a batch
+    poll_timeout_s: float = 30.0  # long-poll cap of retrieve_future (the SDK times out at 45 s)
+    proto_compress: bool = False  # ask the SDK to zstd-compress forward_backward bodies
+    # The SDK's transport, chosen by the server in client/config. Against this server (HTTP/1.1)
+    # httpx answers a call ~5 ms sooner than pyqwest (benchmarks/overhead.py).
+    sdk_transport: Literal["httpx", "pyqwest"] = "httpx"
+    max_body_bytes: int = Field(256 << 20, ge=1024)  # a request body, also once inflated (413 above)
+    max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
+    max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
+    # A worker call with no sign of life for this long has hung: the worker is killed and replaced.
+    worker_timeout_s: float = Field(3600.0, gt=0)
+    # Finished futures (and their payloads) are deleted this long after they finished.
+    result_retention_s: float = Field(7 * 86400.0, gt=0)
+    # Inference: the training backend's own sampler, or vLLM (launched here, or at inference_url).
+    inference: Literal["embedded", "vllm"] = "embedded"
+    inference_url: str | None = None  # an already running vLLM (implies inference="vllm")
+    vllm_python: str | None = None  # the interpreter of the vLLM venv (hosted-tinker setup-vllm)
+    vllm_gpus: str | None = None  # CUDA_VISIBLE_DEVICES for vLLM; None: the training devices
+    vllm_args: list[str] = Field(default_factory=list)  # passed through to vLLM's server
+    vllm_port: int = 0  # 0: any free port on 127.0.0.1
+    vllm_max_loras: int = 4  # adapters vLLM batches together at once
+    vllm_gpu_memory_utilization: float | None = None  # None: 0.45 when sharing a GPU with training
+    max_lora_rank: int = 64  # vLLM reserves LoRA memory for this rank; larger ranks are refused
+    # API keys besides those `hosted-tinker keys create` stores (see keys.py).
+    api_keys_file: Path | None = None
+    dev_any_key: bool = False  # development only: any tml- key is accepted, each its own tenant
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_rank(cls, rank: int) -> int:
+        if rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {sorted(VLLM_LORA_RANKS)} (vLLM's sizes), got {rank}")
+        return rank
+
+    @model_validator(mode="after")
+    def _devices_fit_the_backend(self) -> ServerConfig:
+        devices = self.training_devices()  # raises on a malformed spec
+        if self.backend == "peft" and len(devices) > 1:
+            raise ValueError(f"the peft backend trains on one device, not {len(devices)}; use --backend ddp")
+        return self
+
+    def training_devices(self) -> list[str]:
+        """One device per training rank (one for the peft backend)."""
+        return parse_devices(self.train_devices) if self.train_devices is not None else [self.device]
+
+    @property
+    def uses_vllm(self) -> bool:
+        return self.inference == "vllm" or self.inference_url is not None
+
+    def model_path(self) -> str:
+        """The local directory or hub id to load; builds the tiny model on first use."""
+        if self.model is not None:
+            return self.model
+        from hosted_tinker.core.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(self.data_dir / "models" / "tiny-qwen3").resolve())
+
+    def served_names(self) -> list[str]:
+        primary = self.model if self.model is not None else TINY_MODEL_NAME
+        return list(dict.fromkeys([primary, *self.model_names]))

@@ -1,0 +1,53 @@
+"""What a sampling request asks for and what it gets back, on either side of the worker pipe.
+
+The decode loop that fills these in runs in rank 0's process (``rank.generate``); the codecs
+and services that build and answer them run on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+MASK_LOGPROB = -99999.0  # the SDK's marker for an empty top-k cell
+
+# (request index, sample index, token, logprob), for each token of a streamed request.
+TokenListener = Callable[[int, int, int, float], None]
+
+
+@dataclass
+class SampleSpec:
+    """One sampling request (protocol reference §3.4, §6.5)."""
+
+    prompt: list[int]
+    max_tokens: int
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_k: int = -1  # -1: no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    topk_sample_logprobs: int = 0
+    # Report each sampled token as it is chosen, through ``generate``'s ``on_token`` (streaming).
+    stream: bool = False
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str = "length"  # or "stop"
+    topk: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token, if asked
+
+
+@dataclass
+class SampleOutput:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float] | None = None  # NaN where undefined (position 0, before last_n)
+    topk_prompt: tuple[Tensor, Tensor] | None = None  # ids int32 (L, k), logprobs float32 (L, k)

@@ -1,0 +1,36 @@
+"""How a batch is split over data-parallel replicas and put back together: pure functions, used
+by the server (which sends each replica its shard) and by the plans' reference tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hosted_tinker.core.types import ForwardBackwardBatch, ForwardBackwardResult
+
+
+def shard_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
+    """Datum indices per rank, balanced by token count: longest first, each onto the rank with
+    the fewest tokens so far (ties: the lowest rank). A shard keeps the batch's order; a rank
+    may get none."""
+    load = [0] * ranks
+    shards: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shards[rank].append(i)
+        load[rank] += lengths[i]
+    return [sorted(shard) for shard in shards]
+
+
+def shard_batch(batch: ForwardBackwardBatch, shards: list[list[int]]) -> list[ForwardBackwardBatch]:
+    return [dataclasses.replace(batch, data=[batch.data[i] for i in shard]) for shard in shards]
+
+
+def merge_results(results: list[ForwardBackwardResult], shards: list[list[int]]) -> ForwardBackwardResult:
+    """The ranks' results as one: per-datum log-probs back in batch order, losses summed."""
+    logprobs: list[np.ndarray | None] = [None] * sum(len(s) for s in shards)
+    for result, shard in zip(results, shards, strict=True):
+        for i, lp in zip(shard, result.logprobs, strict=True):
+            logprobs[i] = lp
+    return ForwardBackwardResult(logprobs=logprobs, loss_sum=sum(r.loss_sum for r in results))

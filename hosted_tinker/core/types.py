@@ -1,0 +1,146 @@
+"""The one interface between the scheduler and a training backend, and its typed payloads.
+
+Backends run in a worker process (``hosted_tinker.worker``) and are called from one thread,
+one command at a time, so an implementation needs no locking of its own. Every method either
+returns a result or raises ``UserError`` (the caller's mistake; reported with ``category:
+user``) or any other exception (ours; reported with ``category: server``). A failed call must
+leave the backend's state as it was before the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    seed: int
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+@dataclass
+class DatumInput:
+    """One sequence of a forward_backward batch.
+
+    tokens         int64 ``(N,)``: the model input
+    target_tokens  int64 ``(N,)`` or ``(N, K)``: position i predicts ``target_tokens[i]``
+    inputs         the other ``loss_fn_inputs``, float32, leading dim ``N``
+    """
+
+    tokens: torch.Tensor
+    target_tokens: torch.Tensor
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class ForwardBackwardBatch:
+    data: list[DatumInput]
+    loss_fn: str
+    loss_config: Mapping[str, float]
+    forward_only: bool
+
+
+@dataclass
+class ForwardBackwardResult:
+    """Per-datum learner log-probs (float32 ``(N,)`` or ``(N, K)``) and the summed loss."""
+
+    logprobs: list[np.ndarray]
+    loss_sum: float
+
+
+@dataclass
+class AdapterState:
+    """Everything needed to continue training a model exactly where it stopped.
+
+    weights    LoRA tensors under PEFT's key names (``...q_proj.lora_A.weight``), on CPU
+    optimizer  AdamW moments per weight key: ``<key>.exp_avg``, ``<key>.exp_avg_sq``, ``<key>.step``
+    steps      optimizer steps taken
+    rng_state  the model's own torch generator state (uint8)
+    """
+
+    lora: LoraSpec
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    steps: int
+    rng_state: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 means no clipping
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; shown in ``/healthz`` and checked before work is queued."""
+
+    backend: str
+    arch: str  # the base model's architecture class, e.g. Qwen3ForCausalLM
+    losses: tuple[str, ...]
+    max_seq_len: int
+    max_tokens_per_batch: int
+    vocab_size: int
+    topk_targets: bool = True
+    sampling: bool = False
+    devices: tuple[str, ...] = ()  # where it trains: one device, or one per data-parallel rank
+
+
+class TrainingBackend(Protocol):
+    capabilities: Capabilities
+
+    def create_adapter(self, model_id: str, lora: LoraSpec) -> None: ...
+
+    def delete_adapter(self, model_id: str) -> None: ...
+
+    def has_adapter(self, model_id: str) -> bool: ...
+
+    def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult: ...
+
+    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]: ...
+
+    def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState: ...
+
+    def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None: ...
+
+    def peft_config(self, model_id: str) -> dict: ...
+
+    def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
+        """(optimizer steps, a copy of the adapter's tensors on their device), for LoRA sync."""
+        ...
+
+    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """A PEFT adapter (config, tensors) whose update is exactly zero."""
+        ...
+
+    def has_sampler(self, key: str) -> bool: ...
+
+    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
+
+    def generate(
+        self,
+        key: str | None,
+        specs: list,
+        admit: Callable[[], list] | None = None,
+        on_token: Callable[[int, int, int, float], None] | None = None,
+    ) -> list:
+        """Sample ``specs`` on the base model (``key`` None) or a loaded sampler; between decode
+        steps ``admit`` may hand over more requests on the same weights. ``on_token`` hears each
+        token of a ``stream`` spec as it is chosen (``inference.generate.generate``)."""
+        ...

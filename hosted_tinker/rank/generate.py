@@ -1,0 +1,219 @@
+"""Batched sampling with a KV cache: the embedded engine's whole decode loop in one file.
+
+Every request contributes ``num_samples`` rows. Prompts are left-padded, so all rows decode in
+lock-step; finished rows leave the batch and newly arrived requests join it between steps. Each
+row samples with its own seeded generator, so a request's output depends on its seed, not on
+what else shares the batch (up to float rounding of the padded batch). Reported log-probs are
+those of the model's own distribution (temperature 1, no top-k/top-p), which is what the trainer
+computes for the same tokens; temperature, top-k and top-p only shape the sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from hosted_tinker.core.logprobs import target_logprobs
+from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec, TokenListener
+
+
+def _row_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + sample_index) % (2**63))
+    return g
+
+
+def _choose(logits: Tensor, spec: SampleSpec, generator: torch.Generator) -> int:
+    """Pick one token from ``logits`` (V,) under the request's temperature / top-k / top-p."""
+    if spec.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits / spec.temperature
+    if 0 < spec.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, spec.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    if spec.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = torch.cumsum(sorted_probs, -1) - sorted_probs >= spec.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _prompt_scores(
+    head: nn.Module, hidden: Tensor, prompt: list[int], spec: SampleSpec
+) -> tuple[list[float] | None, tuple[Tensor, Tensor] | None]:
+    """Prompt log-probs (position 0 and positions before ``last_n`` are NaN) and top-k rows."""
+    n = len(prompt)
+    first = 1 if spec.prompt_logprobs_last_n is None else max(1, n - spec.prompt_logprobs_last_n)
+    logprobs = None
+    if spec.prompt_logprobs:
+        targets = torch.tensor(prompt[first:], device=hidden.device)[:, None]
+        scored = target_logprobs(head, hidden[first - 1 : n - 1], targets)[:, 0].tolist()
+        logprobs = [math.nan] * first + scored
+    topk = None
+    if spec.topk_prompt_logprobs > 0:
+        k = spec.topk_prompt_logprobs
+        ids = torch.zeros((n, k), dtype=torch.int32)
+        lps = torch.full((n, k), MASK_LOGPROB, dtype=torch.float32)
+        for start in range(first - 1, n - 1, 1024):
+            end = min(start + 1024, n - 1)
+            logp = torch.log_softmax(head(hidden[start:end]).float(), -1)
+            values, indices = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+            ids[start + 1 : end + 1, : values.shape[1]] = indices.int().cpu()
+            lps[start + 1 : end + 1, : values.shape[1]] = values.cpu()
+        topk = (ids, lps)
+    return logprobs, topk
+
+
+@dataclass
+class _Live:
+    """The rows being decoded: row r is sample ``rows[r][1]`` of request ``rows[r][0]``.
+
+    mask       (R, T) 1 for real tokens (prompts are left-padded)
+    positions  (R, 1) position of each row's last token
+    last       (R, H) hidden state of each row's last token
+    """
+
+    rows: list[tuple[int, int]]
+    generators: list[torch.Generator]
+    mask: Tensor
+    positions: Tensor
+    cache: object  # the decoder's KV cache (transformers DynamicCache)
+    last: Tensor
+
+    def select(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.rows = [self.rows[r] for r in keep]
+        self.generators = [self.generators[r] for r in keep]
+        self.mask, self.positions, self.last = self.mask[index], self.positions[index], self.last[index]
+        self.cache.batch_select_indices(index)
+
+    def merge(self, other: _Live) -> None:
+        """Append ``other``'s rows, left-padding the shorter history so both line up."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+
+        def pad(t: Tensor, dim: int) -> Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)])
+            mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)])
+        self.mask = torch.cat([pad(self.mask, 1), pad(other.mask, 1)])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.last = torch.cat([self.last, other.last])
+        self.rows += other.rows
+        self.generators += other.generators
+
+
+@torch.no_grad()
+def generate(
+    lm: nn.Module,
+    specs: list[SampleSpec],
+    *,
+    pad_id: int,
+    decode: Callable[[list[int]], str],
+    default_seed: Callable[[], int],
+    admit: Callable[[], list[SampleSpec]] | None = None,
+    on_token: TokenListener | None = None,
+) -> list[SampleOutput]:
+    """Sample every request of ``specs``; ``lm`` is a causal LM with its adapter set.
+
+    Between decode steps, ``admit`` may hand over more requests (same weights): they are
+    prefilled and join the running batch, so a request never waits for a whole batch to end.
+    Returns one output per request, ``specs`` first, then admitted ones in order; requests
+    are numbered in that order for ``on_token``, which hears every token of a ``stream`` spec.
+    """
+    device = next(lm.parameters()).device
+    decoder = getattr(lm, lm.base_model_prefix)
+    head = lm.get_output_embeddings()
+    specs = list(specs)
+    outputs: list[SampleOutput] = []
+
+    def prefill(new: list[SampleSpec]) -> _Live:
+        first = len(outputs)
+        outputs.extend(SampleOutput([SampledSequence() for _ in range(spec.num_samples)]) for spec in new)
+        rows = [(first + i, s) for i, spec in enumerate(new) for s in range(spec.num_samples)]
+        seeds = [spec.seed if spec.seed is not None else default_seed() for spec in new]
+        generators = [_row_generator(seeds[i - first], s, device) for i, s in rows]
+        longest = max(len(spec.prompt) for spec in new)
+        ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for r, (i, _) in enumerate(rows):
+            prompt = specs[i].prompt
+            ids[r, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[r, longest - len(prompt) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        hidden = out.last_hidden_state  # (rows, longest, H)
+        for r, (i, s) in enumerate(rows):
+            spec = specs[i]
+            if s == 0 and (spec.prompt_logprobs or spec.topk_prompt_logprobs):
+                row_hidden = hidden[r, longest - len(spec.prompt) :]
+                outputs[i].prompt_logprobs, outputs[i].topk_prompt = _prompt_scores(head, row_hidden, spec.prompt, spec)
+        live = _Live(rows, generators, mask, positions[:, -1:], out.past_key_values, hidden[:, -1])
+        live.select([r for r, (i, _) in enumerate(rows) if specs[i].max_tokens > 0])
+        return live
+
+    live = prefill(specs)
+    while live.rows:
+        logits = head(live.last).float()  # (R, V)
+        logp = torch.log_softmax(logits, -1)
+        chosen, keep = [], []
+        for r, (i, s) in enumerate(live.rows):
+            spec, seq = specs[i], outputs[i].sequences[s]
+            token = _choose(logits[r], spec, live.generators[r])
+            seq.tokens.append(token)
+            seq.logprobs.append(float(logp[r, token]))
+            if spec.topk_sample_logprobs:
+                values, indices = torch.topk(logp[r], min(spec.topk_sample_logprobs, logp.shape[-1]))
+                seq.topk.append((indices.tolist(), values.tolist()))
+            if spec.stream and on_token is not None:
+                on_token(i, s, token, seq.logprobs[-1])
+            if token in spec.stop_token_ids or _hit_stop_string(seq.tokens, spec.stop_strings, decode):
+                seq.stop_reason = "stop"
+            elif len(seq.tokens) < spec.max_tokens:
+                keep.append(r)
+                chosen.append(token)
+        if len(keep) < len(live.rows):
+            live.select(keep)  # finished rows leave the batch
+        if live.rows:
+            live.mask = torch.cat([live.mask, live.mask.new_ones((len(live.rows), 1))], dim=1)
+            live.positions = live.positions + 1
+            step = torch.tensor(chosen, device=device)[:, None]
+            out = decoder(
+                input_ids=step,
+                attention_mask=live.mask,
+                position_ids=live.positions,
+                past_key_values=live.cache,
+                use_cache=True,
+            )
+            live.cache, live.last = out.past_key_values, out.last_hidden_state[:, -1]
+        arrivals = admit() if admit is not None else []
+        if arrivals:
+            specs.extend(arrivals)
+            joined = prefill(arrivals)
+            if live.rows:
+                live.merge(joined)
+            else:
+                live = joined
+    return outputs
+
+
+def _hit_stop_string(tokens: list[int], stops: tuple[str, ...], decode: Callable[[list[int]], str]) -> bool:
+    """Does the generated text end with, or newly contain, a stop string? Only the tail is decoded."""
+    if not stops:
+        return False
+    tail = decode(tokens[-(max(len(s) for s in stops) + 8) :])
+    return any(stop in tail for stop in stops)

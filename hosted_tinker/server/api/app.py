@@ -1,0 +1,95 @@
+"""The FastAPI application: routers, middleware, error handlers, and the server's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+
+from hosted_tinker.server.api import openai_proxy_routes, openai_routes, ops_routes, rest_routes, tinker_routes
+from hosted_tinker.server.api.auth import authenticate
+from hosted_tinker.server.api.body_limit import BodyLimit
+from hosted_tinker.server.api.errors import install_error_handlers
+from hosted_tinker.server.api.state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.scheduler.bind_loop(asyncio.get_running_loop())
+        sweeper = asyncio.create_task(_sweep(state))
+        watchdog = asyncio.create_task(_watch_worker(state))
+        if state.vllm is not None:  # training is served while vLLM loads
+            state.vllm.start()
+        yield
+        sweeper.cancel()
+        watchdog.cancel()
+        state.scheduler.shutdown()  # first: a step finishing now may still publish to vLLM
+        state.backend.close()
+        if state.openai_proxy is not None:
+            await state.openai_proxy.aclose()
+        if state.vllm is not None:
+            await state.vllm.stop()
+        state.store.close()
+
+    app = FastAPI(title="hosted-tinker", lifespan=lifespan)
+    app.state.server = state
+    keyed = [Depends(authenticate)]  # every route but health checks and signed downloads needs a key
+    app.include_router(tinker_routes.router, dependencies=keyed)
+    app.include_router(rest_routes.router, dependencies=keyed)
+    app.include_router(openai_routes.router if state.vllm is None else openai_proxy_routes.router, dependencies=keyed)
+    app.include_router(rest_routes.downloads)
+    app.include_router(ops_routes.router)
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    install_error_handlers(app)
+    return app
+
+
+async def _sweep(state: ServerState) -> None:
+    """At start-up and periodically: delete checkpoints past their TTL and results past retention,
+    so that neither the disk nor the database grows without bound."""
+    retention = state.config.result_retention_s
+    every_s = min(600.0, max(1.0, retention / 4))
+    while True:
+        try:
+            checkpoints = await asyncio.to_thread(state.checkpoints.delete_expired)
+            results = await asyncio.to_thread(state.store.delete_futures_finished_before, time.time() - retention)
+            if checkpoints or results:
+                log.info("deleted %d expired checkpoints and %d old results", checkpoints, results)
+        except Exception:
+            log.exception("sweep failed")
+        await asyncio.sleep(every_s)
+
+
+async def _watch_worker(state: ServerState, every_s: float = 1.0, max_wait_s: float = 60.0) -> None:
+    """A worker that dies while idle is replaced within a second, not at the next request. One
+    replacement is queued at a time, and after a failed one (a worker that cannot start) the
+    next waits twice as long, up to ``max_wait_s``."""
+    queued, wait_s = threading.Event(), every_s
+
+    def replace() -> None:  # on the dispatch thread
+        nonlocal wait_s
+        try:
+            state.backend.ensure_alive()
+            wait_s = every_s
+        except Exception:
+            log.exception("could not replace the training worker; trying again in %.0f s", 2 * wait_s)
+            wait_s = min(2 * wait_s, max_wait_s)
+        finally:
+            queued.clear()
+
+    while True:
+        await asyncio.sleep(wait_s)
+        try:
+            if not queued.is_set() and not state.backend.status()["alive"]:  # alive while it loads
+                queued.set()
+                state.scheduler.run_on_worker(replace)
+        except Exception:  # the watch must go on
+            log.exception("watching the training worker failed")

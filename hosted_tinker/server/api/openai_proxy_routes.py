@@ -1,0 +1,21 @@
+"""``/v1`` routes when vLLM is the engine: our model list, everything else forwarded. HTTP only."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from hosted_tinker.server.api.auth import tenant_of
+from hosted_tinker.server.api.openai_routes import list_models
+from hosted_tinker.server.api.state import server_state
+
+router = APIRouter(prefix="/v1")
+router.add_api_route("/models", list_models, methods=["GET"])  # our names, as with the embedded engine
+
+
+@router.api_route("/{path:path}", methods=["GET", "POST"], response_model=None)
+async def forward(path: str, request: Request) -> Response:
+    """Completions, chat completions, and vLLM's other OpenAI-style routes."""
+    proxy = server_state(request).openai_proxy
+    body = await request.body()
+    return await proxy.forward(request.method, path, request.url.query, body, dict(request.headers), tenant_of(request))

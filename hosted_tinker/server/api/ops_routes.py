@@ -1,0 +1,35 @@
+"""Health endpoints for operators (``curl /healthz``) and client probes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from fastapi import APIRouter, Request
+
+from hosted_tinker.rank.plans import backend_options
+from hosted_tinker.server.api.state import server_state
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+@router.get("/health")
+@router.get("/")
+async def healthz(request: Request) -> dict:
+    state = server_state(request)
+    return {
+        "status": "ok",
+        "served_models": state.config.served_names(),
+        "capabilities": asdict(state.backend.capabilities),
+        "backend_options": backend_options(state.config).model_dump(),
+        "queue": state.scheduler.queue_status(),
+        "worker": state.backend.status(),
+        "inference": state.vllm.status() if state.vllm is not None else state.sampling.embedded.status(),
+        "active": state.store.count_active(),
+        "auth": state.keys.describe(),
+    }
+
+
+@router.get("/api/v1/healthz")
+async def api_healthz() -> dict:
+    return {"status": "ok"}

@@ -1,0 +1,198 @@
+"""Everything a running server holds, built once from its config."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from fastapi import Request
+from transformers import AutoTokenizer
+
+from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles
+from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.types import TrainingBackend
+from hosted_tinker.inference.embedded import EmbeddedEngine
+from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
+from hosted_tinker.inference.vllm_engine import VllmEngine
+from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
+from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
+from hosted_tinker.rank.plans import rank_factories
+from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
+from hosted_tinker.server.scheduler import QueueLimits, Scheduler
+from hosted_tinker.server.serving.checkpoints import CheckpointService
+from hosted_tinker.server.serving.openai import OpenAIService
+from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
+from hosted_tinker.server.serving.recovery import ModelRecovery
+from hosted_tinker.server.serving.sampling import SamplingService
+from hosted_tinker.server.serving.sessions import SessionService
+from hosted_tinker.server.serving.tenancy import Tenancy
+from hosted_tinker.server.serving.training import TrainingService
+from hosted_tinker.server.store import Store
+from hosted_tinker.server.workers.backend import ProcessBackend
+
+log = logging.getLogger(__name__)
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    store: Store
+    keys: KeyRing
+    tenancy: Tenancy
+    scheduler: Scheduler
+    backend: ProcessBackend
+    sessions: SessionService
+    training: TrainingService
+    checkpoints: CheckpointService
+    sampling: SamplingService
+    openai: OpenAIService
+    vllm: VllmEngine | None = None
+    openai_proxy: OpenAIProxy | None = None
+
+
+def server_state(request: Request) -> ServerState:
+    """The state of the server a request reached (for the routers)."""
+    return request.app.state.server
+
+
+def build_state(config: ServerConfig) -> ServerState:
+    # The model runs in the worker process; this one only moves small tensors. A pool of
+    # intra-op threads here would spin after each of them, on the cores the worker computes on.
+    torch.set_num_threads(1)
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    model_path = config.model_path()
+    store = Store.in_data_dir(config.data_dir)
+    try:
+        static_keys = env_keys() + (read_keys_file(config.api_keys_file) if config.api_keys_file else [])
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"API keys: {e}") from None
+    keys = KeyRing(store, static_keys, allow_any=config.dev_any_key)
+    failed, lost = store.recover_after_restart()
+    if failed or lost:
+        log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
+    backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s)  # loads meanwhile
+    scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
+    training = TrainingService(
+        backend, scheduler, store, config.served_names(), tokenizer_id=config.tokenizer_id or model_path
+    )
+    files = CheckpointFiles(config.data_dir / "checkpoints")
+    ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    caps = backend.capabilities
+    pids = backend.status()["pids"]
+    log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))
+    vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
+    if vllm is not None:
+        training.live, training.max_lora_rank = vllm.live, config.max_lora_rank
+    sampling = SamplingService(
+        backend,
+        scheduler,
+        store,
+        files,
+        ephemeral,
+        tokenizer,
+        _eos_ids(model_path, tokenizer),
+        EmbeddedEngine(backend, scheduler, batch_window_s=config.sample_batch_window_s),
+        vllm,
+    )
+    checkpoints = CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir))
+    backend.recovery = ModelRecovery(training, files)
+    if vllm is not None:
+        checkpoints.on_sampler_saved = vllm.prefetch_threadsafe
+    tenancy = Tenancy(store)
+    openai = OpenAIService(sampling, store, tenancy, config.served_names(), live_runs=vllm is not None)
+    return ServerState(
+        config=config,
+        store=store,
+        keys=keys,
+        tenancy=tenancy,
+        scheduler=scheduler,
+        backend=backend,
+        sessions=SessionService(store, training, on_finish=checkpoints.finish_session),
+        training=training,
+        checkpoints=checkpoints,
+        sampling=sampling,
+        openai=openai,
+        vllm=vllm,
+        openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,
+    )
+
+
+def _build_vllm(config: ServerConfig, model_path: str, backend: TrainingBackend) -> VllmEngine:
+    """The vLLM engine: a supervised child process, or a server at ``--inference-url``."""
+    if config.inference_url is not None:
+        host = ExternalVllm(config.inference_url)
+    else:
+        python = config.vllm_python or default_vllm_python()
+        if python is not None:
+            python = os.path.abspath(python)  # not resolve(): a venv's python is a symlink out of it
+        if python is None:
+            raise SystemExit(
+                "--inference vllm: this interpreter cannot import vllm. Create its environment with "
+                "`hosted-tinker setup-vllm DIR` and pass --vllm-python DIR/bin/python."
+            )
+        try:
+            version = check_vllm_python(python)
+        except (RuntimeError, OSError) as e:
+            raise SystemExit(f"--vllm-python {python}: {e}") from None
+        log.info("vLLM %s from %s", version, python)
+        gpus, sharing_gpu = config.vllm_gpus, False
+        training_device = config.training_devices()[0]
+        if gpus is None and training_device.startswith("cuda"):  # default: rank 0's GPU, shared
+            gpus, sharing_gpu = training_device.partition(":")[2] or "0", True
+        launch = VllmLaunch(
+            python=python,
+            model=model_path,
+            served_names=config.served_names(),
+            port=config.vllm_port or free_port(),
+            dtype=config.dtype,
+            max_lora_rank=config.max_lora_rank,
+            max_loras=config.vllm_max_loras,
+            max_model_len=backend.capabilities.max_seq_len,
+            gpus=gpus,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization or (0.45 if sharing_gpu else None),
+            extra_args=config.vllm_args,
+            log_path=config.data_dir / "logs" / "vllm.log",
+        )
+        host = VllmSupervisor(launch)
+
+    def files_version(weights: WeightsRef) -> str:
+        return str((weights.directory() / MANIFEST).stat().st_mtime_ns)
+
+    def verify(weights: WeightsRef) -> None:  # SHA-256 of every file, before vLLM reads them
+        weights.files.read(weights.path, only=ADAPTER_FILES)
+
+    root = default_root(config.data_dir)
+    on_gpu = config.vllm_gpus is not None or config.training_devices()[0].startswith("cuda")
+    zero = None if on_gpu else write_zero_adapter(root, *backend.zero_adapter())  # see VllmEngine
+    return VllmEngine(host, files_version, verify, root, zero)
+
+
+def _eos_ids(model_path: str, tokenizer) -> set[int]:
+    """Tokens that end a sequence when a request names no stop: the tokenizer's and the model's."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return ids
+
+
+def _server_secret(data_dir: Path) -> bytes:
+    """A random key kept with the data, for signing download links; survives restarts."""
+    path = data_dir / "server.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    return path.read_bytes()

@@ -1,0 +1,200 @@
+"""``/api/v1`` routes of the Tinker protocol. HTTP only: parse, check that the caller's key owns
+the ids it names (``state.tenancy``), call a service, answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import APIRouter, Request, Response
+
+from hosted_tinker.core.errors import ApiError, not_found
+from hosted_tinker.server.api.auth import tenant_of
+from hosted_tinker.server.api.state import ServerState, server_state
+from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol.proto_codec import decode_forward_backward, decompress
+
+router = APIRouter(prefix="/api/v1")
+
+
+def _owner_of_model(request: Request, model_id: str) -> ServerState:
+    """The server state, once the caller's key is known to own ``model_id`` (else a 404)."""
+    state = server_state(request)
+    state.tenancy.model(tenant_of(request), model_id)
+    return state
+
+
+def _future(request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
+    return wire.UntypedFuture(request_id=request_id, model_id=model_id)
+
+
+# ---- client configuration, sessions, telemetry -----------------------------------------------
+
+
+@router.post("/client/config")
+async def client_config(req: wire.ClientConfigRequest, request: Request) -> dict:
+    config = server_state(request).config
+    return {
+        "pjwt_auth_enabled": False,
+        "proto_compress_fwdbwd": config.proto_compress,
+        "use_pyqwest_transport": config.sdk_transport == "pyqwest",
+    }
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config(req: wire.ClientConfigRequest) -> dict:
+    return {}
+
+
+@router.post("/create_session")
+async def create_session(req: wire.CreateSessionRequest, request: Request) -> wire.CreateSessionResponse:
+    return server_state(request).sessions.create(req, owner=tenant_of(request))
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(req: wire.SessionHeartbeatRequest, request: Request) -> dict:
+    state = server_state(request)
+    state.tenancy.session(tenant_of(request), req.session_id)
+    return state.sessions.heartbeat(req)
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, req: wire.FinishSessionRequest, request: Request) -> dict:
+    state = server_state(request)
+    state.tenancy.session(tenant_of(request), session_id)
+    return state.sessions.finish(session_id, req)
+
+
+@router.post("/telemetry")
+async def telemetry(req: wire.TelemetryRequest) -> dict:
+    # Telemetry batches can carry API keys in captured headers: never log or store them.
+    return {"status": "accepted"}
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(request: Request) -> dict:
+    state = server_state(request)
+    caps = state.backend.capabilities
+    return {
+        "supported_models": [
+            {"model_name": name, "max_context_length": caps.max_seq_len, "trainable": True, "sampleable": caps.sampling}
+            for name in state.config.served_names()
+        ]
+    }
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+@router.post("/create_model")
+async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.UntypedFuture:
+    state = server_state(request)
+    state.tenancy.session(tenant_of(request), req.session_id)
+    return _future(state.training.create_model(req))
+
+
+@router.post("/get_info")
+async def get_info(req: wire.GetInfoRequest, request: Request) -> dict:
+    state = _owner_of_model(request, req.model_id)
+    return state.training.get_info(req)
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request) -> wire.UntypedFuture:
+    state = server_state(request)
+    content_type = request.headers.get("content-type", "")
+    if "protobuf" not in content_type:
+        raise ApiError(
+            415,
+            f"forward_backward takes an application/x-protobuf ForwardBackwardRequest body "
+            f"(tinker SDK >= 0.25), got Content-Type {content_type!r}",
+        )
+    # The app's BodyLimit has already bounded the body; the same limit bounds its inflated size.
+    limit = state.config.max_body_bytes
+    body, encoding = await request.body(), request.headers.get("content-encoding")
+    # Inflating and parsing up to the limit takes a while: not on the event loop.
+    req = await asyncio.to_thread(lambda: decode_forward_backward(decompress(body, encoding, limit)))
+    state.tenancy.model(tenant_of(request), req.model_id)
+    return _future(state.training.forward_backward(req), req.model_id)
+
+
+@router.post("/optim_step")
+async def optim_step(req: wire.OptimStepRequest, request: Request) -> wire.UntypedFuture:
+    state = _owner_of_model(request, req.model_id)
+    return _future(state.training.optim_step(req), req.model_id)
+
+
+@router.post("/unload_model")
+async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.UntypedFuture:
+    state = _owner_of_model(request, req.model_id)
+    return _future(state.training.unload_model(req.model_id), req.model_id)
+
+
+# ---- checkpoints and sampling sessions -------------------------------------------------------
+
+
+@router.post("/save_weights")
+async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.UntypedFuture:
+    state = _owner_of_model(request, req.model_id)
+    return _future(state.checkpoints.save_weights(req), req.model_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, request: Request) -> wire.UntypedFuture:
+    state = _owner_of_model(request, req.model_id)
+    return _future(state.checkpoints.save_weights_for_sampler(req), req.model_id)
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(req: wire.SaveWeightsExternalRequest, request: Request) -> wire.UntypedFuture:
+    state = _owner_of_model(request, req.model_id)
+    return _future(state.checkpoints.save_weights_external(req), req.model_id)
+
+
+@router.post("/load_weights")
+async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.UntypedFuture:
+    state, tenant = server_state(request), tenant_of(request)
+    if req.model_id is not None:
+        state.tenancy.model(tenant, req.model_id)
+    elif req.session_id is not None:  # creates a model in this session
+        state.tenancy.session(tenant, req.session_id)
+    state.tenancy.readable(tenant, req.path)
+    return _future(state.checkpoints.load_weights(req), req.model_id)
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(req: wire.CreateSamplingSessionRequest, request: Request) -> dict:
+    state, tenant = server_state(request), tenant_of(request)
+    state.tenancy.session(tenant, req.session_id)
+    if req.model_path is not None:
+        state.tenancy.readable(tenant, req.model_path, field="model_path")
+    return state.checkpoints.create_sampling_session(req)
+
+
+@router.post("/asample")
+async def asample(req: wire.SampleRequest, request: Request) -> dict:
+    state = server_state(request)
+    if req.sampling_session_id is not None:
+        state.tenancy.sampler(tenant_of(request), req.sampling_session_id)
+    request_id, sequence_ids = state.sampling.asample(req)
+    return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+
+# ---- futures ---------------------------------------------------------------------------------
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(req: wire.RetrieveFutureRequest, request: Request) -> Response:
+    state = server_state(request)
+    state.tenancy.future(tenant_of(request), req.request_id)
+    record = await state.scheduler.wait(req.request_id, state.config.poll_timeout_s)
+    if record is None:
+        raise not_found(f"request_id {req.request_id!r} does not exist")
+    if not record.finished:
+        # The SDK re-polls at once on try_again, so this is only sent after a full long-poll.
+        body = {"type": "try_again", "request_id": record.request_id, "queue_state": "active"}
+        return Response(json.dumps(body), media_type="application/json")
+    if record.status == "failed":
+        body = {"error": record.error, "category": record.category, "request_id": record.request_id}
+        return Response(json.dumps(body), media_type="application/json")
+    return Response(record.payload, media_type=record.media_type)

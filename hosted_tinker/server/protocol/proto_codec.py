@@ -1,0 +1,226 @@
+"""The protobuf codec: ``forward_backward`` requests in; its results and ``SampleResponse`` out.
+
+The schema is the SDK's own ``tinker.proto.tinker_public_pb2`` (protocol reference §6.9). All
+arrays travel as little-endian raw bytes; tensors may be dense or sparse CSR.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import groupby
+
+import numpy as np
+import zstandard
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from hosted_tinker.core.errors import UnsupportedEncoding, WireError
+from hosted_tinker.core.sampling import SampleOutput
+
+_DTYPES = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
+
+
+@dataclass
+class WireDatum:
+    tokens: np.ndarray  # int64 (N,)
+    loss_fn_inputs: dict[str, np.ndarray]  # dense, in the declared shape
+
+
+# Input is fed in small pieces so one piece can never inflate far past the limit
+# (a zstd block of a few bytes may expand to 128 KiB).
+_ZSTD_PIECE = 1024
+# Every loss_fn_input is (N,) or (N, K) with N = the datum's token count (§6.1). Dense tensors
+# are bounded by the body size; sparse ones are held to N rows, K ≤ 256 columns, and a
+# per-request total, so that a small body cannot make the server allocate gigabytes.
+MAX_TRAILING_ELEMENTS = 256
+MAX_REQUEST_ELEMENTS = 1 << 25
+
+
+@dataclass
+class WireForwardBackward:
+    """A decoded header; the datums stay raw until ``datums()``, so that a bad datum can be
+    reported against a known ``(model_id, seq_id)``."""
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    forward_only: bool
+    raw_data: list[pb.Datum]
+    loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+
+    def datums(self) -> list[WireDatum]:
+        budget = [MAX_REQUEST_ELEMENTS]
+        return [_datum(d, i, budget) for i, d in enumerate(self.raw_data)]
+
+
+def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
+    """Undo ``Content-Encoding: zstd`` (one or more frames), refusing to inflate past ``max_bytes``."""
+    if not content_encoding or content_encoding.lower() == "identity":
+        return body
+    if content_encoding.lower() != "zstd":
+        raise UnsupportedEncoding(f"Content-Encoding {content_encoding!r} is not supported (use zstd or none)")
+    dctx = zstandard.ZstdDecompressor()
+    out = bytearray()
+    view, pos = memoryview(body), 0  # an offset, not slices: slicing bytes copies the rest each time
+    try:
+        while pos < len(view):
+            frame = dctx.decompressobj()
+            while not frame.eof:
+                if pos >= len(view):
+                    raise WireError("zstd body is truncated: its last frame is incomplete")
+                piece = view[pos : pos + _ZSTD_PIECE]
+                pos += len(piece)
+                out += frame.decompress(piece)
+                if len(out) > max_bytes:
+                    raise WireError(f"decompressed body exceeds {max_bytes} bytes")
+            pos -= len(frame.unused_data)  # the next frame starts inside the last piece
+    except zstandard.ZstdError as e:
+        raise WireError(f"body is not valid zstd: {e}") from None
+    return bytes(out)
+
+
+def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise WireError(f"{where}: {len(raw)} bytes is not a whole number of {dtype.name} values")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _tensor(msg: pb.Tensor, where: str, leading: int, budget: list[int]) -> np.ndarray:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise WireError(
+            f"{where}: unsupported dtype {pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype}"
+        )
+    shape = tuple(int(s) for s in msg.shape)
+    if any(s < 0 for s in shape):
+        raise WireError(f"{where}: negative dimension in shape {list(shape)}")
+    if msg.HasField("sparse_csr"):
+        if len(shape) != 2:
+            raise WireError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
+        # A few bytes of CSR can declare a huge dense shape: bound it before allocating.
+        if shape[0] != leading:
+            raise WireError(f"{where}: shape {list(shape)} does not start with the datum's {leading} positions")
+        if shape[1] > MAX_TRAILING_ELEMENTS:
+            raise WireError(f"{where}: shape {list(shape)} has over {MAX_TRAILING_ELEMENTS} values per position")
+        budget[0] -= math.prod(shape)
+        if budget[0] < 0:
+            raise WireError(f"{where}: the request's sparse tensors exceed {MAX_REQUEST_ELEMENTS} values in all")
+        values = _frombuffer(msg.sparse_csr.values, dtype, f"{where}.values")
+        crow = _frombuffer(msg.sparse_csr.crow_indices, np.dtype("<i8"), f"{where}.crow_indices")
+        col = _frombuffer(msg.sparse_csr.col_indices, np.dtype("<i8"), f"{where}.col_indices")
+        rows, cols = shape
+        if (
+            len(crow) != rows + 1
+            or crow[0] != 0
+            or np.any(np.diff(crow) < 0)
+            or crow[-1] != len(values)
+            or len(col) != len(values)
+            or (len(col) and (col.min() < 0 or col.max() >= cols))
+        ):
+            raise WireError(f"{where}: inconsistent CSR indices for shape {list(shape)}")
+        row_of = np.repeat(np.arange(rows), np.diff(crow))
+        if len(np.unique(row_of * cols + col)) != len(col):
+            raise WireError(f"{where}: CSR indices name the same cell twice")
+        dense = np.zeros(shape, dtype=dtype)
+        dense[row_of, col] = values
+        return dense
+    flat = _frombuffer(msg.dense, dtype, where)
+    if not shape:
+        return flat.copy()
+    if math.prod(shape) != flat.size:
+        raise WireError(f"{where}: {flat.size} values do not fill shape {list(shape)}")
+    return flat.reshape(shape).copy()
+
+
+def _datum(msg: pb.Datum, index: int, budget: list[int]) -> WireDatum:
+    where = f"data[{index}]"
+    tokens: list[np.ndarray] = []
+    for j, chunk in enumerate(msg.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise WireError(
+                f"{where}.model_input[{j}]: {kind or 'empty'} chunks are not supported by this text-only model"
+            )
+        tokens.append(_frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"{where}.model_input[{j}].tokens"))
+    joined = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, dtype=np.int64)
+    inputs = {
+        key: _tensor(t, f"{where}.loss_fn_inputs.{key}", len(joined), budget) for key, t in msg.loss_fn_inputs.items()
+    }
+    return WireDatum(tokens=joined, loss_fn_inputs=inputs)
+
+
+def decode_forward_backward(body: bytes) -> WireForwardBackward:
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as e:
+        raise WireError(f"body is not a ForwardBackwardRequest protobuf: {e}") from None
+    # v2 carries every entry (numbers and text); the legacy map only the numeric ones.
+    config: dict[str, float | str] = dict(msg.loss_fn_config.items())
+    for key, value in msg.loss_fn_config_v2.items():
+        kind = value.WhichOneof("value")
+        config[key] = value.number if kind == "number" else value.text
+    return WireForwardBackward(
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        loss_fn=msg.loss_fn,
+        forward_only=msg.forward_only,
+        raw_data=list(msg.data),
+        loss_fn_config=config,
+    )
+
+
+def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
+    """Serialise per-datum output arrays (leading dim N) and ``name:reduction`` metrics.
+
+    Consecutive datums whose arrays share a trailing shape go into one ArrayRecord; a change
+    of trailing shape (e.g. ``(N,)`` next to ``(N, K)`` logprobs) starts a new record.
+    """
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for key, value in metrics.items():
+        out.metrics[key] = float(value)
+
+    def signature(d: dict[str, np.ndarray]) -> tuple:
+        return tuple(sorted((k, v.shape[1:]) for k, v in d.items()))
+
+    for _, group in groupby(per_datum, key=signature):
+        datums = list(group)
+        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(datums))
+        for name in datums[0]:
+            arrays = [np.ascontiguousarray(d[name], dtype="<f4") for d in datums]
+            offsets = np.zeros(len(arrays) + 1, dtype="<i8")
+            offsets[1:] = np.cumsum([a.nbytes for a in arrays])
+            bt = record.fields[name]
+            bt.data = b"".join(a.tobytes() for a in arrays)
+            bt.offsets = offsets.tobytes()
+            bt.dtype = pb.DTYPE_FLOAT32
+            bt.trailing_shape.extend(arrays[0].shape[1:])
+    return out.SerializeToString()
+
+
+def encode_sample_response(output: SampleOutput) -> bytes:
+    """``SampleResponse``: sequences in order, NaN-coded prompt log-probs, top-k prompt rows."""
+    msg = pb.SampleResponse()
+    for seq in output.sequences:
+        out = msg.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
+        )
+        if seq.topk:
+            k = max(len(ids) for ids, _ in seq.topk)
+            ids = np.zeros((len(seq.topk), k), dtype="<i4")
+            lps = np.full((len(seq.topk), k), -99999.0, dtype="<f4")  # the SDK's empty-cell marker
+            for row, (row_ids, row_lps) in enumerate(seq.topk):
+                ids[row, : len(row_ids)], lps[row, : len(row_lps)] = row_ids, row_lps
+            out.topk_sampled_logprobs.token_ids, out.topk_sampled_logprobs.logprobs = ids.tobytes(), lps.tobytes()
+            out.topk_sampled_logprobs.length, out.topk_sampled_logprobs.k = ids.shape
+    if output.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray(output.prompt_logprobs, dtype="<f4").tobytes()
+    if output.topk_prompt is not None:
+        ids, lps = output.topk_prompt
+        msg.topk_prompt_logprobs.token_ids = ids.numpy().astype("<i4").tobytes()
+        msg.topk_prompt_logprobs.logprobs = lps.numpy().astype("<f4").tobytes()
+        msg.topk_prompt_logprobs.length, msg.topk_prompt_logprobs.k = ids.shape
+    return msg.SerializeToString()

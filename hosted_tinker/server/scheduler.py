@@ -1,0 +1,270 @@
+"""Per-model ``seq_id`` ordering, de-duplication, backpressure, and dispatch to the backend worker.
+
+A request becomes a future at submit time. It waits in its model's queue until every lower
+``seq_id`` has been dispatched, then runs on the single dispatch thread, which drives the
+backend's worker process. Jobs reach that thread in dispatch order, so each model's requests
+execute in ``seq_id`` order, while the event loop stays free to answer polls and health
+checks. A finished future wakes its pollers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from hosted_tinker.core.errors import ApiError, ServerError, WorkerCrashed, too_many
+from hosted_tinker.server.store import FutureRecord, Store
+
+log = logging.getLogger(__name__)
+
+# A job returns its result as (payload bytes, media type).
+Job = Callable[[], tuple[bytes, str]]
+
+# Early arrivals hold their decoded batches in memory until their turn: bound them. The SDK
+# runs at most a few requests ahead (chunks of one call, the cookbook's 2-batch pipeline).
+MAX_WAITING_PER_MODEL = 256
+MAX_SEQ_AHEAD = 4096
+RETRY_AFTER_S = 1  # what a 429 asks for; the SDK's HTTP layer honours Retry-After
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Bounds on accepted, unfinished requests (each holds its decoded input in memory until it
+    has run). Over a bound, a submit gets 429 + Retry-After and the SDK sends it again later."""
+
+    max_pending: int = 1024  # over all models and samplers
+    max_pending_per_model: int = 64  # per training model or sampling session
+
+
+@dataclass
+class _ModelQueue:
+    next_seq: int
+    waiting: dict[int, tuple[str, Job]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, store: Store, limits: QueueLimits = QueueLimits()) -> None:
+        self.store = store
+        self.limits = limits
+        self._pending: dict[str, str | None] = {}  # request id -> its model, until it finishes
+        self._pending_per_model: dict[str | None, int] = {}
+        self.refused = 0  # submits answered 429
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dispatch")
+        self._queues: dict[str, _ModelQueue] = {}
+        self._events: dict[str, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._count_lock = threading.Lock()
+        self.in_flight = 0  # dispatched to the worker and not yet finished
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    # ---- submitting -----------------------------------------------------------------------
+
+    def find(self, model_id: str, seq_id: int) -> str | None:
+        """The request id already registered for ``(model_id, seq_id)``, if any."""
+        return self.store.find_future(model_id, seq_id)
+
+    def check_capacity(self, model_id: str, seq_id: int | None) -> None:
+        """Refuse, for now, a request over a queue bound (429: the SDK retries it after Retry-After).
+
+        The request a model's queue is waiting for is always let in: refusing it while its
+        successors hold the slots would leave them waiting forever.
+        """
+        queue = self._queues.get(model_id)
+        if queue is not None and seq_id == queue.next_seq and queue.waiting:
+            return
+        if queue is not None and seq_id is not None and seq_id != queue.next_seq:
+            if seq_id - queue.next_seq > MAX_SEQ_AHEAD or len(queue.waiting) >= MAX_WAITING_PER_MODEL:
+                raise self._refuse(
+                    f"seq_id {seq_id} is too far ahead of model {model_id} (next to run: {queue.next_seq})"
+                )
+        if self._pending_per_model.get(model_id, 0) >= self.limits.max_pending_per_model:
+            raise self._refuse(
+                f"{model_id} has {self.limits.max_pending_per_model} requests pending (the per-model bound)"
+            )
+        if len(self._pending) >= self.limits.max_pending:
+            raise self._refuse(f"the server has {self.limits.max_pending} requests pending (its global bound)")
+
+    def _refuse(self, detail: str) -> ApiError:
+        self.refused += 1
+        return too_many(detail, RETRY_AFTER_S)
+
+    def queue_status(self) -> dict:
+        """For /healthz: what is queued, and the bounds."""
+        return {
+            "in_flight": self.in_flight,
+            "pending": len(self._pending),
+            "pending_busiest_model": max(self._pending_per_model.values(), default=0),
+            "max_pending": self.limits.max_pending,
+            "max_pending_per_model": self.limits.max_pending_per_model,
+            "refused": self.refused,
+        }
+
+    def open_model(self, model_id: str, first_seq: int = 1) -> None:
+        """Start ordering a model's requests; its creation was seq 0."""
+        self._queues.setdefault(model_id, _ModelQueue(next_seq=first_seq))
+
+    def close_model(self, model_id: str, why: str = "was unloaded", category: str = "user") -> None:
+        """Stop ordering a model's requests; those still waiting for their turn fail."""
+        queue = self._queues.pop(model_id, None)
+        for request_id, _ in queue.waiting.values() if queue else ():
+            self._finish(request_id, error=f"model {model_id} {why} before this request ran", category=category)
+
+    def close_model_threadsafe(self, model_id: str, why: str, category: str) -> None:
+        """``close_model`` from the dispatch thread: the queues belong to the event loop."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self.close_model, model_id, why, category)
+
+    def submit(self, kind: str, job: Job, *, model_id: str | None = None, seq_id: int | None = None) -> str:
+        """Register a future for ``job`` and queue it; return its request id.
+
+        A resent ``(model_id, seq_id)`` returns the original request id and queues nothing.
+        Synchronous on purpose: with no await inside, two identical submits cannot race.
+        """
+        if model_id is not None and seq_id is not None:
+            existing = self.find(model_id, seq_id)
+            if existing is not None:
+                return existing
+        request_id = self.register(kind, model_id=model_id, seq_id=seq_id)
+        queue = self._queues.get(model_id) if model_id is not None else None
+        if queue is None or seq_id is None:
+            self._dispatch(request_id, job)
+        elif seq_id < queue.next_seq:
+            self._finish(request_id, error=f"seq_id {seq_id} of model {model_id} was already used", category="user")
+        else:
+            queue.waiting[seq_id] = (request_id, job)
+            while queue.next_seq in queue.waiting:
+                rid, next_job = queue.waiting.pop(queue.next_seq)
+                queue.next_seq += 1
+                self._dispatch(rid, next_job)
+        return request_id
+
+    def register(self, kind: str, *, model_id: str | None = None, seq_id: int | None = None) -> str:
+        """A new pending future whose outcome someone will report with ``complete``/``fail``."""
+        request_id = f"req-{secrets.token_urlsafe(12)}"
+        self.store.add_future(request_id, kind=kind, model_id=model_id, seq_id=seq_id)
+        self._events[request_id] = asyncio.Event()
+        self._hold(request_id, model_id)
+        return request_id
+
+    @contextmanager
+    def slot(self, key: str) -> Iterator[None]:
+        """A place under the bounds for a request that has no future (an OpenAI completion,
+        answered on its own connection), held while it runs; 429 when there is none. ``key`` is
+        what the per-model bound counts it against."""
+        self.check_capacity(key, None)
+        token = f"slot-{secrets.token_urlsafe(12)}"
+        self._hold(token, key)
+        try:
+            yield
+        finally:
+            self._release(token)
+
+    def _hold(self, request_id: str, model_id: str | None) -> None:
+        with self._count_lock:
+            self._pending[request_id] = model_id
+            self._pending_per_model[model_id] = self._pending_per_model.get(model_id, 0) + 1
+
+    def _release(self, request_id: str) -> None:
+        with self._count_lock:
+            if request_id in self._pending:
+                model_id = self._pending.pop(request_id)
+                left = self._pending_per_model.pop(model_id) - 1
+                if left:
+                    self._pending_per_model[model_id] = left
+
+    def complete(self, request_id: str, payload: bytes, media_type: str) -> None:
+        self._finish(request_id, payload=payload, media_type=media_type)
+
+    def fail(self, request_id: str, error: str, category: str) -> None:
+        self._finish(request_id, error=error, category=category)
+
+    def run_on_worker(self, fn: Callable[[], None]) -> None:
+        """Queue work that reports its own futures (e.g. a sampling batch) behind earlier jobs."""
+        with self._count_lock:
+            self.in_flight += 1
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("worker task failed")
+            finally:
+                with self._count_lock:
+                    self.in_flight -= 1
+
+        self._worker.submit(run)
+
+    def _dispatch(self, request_id: str, job: Job) -> None:
+        with self._count_lock:
+            self.in_flight += 1
+        self._worker.submit(self._run, request_id, job)
+
+    def _run(self, request_id: str, job: Job) -> None:
+        """On the worker thread: run the job and record its outcome."""
+        try:
+            payload, media_type = job()
+        except Exception as e:
+            self.fail_with(request_id, e)
+        else:
+            self._finish(request_id, payload=payload, media_type=media_type)
+        finally:
+            with self._count_lock:
+                self.in_flight -= 1
+
+    def fail_with(self, request_id: str, error: BaseException) -> None:
+        """Fail a future with what ``error`` means to its client (``core.errors``): the one place
+        where an exception becomes a future's ``error`` and ``category``."""
+        if isinstance(error, WorkerCrashed):  # its wording depends on the request's model
+            message = error.message_for(self._pending.get(request_id))
+        elif isinstance(error, ServerError):
+            message = str(error)
+        else:
+            log.error("request %s failed", request_id, exc_info=error)
+            message = f"internal error: {type(error).__name__}: {error}"
+        category = error.category if isinstance(error, ServerError) else "server"
+        if category == "server":
+            log.error("request %s failed: %s", request_id, message)
+        self._finish(request_id, error=message, category=category)
+
+    def _finish(
+        self,
+        request_id: str,
+        *,
+        payload: bytes | None = None,
+        media_type: str | None = None,
+        error: str | None = None,
+        category: str | None = None,
+    ) -> None:
+        if error is not None:
+            self.store.fail_future(request_id, error, category or "server")
+        else:
+            self.store.complete_future(request_id, payload or b"", media_type or "application/json")
+        self._release(request_id)
+        event = self._events.pop(request_id, None)
+        if event is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(event.set)
+
+    # ---- polling --------------------------------------------------------------------------
+
+    async def wait(self, request_id: str, timeout: float) -> FutureRecord | None:
+        """The future's record once finished, or still pending after ``timeout`` seconds."""
+        event = self._events.get(request_id)
+        record = self.store.get_future(request_id)
+        if record is None or record.finished or event is None:
+            return record
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        return self.store.get_future(request_id)

@@ -1,0 +1,481 @@
+"""Saving and loading training state, sampler/external adapter exports, and the REST views of
+runs, checkpoints, sessions and samplers.
+
+Saves and legacy loads are ordinary ordered requests of their model (they take a ``seq_id``);
+their jobs run on the backend worker, so a save sees exactly the weights that every earlier
+request of the model produced. File I/O happens in those jobs, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hosted_tinker.core.checkpoints import (
+    CheckpointError,
+    CheckpointFiles,
+    TinkerPath,
+    peft_adapter_files,
+    state_from_files,
+    state_to_files,
+    training_meta,
+    validate_name,
+)
+from hosted_tinker.core.checkpoints import describe as describe_checkpoint
+from hosted_tinker.core.errors import ApiError, bad_request, not_found
+from hosted_tinker.core.types import TrainingBackend
+from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.scheduler import Job, Scheduler
+from hosted_tinker.server.serving.training import TrainingService, json_result
+from hosted_tinker.server.store import CheckpointRecord, ModelRecord, SamplerRecord, Store
+
+# Ephemeral sampler snapshots kept per training model; older ones are deleted (asking for one
+# then gets a 404). Async RL samples from a policy a few steps stale, never from 8 steps back.
+KEEP_SNAPSHOTS = 8
+MIN_TTL_S = 3600
+MAX_TTL_S = 10 * 365 * 86400
+DOWNLOAD_URL_TTL_S = 3600
+
+
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat()
+
+
+def _check_ttl(ttl_seconds: int | None) -> None:
+    if ttl_seconds is not None and not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
+        raise bad_request(f"ttl_seconds must be between {MIN_TTL_S} and {MAX_TTL_S} (or null), got {ttl_seconds}")
+
+
+class CheckpointService:
+    def __init__(
+        self, training: TrainingService, files: CheckpointFiles, ephemeral: CheckpointFiles, secret: bytes
+    ) -> None:
+        self.training = training
+        self.backend: TrainingBackend = training.backend
+        self.scheduler: Scheduler = training.scheduler
+        self.store: Store = training.store
+        self.files = files
+        self.ephemeral = ephemeral  # snapshots behind save_weights_and_get_sampling_client
+        self._secret = secret
+        # Called on the worker with each new sampler adapter (vLLM loads it before it is asked for).
+        self.on_sampler_saved: Callable[[WeightsRef], None] | None = None
+
+    def _sampler_saved(self, files: CheckpointFiles, path: TinkerPath) -> None:
+        if self.on_sampler_saved is not None:
+            self.on_sampler_saved(WeightsRef(str(path), files, path))
+
+    # ---- saving -----------------------------------------------------------------------------
+
+    def _save(
+        self,
+        kind: str,
+        model_id: str,
+        seq_id: int,
+        name: str,
+        *,
+        overwrite: bool,
+        ttl_seconds: int | None,
+        user_metadata: dict[str, str] | None,
+        extra: dict | None = None,
+    ) -> str:
+        request_kind = {
+            "weights": "save_weights",
+            "sampler_weights": "save_weights_for_sampler",
+            "external_weights": "save_weights_external",
+        }[kind]
+
+        def prepare() -> Job:
+            _check_ttl(ttl_seconds)
+            try:
+                path = TinkerPath(model_id, kind, validate_name(name))
+            except CheckpointError as e:
+                raise bad_request(str(e)) from None
+            if not overwrite and self.store.get_checkpoint(model_id, kind, name) is not None:
+                raise bad_request(f"{path} already exists; save under another name or pass overwrite=True")
+            model = self.training.live_model(model_id)
+
+            def job() -> tuple[bytes, str]:
+                files = self._export(kind, model)
+                size = self.files.write(path, files, overwrite=overwrite)
+                self.store.put_checkpoint(
+                    model_id, kind, name, size_bytes=size, ttl_seconds=ttl_seconds, user_metadata=user_metadata or {}
+                )
+                result = {"path": str(path), "type": request_kind, **(extra or {})}
+                if kind == "sampler_weights":
+                    self._sampler_saved(self.files, path)
+                if kind == "external_weights":
+                    result["size_bytes"] = size
+                return json_result(result)
+
+            return job
+
+        return self.training.submit_ordered(request_kind, model_id, seq_id, prepare)
+
+    def _export(self, kind: str, model: ModelRecord) -> dict[str, bytes]:
+        config = self.backend.peft_config(model.model_id)
+        config["base_model_name_or_path"] = model.base_model
+        # Only training state needs the optimizer moments (twice the adapter's size).
+        state = self.backend.export_state(model.model_id, with_optimizer=kind == "weights")
+        if kind == "weights":
+            return state_to_files(state, config, model.base_model)
+        return peft_adapter_files(config, state.weights)
+
+    def save_weights(self, req: wire.SaveWeightsRequest) -> str:
+        name = req.path if req.path is not None else f"seq-{req.seq_id}"
+        return self._save(
+            "weights",
+            req.model_id,
+            req.seq_id,
+            name,
+            overwrite=req.overwrite,
+            ttl_seconds=req.ttl_seconds,
+            user_metadata=req.user_metadata,
+        )
+
+    def save_weights_for_sampler(self, req: wire.SaveWeightsForSamplerRequest) -> str:
+        refusal = None
+        if req.kind != "snapshot":
+            refusal = bad_request(f"kind {req.kind!r} is not supported; this server saves 'snapshot' sampler weights")
+        elif req.path is None and req.sampling_session_seq_id is None:
+            refusal = bad_request("save_weights_for_sampler needs either path (a name) or sampling_session_seq_id")
+        if refusal is not None:
+            return self.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, refusal)
+        if req.path is not None:
+            return self._save(
+                "sampler_weights",
+                req.model_id,
+                req.seq_id,
+                req.path,
+                overwrite=False,
+                ttl_seconds=req.ttl_seconds,
+                user_metadata=req.user_metadata,
+            )
+        return self._save_ephemeral(req)
+
+    def _save_ephemeral(self, req: wire.SaveWeightsForSamplerRequest) -> str:
+        """A frozen copy of the current adapter, registered as a sampling session."""
+
+        def prepare() -> Job:
+            model = self.training.live_model(req.model_id)
+            sampler_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
+            if self.store.get_sampler(sampler_id) is not None:
+                raise bad_request(f"sampling_session_seq_id {req.sampling_session_seq_id} is already used")
+
+            def job() -> tuple[bytes, str]:
+                snapshot = TinkerPath(req.model_id, "sampler_weights", f"ephemeral-{secrets.token_hex(8)}")
+                self.ephemeral.write(snapshot, self._export("sampler_weights", model), overwrite=False)
+                self.store.add_sampler(
+                    sampler_id,
+                    session_id=model.session_id,
+                    base_model=model.base_model,
+                    model_path=None,
+                    model_id=req.model_id,
+                    snapshot=str(snapshot),
+                )
+                self._retire_snapshots(self.store.ephemeral_samplers(model_id=req.model_id)[KEEP_SNAPSHOTS:])
+                self._sampler_saved(self.ephemeral, snapshot)
+                return json_result({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+
+            return job
+
+        return self.training.submit_ordered("save_weights_for_sampler", req.model_id, req.seq_id, prepare)
+
+    def _retire_snapshots(self, samplers: list[SamplerRecord]) -> None:
+        """Delete ephemeral snapshots (an RL loop makes one per step; each is a full adapter)."""
+        for sampler in samplers:
+            self.store.delete_sampler(sampler.sampler_id)
+            self.ephemeral.delete(TinkerPath.parse(sampler.snapshot))
+
+    def finish_session(self, session_id: str) -> None:
+        """A finished session's ephemeral samplers can no longer be used: free their disk."""
+        self._retire_snapshots(self.store.ephemeral_samplers(session_id=session_id))
+
+    def save_weights_external(self, req: wire.SaveWeightsExternalRequest) -> str:
+        if req.age_encryption_recipients:
+            refusal = bad_request("age_encryption_recipients is not supported: this server does not encrypt exports")
+            return self.training.refuse_ordered("save_weights_external", req.model_id, req.seq_id, refusal)
+        return self._save(
+            "external_weights",
+            req.model_id,
+            req.seq_id,
+            req.path,
+            overwrite=False,
+            ttl_seconds=req.ttl_seconds,
+            user_metadata=None,
+        )
+
+    # ---- loading ----------------------------------------------------------------------------
+
+    def _training_path(self, path: str, field: str = "path") -> TinkerPath:
+        """A training-state checkpoint that exists; errors name ``field``, the path's request field."""
+        try:
+            parsed = TinkerPath.parse(path, field)
+        except CheckpointError as e:
+            raise bad_request(str(e)) from None
+        if parsed.kind != "weights":
+            raise bad_request(
+                f"{field} {path} is a {parsed.checkpoint_type} checkpoint; this needs a training-state weights/ path"
+            )
+        if self.store.get_checkpoint(parsed.run_id, parsed.kind, parsed.name) is None:
+            raise not_found(f"{field}: checkpoint {path} does not exist")
+        return parsed
+
+    @staticmethod
+    def _check_load_options(req: wire.LoadWeightsRequest) -> None:
+        if req.weights_access_token is not None:
+            raise bad_request("weights_access_token is not supported: checkpoints here have no access tokens")
+        if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
+            raise bad_request(f"optimizer_config.type {req.optimizer_config.type!r} is not supported; use 'adamw'")
+
+    def load_weights(self, req: wire.LoadWeightsRequest) -> str:
+        if req.model_id is None:
+            self._check_load_options(req)
+            return self._create_via_load(req)
+        if req.seq_id is None:
+            raise bad_request("load_weights on an existing model needs seq_id")
+
+        def prepare() -> Job:  # every refusal in here still consumes the seq_id
+            self._check_load_options(req)
+            path = self._training_path(req.path)
+            model = self.training.live_model(req.model_id)
+            try:
+                base_model, lora = training_meta(path, self.files.read(path, only=("training_state.json",)))
+            except CheckpointError as e:
+                raise bad_request(str(e)) from None
+            shape = ("rank", "train_attn", "train_mlp", "train_unembed")
+            if any(getattr(lora, k) != model.lora[k] for k in shape):
+                theirs = {k: getattr(lora, k) for k in shape}
+                mine = {k: model.lora[k] for k in shape}
+                raise bad_request(f"{path} holds a LoRA adapter {theirs}, but model {model.model_id} has {mine}")
+            if base_model not in self.training.served_names:
+                raise bad_request(f"{path} was trained on {base_model!r}, which is not served here")
+
+            def job() -> tuple[bytes, str]:
+                loaded = state_from_files(path, self.files.read(path))
+                self.backend.load_state(model.model_id, loaded.state, with_optimizer=req.optimizer)
+                self.training.weights_changed(model.model_id)
+                return json_result({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
+
+            return job
+
+        return self.training.submit_ordered("load_weights", req.model_id, req.seq_id, prepare)
+
+    def _create_via_load(self, req: wire.LoadWeightsRequest) -> str:
+        """``create_training_client_from_state*``: a new model named ``{session}:train:{seq}``."""
+        if req.session_id is None or req.model_seq_id is None:
+            raise bad_request("load_weights needs model_id, or session_id and model_seq_id to create a model")
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        if (existing := self.scheduler.find(model_id, 0)) is not None:
+            return existing
+        path = self._training_path(req.path)
+        try:
+            base_model, lora = training_meta(path, self.files.read(path, only=("training_state.json",)))
+        except CheckpointError as e:
+            raise bad_request(str(e)) from None
+        if base_model not in self.training.served_names:
+            raise bad_request(f"{path} was trained on {base_model!r}, which is not served here")
+        if req.base_model is not None and req.base_model not in self.training.served_names:
+            raise bad_request(f"base_model {req.base_model!r} is not served here")
+
+        def load(new_model_id: str) -> None:
+            loaded = state_from_files(path, self.files.read(path))
+            self.backend.load_state(new_model_id, loaded.state, with_optimizer=req.optimizer)
+
+        return self.training.create_model_with(
+            model_id,
+            session_id=req.session_id,
+            model_seq_id=req.model_seq_id,
+            base_model=req.base_model or base_model,
+            lora=lora,
+            user_metadata=req.user_metadata or {},
+            after_create=load,
+            result={"path": str(path), "model_id": model_id, "type": "load_weights"},
+        )
+
+    # ---- sampling sessions ------------------------------------------------------------------
+
+    def create_sampling_session(self, req: wire.CreateSamplingSessionRequest) -> dict:
+        """Register a sampler on the base model or on a saved adapter (sampling itself: issue #4)."""
+        status = self.store.session_status(req.session_id)
+        if status is None:
+            raise not_found(f"session_id {req.session_id!r} does not exist")
+        if (req.base_model is None) == (req.model_path is None):
+            raise bad_request("create_sampling_session needs exactly one of base_model and model_path")
+        sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+        existing = self.store.get_sampler(sampler_id)
+        if existing is not None:
+            if (existing.base_model if req.base_model else existing.model_path) in (req.base_model, req.model_path):
+                return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}  # a resend
+            raise bad_request(f"sampling_session_seq_id {req.sampling_session_seq_id} is already used")
+        if req.base_model is not None:
+            if req.base_model not in self.training.served_names:
+                raise bad_request(f"base_model {req.base_model!r} is not served; served: {self.training.served_names}")
+            base_model = req.base_model
+        else:
+            try:
+                path = TinkerPath.parse(req.model_path, "model_path")
+            except CheckpointError as e:
+                raise bad_request(str(e)) from None
+            if path.kind == "external_weights":
+                raise bad_request(f"model_path {path} is an export; sample from a sampler_weights/ or weights/ path")
+            model = self.store.get_model(path.run_id)
+            if model is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
+                raise not_found(f"model_path: checkpoint {req.model_path} does not exist")
+            base_model = model.base_model
+        self.store.add_sampler(
+            sampler_id, session_id=req.session_id, base_model=base_model, model_path=req.model_path, model_id=None
+        )
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+    # ---- REST views -------------------------------------------------------------------------
+
+    def _checkpoint_json(self, record: CheckpointRecord) -> dict:
+        path = TinkerPath(record.model_id, record.kind, record.name)
+        return {
+            "checkpoint_id": path.checkpoint_id,
+            "checkpoint_type": path.checkpoint_type,
+            "time": _iso(record.created_at),
+            "tinker_path": str(path),
+            "size_bytes": record.size_bytes,
+            "public": record.public,
+            "user_metadata": record.user_metadata,
+            "expires_at": _iso(record.expires_at) if record.expires_at else None,
+        }
+
+    def _run_json(self, model: ModelRecord) -> dict:
+        checkpoints = self.store.list_checkpoints(model.model_id)
+        last = next((c for c in checkpoints if c.kind == "weights"), None)
+        last_sampler = next((c for c in checkpoints if c.kind == "sampler_weights"), None)
+        return {
+            "training_run_id": model.model_id,
+            "base_model": model.base_model,
+            "model_owner": self.store.session_owner(model.session_id) or "local",
+            "is_lora": True,
+            "corrupted": False,
+            "lora_rank": model.lora["rank"],
+            "last_request_time": _iso(self.store.model_last_request(model.model_id)),
+            "last_checkpoint": self._checkpoint_json(last) if last else None,
+            "last_sampler_checkpoint": self._checkpoint_json(last_sampler) if last_sampler else None,
+            "user_metadata": {k: str(v) for k, v in model.user_metadata.items()},
+        }
+
+    def list_runs(self, owner: str, limit: int, offset: int) -> dict:
+        models, total = self.store.list_models(owner, limit, offset)
+        return {
+            "training_runs": [self._run_json(m) for m in models],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total},
+        }
+
+    def get_run(self, run_id: str) -> dict:
+        model = self.store.get_model(run_id)
+        if model is None:
+            raise not_found(f"training run {run_id!r} does not exist")
+        return self._run_json(model)
+
+    def list_checkpoints(self, run_id: str) -> dict:
+        if self.store.get_model(run_id) is None:
+            raise not_found(f"training run {run_id!r} does not exist")
+        return self._checkpoints_page(self.store.list_checkpoints(run_id), None, 0)
+
+    def list_owned_checkpoints(self, owner: str, limit: int, offset: int) -> dict:
+        """Every checkpoint of every run of ``owner``'s sessions, newest first."""
+        return self._checkpoints_page(self.store.owned_checkpoints(owner), limit, offset)
+
+    def _checkpoints_page(self, records: list[CheckpointRecord], limit: int | None, offset: int) -> dict:
+        page = records[offset : offset + limit] if limit is not None else records
+        cursor = {"offset": offset, "limit": limit or len(records), "total_count": len(records)}
+        return {"checkpoints": [self._checkpoint_json(r) for r in page], "cursor": cursor}
+
+    def _record(self, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, CheckpointRecord]:
+        try:
+            path = TinkerPath.from_checkpoint_id(run_id, checkpoint_id)
+        except CheckpointError as e:
+            raise bad_request(str(e)) from None
+        record = self.store.get_checkpoint(path.run_id, path.kind, path.name)
+        if record is None:
+            raise not_found(f"checkpoint {path} does not exist")
+        return path, record
+
+    def delete(self, run_id: str, checkpoint_id: str) -> None:
+        path, _ = self._record(run_id, checkpoint_id)
+        self.store.delete_checkpoint(path.run_id, path.kind, path.name)
+        self.files.delete(path)
+
+    def set_public(self, run_id: str, checkpoint_id: str, public: bool) -> None:
+        path, _ = self._record(run_id, checkpoint_id)
+        self.store.update_checkpoint(path.run_id, path.kind, path.name, public=int(public))
+
+    def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        path, _ = self._record(run_id, checkpoint_id)
+        _check_ttl(ttl_seconds)
+        expires = time.time() + ttl_seconds if ttl_seconds is not None else None
+        self.store.update_checkpoint(path.run_id, path.kind, path.name, expires_at=expires)
+
+    def weights_info(self, tinker_path: str) -> dict:
+        path = self._training_path(tinker_path, "tinker_path")
+        try:
+            return describe_checkpoint(path, self.files.read(path, only=("training_state.json",)))
+        except CheckpointError as e:
+            raise bad_request(str(e)) from None
+
+    def get_sampler(self, sampler_id: str) -> dict:
+        sampler = self.store.get_sampler(sampler_id)
+        if sampler is None:
+            raise not_found(f"sampler {sampler_id!r} does not exist")
+        return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+
+    def get_session(self, session_id: str) -> dict:
+        session = self.store.get_session(session_id)
+        if session is None:
+            raise not_found(f"session {session_id!r} does not exist")
+        session["user_metadata"] = {k: str(v) for k, v in session["user_metadata"].items()}
+        return session
+
+    # ---- downloads --------------------------------------------------------------------------
+
+    def _sign(self, payload: str) -> str:
+        return hmac.new(self._secret, payload.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def download_urls(self, run_id: str, checkpoint_id: str, base_url: str) -> dict:
+        """Signed, expiring URLs for each file of an external-weights checkpoint (no auth needed)."""
+        path, _ = self._record(run_id, checkpoint_id)
+        if path.kind != "external_weights":
+            raise bad_request(f"{path} is not an external_weights checkpoint")
+        expires = int(time.time()) + DOWNLOAD_URL_TTL_S
+        names = sorted(p.name for p in self.files.directory(path).iterdir() if p.name != "manifest.json")
+        urls = {}
+        for name in names:
+            payload = json.dumps([path.run_id, path.kind, path.name, name, expires])
+            token = payload.encode().hex()
+            urls[name] = f"{base_url}/api/v1/files/{token}/{self._sign(payload)}/{name}"
+        return {"urls": urls, "expires": _iso(expires)}
+
+    def download_file(self, token: str, signature: str) -> Path:
+        try:
+            payload = bytes.fromhex(token).decode()
+            run_id, kind, name, file_name, expires = json.loads(payload)
+        except ValueError:
+            raise not_found("no such download") from None
+        if not hmac.compare_digest(self._sign(payload), signature) or time.time() > expires:
+            raise ApiError(403, "this download link is invalid or has expired")
+        file_path = self.files.directory(TinkerPath(run_id, kind, name)) / file_name
+        if not file_path.is_file():
+            raise not_found("no such download")
+        return file_path
+
+    # ---- retention --------------------------------------------------------------------------
+
+    def delete_expired(self) -> int:
+        expired = self.store.expired_checkpoints(time.time())
+        for record in expired:
+            path = TinkerPath(record.model_id, record.kind, record.name)
+            self.store.delete_checkpoint(path.run_id, path.kind, path.name)
+            self.files.delete(path)
+        return len(expired)

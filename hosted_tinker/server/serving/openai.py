@@ -1,0 +1,330 @@
+"""OpenAI-compatible completions and chat completions, served by the same sampler as Tinker.
+
+Model names: a served base-model name samples the base model; a ``tinker://…/sampler_weights/…``
+(or ``…/weights/…``) path, or the id of an ephemeral sampling session, samples that adapter;
+with vLLM, a training run's model id samples its adapter as of its latest optimizer step.
+Streaming is real: tokens reach the client as the engine produces them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+
+from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
+from hosted_tinker.core.errors import ApiError, bad_request
+from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpec
+from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
+from hosted_tinker.server.serving.sampling import SamplingService
+from hosted_tinker.server.serving.tenancy import Tenancy
+from hosted_tinker.server.store import Store
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def model_not_found(name: str) -> ApiError:
+    return ApiError(404, f"The model {name!r} does not exist", code="model_not_found")
+
+
+@dataclass
+class _Row:
+    """One streamed choice: its tokens so far and how much text has been sent."""
+
+    tokens: list[int] = field(default_factory=list)
+    sent: str = ""
+    stopped_at: int | None = None  # text length where a stop string cut it
+
+
+class OpenAIService:
+    def __init__(
+        self,
+        sampling: SamplingService,
+        store: Store,
+        tenancy: Tenancy,
+        served_names: list[str],
+        live_runs: bool = False,
+    ) -> None:
+        self.sampling = sampling
+        self.tenancy = tenancy
+        self.live_runs = live_runs  # training run ids name their live adapters (vLLM only)
+        self.store = store
+        self.served_names = served_names
+        self.tokenizer = sampling.tokenizer
+
+    # ---- models -----------------------------------------------------------------------------
+
+    def list_models(self, tenant: str) -> dict:
+        """The base model's names and what ``tenant`` may sample: its saved sampler weights, its
+        sampling sessions, and (with vLLM) its live training runs."""
+        names = list(self.served_names)
+        names += [
+            str(TinkerPath(c.model_id, c.kind, c.name))
+            for c in self.store.owned_checkpoints(tenant)
+            if c.kind == "sampler_weights"
+        ]
+        names += self.store.ephemeral_sampler_ids(tenant)
+        if self.live_runs:
+            names += self.store.live_model_ids(tenant)
+        now = int(time.time())
+        return {
+            "object": "list",
+            "data": [{"id": n, "object": "model", "created": now, "owned_by": "hosted-tinker"} for n in names],
+        }
+
+    def slot(self, name: str, tenant: str) -> AbstractContextManager[None]:
+        """A place for one request on model ``name`` under the server's queue bounds (429 when
+        none is free), counted per tenant and model like a sampling session's requests."""
+        return self.sampling.scheduler.slot(f"{tenant}/v1/{name}")
+
+    def resolve(self, name: str, tenant: str) -> WeightsRef:
+        """The weights a ``model`` name stands for, if ``tenant`` may sample them (else a 404)."""
+        if name in self.served_names:
+            return WeightsRef(None)
+        if name.startswith("tinker://"):
+            try:
+                path = TinkerPath.parse(name)
+            except CheckpointError:
+                raise model_not_found(name) from None
+            if path.kind == "external_weights" or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
+                raise model_not_found(name)
+            if not self.tenancy.can_read(tenant, path):
+                raise model_not_found(name)
+            return WeightsRef(name, self.sampling.files, path)
+        sampler = self.store.get_sampler(name)
+        if sampler is not None and self.tenancy.owns(tenant, name):
+            return self.sampling.weights_of(sampler)
+        model = self.store.get_model(name)
+        if self.live_runs and model is not None and model.status == "active" and self.tenancy.owns(tenant, name):
+            return WeightsRef(None, live=name)  # the run's adapter as of its latest step
+        raise model_not_found(name)
+
+    # ---- requests -> specs ------------------------------------------------------------------
+
+    def _spec(
+        self, req: CompletionRequest | ChatCompletionRequest, prompt: list[int], max_tokens: int | None, topk: int
+    ) -> SampleSpec:
+        if req.presence_penalty or req.frequency_penalty:
+            raise bad_request("presence_penalty and frequency_penalty are not supported (only 0)")
+        params = wire.SamplingParams(
+            max_tokens=max_tokens,
+            seed=req.seed,
+            stop=req.stop,  # None keeps EOS stopping; strings are stop strings
+            temperature=req.temperature,
+            top_p=req.top_p,
+        )
+        return self.sampling.spec(prompt, params, num_samples=req.n, topk_sample_logprobs=topk)
+
+    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if req.echo:
+            raise bad_request("echo is not supported")
+        if isinstance(req.prompt, str):
+            return self.tokenizer.encode(req.prompt, add_special_tokens=False)
+        return list(req.prompt)
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content or ""
+            if isinstance(content, list):
+                if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                    raise bad_request(f"messages[{i}].content: only text parts, each with a string text, are supported")
+                content = "".join(part["text"] for part in content)
+            messages.append({"role": m.role, "content": content})
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
+    # ---- text -------------------------------------------------------------------------------
+
+    def _text(self, tokens: list[int], spec: SampleSpec) -> tuple[str, bool]:
+        """Visible text of ``tokens``: without a final stop token, cut before a stop string."""
+        if tokens and tokens[-1] in spec.stop_token_ids:
+            tokens = tokens[:-1]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in spec.stop_strings if s in text]
+        return (text[: min(cuts)], True) if cuts else (text, False)
+
+    def _token_str(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    @staticmethod
+    def _usage(prompt: list[int], output: SampleOutput | list[_Row]) -> dict:
+        rows = output.sequences if isinstance(output, SampleOutput) else output
+        completion = sum(len(r.tokens) for r in rows)
+        return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+
+    @staticmethod
+    def _finish_reason(seq: SampledSequence) -> str:
+        return "stop" if seq.stop_reason == "stop" else "length"
+
+    def _chat_logprobs(self, seq: SampledSequence) -> dict:
+        content = []
+        for i, (token, lp) in enumerate(zip(seq.tokens, seq.logprobs, strict=True)):
+            text = self._token_str(token)
+            alternatives = seq.topk[i] if seq.topk else ([], [])
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": self._token_str(t), "logprob": v, "bytes": list(self._token_str(t).encode())}
+                        for t, v in zip(*alternatives, strict=True)
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def _completion_logprobs(self, seq: SampledSequence) -> dict:
+        tokens = [self._token_str(t) for t in seq.tokens]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        top = [{self._token_str(t): v for t, v in zip(*alt, strict=True)} for alt in seq.topk] if seq.topk else None
+        return {"tokens": tokens, "token_logprobs": seq.logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SampleSpec]:
+        """The prompt tokens and sampling spec of a request (validated: a 4xx before any output)."""
+        if isinstance(req, ChatCompletionRequest):
+            prompt = self._chat_prompt(req)
+            topk = (req.top_logprobs or 0) if req.logprobs else 0
+            return prompt, self._spec(req, prompt, req.max_completion_tokens or req.max_tokens, topk)
+        prompt = self._completion_prompt(req)
+        max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
+        return prompt, self._spec(req, prompt, max_tokens, req.logprobs or 0)
+
+    # ---- non-streaming ----------------------------------------------------------------------
+
+    async def respond(self, req: CompletionRequest | ChatCompletionRequest, tenant: str) -> dict:
+        """A whole completion or chat completion: every choice, its text, logprobs and usage."""
+        chat = isinstance(req, ChatCompletionRequest)
+        prompt, spec = self._prepare(req)
+        weights = self.resolve(req.model, tenant)
+        with self.slot(req.model, tenant):
+            output = await self.sampling.run(weights, spec)
+        choices = []
+        for i, seq in enumerate(output.sequences):
+            text, _ = self._text(seq.tokens, spec)
+            choice = {"index": i, "finish_reason": self._finish_reason(seq)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = self._chat_logprobs(seq) if req.logprobs else None
+            else:
+                choice["text"] = text
+                choice["logprobs"] = self._completion_logprobs(seq) if req.logprobs is not None else None
+            choices.append(choice)
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": choices,
+            "usage": self._usage(prompt, output),
+        }
+
+    # ---- streaming --------------------------------------------------------------------------
+
+    async def stream(self, req: CompletionRequest | ChatCompletionRequest, tenant: str) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per token as it is sampled, then finish reasons, usage, [DONE].
+
+        Validation happens before the first chunk, so a bad request is still a plain 4xx.
+        """
+        chat = isinstance(req, ChatCompletionRequest)
+        prompt, spec = self._prepare(req)
+        weights = self.resolve(req.model, tenant)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_token(sample: int, token: int, logprob: float) -> None:  # on the dispatch thread
+            loop.call_soon_threadsafe(events.put_nowait, (sample, token, logprob))
+
+        held = ExitStack()  # the slot is held while the engine works, whether or not the client reads
+        held.enter_context(self.slot(req.model, tenant))
+        task = asyncio.ensure_future(self.sampling.run(weights, spec, on_token))
+
+        def finished(_: asyncio.Future) -> None:
+            held.close()
+            events.put_nowait(None)
+
+        task.add_done_callback(finished)
+        return self._sse(req, chat, prompt, spec, events, task)
+
+    async def _sse(
+        self, req, chat: bool, prompt: list[int], spec: SampleSpec, events: asyncio.Queue, task: asyncio.Future
+    ) -> AsyncIterator[str]:
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        created, rows = int(time.time()), [_Row() for _ in range(spec.num_samples)]
+        hold = max((len(s) for s in spec.stop_strings), default=1) - 1  # text that may begin a stop string
+
+        def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                body = {
+                    "id": ident,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": req.model,
+                    "choices": [choice],
+                }
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                body = {
+                    "id": ident,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": req.model,
+                    "choices": [choice],
+                }
+            return f"data: {json.dumps(body)}\n\n"
+
+        if chat:
+            for i in range(len(rows)):
+                yield chunk(i, None, None, first=True)
+        while (event := await events.get()) is not None:
+            s, token, _ = event
+            row = rows[s]
+            row.tokens.append(token)
+            if row.stopped_at is not None:
+                continue
+            text, cut = self._text(row.tokens, spec)
+            safe = text if cut else text[: len(text) - hold] if hold else text
+            if safe.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+                continue
+            if cut:
+                row.stopped_at = len(text)
+            if len(safe) > len(row.sent):
+                yield chunk(s, safe[len(row.sent) :], None)
+                row.sent = safe
+        try:
+            output: SampleOutput = task.result()
+        except ApiError as e:
+            yield f"data: {json.dumps({'error': {'message': e.detail, 'type': 'invalid_request_error'}})}\n\n"
+            return
+        except Exception as e:
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+            return
+        for i, (row, seq) in enumerate(zip(rows, output.sequences, strict=True)):
+            text, _ = self._text(seq.tokens, spec)
+            rest = text[len(row.sent) :]
+            yield chunk(i, rest or None, self._finish_reason(seq))
+        options = req.stream_options
+        if options is not None and options.include_usage:
+            body = {
+                "id": ident,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": self._usage(prompt, output),
+            }
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,224 @@
+"""Sampling: validate a request into a ``SampleSpec`` and hand it to the inference engine.
+
+The engine is the embedded one (batched on the backend worker) or vLLM. With vLLM, requests
+that need prompt logprobs still go to the embedded engine: the training backend computes
+them exactly, and vLLM 0.32 cannot (see ``vllm_engine.needs_embedded``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+
+from pydantic import ValidationError
+
+from hosted_tinker.core.checkpoints import CheckpointFiles, TinkerPath
+from hosted_tinker.core.errors import EngineUnavailable, bad_request, not_found, unavailable
+from hosted_tinker.core.sampling import SampleOutput, SampleSpec
+from hosted_tinker.inference.embedded import EmbeddedEngine
+from hosted_tinker.inference.engine import SampleListener, WeightsRef
+from hosted_tinker.inference.vllm_engine import VllmEngine, needs_embedded
+from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol.proto_codec import encode_sample_response
+from hosted_tinker.server.scheduler import Scheduler
+from hosted_tinker.server.store import SamplerRecord, Store
+
+DEFAULT_MAX_TOKENS = 256
+MAX_NUM_SAMPLES = 128
+MAX_TOPK = 64
+
+
+def check_num_samples(num_samples: int) -> None:
+    if not 1 <= num_samples <= MAX_NUM_SAMPLES:
+        raise bad_request(f"num_samples must be between 1 and {MAX_NUM_SAMPLES}, got {num_samples}")
+
+
+def prompt_tokens(prompt: wire.ModelInput) -> list[int]:
+    """The prompt's token ids. Chunks arrive loosely typed (so that an image is refused by name
+    here), so each text chunk is validated now and its errors are reported against it."""
+    tokens: list[int] = []
+    for i, chunk in enumerate(prompt.chunks):
+        where = f"prompt.chunks[{i}]"
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise bad_request(f"{where}: {chunk.get('type')} chunks are not supported (text only)")
+        try:
+            tokens += wire.EncodedTextChunk.model_validate(chunk).tokens
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+            raise bad_request(f"{where}{loc}: {first['msg']}") from None
+    return tokens
+
+
+class SamplingService:
+    def __init__(
+        self,
+        backend,
+        scheduler: Scheduler,
+        store: Store,
+        files: CheckpointFiles,
+        ephemeral: CheckpointFiles,
+        tokenizer,
+        eos_token_ids: set[int],
+        embedded: EmbeddedEngine,
+        vllm: VllmEngine | None = None,
+    ) -> None:
+        self.backend = backend
+        self.scheduler = scheduler
+        self.store = store
+        self.files = files
+        self.ephemeral = ephemeral
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.embedded = embedded
+        self.vllm = vllm
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def weights_of(self, sampler: SamplerRecord) -> WeightsRef:
+        if sampler.snapshot is not None:
+            return WeightsRef(sampler.snapshot, self.ephemeral, TinkerPath.parse(sampler.snapshot))
+        if sampler.model_path is not None:
+            return WeightsRef(sampler.model_path, self.files, TinkerPath.parse(sampler.model_path))
+        return WeightsRef(None)
+
+    def spec(
+        self,
+        prompt: list[int],
+        params: wire.SamplingParams,
+        *,
+        num_samples: int = 1,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+        topk_sample_logprobs: int = 0,
+    ) -> SampleSpec:
+        caps = self.backend.capabilities
+        if not prompt:
+            raise bad_request("prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < caps.vocab_size]
+        if bad:
+            raise bad_request(f"prompt contains token id {bad[0]}, outside the vocabulary [0, {caps.vocab_size})")
+        if len(prompt) >= caps.max_seq_len:  # not even one token fits after it
+            raise bad_request(f"prompt has {len(prompt)} tokens; the context holds {caps.max_seq_len} in all")
+        check_num_samples(num_samples)
+        # The SDK documents any 64-bit seed; a larger one would fail in the engine instead of here.
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            raise bad_request(f"sampling_params.seed must fit in 64 bits, got {params.seed}")
+        room = caps.max_seq_len - len(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
+        if not 0 <= max_tokens <= room:
+            raise bad_request(
+                f"sampling_params.max_tokens must be between 0 and {room} (the context holds {caps.max_seq_len} "
+                f"tokens, the prompt {len(prompt)}), got {max_tokens}"
+            )
+        if not (params.temperature >= 0 and math.isfinite(params.temperature)):
+            raise bad_request(f"sampling_params.temperature must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise bad_request(f"sampling_params.top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k == 0 or params.top_k < -1:
+            raise bad_request(f"sampling_params.top_k must be -1 (no limit) or >= 1, got {params.top_k}")
+        stop_ids, stop_strings = self.eos_token_ids, ()
+        if params.stop is not None:  # an explicit stop replaces EOS; [] disables stopping
+            stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
+            if any(isinstance(x, int) for x in stops):
+                if not all(isinstance(x, int) and 0 <= x < caps.vocab_size for x in stops):
+                    raise bad_request("sampling_params.stop must be all strings or all token ids in the vocabulary")
+                stop_ids = frozenset(stops)
+            else:
+                if any(s == "" for s in stops):
+                    raise bad_request("sampling_params.stop contains an empty string")
+                stop_ids, stop_strings = frozenset(), tuple(stops)
+        for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
+            if not 0 <= k <= MAX_TOPK:
+                raise bad_request(f"{name} must be between 0 and {MAX_TOPK}, got {k}")
+        if prompt_logprobs_last_n is not None:
+            if not (prompt_logprobs or topk_prompt_logprobs):
+                raise bad_request("prompt_logprobs_last_n needs prompt_logprobs or topk_prompt_logprobs")
+            if not 1 <= prompt_logprobs_last_n <= len(prompt) - 1:
+                raise bad_request(f"prompt_logprobs_last_n must be between 1 and {len(prompt) - 1}")
+        return SampleSpec(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            num_samples=num_samples,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop_token_ids=stop_ids,
+            stop_strings=stop_strings,
+            prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
+            topk_sample_logprobs=topk_sample_logprobs,
+        )
+
+    def _refuse_unsupported(self, req: wire.SampleRequest) -> None:
+        unsupported = {
+            "target_prompt_logprobs": req.target_prompt_logprobs is not None,
+            "prompt_alt_tokens_k": req.prompt_alt_tokens_k != 0,
+            "record_stability_info": req.record_stability_info,
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise bad_request(f"{name} is not supported by this server's sampler")
+
+    # ---- the Tinker endpoint ----------------------------------------------------------------
+
+    def asample(self, req: wire.SampleRequest) -> tuple[str, list[str]]:
+        check_num_samples(req.num_samples)  # first: it sizes the list of sequence ids below
+        if req.sampling_session_id is None:
+            raise bad_request("asample needs sampling_session_id (create a sampling client first)")
+        sampler = self.store.get_sampler(req.sampling_session_id)
+        if sampler is None:
+            raise not_found(f"sampling_session_id {req.sampling_session_id!r} does not exist")
+        seq_id = req.seq_id if req.seq_id is not None else secrets.randbits(62)
+        sequence_ids = [f"{sampler.sampler_id}:{seq_id}:{i}" for i in range(req.num_samples)]
+        if (existing := self.scheduler.find(sampler.sampler_id, seq_id)) is not None:  # a resend
+            return existing, sequence_ids
+        self._refuse_unsupported(req)
+        spec = self.spec(
+            prompt_tokens(req.prompt),
+            req.sampling_params,
+            num_samples=req.num_samples,
+            prompt_logprobs=req.prompt_logprobs,
+            topk_prompt_logprobs=req.topk_prompt_logprobs,
+            prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+            topk_sample_logprobs=req.topk_sample_logprobs,
+        )
+        if self.uses_vllm(spec):
+            self._check_vllm_ready()  # a 503 the SDK retries, rather than a failed future
+        self.scheduler.check_capacity(sampler.sampler_id, None)
+        request_id = self.scheduler.register("sample", model_id=sampler.sampler_id, seq_id=seq_id)
+        task = asyncio.get_running_loop().create_task(self._sample_into(request_id, self.weights_of(sampler), spec))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return request_id, sequence_ids
+
+    async def _sample_into(self, request_id: str, weights: WeightsRef, spec: SampleSpec) -> None:
+        try:
+            output = await self.run(weights, spec)
+        except Exception as e:
+            self.scheduler.fail_with(request_id, e)
+        except asyncio.CancelledError:  # the server is shutting down: the future must still end
+            self.scheduler.fail(request_id, "the server stopped while sampling; retry", "server")
+            raise
+        else:
+            self.scheduler.complete(request_id, encode_sample_response(output), "application/x-protobuf")
+
+    def uses_vllm(self, spec: SampleSpec) -> bool:
+        return self.vllm is not None and not needs_embedded(spec)
+
+    def _check_vllm_ready(self) -> None:
+        try:
+            self.vllm.check_ready()
+        except EngineUnavailable as e:
+            raise unavailable(str(e), e.retry_after) from None
+
+    async def run(self, weights: WeightsRef, spec: SampleSpec, on_token: SampleListener | None = None) -> SampleOutput:
+        """Sample on the engine that serves ``spec`` (for the Tinker and the OpenAI routes)."""
+        if self.uses_vllm(spec):
+            return await self.vllm.sample(weights, spec, on_token)
+        return await self.embedded.sample(weights, spec, on_token)

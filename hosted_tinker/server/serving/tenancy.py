@@ -1,0 +1,63 @@
+"""Who may touch what.
+
+Every object belongs to the session it was made in: model ids are ``{session}:train:{n}``,
+sampler ids ``{session}:sample:{n}``, a checkpoint lives under its model, and a future names its
+model or sampler. A session belongs to the tenant (API key) that opened it. Another tenant gets
+the same 404 as for an id that does not exist, so ids of others cannot even be confirmed.
+
+A published checkpoint (``RestClient.publish_checkpoint_from_tinker_path``) can be read (loaded,
+sampled, described) by every tenant; only its owner can change or delete it.
+"""
+
+from __future__ import annotations
+
+from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
+from hosted_tinker.core.errors import not_found
+from hosted_tinker.server.store import Store
+
+
+class Tenancy:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def owns(self, tenant: str, object_id: str) -> bool:
+        """Whether ``tenant`` opened the session that ``object_id`` (a session, model, run or
+        sampler id) starts with. Ids name their session, so no other row is needed: an unknown
+        id in one's own session passes here and is answered by the service's own 404."""
+        return self.store.session_owner(object_id.partition(":")[0]) == tenant
+
+    def session(self, tenant: str, session_id: str, field: str = "session_id") -> None:
+        if ":" in session_id or not self.owns(tenant, session_id):
+            raise not_found(f"{field} {session_id!r} does not exist")
+
+    def model(self, tenant: str, model_id: str, field: str = "model_id") -> None:
+        if not self.owns(tenant, model_id):
+            raise not_found(f"{field} {model_id!r} does not exist")
+
+    def sampler(self, tenant: str, sampler_id: str, field: str = "sampling_session_id") -> None:
+        if not self.owns(tenant, sampler_id):
+            raise not_found(f"{field} {sampler_id!r} does not exist")
+
+    def future(self, tenant: str, request_id: str) -> None:
+        # Through the id of the future's model or sampler, not that object's row: a retired
+        # ephemeral sampler's finished samples stay readable.
+        subject = self.store.future_subject(request_id)
+        if subject is None or not self.owns(tenant, subject):
+            raise not_found(f"request_id {request_id!r} does not exist")
+
+    def can_read(self, tenant: str, path: TinkerPath) -> bool:
+        """Whether ``tenant`` may load, sample or describe the checkpoint at ``path``."""
+        if self.owns(tenant, path.run_id):
+            return True
+        record = self.store.get_checkpoint(path.run_id, path.kind, path.name)
+        return record is not None and record.public
+
+    def readable(self, tenant: str, path: str, field: str = "path") -> None:
+        """404 for a ``tinker://`` path this tenant may not read; a malformed path is left to the
+        service, which answers it with a 400 that says what is wrong."""
+        try:
+            parsed = TinkerPath.parse(path)
+        except CheckpointError:
+            return
+        if not self.can_read(tenant, parsed):
+            raise not_found(f"{field}: checkpoint {path} does not exist")

@@ -1,0 +1,372 @@
+"""Training requests: validate at submit (a clear 400 now beats a failed future later), then
+queue a job that runs on the backend worker and encodes its own result."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from hosted_tinker.core import losses
+from hosted_tinker.core.errors import (
+    ApiError,
+    RolledBack,
+    UserError,
+    WireError,
+    WorkerCrashed,
+    WorkerDied,
+    bad_request,
+    not_found,
+)
+from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend
+from hosted_tinker.inference.lora_sync import LiveAdapters
+from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
+from hosted_tinker.server.scheduler import Job, Scheduler
+from hosted_tinker.server.store import ModelRecord, Store
+
+JSON = "application/json"
+MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
+PROTOBUF = "application/x-protobuf"
+
+log = logging.getLogger(__name__)
+
+
+def json_result(obj: dict) -> tuple[bytes, str]:
+    return json.dumps(obj).encode(), JSON
+
+
+class TrainingService:
+    def __init__(
+        self, backend: TrainingBackend, scheduler: Scheduler, store: Store, served_names: list[str], tokenizer_id: str
+    ) -> None:
+        self.backend = backend
+        self.scheduler = scheduler
+        self.store = store
+        self.served_names = served_names
+        self.tokenizer_id = tokenizer_id
+        self.live: LiveAdapters | None = None  # with vLLM: each run's adapter synced after every change
+        self.max_lora_rank: int | None = None  # the inference engine's limit, if it has one
+
+    def weights_changed(self, model_id: str) -> None:
+        """On the worker, after a job that set a model's weights (create, load, optim_step)."""
+        if self.live is None:
+            return
+        try:
+            step, weights = self.backend.snapshot_weights(model_id)
+            self.live.publish(model_id, step, self.backend.peft_config(model_id), weights)
+        except (WorkerCrashed, RolledBack, WorkerDied):  # the weights are gone with the worker: say so
+            raise
+        except Exception:  # the step itself succeeded; vLLM keeps the previous version
+            log.exception("could not queue the LoRA sync of %s", model_id)
+
+    # ---- models ---------------------------------------------------------------------------
+
+    def live_model(self, model_id: str) -> ModelRecord:
+        model = self.store.get_model(model_id)
+        if model is None:
+            raise not_found(f"model_id {model_id!r} does not exist")
+        if model.status == "unloaded":
+            raise bad_request(f"model {model_id} was unloaded")
+        if model.status == "lost":
+            raise bad_request(
+                f"model {model_id} was lost in a server restart or with its worker; recreate it (or load a saved state)"
+            )
+        if model.status == "failed":
+            raise bad_request(f"model {model_id} could not be created; its create_model future says why")
+        return model
+
+    def create_model(self, req: wire.CreateModelRequest) -> str:
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        if (existing := self.scheduler.find(model_id, 0)) is not None:  # a resend
+            return existing
+        if req.base_model not in self.served_names:
+            raise bad_request(f"base_model {req.base_model!r} is not served here; served names: {self.served_names}")
+        if req.optimizer_config.type != "adamw":
+            raise bad_request(
+                f"optimizer_config.type {req.optimizer_config.type!r} is not supported; this server implements 'adamw'"
+            )
+        if req.lora_config is None:
+            raise bad_request("lora_config is required: this server trains LoRA adapters only")
+        lc = req.lora_config
+        if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
+            raise bad_request("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+        # An unseeded adapter still gets a recorded seed, so its initialisation is reproducible.
+        spec = LoraSpec(
+            lc.rank,
+            lc.seed if lc.seed is not None else secrets.randbits(63),
+            lc.train_mlp,
+            lc.train_attn,
+            lc.train_unembed,
+        )
+        return self.create_model_with(
+            model_id,
+            session_id=req.session_id,
+            model_seq_id=req.model_seq_id,
+            base_model=req.base_model,
+            lora=spec,
+            user_metadata=req.user_metadata or {},
+            result={"model_id": model_id, "type": "create_model"},
+        )
+
+    def create_model_with(
+        self,
+        model_id: str,
+        *,
+        session_id: str,
+        model_seq_id: int,
+        base_model: str,
+        lora: LoraSpec,
+        user_metadata: dict,
+        result: dict,
+        after_create: Callable[[str], None] | None = None,
+    ) -> str:
+        """Register a model and queue its creation as its request 0 (``after_create`` may load state)."""
+        if self.max_lora_rank is not None and lora.rank > self.max_lora_rank:
+            raise bad_request(
+                f"lora_config.rank {lora.rank} is above the inference engine's limit of {self.max_lora_rank} "
+                "(start the server with a larger --max-lora-rank)"
+            )
+        status = self.store.session_status(session_id)
+        if status is None:
+            raise not_found(f"session_id {session_id!r} does not exist")
+        if status != "active":
+            raise bad_request(f"session {session_id} has finished; start a new ServiceClient")
+        self.scheduler.check_capacity(model_id, 0)
+        self.store.add_model(
+            model_id,
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            base_model=base_model,
+            lora=lora.__dict__,
+            user_metadata=user_metadata,
+        )
+
+        def job() -> tuple[bytes, str]:
+            try:
+                self.backend.create_adapter(model_id, lora)
+                if after_create is not None:
+                    after_create(model_id)
+                self.weights_changed(model_id)
+            except BaseException:
+                self.store.set_model_status(model_id, "failed")
+                if self.backend.has_adapter(model_id):
+                    self.backend.delete_adapter(model_id)
+                raise
+            return json_result(result)
+
+        request_id = self.scheduler.submit("create_model", job, model_id=model_id, seq_id=0)
+        self.scheduler.open_model(model_id)
+        return request_id
+
+    def get_info(self, req: wire.GetInfoRequest) -> dict:
+        model = self.live_model(req.model_id)
+        return {
+            "model_id": model.model_id,
+            "model_data": {
+                "arch": self.backend.capabilities.arch,
+                "model_name": model.base_model,
+                "tokenizer_id": self.tokenizer_id,
+            },
+            "model_name": model.base_model,
+            "is_lora": True,
+            "lora_rank": model.lora["rank"],
+            "optimizer_config": {"type": "adamw"},
+            "type": "get_info",
+        }
+
+    def unload_model(self, model_id: str) -> str:
+        """Free the model's adapter; requests still waiting for their turn fail."""
+        self.live_model(model_id)
+        self.store.set_model_status(model_id, "unloaded")
+        self.scheduler.close_model(model_id)
+        if self.live is not None:
+            self.live.drop(model_id)
+
+        def job() -> tuple[bytes, str]:
+            self.backend.delete_adapter(model_id)
+            return json_result({"model_id": model_id, "type": "unload_model"})
+
+        return self.scheduler.submit("unload_model", job, model_id=model_id)
+
+    def unload_session(self, session_id: str) -> int:
+        """Unload every live model of a finished session; return how many."""
+        model_ids = self.store.live_models_of_session(session_id)
+        for model_id in model_ids:
+            self.unload_model(model_id)
+        return len(model_ids)
+
+    # ---- forward / backward ---------------------------------------------------------------
+
+    def submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Callable[[], Job]) -> str:
+        """Validate (``prepare``) and queue one of a model's requests.
+
+        A rejected request still consumes its ``seq_id``, as a failed future: the SDK has
+        already numbered the requests after it, and they must not wait for it forever.
+        """
+        if not 1 <= seq_id <= MAX_SEQ_ID:
+            raise bad_request(f"seq_id must be between 1 and {MAX_SEQ_ID}, got {seq_id}")
+        if (existing := self.scheduler.find(model_id, seq_id)) is not None:  # a resend
+            return existing
+        self.live_model(model_id)
+        self.scheduler.check_capacity(model_id, seq_id)
+        try:
+            job = prepare()
+        except ApiError as e:
+            self.scheduler.submit(kind, _failing(e.detail), model_id=model_id, seq_id=seq_id)
+            raise
+        return self.scheduler.submit(kind, job, model_id=model_id, seq_id=seq_id)
+
+    def refuse_ordered(self, kind: str, model_id: str, seq_id: int, error: ApiError) -> str:
+        """Refuse one of a model's requests that failed before its ``prepare`` (a body that did not
+        validate, an option we lack) as its ``seq_id``, which it still consumes: raises ``error``,
+        or ``submit_ordered``'s own refusal; a resend gets the original future."""
+
+        def prepare() -> Job:
+            raise error
+
+        return self.submit_ordered(kind, model_id, seq_id, prepare)
+
+    def forward_backward(self, req: WireForwardBackward) -> str:
+        def prepare() -> Job:
+            batch = self._validate_batch(req)
+
+            def job() -> tuple[bytes, str]:
+                result = self.backend.forward_backward(req.model_id, batch)
+                outputs = [{"logprobs": lp} for lp in result.logprobs]
+                return encode_forward_backward_output(outputs, {"loss:sum": result.loss_sum}), PROTOBUF
+
+            return job
+
+        kind = "forward" if req.forward_only else "forward_backward"
+        return self.submit_ordered(kind, req.model_id, req.seq_id, prepare)
+
+    def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
+        caps = self.backend.capabilities
+        if req.loss_fn in losses.UNSUPPORTED_LOSSES:
+            raise bad_request(f"loss_fn {req.loss_fn!r} is not supported: {losses.UNSUPPORTED_LOSSES[req.loss_fn]}")
+        spec = losses.LOSSES.get(req.loss_fn)
+        if spec is None or req.loss_fn not in caps.losses:
+            raise bad_request(f"loss_fn {req.loss_fn!r} is not supported; supported: {sorted(caps.losses)}")
+        config = dict(spec.config_defaults)
+        for key, value in req.loss_fn_config.items():
+            if key not in spec.config_defaults:
+                raise bad_request(
+                    f"loss_fn_config.{key} is not a setting of {req.loss_fn!r}; "
+                    f"accepted: {sorted(spec.config_defaults) or 'none'}"
+                )
+            if not isinstance(value, float) or not math.isfinite(value):
+                raise bad_request(f"loss_fn_config.{key} must be a finite number, got {value!r}")
+            config[key] = value
+        try:
+            wire_data = req.datums()
+        except WireError as e:
+            raise bad_request(str(e)) from None
+        if not wire_data:
+            raise bad_request("data is empty: forward_backward needs at least one datum")
+        total = sum(len(d.tokens) for d in wire_data)
+        if total > caps.max_tokens_per_batch:
+            raise bad_request(f"data holds {total} tokens, over the limit of {caps.max_tokens_per_batch} per request")
+        data = [self._validate_datum(d, i, spec) for i, d in enumerate(wire_data)]
+        return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
+
+    def _validate_datum(self, d: WireDatum, index: int, spec: losses.LossSpec) -> DatumInput:
+        caps = self.backend.capabilities
+        where = f"data[{index}]"
+        n = len(d.tokens)
+        if n == 0:
+            raise bad_request(f"{where}.model_input is empty")
+        if n > caps.max_seq_len:
+            raise bad_request(f"{where}.model_input has {n} tokens, over the maximum of {caps.max_seq_len}")
+        _check_token_ids(d.tokens, caps.vocab_size, f"{where}.model_input")
+        inputs = dict(d.loss_fn_inputs)
+        targets = inputs.pop("target_tokens", None)
+        if targets is None:
+            raise bad_request(f"{where}.loss_fn_inputs.target_tokens is required")
+        if targets.dtype.kind not in "iu":
+            raise bad_request(f"{where}.loss_fn_inputs.target_tokens must be int64, got {targets.dtype}")
+        if targets.ndim == 2 and not (spec.allows_topk_targets and caps.topk_targets):
+            raise bad_request(f"{where}.loss_fn_inputs.target_tokens: (N, K) targets are only valid for cross_entropy")
+        if targets.shape[:1] != (n,) or targets.ndim > 2:
+            raise bad_request(
+                f"{where}.loss_fn_inputs.target_tokens has shape {list(targets.shape)}; expected [{n}] "
+                f"(or [{n}, K]) to match model_input length {n}"
+            )
+        _check_token_ids(targets, caps.vocab_size, f"{where}.loss_fn_inputs.target_tokens")
+        tensors: dict[str, torch.Tensor] = {}
+        for key in spec.required_inputs:
+            if key not in inputs:
+                raise bad_request(f"{where}.loss_fn_inputs.{key} is required by this loss")
+        for key, value in inputs.items():
+            if key not in spec.required_inputs and key not in spec.optional_inputs:
+                accepted = ["target_tokens", *spec.required_inputs, *spec.optional_inputs]
+                raise bad_request(f"{where}.loss_fn_inputs.{key} is not an input of this loss; accepted: {accepted}")
+            if value.dtype.kind != "f":
+                raise bad_request(f"{where}.loss_fn_inputs.{key} must be float32, got {value.dtype}")
+            # weights follow the target's shape ((N, K) for top-K targets); the rest are per position.
+            expected = targets.shape if key == "weights" else (n,)
+            if value.shape != expected:
+                raise bad_request(
+                    f"{where}.loss_fn_inputs.{key} has shape {list(value.shape)}; expected {list(expected)}"
+                )
+            if not np.isfinite(value).all():
+                raise bad_request(f"{where}.loss_fn_inputs.{key} contains NaN or infinity")
+            tensors[key] = torch.from_numpy(value.astype(np.float32))
+        return DatumInput(
+            tokens=torch.from_numpy(d.tokens.astype(np.int64)),
+            target_tokens=torch.from_numpy(targets.astype(np.int64)),
+            inputs=tensors,
+        )
+
+    # ---- optimizer ------------------------------------------------------------------------
+
+    def optim_step(self, req: wire.OptimStepRequest) -> str:
+        def prepare() -> Job:
+            if req.optimizer_params is not None:
+                family = req.optimizer_params.get("type")
+                raise bad_request(f"optimizer_params of type {family!r} are not supported; send adam_params")
+            params = _adam_params(req.adam_params or wire.AdamParams())
+
+            def job() -> tuple[bytes, str]:
+                metrics = self.backend.optim_step(req.model_id, params)
+                self.weights_changed(req.model_id)
+                return json_result({"metrics": metrics})
+
+            return job
+
+        return self.submit_ordered("optim_step", req.model_id, req.seq_id, prepare)
+
+
+def _adam_params(p: wire.AdamParams) -> AdamParams:
+    """Range-check here rather than in the wire type, so a bad value consumes its seq_id."""
+    checks = {
+        "learning_rate": p.learning_rate >= 0,
+        "beta1": 0 <= p.beta1 < 1,
+        "beta2": 0 <= p.beta2 < 1,
+        "eps": p.eps > 0,
+        "weight_decay": p.weight_decay >= 0,
+        "grad_clip_norm": p.grad_clip_norm >= 0,
+    }
+    for name, ok in checks.items():
+        value = getattr(p, name)
+        if not ok or not math.isfinite(value):
+            raise bad_request(f"adam_params.{name} = {value} is out of range")
+    return AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+
+
+def _failing(detail: str) -> Job:
+    def job() -> tuple[bytes, str]:
+        raise UserError(detail)
+
+    return job
+
+
+def _check_token_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise bad_request(f"{where} contains token id {bad}, outside the vocabulary [0, {vocab_size})")

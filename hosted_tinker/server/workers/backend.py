@@ -1,0 +1,241 @@
+"""``ProcessBackend``: the training backend interface, served by worker processes that may die.
+
+The backend runs in a ``WorkerGroup``: one worker process, or one per data-parallel rank
+(``backends.ddp``). What changes a model's state goes to every rank; a ``forward_backward``
+batch is split across ranks by token count; what needs one copy (export, sampling) is rank 0's.
+
+When a worker dies during a call (SIGKILL, the kernel's OOM killer, a crash in native code, a
+hang past the call timeout), the group is stopped and a new one started, ``recovery`` puts the
+training models back (from their last saved state where one exists), and the call raises
+``WorkerCrashed``: its future fails with ``category: server`` while the requests queued behind
+it run on the new group. A group found dead between calls is replaced the same way before the
+next call, which then runs. Every other restored model is behind where its client thinks it
+is: its next training call raises ``RolledBack`` (once), unless that call replaces or deletes
+its state anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from hosted_tinker.core.errors import RolledBack, WorkerCrashed, WorkerDied
+from hosted_tinker.core.messages import Listener
+from hosted_tinker.core.sharding import merge_results, shard_batch, shard_by_tokens
+from hosted_tinker.core.types import (
+    AdamParams,
+    AdapterState,
+    Capabilities,
+    ForwardBackwardBatch,
+    ForwardBackwardResult,
+    LoraSpec,
+)
+from hosted_tinker.rank.plans import Factory
+from hosted_tinker.server.workers.group import WorkerGroup
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 1800.0  # loading a large model from a cold disk can take minutes
+RESTORE_ATTEMPTS = 3  # new groups tried in a row when each dies while models are restored
+
+# Calls on one model's state: the first after its rollback raises ``RolledBack``...
+_TRAINING_CALLS = frozenset({"forward_backward", "optim_step", "export_state", "peft_config", "snapshot_weights"})
+# ...and these make the rollback moot.
+_STATE_REPLACING_CALLS = frozenset({"load_state", "delete_adapter"})
+
+
+def one_worker(factory: Factory) -> Callable[[], list[Factory]]:
+    """The ``ranks`` of a backend that runs in a single worker process."""
+    return lambda: [factory]
+
+
+class Recovery(Protocol):
+    """Puts the dead group's training models back on a new one (``serving.recovery``)."""
+
+    def restore(self, model_id: str) -> str:
+        """Recreate ``model_id``; what became of it ("was restored from ...", or why not)."""
+        ...
+
+    def lose(self, model_id: str, why: str) -> str:
+        """Give ``model_id`` up; what its client is told."""
+        ...
+
+
+class ProcessBackend:
+    """Implements ``TrainingBackend`` by calling the real backend in worker processes.
+
+    ``ranks`` returns one factory per rank, afresh for every (re)start of the group. Called
+    from the scheduler's single dispatch thread only, like any backend.
+    """
+
+    def __init__(self, ranks: Callable[[], list[Factory]], call_timeout_s: float | None = None) -> None:
+        self._ranks = ranks
+        self._call_timeout_s = call_timeout_s  # see WorkerProcess
+        self._group = WorkerGroup(ranks(), call_timeout_s)  # loads now; ``capabilities`` waits for it
+        self._capabilities: Capabilities | None = None
+        self._ready = threading.Lock()
+        self._restoring = False
+        self.recovery: Recovery | None = None  # set by the server; without it, models are not restored
+        self._adapters: list[str] = []  # training models the group holds, oldest first
+        self._rolled_back: dict[str, RolledBack] = {}  # model -> what its next training call raises
+        self.restarts = 0
+        self.last_death: str | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        if self._capabilities is None:
+            with self._ready:
+                if self._capabilities is None:
+                    self._capabilities = self._group.wait_ready(START_TIMEOUT_S)
+        return self._capabilities
+
+    def status(self) -> dict:
+        """For /healthz."""
+        return {
+            "pid": self._group.pids[0],
+            "pids": self._group.pids,
+            "alive": self._group.alive,
+            "restarts": self.restarts,
+            "last_death": self.last_death,
+        }
+
+    def close(self) -> None:
+        self._group.stop()
+
+    # ---- calls, and what happens when a worker dies -------------------------------------------
+
+    def ensure_alive(self) -> None:
+        """Replace a group that lost a worker between calls (on the dispatch thread, like a call)."""
+        if not self._group.alive and not self._restoring:
+            self._replace(self._group.how_it_died())
+
+    def _run(self, method: str, args: tuple, send: Callable[[], Any]) -> Any:
+        """``send`` the call ``method(*args)`` to the group, with what a worker's death entails."""
+        _ = self.capabilities  # the first group's "ready" must be read before any call's answer
+        self.ensure_alive()
+        model_id = args[0] if method in _TRAINING_CALLS | _STATE_REPLACING_CALLS else None
+        if model_id is not None and not self._restoring:
+            notice = self._rolled_back.pop(model_id, None)
+            if notice is not None and method in _TRAINING_CALLS:
+                raise notice
+        try:
+            return send()
+        except WorkerDied as e:
+            if self._restoring:  # the new group died too: _replace starts another
+                raise
+            restored = self._replace(str(e))
+            self._rolled_back.pop(model_id, None)  # this call's own failure tells its client
+            raise WorkerCrashed(str(e), restored) from None
+
+    def _on_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._run(method, args, lambda: self._group.call(method, *args, **kwargs))
+
+    def _on_every_rank(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The same call on every rank (it changes state they all hold); rank 0's answer."""
+        return self._run(method, args, lambda: self._group.call_each(method, [args] * self._group.size, **kwargs)[0])
+
+    def _replace(self, reason: str) -> dict[str, str]:
+        """Start a new group in place of the dead one and restore the models onto it; per model,
+        what became of it. Each model that came back from a saved state is owed a ``RolledBack``
+        (see ``_run``). A model whose restoring kills the new group too is given up, and the
+        others go onto yet another group."""
+        log.error("%s; starting new training workers", reason)
+        self.restarts += 1
+        self.last_death = reason
+        todo, self._adapters = self._adapters, []  # models to put back, oldest first
+        outcome: dict[str, str] = {}
+        for _ in range(RESTORE_ATTEMPTS):
+            self._group.kill()
+            try:
+                self._group = WorkerGroup(self._ranks(), self._call_timeout_s)
+                self._group.wait_ready(START_TIMEOUT_S)
+            except BaseException:
+                self._adapters = todo  # still owed: the next replacement restores them
+                raise
+            if self.recovery is None:
+                return outcome
+            self._restoring = True
+            try:
+                while todo:
+                    outcome[todo[0]] = self.recovery.restore(todo[0])
+                    todo.pop(0)
+                break
+            except WorkerDied as e:  # while restoring todo[0], which is not tried again
+                log.error("%s while restoring %s; starting new training workers", e, todo[0])
+                self.restarts += 1
+                self.last_death = str(e)
+                culprit = todo.pop(0)
+                outcome[culprit] = self.recovery.lose(culprit, f"killed the new worker too while being restored ({e})")
+                todo, self._adapters = self._adapters + todo, []  # those restored died with it
+            finally:
+                self._restoring = False
+        for model_id in todo:  # the workers kept dying
+            outcome[model_id] = self.recovery.lose(model_id, "could not be restored: new workers kept dying")
+        log.info("after the restart: %s", "; ".join(f"{m} {how}" for m, how in outcome.items()) or "no models")
+        for model_id, how in outcome.items():
+            if how.startswith("was restored"):
+                self._rolled_back[model_id] = RolledBack(reason, model_id, how)
+        return outcome
+
+    # ---- the backend interface ------------------------------------------------------------------
+
+    def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
+        self._on_every_rank("create_adapter", model_id, lora)
+        self._adapters.append(model_id)
+
+    def delete_adapter(self, model_id: str) -> None:
+        self._on_every_rank("delete_adapter", model_id)
+        self._adapters.remove(model_id)
+
+    def has_adapter(self, model_id: str) -> bool:
+        return self._on_rank0("has_adapter", model_id)
+
+    def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
+        size = self._group.size
+        if size == 1:
+            return self._on_rank0("forward_backward", model_id, batch)
+        shards = shard_by_tokens([d.num_tokens for d in batch.data], size)
+        per_rank = [(model_id, shard) for shard in shard_batch(batch, shards)]
+
+        def send() -> list[ForwardBackwardResult]:
+            return self._group.call_each("forward_backward", per_rank)
+
+        return merge_results(self._run("forward_backward", (model_id,), send), shards)
+
+    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+        return self._on_every_rank("optim_step", model_id, params)
+
+    def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState:
+        return self._on_rank0("export_state", model_id, with_optimizer=with_optimizer)
+
+    def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None:
+        self._on_every_rank("load_state", model_id, state, with_optimizer=with_optimizer)
+
+    def peft_config(self, model_id: str) -> dict:
+        return self._on_rank0("peft_config", model_id)
+
+    def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
+        return self._on_rank0("snapshot_weights", model_id)
+
+    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return self._on_rank0("zero_adapter")
+
+    def has_sampler(self, key: str) -> bool:
+        return self._on_rank0("has_sampler", key)
+
+    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None:
+        self._on_rank0("load_sampler", key, adapter_config, weights)
+
+    def generate(
+        self,
+        key: str | None,
+        specs: list,
+        admit: Callable[[], list] | None = None,
+        on_token: Callable[[int, int, int, float], None] | None = None,
+    ) -> list:
+        listener = Listener(on_token) if on_token is not None else None
+        return self._on_rank0("generate", key, specs, admit=admit, on_token=listener)

@@ -1,0 +1,168 @@
+"""One worker process and the pipe to it, seen from the server: start, call, notice death, stop."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError
+from hosted_tinker.core.messages import Callback, Listener, recv, send
+from hosted_tinker.core.types import Capabilities, TrainingBackend
+from hosted_tinker.rank import serve as child
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2  # how often a waiting call checks that the worker is still alive
+
+
+class WorkerProcess:
+    """A spawned child running ``child.serve``; calls are synchronous, one at a time."""
+
+    def __init__(
+        self,
+        factory: Callable[[], TrainingBackend],
+        call_timeout_s: float | None = None,
+        label: str = "the training worker",
+    ) -> None:
+        # A call that shows no sign of life (an answer, a callback, a notification) for this
+        # long has hung (a deadlocked collective, a wedged GPU): the worker is killed.
+        self.call_timeout_s = call_timeout_s
+        self.label = label  # how messages name it
+        # spawn, not fork: the server has threads and an event loop, and CUDA cannot be forked.
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_end = context.Pipe()
+        self.process = context.Process(target=child.serve, args=(child_end, factory), name="backend-worker")
+        self.process.start()
+        child_end.close()  # ours closed, the pipe reports EOF as soon as the child is gone
+        self.pid: int = self.process.pid
+
+    @property
+    def conn(self) -> Connection:
+        """Our end of the pipe, for ``multiprocessing.connection.wait`` over several workers."""
+        return self._conn
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def wait_ready(self, timeout_s: float) -> Capabilities:
+        """Block until the backend is built (loading a model takes a while); its capabilities."""
+        kind, *rest = self._recv(time.monotonic() + timeout_s, f"did not start within {timeout_s:g} s")
+        if kind == "error":
+            self.stop()
+            raise RuntimeError(f"{self.label} could not start: {rest[0]}")
+        return rest[0]
+
+    def start_call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Send a call without waiting (no callable arguments): its answer comes to ``read``."""
+        self._send("call", method, args, kwargs)
+
+    def read(self) -> tuple:
+        """The next message, which ``conn`` says is there."""
+        try:
+            return recv(self._conn)
+        except (EOFError, OSError):
+            raise WorkerDied(self.how_it_died()) from None
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``backend.method`` in the worker. Callable keyword arguments (and ``Listener``s)
+        stay here; the worker calls them back. Raises ``UserError``, ``WorkerError`` or
+        ``WorkerDied``."""
+        callbacks, wire_kwargs = {}, {}
+        for k, v in kwargs.items():
+            if isinstance(v, Listener):
+                callbacks[k], wire_kwargs[k] = v.fn, Callback(k, answer=False)
+            elif callable(v):
+                callbacks[k], wire_kwargs[k] = v, Callback(k)
+            else:
+                wire_kwargs[k] = v
+        self._send("call", method, args, wire_kwargs)
+        while True:
+            deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
+            kind, *rest = self._recv(deadline, f"did not answer {method} within {self.call_timeout_s} s")
+            if kind == "notify":
+                name, callback_args = rest
+                try:
+                    callbacks[name](*callback_args)
+                except Exception:  # a listener's failure is its own; the call goes on
+                    log.exception("the listener %s failed", name)
+            elif kind == "callback":
+                name, callback_args = rest
+                try:
+                    answer = ("answer", callbacks[name](*callback_args))
+                except Exception as e:
+                    answer = ("answer_error", f"{type(e).__name__}: {e}")
+                try:
+                    self._send(*answer)
+                except WorkerDied:
+                    raise
+                except Exception as e:  # an answer that cannot be pickled: the worker still waits for one
+                    self._send("answer_error", f"the answer could not be sent: {type(e).__name__}: {e}")
+            else:
+                return outcome(kind, rest[0])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the worker to exit; kill it if it does not."""
+        if self.alive:
+            try:
+                self._send("stop")
+            except WorkerDied:
+                pass
+            self.process.join(timeout_s)
+        if self.alive:
+            self.process.kill()
+            self.process.join(timeout_s)
+        self._conn.close()
+
+    def kill(self) -> None:
+        """End the worker now, whatever it is doing."""
+        if self.alive:
+            self.process.kill()
+        self.process.join(10)
+        self._conn.close()
+
+    def how_it_died(self) -> str:
+        self.process.join(5)
+        code = self.process.exitcode
+        who = f"{self.label} (pid {self.pid})"
+        if code is None:
+            return f"{who} stopped answering"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:  # a real-time signal has no name
+                name = f"signal {-code}"
+            hint = " (the kernel's out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+            return f"{who} was killed by {name}{hint}"
+        return f"{who} exited with code {code}"
+
+    def _send(self, *message: Any) -> None:
+        try:
+            send(self._conn, *message)
+        except OSError:
+            raise WorkerDied(self.how_it_died()) from None
+
+    def _recv(self, deadline: float | None, overdue: str) -> tuple:
+        """The worker's next message; past ``deadline`` the worker is killed: it ``overdue``."""
+        while not self._conn.poll(POLL_S):
+            if not self.alive:
+                raise WorkerDied(self.how_it_died())
+            if deadline is not None and time.monotonic() > deadline:
+                self.process.kill()
+                self.process.join(5)
+                raise WorkerDied(f"{self.label} (pid {self.pid}) {overdue} and was killed")
+        return self.read()
+
+
+def outcome(kind: str, value: Any) -> Any:
+    """A call's final answer: its result, or the exception its kind stands for."""
+    if kind == "ok":
+        return value
+    if kind == "user_error":
+        raise UserError(value)
+    raise WorkerError(value)  # "error", or a data-parallel rank's "peer_failed" or "group_broken" (see worker.group)
