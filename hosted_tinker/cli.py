@@ -108,22 +108,21 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 def _backends(args: argparse.Namespace) -> int:
     """Each backend: what it supports, where it trains, and its options (--backend-option)."""
-    from hosted_tinker.rank.peft_backend import PeftBackend
-    from hosted_tinker.rank.plans import OPTIONS
-    from hosted_tinker.rank.plans.ddp import DdpRank
+    from hosted_tinker.core.losses import LOSSES
+    from hosted_tinker.rank.plans import PLANS, plan_module
 
-    devices = {"peft": "one: --device cpu | cuda:N", "ddp": "one per rank: --train-devices cpu:N | cuda:0,1,..."}
     info = {}
-    for cls in (PeftBackend, DdpRank):
+    for name in PLANS:
+        plan = plan_module(name)
         options = {
-            name: {"default": field.default, "description": field.description}
-            for name, field in OPTIONS[cls.NAME].model_fields.items()
+            option: {"default": field.default, "description": field.description}
+            for option, field in plan.Options.model_fields.items()
         }
-        info[cls.NAME] = {
-            "losses": list(cls.SUPPORTED_LOSSES),
+        info[name] = {
+            "losses": list(LOSSES),
             "topk_targets": True,
-            "sampling": cls.SAMPLING,
-            "devices": devices[cls.NAME],
+            "sampling": True,  # the embedded sampler on rank 0
+            "devices": plan.DEVICES,
             "options": options,
         }
     print(json.dumps(info, indent=2))

@@ -27,11 +27,12 @@ from hosted_tinker.core.config import ServerConfig, parse_devices
 from hosted_tinker.core.errors import WorkerCrashed, WorkerError
 from hosted_tinker.core.sharding import merge_results, shard_by_tokens
 from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec
-from hosted_tinker.rank.peft_backend import PeftBackend
-from hosted_tinker.rank.plans import _free_port, rank_factories
-from hosted_tinker.rank.plans.ddp import DdpRank
-from hosted_tinker.server.workers.backend import ProcessBackend
+from hosted_tinker.rank.plans import plan_module
+from hosted_tinker.rank.serve import Rank, RankSpec, build_rank, local_rank
+from hosted_tinker.rank.trainer import Trainer
+from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
 from hosted_tinker.server.workers.group import PEER_GRACE_S
+from hosted_tinker.server.workers.launch import free_port, rank_factories
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,18 +83,36 @@ def _result(logprobs: list[np.ndarray], loss: float):
 # ---- two ranks against one process -----------------------------------------------------------
 
 
+def inspectable(factory) -> Rank:
+    """A production rank that also answers ``local_state``: what this rank itself holds of a
+    model (only rank 0's travels in ``export_state``), to check that the ranks agree."""
+    rank = factory()
+    rank.local_state = functools.partial(_local_state, rank.trainer)
+    return rank
+
+
+def _local_state(trainer: Trainer, model_id: str) -> dict[str, torch.Tensor]:
+    adapter = trainer.adapters[model_id]
+    state = {}
+    for key, p in zip(adapter.handle.keys, adapter.handle.params, strict=True):
+        state[key] = p.detach().clone()
+        state |= {f"{key}.{f}": v.clone() for f, v in adapter.optimizer.state.get(p, {}).items()}
+    return state
+
+
 @pytest.fixture(scope="module")
 def ddp(tiny_model_dir: Path):
     config = ServerConfig(model=str(tiny_model_dir), backend="ddp", train_devices="cpu:2")
-    backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+    launch = rank_factories(config, str(tiny_model_dir))
+    backend = ProcessBackend(lambda: [functools.partial(inspectable, f) for f in launch()])
     assert backend.capabilities.backend == "ddp" and backend.capabilities.devices == ("cpu", "cpu")
     yield backend
     backend.close()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> PeftBackend:
-    return PeftBackend(str(tiny_model_dir))
+def reference(tiny_model_dir: Path) -> Trainer:
+    return local_rank(str(tiny_model_dir)).trainer
 
 
 def batch(rng: np.random.Generator, size: int, loss_fn: str = "cross_entropy") -> ForwardBackwardBatch:
@@ -123,7 +142,7 @@ def assert_same(got, want, what: str) -> None:
     assert diff < 1e-5, f"{what}: logprobs differ by {diff}"
 
 
-def test_two_ranks_train_exactly_like_one_process(ddp: ProcessBackend, reference: PeftBackend):
+def test_two_ranks_train_exactly_like_one_process(ddp: ProcessBackend, reference: Trainer):
     """Six steps, one per loss, of 1, 3 or 7 datums plus a second call that accumulates."""
     for backend in (ddp, reference):
         backend.create_adapter("same", LoraSpec(rank=8, seed=11))
@@ -140,15 +159,15 @@ def test_two_ranks_train_exactly_like_one_process(ddp: ProcessBackend, reference
     assert_same(forward(ddp, "same", probe), forward(reference, "same", probe), "after six steps")
 
     rank0 = ddp.export_state("same")
-    rank1 = ddp._group.workers[1].call("export_state", "same")  # rank 1 alone, for this check
-    assert rank0.steps == rank1.steps == 6
+    rank1 = ddp._group.workers[1].call("local_state", "same")  # rank 1 alone, for this check
+    assert rank0.steps == 6 and rank1.keys() == {**rank0.weights, **rank0.optimizer}.keys()
     for name, tensor in {**rank0.weights, **rank0.optimizer}.items():
-        assert torch.equal(tensor, {**rank1.weights, **rank1.optimizer}[name]), f"the ranks differ in {name}"
+        assert torch.equal(tensor, rank1[name]), f"the ranks differ in {name}"
     for backend in (ddp, reference):
         backend.delete_adapter("same")
 
 
-def test_one_rank_is_the_single_process_backend(tiny_model_dir: Path, reference: PeftBackend):
+def test_one_rank_is_the_single_process_backend(tiny_model_dir: Path, reference: Trainer):
     """``--train-devices cpu:1`` (or one GPU): no collective runs, and the steps are exactly
     the peft backend's."""
     config = ServerConfig(model=str(tiny_model_dir), backend="ddp", train_devices="cpu:1")
@@ -171,21 +190,22 @@ def test_one_rank_is_the_single_process_backend(tiny_model_dir: Path, reference:
 
 
 def test_ranks_start_identical_whatever_else_rank_0_holds(ddp: ProcessBackend):
-    """Samplers live on rank 0 alone, so after the last training model goes, rank 0 keeps its
-    PEFT wrapper and the others unwrap: a new adapter is then made differently on each. Rank
-    0's initial weights are broadcast, so the ranks still start out bitwise identical."""
+    """The embedded sampler lives on rank 0 alone, and ranks may have made different adapters
+    before (their PEFT wrappers came and went differently). Rank 0's initial weights are
+    broadcast, so the ranks still start out bitwise identical."""
     ddp.create_adapter("first", LoraSpec(rank=8, seed=1))
-    config, weights = ddp.zero_adapter()
-    ddp.load_sampler("zero", config, weights)
+    sampler = SamplerClient(ddp)
+    config, weights = sampler.zero_adapter()
+    sampler.load_sampler("zero", config, weights)
     ddp.delete_adapter("first")
     ddp.create_adapter("second", LoraSpec(rank=8, seed=2))
-    rank0, rank1 = ddp.export_state("second"), ddp._group.workers[1].call("export_state", "second")
+    rank0, rank1 = ddp.export_state("second"), ddp._group.workers[1].call("local_state", "second")
     for name, tensor in rank0.weights.items():
-        assert torch.equal(tensor, rank1.weights[name]), f"the ranks start apart in {name}"
+        assert torch.equal(tensor, rank1[name]), f"the ranks start apart in {name}"
     ddp.delete_adapter("second")
 
 
-def test_a_request_that_fails_on_one_rank_leaves_no_gradient_on_any(ddp: ProcessBackend, reference: PeftBackend):
+def test_a_request_that_fails_on_one_rank_leaves_no_gradient_on_any(ddp: ProcessBackend, reference: Trainer):
     """One datum whose target is outside the vocabulary (the server's validation would refuse
     it; the backend is called directly here) fails on its rank alone. The error is that rank's,
     and the other rank drops its shard's gradients too: the next step equals one without it."""
@@ -244,26 +264,32 @@ def test_a_rank_that_hangs_fails_the_request_and_the_group_is_replaced(tiny_mode
         backend.close()
 
 
-class OneRankFails(DdpRank):
+def fails_on_rank_1(spec: RankSpec) -> Rank:
     """A rank that fails some calls on rank 1 alone (as on a GPU that went bad)."""
+    rank = build_rank(spec)
+    if spec.rank == 1:
+        model, trainer = rank.trainer.model, rank.trainer
+        add_adapter, delete_adapter = model.add_adapter, trainer.delete_adapter
 
-    def _add_peft_adapter(self, config):  # inside create_adapter, where a real failure would be
-        if config.r == 3 and self.rank == 1:
-            raise RuntimeError("CUDA error: out of memory")
-        return super()._add_peft_adapter(config)
+        def add(lora: LoraSpec):  # inside create_adapter, where a real failure would be
+            if lora.rank == 3:
+                raise RuntimeError("CUDA error: out of memory")
+            return add_adapter(lora)
 
-    def delete_adapter(self, model_id: str) -> None:
-        if model_id == "stuck" and self.rank == 1:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        super().delete_adapter(model_id)
+        def delete(model_id: str) -> None:
+            if model_id == "stuck":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            delete_adapter(model_id)
+
+        model.add_adapter, trainer.delete_adapter = add, delete
+    return rank
 
 
 def one_rank_fails(model: str) -> list:
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    options = plan_module("ddp").Options(collective_timeout_s=60)
     return [
-        functools.partial(
-            OneRankFails, model, rank=rank, devices=["cpu", "cpu"], init_method=init_method, collective_timeout_s=60
-        )
+        functools.partial(fails_on_rank_1, RankSpec("ddp", options, model, rank, ("cpu", "cpu"), init_method))
         for rank in range(2)
     ]
 

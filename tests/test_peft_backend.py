@@ -1,5 +1,6 @@
-"""The PEFT backend in-process: AdamW and clipping against an independent float64 reference,
-gradient accumulation, seeded initialisation, and a base model that never changes."""
+"""One rank in-process (the single plan: HF + PEFT): AdamW and clipping against an independent
+float64 reference, gradient accumulation, seeded initialisation, a base model that never
+changes, and the embedded sampler beside it."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ import pytest
 import torch
 
 from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec
-from hosted_tinker.rank.peft_backend import PeftBackend
+from hosted_tinker.rank.serve import Rank, local_rank
+from hosted_tinker.rank.trainer import Trainer
+
+pytestmark = pytest.mark.fast
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_dir) -> PeftBackend:
-    return PeftBackend(str(tiny_model_dir))
+def rank(tiny_model_dir) -> Rank:
+    return local_rank(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def backend(rank: Rank) -> Trainer:
+    return rank.trainer
 
 
 def datum(seed: int, length: int = 12) -> DatumInput:
@@ -25,15 +34,15 @@ def ce(data: list[DatumInput]) -> ForwardBackwardBatch:
     return ForwardBackwardBatch(data=data, loss_fn="cross_entropy", loss_config={}, forward_only=False)
 
 
-def snapshot(backend: PeftBackend, model_id: str) -> list[np.ndarray]:
-    return [p.detach().double().numpy().copy() for p in backend.adapters[model_id].params]
+def snapshot(backend: Trainer, model_id: str) -> list[np.ndarray]:
+    return [p.detach().double().numpy().copy() for p in backend.adapters[model_id].handle.params]
 
 
-def grads(backend: PeftBackend, model_id: str) -> list[np.ndarray]:
-    return [p.grad.detach().double().numpy().copy() for p in backend.adapters[model_id].params]
+def grads(backend: Trainer, model_id: str) -> list[np.ndarray]:
+    return [p.grad.detach().double().numpy().copy() for p in backend.adapters[model_id].handle.params]
 
 
-def test_adamw_with_decay_and_clipping_matches_float64_reference(backend: PeftBackend):
+def test_adamw_with_decay_and_clipping_matches_float64_reference(backend: Trainer):
     backend.create_adapter("opt", LoraSpec(rank=4, seed=0))
     params = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.3, grad_clip_norm=0.5)
     p = snapshot(backend, "opt")
@@ -56,11 +65,11 @@ def test_adamw_with_decay_and_clipping_matches_float64_reference(backend: PeftBa
             p[i] = p[i] - params.learning_rate * m_hat / (np.sqrt(v_hat) + params.eps)
         got = snapshot(backend, "opt")
         assert max(np.abs(a - b).max() for a, b in zip(got, p, strict=True)) < 1e-6
-    assert all(x.grad is None for x in backend.adapters["opt"].params)  # cleared by the step
+    assert all(x.grad is None for x in backend.adapters["opt"].handle.params)  # cleared by the step
     backend.delete_adapter("opt")
 
 
-def test_gradients_accumulate_across_calls(backend: PeftBackend):
+def test_gradients_accumulate_across_calls(backend: Trainer):
     backend.create_adapter("one", LoraSpec(rank=4, seed=1))
     backend.create_adapter("two", LoraSpec(rank=4, seed=1))
     backend.optim_step("one", AdamParams(learning_rate=0.0))  # nothing accumulated yet: a no-op
@@ -75,14 +84,14 @@ def test_gradients_accumulate_across_calls(backend: PeftBackend):
     backend.delete_adapter("two")
 
 
-def test_seeded_init_and_untouched_base(backend: PeftBackend):
-    base_before = {k: v.clone() for k, v in backend.base.state_dict().items() if "lora" not in k}
+def test_seeded_init_and_untouched_base(backend: Trainer):
+    base_before = {k: v.clone() for k, v in backend.model.adapters.lm.state_dict().items() if "lora" not in k}
     backend.create_adapter("s5", LoraSpec(rank=8, seed=5))
     backend.create_adapter("s5b", LoraSpec(rank=8, seed=5))
     backend.create_adapter("s6", LoraSpec(rank=8, seed=6, train_unembed=False))
     for a, b in zip(snapshot(backend, "s5"), snapshot(backend, "s5b"), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert len(backend.adapters["s6"].params) < len(backend.adapters["s5"].params)  # no lm_head LoRA
+    assert len(backend.adapters["s6"].handle.params) < len(backend.adapters["s5"].handle.params)  # no lm_head LoRA
     for _ in range(3):
         backend.forward_backward("s5", ce([datum(0)]))
         backend.optim_step("s5", AdamParams(learning_rate=1e-2))
@@ -91,27 +100,27 @@ def test_seeded_init_and_untouched_base(backend: PeftBackend):
     before_s5b = backend.forward_backward("s5b", ForwardBackwardBatch([datum(0)], "cross_entropy", {}, True))
     for name in ("s5", "s5b", "s6"):
         backend.delete_adapter(name)
-    base_after = {k: v for k, v in backend.base.state_dict().items() if "lora" not in k}
+    base_after = {k: v for k, v in backend.model.adapters.lm.state_dict().items() if "lora" not in k}
     assert base_before.keys() == base_after.keys()
     for k, v in base_before.items():
         assert torch.equal(v, base_after[k]), k
     assert before_s5b.loss_sum > 0
 
 
-def test_a_failed_request_leaves_accumulated_gradients_untouched(backend: PeftBackend, monkeypatch):
+def test_a_failed_request_leaves_accumulated_gradients_untouched(backend: Trainer, monkeypatch):
     backend.create_adapter("fail", LoraSpec(rank=4, seed=2))
     backend.forward_backward("fail", ce([datum(1)]))
     before = grads(backend, "fail")
     calls = {"n": 0}
-    real = backend._logprobs
+    real = backend.model.logprobs
 
-    def flaky(lm, data):
+    def flaky(handle, data):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated out-of-memory in the second micro-batch")
-        return real(lm, data)
+        return real(handle, data)
 
-    monkeypatch.setattr(backend, "_logprobs", flaky)
+    monkeypatch.setattr(backend.model, "logprobs", flaky)
     monkeypatch.setattr(backend, "microbatch_tokens", 12)  # one datum per micro-batch
     with pytest.raises(RuntimeError, match="simulated"):
         backend.forward_backward("fail", ce([datum(2), datum(3)]))
@@ -120,7 +129,7 @@ def test_a_failed_request_leaves_accumulated_gradients_untouched(backend: PeftBa
     backend.delete_adapter("fail")
 
 
-def test_requests_admitted_mid_decode_match_solo_runs(backend: PeftBackend):
+def test_requests_admitted_mid_decode_match_solo_runs(rank: Rank):
     from hosted_tinker.core.sampling import SampleSpec
 
     first = SampleSpec(prompt=list(range(10, 40)), max_tokens=12, temperature=0.0)
@@ -134,8 +143,8 @@ def test_requests_admitted_mid_decode_match_solo_runs(backend: PeftBackend):
         calls.append(1)
         return late if len(calls) == 3 else []  # join after a few decode steps
 
-    together = backend.generate(None, [first], admit)
-    alone = [backend.generate(None, [spec])[0] for spec in (first, *late)]
+    together = rank.sampler.generate(None, [first], admit)
+    alone = [rank.sampler.generate(None, [spec])[0] for spec in (first, *late)]
     assert len(together) == 3
     for joint, solo in zip(together, alone, strict=True):
         for a, b in zip(joint.sequences, solo.sequences, strict=True):

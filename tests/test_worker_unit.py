@@ -19,7 +19,7 @@ from hosted_tinker.core.errors import RolledBack, UserError, WorkerCrashed, Work
 from hosted_tinker.core.messages import Listener, dumps
 from hosted_tinker.core.types import Capabilities, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.server.api.app import _watch_worker
-from hosted_tinker.server.workers.backend import ProcessBackend, one_worker
+from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient, one_worker
 from hosted_tinker.server.workers.process import WorkerProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,6 +34,15 @@ class FakeBackend:
 
     def __init__(self) -> None:
         self.adapters: set[str] = set()
+
+    # A worker serves a trainer and a sampler (``rank.serve.Rank``): here both are this fake.
+    @property
+    def trainer(self) -> FakeBackend:
+        return self
+
+    @property
+    def sampler(self) -> FakeBackend:
+        return self
 
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
         if model_id == "poison" and lora.rank == 2:  # rank 2: as restored (see Recovery below)
@@ -98,7 +107,7 @@ def test_calls_and_callbacks_cross_the_process(backend: ProcessBackend):
     assert backend.forward_backward("m", batch("cross_entropy")) == f"m: ok, pid {pid}"
     assert pid != os.getpid()
     arrivals = iter([["b"], ["c"]])
-    assert backend.generate(None, ["a"], admit=lambda: next(arrivals)) == ["a", "b", "c"]
+    assert SamplerClient(backend).generate(None, ["a"], admit=lambda: next(arrivals)) == ["a", "b", "c"]
 
 
 def test_listeners_hear_every_notification_in_order(backend: ProcessBackend):
@@ -112,7 +121,11 @@ def test_listeners_hear_every_notification_in_order(backend: ProcessBackend):
         heard.append((request, chr(token)))
 
     arrivals = iter([["x"], ["c"]])
-    assert backend.generate(None, ["a"], admit=lambda: next(arrivals), on_token=on_token) == ["a", "x", "c"]
+    assert SamplerClient(backend).generate(None, ["a"], admit=lambda: next(arrivals), on_token=on_token) == [
+        "a",
+        "x",
+        "c",
+    ]
     assert heard == [(0, "a"), (1, "x"), (2, "c")]
 
 
@@ -148,7 +161,7 @@ def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):
     with pytest.raises(WorkerError, match="MemoryError: cannot allocate"):
         backend.forward_backward("m", batch("oom"))
     with pytest.raises(WorkerError, match="the server's admit failed: ZeroDivisionError"):
-        backend.generate(None, [], admit=lambda: 1 / 0)
+        SamplerClient(backend).generate(None, [], admit=lambda: 1 / 0)
     assert backend.status() == {"pid": pid, "pids": [pid], "alive": True, "restarts": 0, "last_death": None}
     assert backend.forward_backward("m", batch("cross_entropy")).endswith(str(pid))
 
@@ -297,7 +310,7 @@ def test_a_long_call_that_keeps_talking_is_not_cut_off():
 
 def test_odd_deaths_and_answers_are_reported(backend: ProcessBackend):
     with pytest.raises(WorkerError, match="the answer could not be sent"):
-        backend.generate(None, [], admit=lambda: [lambda: None])  # a lambda cannot be pickled
+        SamplerClient(backend).generate(None, [], admit=lambda: [lambda: None])  # a lambda cannot be pickled
     with pytest.raises(WorkerCrashed, match=r"was killed by signal \d+"):  # no name: a real-time one
         backend.forward_backward("m", batch("realtime-signal"))
 

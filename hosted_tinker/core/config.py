@@ -38,11 +38,11 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"  # loopback unless asked: the API is open until a key is configured
     port: int = 8000
     data_dir: Path = Path("./hosted-tinker-data")
-    backend: Literal["peft", "ddp"] = "peft"
+    backend: str = "peft"  # a key of rank.plans.PLANS (checked by the CLI's choices and at start-up)
     device: str = "cpu"  # the one device of a single-process backend
     # Data parallel: a device per rank, "cpu:2" or "cuda:0,1" (parse_devices).
     train_devices: str | None = None
-    backend_options: dict[str, str] = Field(default_factory=dict)  # checked by backends.backend_options
+    backend_options: dict[str, str] = Field(default_factory=dict)  # checked by rank.plans.backend_options
     dtype: str = "float32"
     lora_alpha: float = 32.0
     max_seq_len: int | None = None
@@ -81,14 +81,12 @@ class ServerConfig(BaseModel):
         return rank
 
     @model_validator(mode="after")
-    def _devices_fit_the_backend(self) -> ServerConfig:
-        devices = self.training_devices()  # raises on a malformed spec
-        if self.backend == "peft" and len(devices) > 1:
-            raise ValueError(f"the peft backend trains on one device, not {len(devices)}; use --backend ddp")
+    def _devices_parse(self) -> ServerConfig:
+        self.training_devices()  # raises on a malformed spec; whether they fit is the plan's (``Options.check``)
         return self
 
     def training_devices(self) -> list[str]:
-        """One device per training rank (one for the peft backend)."""
+        """One device per training rank."""
         return parse_devices(self.train_devices) if self.train_devices is not None else [self.device]
 
     @property

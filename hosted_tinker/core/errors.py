@@ -4,7 +4,7 @@ category (``user``: the request's fault, ``server``: ours) per type.
 The HTTP handlers (``server.api.errors``) answer a raised ``ServerError`` with its ``status``;
 the scheduler fails a future with its ``category``. Nothing else maps exceptions to either, so a
 new failure is one class here. Process boundaries (the worker pipe) carry the class by name
-(``by_name``), so a rank's ``UserError`` is the server's ``UserError``.
+by kind (``core.messages``), so a rank's ``UserError`` is the server's ``UserError``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ class ServerError(Exception):
     category = "server"
     code: str | None = None  # a machine-readable reason, e.g. OpenAI's "model_not_found"
     headers: dict[str, str] = {}
+
+    def message_for(self, model_id: str | None) -> str:
+        """What a failed future of ``model_id`` says (the scheduler's ``fail_with``)."""
+        return str(self)
 
 
 class ApiError(ServerError):
@@ -93,8 +97,8 @@ class WorkerDied(ServerError):
 class WorkerError(ServerError):
     """The worker raised an unexpected exception while running a call; it still serves."""
 
-    def __str__(self) -> str:
-        return f"the training worker failed this request: {super().__str__()}"
+    def message_for(self, model_id: str | None) -> str:
+        return f"the training worker failed this request: {self}"
 
 
 class WorkerCrashed(ServerError):
@@ -145,9 +149,3 @@ class PeerFailed(ServerError):
 class GroupBroken(ServerError):
     """A collective of the group failed: a peer went away, or stayed silent past the collective
     timeout. The group can no longer be trusted and is replaced as a whole."""
-
-
-def by_name(name: str) -> type[ServerError] | None:
-    """The error class a worker reported by name, for re-raising it on this side of the pipe."""
-    found = globals().get(name)
-    return found if isinstance(found, type) and issubclass(found, ServerError) else None

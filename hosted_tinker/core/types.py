@@ -1,15 +1,15 @@
-"""The one interface between the scheduler and a training backend, and its typed payloads.
+"""What the server and the ranks say to each other about training: typed payloads, and the
+training calls as the server sees them (``TrainingBackend``).
 
-Backends run in a worker process (``hosted_tinker.worker``) and are called from one thread,
-one command at a time, so an implementation needs no locking of its own. Every method either
-returns a result or raises ``UserError`` (the caller's mistake; reported with ``category:
-user``) or any other exception (ours; reported with ``category: server``). A failed call must
-leave the backend's state as it was before the call.
+The calls run in worker processes (``rank.trainer``), from one thread, one at a time. Each
+either returns or raises a ``core.errors`` type (``UserError``: the caller's mistake, reported
+with ``category: user``; anything else is ours, ``category: server``). A failed call leaves the
+trainer's state as it was before the call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -99,10 +99,14 @@ class Capabilities:
     vocab_size: int
     topk_targets: bool = True
     sampling: bool = False
-    devices: tuple[str, ...] = ()  # where it trains: one device, or one per data-parallel rank
+    devices: tuple[str, ...] = ()  # where it trains: one device per rank
+    replicas: int = 1  # data-parallel replicas: how many shards a forward_backward batch is split into
 
 
 class TrainingBackend(Protocol):
+    """The training calls as the server makes them (``server.workers.ProcessBackend``), whatever
+    plan runs them; each is declared on ``rank.trainer.Trainer``."""
+
     capabilities: Capabilities
 
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None: ...
@@ -122,25 +126,5 @@ class TrainingBackend(Protocol):
     def peft_config(self, model_id: str) -> dict: ...
 
     def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
-        """(optimizer steps, a copy of the adapter's tensors on their device), for LoRA sync."""
-        ...
-
-    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """A PEFT adapter (config, tensors) whose update is exactly zero."""
-        ...
-
-    def has_sampler(self, key: str) -> bool: ...
-
-    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
-
-    def generate(
-        self,
-        key: str | None,
-        specs: list,
-        admit: Callable[[], list] | None = None,
-        on_token: Callable[[int, int, int, float], None] | None = None,
-    ) -> list:
-        """Sample ``specs`` on the base model (``key`` None) or a loaded sampler; between decode
-        steps ``admit`` may hand over more requests on the same weights. ``on_token`` hears each
-        token of a ``stream`` spec as it is chosen (``inference.generate.generate``)."""
+        """(optimizer steps, a copy of the adapter's whole tensors), for LoRA sync."""
         ...

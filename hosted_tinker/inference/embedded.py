@@ -1,4 +1,4 @@
-"""The embedded engine: the training backend samples on its own worker, requests batched.
+"""The embedded engine: rank 0's sampler (``rank.sampler``), fed requests in batches.
 
 Requests that arrive while the worker is busy (training another model, or a previous batch)
 accumulate and go out as one batch, so concurrent requests share forward passes, and a
@@ -11,13 +11,15 @@ import asyncio
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+import torch
 from safetensors.torch import load as load_safetensors
 
-from hosted_tinker.core.sampling import SampleOutput, SampleSpec
+from hosted_tinker.core.sampling import SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
-from hosted_tinker.server.scheduler import Scheduler
 
 MAX_BATCH_ROWS = 64  # sequences decoded together in one run
 
@@ -34,12 +36,32 @@ class _Pending:
         self.loop.call_soon_threadsafe(_settle, self.done, result)
 
 
+class Sampler(Protocol):
+    """The embedded sampler's calls (``rank.sampler.EmbeddedSampler``, on the worker)."""
+
+    def has_sampler(self, key: str) -> bool: ...
+
+    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
+
+    def generate(
+        self,
+        key: str | None,
+        specs: list[SampleSpec],
+        admit: Callable[[], list[SampleSpec]] | None = None,
+        on_token: TokenListener | None = None,
+    ) -> list[SampleOutput]: ...
+
+
 class EmbeddedEngine:
     name = "embedded"
 
-    def __init__(self, backend, scheduler: Scheduler, batch_window_s: float = 0.01) -> None:
-        self.backend = backend
-        self.scheduler = scheduler
+    def __init__(
+        self, sampler: Sampler, run_on_worker: Callable[[Callable[[], None]], None], batch_window_s: float = 0.01
+    ) -> None:
+        self.sampler = sampler
+        # Queues a batch behind the worker's earlier jobs (``Scheduler.run_on_worker``): sampling
+        # and training share the worker, one call at a time.
+        self.run_on_worker = run_on_worker
         # A request that finds the engine idle waits this long for company: clients send a
         # group's requests at once, and one batch of 16 costs about what a batch of 1 does.
         self.batch_window_s = batch_window_s
@@ -63,9 +85,9 @@ class EmbeddedEngine:
             start = not self._scheduled
             self._scheduled = True
         if start and self.batch_window_s > 0:
-            loop.call_later(self.batch_window_s, self.scheduler.run_on_worker, self._run_batch)
+            loop.call_later(self.batch_window_s, self.run_on_worker, self._run_batch)
         elif start:
-            self.scheduler.run_on_worker(self._run_batch)
+            self.run_on_worker(self._run_batch)
         return await item.done
 
     # ---- on the worker ----------------------------------------------------------------------
@@ -95,7 +117,7 @@ class EmbeddedEngine:
             more = bool(self._pending)
             self._scheduled = more
         if more:
-            self.scheduler.run_on_worker(self._run_batch)
+            self.run_on_worker(self._run_batch)
 
     def _sample_group(self, weights: WeightsRef) -> None:
         items = self._take(weights.key, MAX_BATCH_ROWS)
@@ -118,7 +140,7 @@ class EmbeddedEngine:
         try:
             self._ensure_loaded(weights)
             specs = [i.spec for i in items]
-            outputs = self.backend.generate(weights.key, specs, admit, on_token)
+            outputs = self.sampler.generate(weights.key, specs, admit, on_token)
         except Exception as e:  # UserError or not: the caller tells them apart
             for item in items:
                 item.settle(e)
@@ -127,11 +149,11 @@ class EmbeddedEngine:
             item.settle(output)
 
     def _ensure_loaded(self, weights: WeightsRef) -> None:
-        if weights.key is None or self.backend.has_sampler(weights.key):
+        if weights.key is None or self.sampler.has_sampler(weights.key):
             return
         files = weights.files.read(weights.path, only=("adapter_config.json", "adapter_model.safetensors"))
         config = json.loads(files["adapter_config.json"])
-        self.backend.load_sampler(weights.key, config, load_safetensors(files["adapter_model.safetensors"]))
+        self.sampler.load_sampler(weights.key, config, load_safetensors(files["adapter_model.safetensors"]))
 
 
 def _settle(future: asyncio.Future, result: object) -> None:

@@ -1,34 +1,99 @@
-"""The worker process: build the backend, then run the server's calls one at a time."""
+"""A worker process: build this rank (plan, model, trainer, and on rank 0 the embedded
+sampler), then run the server's calls one at a time.
+
+Calls name a component and a method, ``"trainer.optim_step"``; the server knows from the
+method's ``@rank_call`` declaration which ranks to send it to. A failure is answered by its
+kind (``core.messages``), which the server raises as the same ``core.errors`` class.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
+from hosted_tinker.core import losses
 from hosted_tinker.core.errors import GroupBroken, PeerFailed, UserError
 from hosted_tinker.core.messages import Callback, recv, send
-from hosted_tinker.core.types import TrainingBackend
+from hosted_tinker.core.types import Capabilities
+from hosted_tinker.rank.plans import PlanOptions, plan_module
+from hosted_tinker.rank.sampler import EmbeddedSampler
+from hosted_tinker.rank.trainer import Trainer
 
-log = logging.getLogger("hosted_tinker.worker")
+log = logging.getLogger("hosted_tinker.rank")
 
 
-def serve(conn: Connection, factory: Callable[[], TrainingBackend]) -> None:
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a worker process needs to build its rank (picklable: it crosses ``spawn``)."""
+
+    backend: str  # a key of ``rank.plans.PLANS``
+    options: PlanOptions
+    model_path: str
+    rank: int
+    devices: tuple[str, ...]  # one per rank
+    init_method: str  # the group's rendezvous (torch.distributed), fresh for every start
+    dtype: str = "float32"
+    lora_alpha: float = 32.0
+    max_seq_len: int | None = None
+
+
+@dataclass
+class Rank:
+    """What a worker process serves: ``trainer`` on every rank, ``sampler`` on rank 0."""
+
+    capabilities: Capabilities
+    trainer: Trainer
+    sampler: EmbeddedSampler | None
+
+
+def build_rank(spec: RankSpec) -> Rank:
+    plan = plan_module(spec.backend).Plan(spec.rank, list(spec.devices), spec.init_method, spec.options)
+    model = plan.build_model(spec.model_path, dtype=spec.dtype, lora_alpha=spec.lora_alpha)
+    trainer = Trainer(model, plan, spec.options.microbatch_tokens)
+    shared = getattr(model, "shareable_base", None)  # a tree over the trainer's own weights, if it has one
+    sampler = EmbeddedSampler(shared, spec.model_path) if spec.rank == 0 and shared is not None else None
+    max_seq_len = spec.max_seq_len or model.max_positions
+    capabilities = Capabilities(
+        backend=spec.backend,
+        arch=model.arch,
+        losses=tuple(losses.LOSSES),
+        max_seq_len=max_seq_len,
+        max_tokens_per_batch=max(max_seq_len, 1 << 20),
+        vocab_size=model.vocab_size,
+        sampling=sampler is not None,
+        devices=spec.devices,
+        replicas=plan.replicas,
+    )
+    return Rank(capabilities, trainer, sampler)
+
+
+def local_rank(model_path: str, backend: str = "peft", **options: Any) -> Rank:
+    """A one-rank ``Rank`` in this process (tests and benchmarks call it directly)."""
+    settings = {k: options.pop(k) for k in ("dtype", "lora_alpha", "max_seq_len") if k in options}
+    device = options.pop("device", "cpu")
+    spec = RankSpec(backend, plan_module(backend).Options(**options), model_path, 0, (device,), "", **settings)
+    return build_rank(spec)
+
+
+def serve(conn: Connection, factory: Callable[[], Any]) -> None:
     """Entry point of the worker process; returns when told to stop or when the server is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
     try:
-        backend = factory()
+        rank = factory()
     except BaseException as e:
-        log.exception("could not build the backend")
+        log.exception("could not build the rank")
         send(conn, "error", f"{type(e).__name__}: {e}")
         return
-    send(conn, "ready", backend.capabilities)
+    send(conn, "ready", rank.capabilities)
     while True:
         try:
             message = recv(conn)
@@ -39,7 +104,7 @@ def serve(conn: Connection, factory: Callable[[], TrainingBackend]) -> None:
         _, method, args, kwargs = message
         kwargs = {k: _remote(conn, v) if isinstance(v, Callback) else v for k, v in kwargs.items()}
         try:
-            result = getattr(backend, method)(*args, **kwargs)
+            result = functools.reduce(getattr, method.split("."), rank)(*args, **kwargs)
             reply: tuple = ("ok", _portable(result))
         except UserError as e:
             reply = ("user_error", str(e))
@@ -58,12 +123,12 @@ def serve(conn: Connection, factory: Callable[[], TrainingBackend]) -> None:
         except (EOFError, OSError):
             return
         except Exception as e:  # a result that cannot be pickled is our bug, not a reason to die
-            send(conn, "error", f"{method} returned what cannot be sent to the server: {e}")
+            send(conn, "error", f"{method.rpartition('.')[2]} returned what cannot be sent to the server: {e}")
 
 
 def describe(error: Exception) -> str:
     """What the failed request's error says. Running out of memory is said plainly, with what
-    it means here: a failed call leaves the backend as it was (``backends.base``)."""
+    it means here: a failed call leaves the rank as it was (``rank.trainer``)."""
     summary = f"{type(error).__name__}: {error}"
     out_of_memory = isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
         isinstance(error, RuntimeError) and "can't allocate memory" in str(error)  # torch's CPU allocator

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from hosted_tinker.core.errors import ApiError, ServerError, WorkerCrashed, too_many
+from hosted_tinker.core.errors import ApiError, ServerError, too_many
 from hosted_tinker.server.store import FutureRecord, Store
 
 log = logging.getLogger(__name__)
@@ -225,10 +225,8 @@ class Scheduler:
     def fail_with(self, request_id: str, error: BaseException) -> None:
         """Fail a future with what ``error`` means to its client (``core.errors``): the one place
         where an exception becomes a future's ``error`` and ``category``."""
-        if isinstance(error, WorkerCrashed):  # its wording depends on the request's model
+        if isinstance(error, ServerError):
             message = error.message_for(self._pending.get(request_id))
-        elif isinstance(error, ServerError):
-            message = str(error)
         else:
             log.error("request %s failed", request_id, exc_info=error)
             message = f"internal error: {type(error).__name__}: {error}"

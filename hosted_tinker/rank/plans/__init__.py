@@ -1,116 +1,102 @@
-"""Training backends behind one interface (``base.TrainingBackend``), each with typed options.
+"""Parallel plans: how the ranks of a group share the Tinker step, and nothing else.
 
-- ``peft``: one process on one device (``peft.PeftBackend``);
-- ``ddp``: one process per rank over torch.distributed (``ddp.DdpRank``), on ``--train-devices``.
+A plan says how a batch is split over ranks (``replicas``: the data-parallel shards, see
+``core.sharding``), whether a call succeeded on every rank, how gradients and their norm are
+reduced, how a new adapter's weights are made the same everywhere, and how tensors sharded over
+a model-parallel group are gathered for export (and split again on load). It also picks the
+model it runs on. The Tinker step itself is ``rank.trainer``, written once over any plan.
 
-``--backend-option KEY=VALUE`` sets a backend's options; a key it does not have is an error
-at start-up, never silently ignored.
+A plan is one module here that defines ``Plan`` (see ``ParallelPlan``) and ``Options`` (its
+typed ``--backend-option``s), plus one line in ``PLANS``; ``tests/test_plans.py`` checks every
+registered plan against a float64 single-process reference.
 """
 
 from __future__ import annotations
 
-import functools
-import socket
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import importlib
+from types import ModuleType
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from hosted_tinker.core.config import ServerConfig
-    from hosted_tinker.core.types import TrainingBackend
+from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.rank.model import LoraModel
 
-Factory = Callable[[], "TrainingBackend"]
+# --backend NAME -> the module that defines its plan (imported only when that backend is used).
+PLANS: dict[str, str] = {
+    "peft": "hosted_tinker.rank.plans.single",
+    "ddp": "hosted_tinker.rank.plans.ddp",
+}
+BACKENDS = tuple(PLANS)
 
 
-class PeftOptions(BaseModel):
+class PlanOptions(BaseModel):
+    """Options every plan has; a plan's ``Options`` adds its own."""
+
     model_config = ConfigDict(extra="forbid")
 
     microbatch_tokens: int = Field(16384, ge=1, description="padded tokens per forward/backward micro-batch")
 
-
-class DdpOptions(PeftOptions):
-    collective_timeout_s: float = Field(
-        1800.0,
-        gt=0,
-        description="how long a rank waits for the others (to join, or in a collective) before the group is replaced",
-    )
+    def check(self, devices: list[str], worker_timeout_s: float) -> None:
+        """Raise ``ValueError`` if these options cannot run on ``devices`` (checked at start-up)."""
 
 
-OPTIONS: dict[str, type[PeftOptions]] = {"peft": PeftOptions, "ddp": DdpOptions}
-BACKENDS = tuple(OPTIONS)
+class ParallelPlan(Protocol):
+    rank: int
+    world_size: int
+    replicas: int  # data-parallel replicas: a forward_backward batch is split into this many shards
+    device: str  # this rank's
+
+    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float) -> LoraModel:
+        """The model this plan trains, as this rank holds it."""
+        ...
+
+    def all_succeeded(self, succeeded: bool) -> bool:
+        """Whether a call succeeded on every rank (a collective, where there are several)."""
+        ...
+
+    def broadcast_initial(self, params: list[nn.Parameter]) -> None:
+        """Make a new adapter's initial weights the same wherever they are replicated."""
+        ...
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """Turn each rank's accumulated ``.grad`` into the whole batch's (a sum: losses are sums)."""
+        ...
+
+    def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
+        """The global L2 norm of the reduced gradients (a 0-d tensor)."""
+        ...
+
+    def gather(self, tensors: dict[str, tuple[Tensor, int | None]]) -> dict[str, Tensor] | None:
+        """Full copies (on CPU) of ``key -> (local tensor, split dim)`` on rank 0; None elsewhere."""
+        ...
+
+    def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
+        """This rank's part of a full tensor (the inverse of ``gather``)."""
+        ...
 
 
-def backend_options(config: ServerConfig) -> PeftOptions:
-    """``config.backend_options`` checked against the backend's options; ``ValueError`` names what
-    is wrong and what the backend accepts."""
-    model = OPTIONS[config.backend]
+def plan_module(backend: str) -> ModuleType:
+    return importlib.import_module(PLANS[backend])
+
+
+def backend_options(config: ServerConfig) -> PlanOptions:
+    """The server's ``--backend-option``s, checked against its plan and devices."""
+    return plan_options(config.backend, config.backend_options, config.training_devices(), config.worker_timeout_s)
+
+
+def plan_options(backend: str, values: dict[str, str], devices: list[str], worker_timeout_s: float) -> PlanOptions:
+    """``--backend-option`` values checked against the plan's options; ``ValueError`` names what
+    is wrong and what the plan accepts."""
+    if backend not in PLANS:
+        raise ValueError(f"--backend {backend!r} is not one of {', '.join(PLANS)}")
+    model: type[PlanOptions] = plan_module(backend).Options
     try:
-        options = model.model_validate(config.backend_options)
+        options = model.model_validate(values)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ValueError(
-            f"--backend-option for {config.backend}: {problems} (it accepts: {', '.join(model.model_fields)})"
-        ) from None
-    if isinstance(options, DdpOptions) and options.collective_timeout_s >= config.worker_timeout_s:
-        # A hung rank must be caught by the collective that waits for it, which names it.
-        raise ValueError(
-            f"--backend-option collective_timeout_s={options.collective_timeout_s:g} must be below "
-            f"--worker-timeout ({config.worker_timeout_s:g} s)"
-        )
+        accepted = ", ".join(model.model_fields)
+        raise ValueError(f"--backend-option for {backend}: {problems} (it accepts: {accepted})") from None
+    options.check(devices, worker_timeout_s)
     return options
-
-
-def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[Factory]]:
-    """What starts the backend's worker processes: called at each (re)start, it returns one
-    picklable factory per rank (a data-parallel group gets a fresh rendezvous each time)."""
-    options = backend_options(config)
-    devices = config.training_devices()
-    if config.backend == "peft":
-        factory = functools.partial(_peft, config, model_path, devices[0], options)
-        return lambda: [factory]
-
-    def group() -> list[Factory]:
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        return [
-            functools.partial(_ddp_rank, config, model_path, options, rank, devices, init_method)
-            for rank in range(len(devices))
-        ]
-
-    return group
-
-
-def _peft(config: ServerConfig, model_path: str, device: str, options: PeftOptions) -> TrainingBackend:
-    from hosted_tinker.rank.peft_backend import PeftBackend
-
-    return PeftBackend(model_path, device=device, **_peft_kwargs(config, options))
-
-
-def _ddp_rank(
-    config: ServerConfig, model_path: str, options: DdpOptions, rank: int, devices: list[str], init_method: str
-) -> TrainingBackend:
-    from hosted_tinker.rank.plans.ddp import DdpRank
-
-    return DdpRank(
-        model_path,
-        rank=rank,
-        devices=devices,
-        init_method=init_method,
-        collective_timeout_s=options.collective_timeout_s,
-        **_peft_kwargs(config, options),
-    )
-
-
-def _peft_kwargs(config: ServerConfig, options: PeftOptions) -> dict:
-    return {
-        "dtype": config.dtype,
-        "lora_alpha": config.lora_alpha,
-        "max_seq_len": config.max_seq_len,
-        "max_tokens_per_microbatch": options.microbatch_tokens,
-    }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

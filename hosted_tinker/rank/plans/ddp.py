@@ -1,80 +1,83 @@
-"""Data parallelism: N ranks over torch.distributed, each a PEFT backend on its own device.
+"""Data parallelism: N ranks over torch.distributed, each a full replica on its own device.
 
-The server runs one worker process per rank (``worker.group``); each holds the base model and
-every training model's adapter and optimizer, kept identical on all ranks:
+Every rank holds the base model and every training model's adapter and optimizer, kept
+identical on all ranks. The server gives each rank a shard of a ``forward_backward`` batch
+(``core.sharding``); the trainer adds the shard's gradients to the rank's own. The plan adds
+three collectives to the single-process step:
 
-- ``forward_backward``: the batch is split across ranks by token count (``shard_by_tokens``);
-  each rank adds its shard's gradients to its own accumulated ones. Whether the request's
-  gradients are kept is decided by all ranks together (one tiny all-reduce), so a request that
-  fails on one rank leaves no trace on any. Per-datum results are put back in batch order.
-- ``create_adapter``: made on every rank or on none, starting from rank 0's initial weights.
-- ``optim_step``: the ranks' accumulated gradients are summed (all-reduce, SUM: Tinker's losses
-  are sums, so the update is the single-process one whatever the number of ranks), then every
-  rank takes the same AdamW step.
-- what needs one copy (export, sampling, LoRA sync) is rank 0's.
+- agreement on a call's outcome (one tiny all-reduce), so a request that fails on one rank
+  leaves no trace on any;
+- at ``optim_step``, the ranks' gradients summed (all-reduce, SUM: Tinker's losses are sums, so
+  the update is the single-process one whatever the number of ranks);
+- a new adapter's initial weights broadcast from rank 0.
 
-Every rank enters every collective, also with an empty shard, so a batch smaller than the group
-cannot deadlock it. A collective that fails (a peer gone, or silent for ``collective_timeout_s``)
-raises ``GroupBroken``: the server then replaces the whole group (``worker.group``).
+With one rank no collective runs: it is exactly the ``single`` plan. Every rank enters every
+collective, also with an empty shard, so a batch smaller than the group cannot deadlock it. A
+collective that fails (a peer gone, or silent for ``collective_timeout_s``) raises
+``GroupBroken``: the server then replaces the whole group (``server.workers.group``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from pydantic import Field
+from torch import Tensor, nn
 
 from hosted_tinker.core.errors import GroupBroken
-from hosted_tinker.core.types import AdamParams, LoraSpec
-from hosted_tinker.rank.peft_backend import PeftBackend
+from hosted_tinker.rank.model import HfLoraModel
+from hosted_tinker.rank.plans import PlanOptions
+from hosted_tinker.rank.plans.single import local_norm
+
+DEVICES = "one per rank: --train-devices cpu:N | cuda:0,1,..."  # what `hosted-tinker backends` says of where it trains
 
 
-class DdpRank(PeftBackend):
-    """One rank: a PEFT backend whose gradients are summed with the other ranks' at each step."""
+class Options(PlanOptions):
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="how long a rank waits for the others (to join, or in a collective) before the group is replaced",
+    )
 
-    NAME = "ddp"
+    def check(self, devices: list[str], worker_timeout_s: float) -> None:
+        if self.collective_timeout_s >= worker_timeout_s:
+            # A hung rank must be caught by the collective that waits for it, which names it.
+            raise ValueError(
+                f"--backend-option collective_timeout_s={self.collective_timeout_s:g} must be below "
+                f"--worker-timeout ({worker_timeout_s:g} s)"
+            )
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        rank: int,
-        devices: list[str],
-        init_method: str,
-        collective_timeout_s: float,
-        **peft_options,
-    ) -> None:
-        device = devices[rank]
-        if device == "cpu":  # ranks share the cores: more threads each would only contend
+
+class Plan:
+    def __init__(self, rank: int, devices: list[str], init_method: str, options: Options) -> None:
+        self.rank = rank
+        self.world_size = self.replicas = len(devices)
+        self.device = devices[rank]
+        if self.device == "cpu":  # ranks share the cores: more threads each would only contend
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // len(devices)))
         else:
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(self.device)
             # A collective past its timeout then raises in this rank (GroupBroken), rather than
             # NCCL's watchdog aborting the process: that would name the rank that waited.
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         dist.init_process_group(
-            "gloo" if device == "cpu" else "nccl",
+            "gloo" if self.device == "cpu" else "nccl",
             init_method=init_method,
             rank=rank,
             world_size=len(devices),
-            timeout=timedelta(seconds=collective_timeout_s),
-            device_id=None if device == "cpu" else torch.device(device),  # NCCL connects now, not mid-request
+            timeout=timedelta(seconds=options.collective_timeout_s),
+            device_id=None if self.device == "cpu" else torch.device(self.device),  # NCCL connects now
         )
-        self.rank = rank
-        self.world_size = len(devices)
-        super().__init__(model_path, device=device, **peft_options)
-        self.capabilities = dataclasses.replace(self.capabilities, backend=self.NAME, devices=tuple(devices))
 
-    # With one rank there is no one to agree with or sum with: no collective runs, and a
-    # single-GPU ddp costs what peft does.
+    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float) -> HfLoraModel:
+        return HfLoraModel(model_path, device=self.device, dtype=dtype, lora_alpha=lora_alpha)
 
-    def _all_succeeded(self, succeeded: bool) -> bool:
+    def all_succeeded(self, succeeded: bool) -> bool:
         if self.world_size == 1:
             return succeeded
         with _collective("the ranks' agreement on a call's outcome"):
@@ -82,30 +85,46 @@ class DdpRank(PeftBackend):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             return bool(flag.item())
 
-    def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
-        """Created on every rank or on none; then rank 0's initial weights are every rank's, so
-        the ranks start out identical whatever else each holds (samplers live on rank 0 only)."""
-        failure: Exception | None = None
-        try:
-            super().create_adapter(model_id, lora)
-        except Exception as e:
-            failure = e
-        error = self._failure_anywhere(failure)
-        if error is not None:
-            if failure is None:  # made here, not elsewhere
-                super().delete_adapter(model_id)
-            raise error
-        if self.world_size > 1:
-            params = self._adapter(model_id).params
-            with _collective("create_adapter's broadcast of rank 0's weights"):
-                _broadcast_from_rank0(params)
+    def broadcast_initial(self, params: list[nn.Parameter]) -> None:
+        if self.world_size == 1:
+            return
+        with _collective("create_adapter's broadcast of rank 0's weights"):
+            flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+            dist.broadcast(flat, src=0)
+            offset = 0
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
 
-    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        if self.world_size > 1:
-            weights = self._adapter(model_id).params
-            with _collective("optim_step's gradient all-reduce"):
-                _sum_gradients(weights)
-        return super().optim_step(model_id, params)
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """Every rank's gradients summed, on every rank, in one all-reduce. A parameter no rank
+        has a gradient for keeps none (AdamW then leaves it alone, as in a single process); one
+        that only some ranks have is zero on the others."""
+        if self.world_size == 1:
+            return
+        with _collective("optim_step's gradient all-reduce"):
+            has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
+            flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+            buffer = torch.cat([has, *flat])
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+            present = buffer[: len(params)].tolist()  # one device-to-host copy, not one per parameter
+        offset = len(params)
+        for p, has_grad in zip(params, present, strict=True):
+            n = p.numel()
+            p.grad = buffer[offset : offset + n].view_as(p).to(p.dtype) if has_grad > 0 else None
+            offset += n
+
+    def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
+        return local_norm(grads)  # after reduce_gradients every rank holds the whole gradient
+
+    def gather(self, tensors: dict[str, tuple[Tensor, int | None]]) -> dict[str, Tensor] | None:
+        if self.rank != 0:  # replicas: rank 0 already holds every tensor whole
+            return None
+        return {key: t.detach().cpu().clone() for key, (t, _) in tensors.items()}
+
+    def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
+        return full
 
 
 @contextlib.contextmanager
@@ -117,29 +136,3 @@ def _collective(what: str) -> Iterator[None]:
         yield
     except RuntimeError as e:  # gloo's timeouts and closed connections (dist.DistError among them), CUDA errors
         raise GroupBroken(f"{what} failed: {e}") from e
-
-
-def _broadcast_from_rank0(params: list[nn.Parameter]) -> None:
-    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-    dist.broadcast(flat, src=0)
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
-def _sum_gradients(params: list[nn.Parameter]) -> None:
-    """Every rank's gradients summed, on every rank, in one all-reduce. A parameter no rank has
-    a gradient for keeps none (AdamW then leaves it alone, as in a single process); one that
-    only some ranks have is zero on the others."""
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
-    flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
-    buffer = torch.cat([has, *flat])
-    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-    present = buffer[: len(params)].tolist()  # one device-to-host copy, not one per parameter
-    offset = len(params)
-    for p, has_grad in zip(params, present, strict=True):
-        n = p.numel()
-        p.grad = buffer[offset : offset + n].view_as(p).to(p.dtype) if has_grad > 0 else None
-        offset += n

@@ -14,14 +14,12 @@ from transformers import AutoTokenizer
 
 from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles
 from hosted_tinker.core.config import ServerConfig
-from hosted_tinker.core.types import TrainingBackend
 from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
 from hosted_tinker.inference.vllm_engine import VllmEngine
 from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
-from hosted_tinker.rank.plans import rank_factories
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
 from hosted_tinker.server.serving.checkpoints import CheckpointService
@@ -33,7 +31,8 @@ from hosted_tinker.server.serving.sessions import SessionService
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.serving.training import TrainingService
 from hosted_tinker.server.store import Store
-from hosted_tinker.server.workers.backend import ProcessBackend
+from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
+from hosted_tinker.server.workers.launch import rank_factories
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ def build_state(config: ServerConfig) -> ServerState:
         ephemeral,
         tokenizer,
         _eos_ids(model_path, tokenizer),
-        EmbeddedEngine(backend, scheduler, batch_window_s=config.sample_batch_window_s),
+        EmbeddedEngine(SamplerClient(backend), scheduler.run_on_worker, config.sample_batch_window_s),
         vllm,
     )
     checkpoints = CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir))
@@ -125,7 +124,7 @@ def build_state(config: ServerConfig) -> ServerState:
     )
 
 
-def _build_vllm(config: ServerConfig, model_path: str, backend: TrainingBackend) -> VllmEngine:
+def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) -> VllmEngine:
     """The vLLM engine: a supervised child process, or a server at ``--inference-url``."""
     if config.inference_url is not None:
         host = ExternalVllm(config.inference_url)
@@ -171,7 +170,7 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: TrainingBackend)
 
     root = default_root(config.data_dir)
     on_gpu = config.vllm_gpus is not None or config.training_devices()[0].startswith("cuda")
-    zero = None if on_gpu else write_zero_adapter(root, *backend.zero_adapter())  # see VllmEngine
+    zero = None if on_gpu else write_zero_adapter(root, *SamplerClient(backend).zero_adapter())  # see VllmEngine
     return VllmEngine(host, files_version, verify, root, zero)
 
 

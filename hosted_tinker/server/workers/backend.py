@@ -1,8 +1,9 @@
-"""``ProcessBackend``: the training backend interface, served by worker processes that may die.
+"""``ProcessBackend``: the training calls, served by worker processes that may die.
 
-The backend runs in a ``WorkerGroup``: one worker process, or one per data-parallel rank
-(``backends.ddp``). What changes a model's state goes to every rank; a ``forward_backward``
-batch is split across ranks by token count; what needs one copy (export, sampling) is rank 0's.
+The ranks run in a ``WorkerGroup``, one worker process each (``rank.serve``). Where a call goes
+is declared on the method that runs it (``@rank_call`` on ``rank.trainer.Trainer`` and
+``rank.sampler.EmbeddedSampler``): to every rank, to rank 0, or split over the data-parallel
+replicas by token count (``core.sharding``). Nothing here knows which plan the ranks run.
 
 When a worker dies during a call (SIGKILL, the kernel's OOM killer, a crash in native code, a
 hang past the call timeout), the group is stopped and a new one started, ``recovery`` puts the
@@ -10,7 +11,7 @@ training models back (from their last saved state where one exists), and the cal
 ``WorkerCrashed``: its future fails with ``category: server`` while the requests queued behind
 it run on the new group. A group found dead between calls is replaced the same way before the
 next call, which then runs. Every other restored model is behind where its client thinks it
-is: its next training call raises ``RolledBack`` (once), unless that call replaces or deletes
+is: its next call that uses its state raises ``RolledBack`` (once), unless that call replaces
 its state anyway.
 """
 
@@ -23,8 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
+from hosted_tinker.core.calls import call_spec
 from hosted_tinker.core.errors import RolledBack, WorkerCrashed, WorkerDied
 from hosted_tinker.core.messages import Listener
+from hosted_tinker.core.sampling import SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.core.sharding import merge_results, shard_batch, shard_by_tokens
 from hosted_tinker.core.types import (
     AdamParams,
@@ -34,7 +37,8 @@ from hosted_tinker.core.types import (
     ForwardBackwardResult,
     LoraSpec,
 )
-from hosted_tinker.rank.plans import Factory
+from hosted_tinker.rank.sampler import EmbeddedSampler
+from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -42,10 +46,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 1800.0  # loading a large model from a cold disk can take minutes
 RESTORE_ATTEMPTS = 3  # new groups tried in a row when each dies while models are restored
 
-# Calls on one model's state: the first after its rollback raises ``RolledBack``...
-_TRAINING_CALLS = frozenset({"forward_backward", "optim_step", "export_state", "peft_config", "snapshot_weights"})
-# ...and these make the rollback moot.
-_STATE_REPLACING_CALLS = frozenset({"load_state", "delete_adapter"})
+Factory = Callable[[], Any]  # builds one rank in its worker process (``rank.serve.build_rank``)
 
 
 def one_worker(factory: Factory) -> Callable[[], list[Factory]]:
@@ -113,17 +114,24 @@ class ProcessBackend:
         if not self._group.alive and not self._restoring:
             self._replace(self._group.how_it_died())
 
-    def _run(self, method: str, args: tuple, send: Callable[[], Any]) -> Any:
-        """``send`` the call ``method(*args)`` to the group, with what a worker's death entails."""
+    def _call(self, component: type, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``component.method(*args, **kwargs)`` on the ranks its declaration names, with what a
+        worker's death entails; rank 0's answer (merged over replicas for a split batch)."""
         _ = self.capabilities  # the first group's "ready" must be read before any call's answer
         self.ensure_alive()
-        model_id = args[0] if method in _TRAINING_CALLS | _STATE_REPLACING_CALLS else None
+        spec = call_spec(component, method)
+        name = f"{component.SERVED_AS}.{method}"
+        model_id = args[0] if spec.model is not None else None
         if model_id is not None and not self._restoring:
             notice = self._rolled_back.pop(model_id, None)
-            if notice is not None and method in _TRAINING_CALLS:
+            if notice is not None and spec.model == "uses":
                 raise notice
         try:
-            return send()
+            if spec.ranks == "first":
+                return self._group.call(name, *args, **kwargs)
+            if spec.ranks == "split" and self.capabilities.replicas > 1:
+                return self._split(name, *args)
+            return self._group.call_each(name, [args] * self._group.size, **kwargs)[0]
         except WorkerDied as e:
             if self._restoring:  # the new group died too: _replace starts another
                 raise
@@ -131,12 +139,14 @@ class ProcessBackend:
             self._rolled_back.pop(model_id, None)  # this call's own failure tells its client
             raise WorkerCrashed(str(e), restored) from None
 
-    def _on_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._run(method, args, lambda: self._group.call(method, *args, **kwargs))
-
-    def _on_every_rank(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """The same call on every rank (it changes state they all hold); rank 0's answer."""
-        return self._run(method, args, lambda: self._group.call_each(method, [args] * self._group.size, **kwargs)[0])
+    def _split(self, name: str, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
+        """Each replica's shard of ``batch`` to its ranks (consecutive ranks form a replica),
+        and the replicas' results back in batch order."""
+        per_replica = self._group.size // self.capabilities.replicas
+        shards = shard_by_tokens([d.num_tokens for d in batch.data], self.capabilities.replicas)
+        batches = shard_batch(batch, shards)
+        results = self._group.call_each(name, [(model_id, batches[r // per_replica]) for r in range(self._group.size)])
+        return merge_results(results[::per_replica], shards)
 
     def _replace(self, reason: str) -> dict[str, str]:
         """Start a new group in place of the dead one and restore the models onto it; per model,
@@ -181,61 +191,60 @@ class ProcessBackend:
                 self._rolled_back[model_id] = RolledBack(reason, model_id, how)
         return outcome
 
-    # ---- the backend interface ------------------------------------------------------------------
+    # ---- the training calls (``core.types.TrainingBackend``) -----------------------------------------
 
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
-        self._on_every_rank("create_adapter", model_id, lora)
+        self._call(Trainer, "create_adapter", model_id, lora)
         self._adapters.append(model_id)
 
     def delete_adapter(self, model_id: str) -> None:
-        self._on_every_rank("delete_adapter", model_id)
+        self._call(Trainer, "delete_adapter", model_id)
         self._adapters.remove(model_id)
 
     def has_adapter(self, model_id: str) -> bool:
-        return self._on_rank0("has_adapter", model_id)
+        return self._call(Trainer, "has_adapter", model_id)
 
     def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        size = self._group.size
-        if size == 1:
-            return self._on_rank0("forward_backward", model_id, batch)
-        shards = shard_by_tokens([d.num_tokens for d in batch.data], size)
-        per_rank = [(model_id, shard) for shard in shard_batch(batch, shards)]
-
-        def send() -> list[ForwardBackwardResult]:
-            return self._group.call_each("forward_backward", per_rank)
-
-        return merge_results(self._run("forward_backward", (model_id,), send), shards)
+        return self._call(Trainer, "forward_backward", model_id, batch)
 
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        return self._on_every_rank("optim_step", model_id, params)
+        return self._call(Trainer, "optim_step", model_id, params)
 
     def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState:
-        return self._on_rank0("export_state", model_id, with_optimizer=with_optimizer)
+        return self._call(Trainer, "export_state", model_id, with_optimizer=with_optimizer)
 
     def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None:
-        self._on_every_rank("load_state", model_id, state, with_optimizer=with_optimizer)
+        self._call(Trainer, "load_state", model_id, state, with_optimizer=with_optimizer)
 
     def peft_config(self, model_id: str) -> dict:
-        return self._on_rank0("peft_config", model_id)
+        return self._call(Trainer, "peft_config", model_id)
 
     def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
-        return self._on_rank0("snapshot_weights", model_id)
+        return self._call(Trainer, "snapshot_weights", model_id)
 
-    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        return self._on_rank0("zero_adapter")
+
+class SamplerClient:
+    """The embedded sampler on rank 0, as the embedded engine calls it: sampling is not a
+    training call, but it shares the training group's worker (and its restarts)."""
+
+    def __init__(self, backend: ProcessBackend) -> None:
+        self.backend = backend
 
     def has_sampler(self, key: str) -> bool:
-        return self._on_rank0("has_sampler", key)
+        return self.backend._call(EmbeddedSampler, "has_sampler", key)
 
     def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None:
-        self._on_rank0("load_sampler", key, adapter_config, weights)
+        self.backend._call(EmbeddedSampler, "load_sampler", key, adapter_config, weights)
 
     def generate(
         self,
         key: str | None,
-        specs: list,
-        admit: Callable[[], list] | None = None,
-        on_token: Callable[[int, int, int, float], None] | None = None,
-    ) -> list:
+        specs: list[SampleSpec],
+        admit: Callable[[], list[SampleSpec]] | None = None,
+        on_token: TokenListener | None = None,
+    ) -> list[SampleOutput]:
         listener = Listener(on_token) if on_token is not None else None
-        return self._on_rank0("generate", key, specs, admit=admit, on_token=listener)
+        return self.backend._call(EmbeddedSampler, "generate", key, specs, admit=admit, on_token=listener)
+
+    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return self.backend._call(EmbeddedSampler, "zero_adapter")

@@ -1,5 +1,5 @@
-"""The worker processes of one backend: a single worker, or one per rank of a data-parallel
-group (``backends.ddp``), started, called and stopped together.
+"""The worker processes of one backend: one per rank (``rank.serve``), started, called and
+stopped together; a single worker is a group of one.
 
 Rank 0 answers what needs one copy (``call``); what every rank must do goes to all at once
 (``call_each``), and while their answers are awaited every rank is watched: if one dies, hangs,
@@ -15,14 +15,14 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError
-from hosted_tinker.core.types import Capabilities, TrainingBackend
-from hosted_tinker.server.workers.process import POLL_S, WorkerProcess, outcome
+from hosted_tinker.core.types import Capabilities
+from hosted_tinker.server.workers.process import POLL_S, WorkerProcess, outcome, said
 
 PEER_GRACE_S = 5.0  # after a rank's collective failed, how long the others get to answer
 
 
 class WorkerGroup:
-    def __init__(self, factories: Sequence[Callable[[], TrainingBackend]], call_timeout_s: float | None = None) -> None:
+    def __init__(self, factories: Sequence[Callable[[], Any]], call_timeout_s: float | None = None) -> None:
         self.call_timeout_s = call_timeout_s
         single = len(factories) == 1
         self.workers = [
@@ -82,7 +82,7 @@ class WorkerGroup:
             raise
         timeout = self.call_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
-        replies = self._gather(deadline, f"did not answer {method} within {timeout} s")
+        replies = self._gather(deadline, f"did not answer {said(method)} within {timeout} s")
         failed = [(rank, kind, value) for rank, (kind, value) in replies.items() if kind != "ok"]
         origin = [f for f in failed if f[1] != "peer_failed"] or failed
         if origin:
@@ -91,7 +91,7 @@ class WorkerGroup:
                 done = min(r for r, (k, _) in replies.items() if k == "ok")
                 self.kill()
                 raise WorkerDied(
-                    f"training rank {rank} failed {method} ({value}) where rank {done} completed it, "
+                    f"training rank {rank} failed {said(method)} ({value}) where rank {done} completed it, "
                     "so the ranks no longer hold the same state"
                 )
             if kind == "user_error":

@@ -12,7 +12,7 @@ from typing import Any
 
 from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError
 from hosted_tinker.core.messages import Callback, Listener, recv, send
-from hosted_tinker.core.types import Capabilities, TrainingBackend
+from hosted_tinker.core.types import Capabilities
 from hosted_tinker.rank import serve as child
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class WorkerProcess:
 
     def __init__(
         self,
-        factory: Callable[[], TrainingBackend],
+        factory: Callable[[], Any],  # builds what the worker serves (``rank.serve.build_rank``)
         call_timeout_s: float | None = None,
         label: str = "the training worker",
     ) -> None:
@@ -84,7 +84,7 @@ class WorkerProcess:
         self._send("call", method, args, wire_kwargs)
         while True:
             deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
-            kind, *rest = self._recv(deadline, f"did not answer {method} within {self.call_timeout_s} s")
+            kind, *rest = self._recv(deadline, f"did not answer {said(method)} within {self.call_timeout_s} s")
             if kind == "notify":
                 name, callback_args = rest
                 try:
@@ -157,6 +157,11 @@ class WorkerProcess:
                 self.process.join(5)
                 raise WorkerDied(f"{self.label} (pid {self.pid}) {overdue} and was killed")
         return self.read()
+
+
+def said(method: str) -> str:
+    """A call as errors name it: ``optim_step``, not ``trainer.optim_step``."""
+    return method.rpartition(".")[2]
 
 
 def outcome(kind: str, value: Any) -> Any:

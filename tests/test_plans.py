@@ -1,0 +1,108 @@
+"""Every registered parallel plan (``rank.plans.PLANS``) against a float64 single-process reference.
+
+Each plan runs in worker processes through ``ProcessBackend``, as the server runs it, on two CPU
+ranks where it accepts two (else one). The reference is the single plan in float64 in this
+process, started from the plan's own initial weights. Every loss, datums of unequal lengths,
+gradients accumulated over two calls before each step, full AdamParams: per-datum logprobs,
+``loss:sum``, ``grad_norm`` and the weights after the steps agree to float32 precision.
+
+A new plan is checked by registering it: nothing here names one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hosted_tinker.core import losses
+from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.types import AdamParams, AdapterState, DatumInput, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.rank.plans import PLANS, backend_options
+from hosted_tinker.rank.serve import local_rank
+from hosted_tinker.rank.trainer import Trainer
+from hosted_tinker.server.workers.backend import ProcessBackend
+from hosted_tinker.server.workers.launch import rank_factories
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ADAM = AdamParams(learning_rate=5e-3, beta1=0.85, beta2=0.98, eps=1e-8, weight_decay=0.05, grad_clip_norm=50.0)
+RTOL = 2e-4  # float32 against float64, over a few steps
+
+
+def devices_for(backend: str, model: Path) -> str:
+    """Two CPU ranks where the plan takes them, else one."""
+    for devices in ("cpu:2", "cpu"):
+        config = ServerConfig(model=str(model), backend=backend, train_devices=devices)
+        try:
+            backend_options(config)
+            return devices
+        except ValueError:
+            continue
+    raise AssertionError(f"plan {backend} runs on neither two CPU ranks nor one")
+
+
+def batch(rng: np.random.Generator, size: int, loss_fn: str) -> ForwardBackwardBatch:
+    data = []
+    for n in rng.integers(3, 40, size):
+        tokens = torch.from_numpy(rng.integers(10, 500, int(n) + 1))
+        if loss_fn == "cross_entropy":
+            inputs = {"weights": torch.from_numpy(rng.uniform(0.0, 1.5, int(n)).astype(np.float32))}
+        else:
+            inputs = {
+                "logprobs": torch.from_numpy(rng.uniform(-8.0, -4.0, int(n)).astype(np.float32)),
+                "advantages": torch.from_numpy(rng.normal(0.0, 1.0, int(n)).astype(np.float32)),
+            }
+            if loss_fn == "gspo":
+                inputs["sequence_ratio_mask"] = torch.ones(int(n))
+        data.append(DatumInput(tokens=tokens[:-1], target_tokens=tokens[1:], inputs=inputs))
+    config = dict(losses.LOSSES[loss_fn].config_defaults)
+    return ForwardBackwardBatch(data=data, loss_fn=loss_fn, loss_config=config, forward_only=False)
+
+
+def as_float64(state: AdapterState) -> AdapterState:
+    return dataclasses.replace(
+        state,
+        weights={k: v.double() for k, v in state.weights.items()},
+        optimizer={k: v.double() if v.is_floating_point() else v for k, v in state.optimizer.items()},
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> Trainer:
+    return local_rank(str(tiny_model_dir), dtype="float64").trainer
+
+
+@pytest.mark.parametrize("backend", sorted(PLANS))
+def test_plan_trains_like_the_float64_reference(backend: str, tiny_model_dir: Path, reference: Trainer):
+    devices = devices_for(backend, tiny_model_dir)
+    config = ServerConfig(model=str(tiny_model_dir), backend=backend, train_devices=devices)
+    plan = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+    model_id = f"plan-{backend}"
+    try:
+        assert plan.capabilities.backend == backend
+        plan.create_adapter(model_id, LoraSpec(rank=8, seed=3))
+        reference.create_adapter(model_id, LoraSpec(rank=8, seed=3))
+        reference.load_state(model_id, as_float64(plan.export_state(model_id)), with_optimizer=True)
+        rng = np.random.default_rng(7)
+        for step, loss_fn in enumerate(sorted(losses.LOSSES)):
+            for size in (3, 2):  # two calls, accumulated before the step
+                b = batch(rng, size, loss_fn)
+                got, want = plan.forward_backward(model_id, b), reference.forward_backward(model_id, b)
+                for g, w in zip(got.logprobs, want.logprobs, strict=True):
+                    np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4, err_msg=f"step {step} ({loss_fn})")
+                assert got.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4), loss_fn
+            got_step, want_step = plan.optim_step(model_id, ADAM), reference.optim_step(model_id, ADAM)
+            assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-3), loss_fn
+        got_state, want_state = plan.export_state(model_id), reference.export_state(model_id)
+        assert got_state.steps == want_state.steps == len(losses.LOSSES)
+        assert got_state.weights.keys() == want_state.weights.keys()
+        for key, tensor in got_state.weights.items():
+            np.testing.assert_allclose(tensor.double(), want_state.weights[key], rtol=1e-3, atol=1e-5, err_msg=key)
+    finally:
+        if reference.has_adapter(model_id):
+            reference.delete_adapter(model_id)
+        plan.close()
