@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
 from hosted_tinker.core.config import ServerConfig  # noqa: E402
 from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend  # noqa: E402
-from hosted_tinker.rank.peft_backend import PeftBackend  # noqa: E402
-from hosted_tinker.rank.plans import rank_factories  # noqa: E402
+from hosted_tinker.rank.serve import local_rank  # noqa: E402
 from hosted_tinker.server.workers.backend import ProcessBackend  # noqa: E402
+from hosted_tinker.server.workers.launch import rank_factories  # noqa: E402
 
 LORA = LoraSpec(rank=32, seed=0)
 
@@ -123,7 +123,7 @@ def main() -> None:
 
     ddp_n = f"ddp{args.ranks}"
     makers: dict[str, Callable[[], TrainingBackend]] = {
-        "in_process": lambda: PeftBackend(model, device=one),
+        "in_process": lambda: local_rank(model, device=one).trainer,
         "peft": lambda: worker_backend(model, "peft", one),
         "ddp1": lambda: worker_backend(model, "ddp", devices_for(args.device, 1)),
         ddp_n: lambda: worker_backend(model, "ddp", devices_for(args.device, args.ranks)),

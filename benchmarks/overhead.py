@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
 from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec  # noqa: E402
-from hosted_tinker.rank.peft_backend import PeftBackend  # noqa: E402
+from hosted_tinker.rank.serve import local_rank  # noqa: E402
 from tests.conftest import ALIAS, start_server  # noqa: E402
 
 
@@ -37,7 +37,7 @@ class InProcess:
     """The PEFT backend called directly: the baseline with no HTTP, SDK or scheduler."""
 
     def __init__(self, model: str, seqs: list[np.ndarray], lr: float, device: str) -> None:
-        self.backend = PeftBackend(model, device=device)
+        self.backend = local_rank(model, device=device).trainer
         self.backend.create_adapter("bench", LoraSpec(rank=32, seed=0))
         data = [
             DatumInput(
