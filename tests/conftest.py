@@ -2,6 +2,12 @@
 
 The SDK retries a dead server for ~5 minutes, so every test that touches it is guarded by
 the health check below and by pytest-timeout.
+
+Markers (pyproject.toml): ``fast`` is the quick loop, ``pytest -m fast`` (unit tests and the SDK
+smoke test, test_smoke.py; under a minute on 2 cores); ``slow`` marks the end-to-end tests that
+start servers, worker processes, ranks, vLLM or real clients. CI runs everything: ``pytest -q``.
+Tests wait for what they need by polling an observable condition with a deadline, never by a
+fixed sleep.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@ real SDK where it lets the bad value through. Every one must be answered at once
 JSON body names the offending field; none may crash, hang or stall the server. Afterwards a
 normal SFT step still works and /healthz is green.
 
-One server is shared by every case (``--max-seq-len 64``, so over-long sequences are cheap).
-Ordered requests (those with a ``seq_id``) that the server rejects still consume their seq_id;
-the world tracks that, and the last test proves neither model was left waiting on a gap.
+One server is shared by every case (``--max-seq-len 64``, so over-long sequences are cheap), but
+each test gets a session and raw model of its own, with its own seq numbering, so any test can run
+alone or in any order. Ordered requests (those with a ``seq_id``) that the server rejects still
+consume their seq_id; each test's world tracks that, and after every case a valid request proves
+neither model was left waiting on a gap (nor had a seq_id consumed that the world did not count).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import http.client
 import json
 import math
 import re
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,7 +35,8 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from tests.conftest import ALIAS, ServerProcess, start_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+# The tests that use the server are marked slow one by one; the two that do not are fast.
+pytestmark = pytest.mark.timeout(120)
 
 HEADERS = {"X-API-Key": "tml-test"}
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -51,18 +55,21 @@ class Reply:
 
 @dataclass
 class World:
-    """Ids shared by the cases; ``seq`` is the raw model's next unused seq_id."""
+    """Ids the cases act on; ``seq`` is the raw model's next unused seq_id. The server, the
+    checkpoints, the sampler and the SDK clients are shared by every test; the session, the raw
+    model and its ``seq`` are each test's own (the ``world`` fixture)."""
 
     server: ServerProcess
     http: httpx.Client
     session_id: str
     model_id: str
     sampler_id: str
-    weights_path: str
+    weights_path: str  # checkpoints named "good", of the model ``good_run``
     sampler_path: str
     vocab: int
     body_limit: int
     seq: int
+    good_run: str = ""
     sdk: dict[str, Any] = field(default_factory=dict)
 
     def next_seq(self) -> int:
@@ -76,8 +83,10 @@ class World:
             kw["headers"] = {"Content-Type": "application/json", **kw.get("headers", {})}
         return _reply(self.http.post(path, **kw))
 
-    def result(self, request_id: str) -> Any:
+    def result(self, request_id: str, timeout: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout
         while True:
+            assert time.monotonic() < deadline, f"{request_id} did not finish in {timeout}s"
             r = self.http.post("/api/v1/retrieve_future", json={"request_id": request_id})
             assert r.status_code == 200, r.text
             if r.headers["content-type"].startswith("application/x-protobuf"):
@@ -95,18 +104,26 @@ def _reply(r: httpx.Response) -> Reply:
         return Reply(r.status_code, r.text)
 
 
+def _new_session_and_model(w: World) -> World:
+    """``w`` with a new session holding a new raw model, whose next seq_id is 1 (0 created it)."""
+    session = w.http.post("/api/v1/create_session", json={"tags": ["bad-input"]}).json()["session_id"]
+    body = {"session_id": session, "model_seq_id": 0, "base_model": ALIAS, "lora_config": {"rank": 4, "seed": 0}}
+    model_id = w.result(w.http.post("/api/v1/create_model", json=body).json()["request_id"])["model_id"]
+    return replace(w, session_id=session, model_id=model_id, seq=1)
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[World]:
+def shared(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[World]:
+    """The server and what every test may share: checkpoints, a sampler, the SDK clients."""
     data_dir = tmp_path_factory.mktemp("bad-input")
     server = start_server(data_dir, "--model", str(tiny_model_dir), "--max-seq-len", str(MAX_SEQ_LEN))
     http = httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60)
     try:
         caps = http.get("/healthz").json()["capabilities"]
         assert caps["max_seq_len"] == MAX_SEQ_LEN
-        session = http.post("/api/v1/create_session", json={"tags": ["bad-input"]}).json()["session_id"]
-        w = World(server, http, session, "", "", "", "", caps["vocab_size"], 256 << 20, seq=1)
-        body = {"session_id": session, "model_seq_id": 0, "base_model": ALIAS, "lora_config": {"rank": 4, "seed": 0}}
-        w.model_id = w.result(http.post("/api/v1/create_model", json=body).json()["request_id"])["model_id"]
+        w = World(server, http, "", "", "", "", "", caps["vocab_size"], 256 << 20, seq=1)
+        w = _new_session_and_model(w)  # the checkpoints' model: its seq_ids are this fixture's
+        session, w.good_run = w.session_id, w.model_id
         saved = w.post(
             "/api/v1/save_weights", json_body={"model_id": w.model_id, "seq_id": w.next_seq(), "path": "good"}
         )
@@ -130,6 +147,22 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     finally:
         http.close()
         server.stop()
+
+
+@pytest.fixture
+def world(shared: World) -> World:
+    """The shared world, with a session and raw model of this test's own: its seq_ids start at 1."""
+    return _new_session_and_model(shared)
+
+
+def assert_no_gap(w: World) -> None:
+    """Neither model waits on a seq_id that a rejected request did not consume, and none was
+    consumed that the world did not count: a valid request on each runs at once."""
+    req = _fb_request(w.model_id, w.next_seq())
+    sent = w.post("/api/v1/forward_backward", content=req.SerializeToString(), headers=PROTOBUF)
+    assert sent.status == 200, sent.body
+    assert w.result(sent.body["request_id"], timeout=30).metrics["loss:sum"] > 0
+    w.sdk["tc"].forward([_datum([5, 6, 7])], "cross_entropy").result(timeout=30)
 
 
 # ---- request builders -------------------------------------------------------------------------
@@ -641,7 +674,7 @@ CASES: list[Case] = [
             lambda w: {
                 "session_id": w.session_id,
                 "sampling_session_seq_id": 7,
-                "model_path": f"tinker://{w.model_id}/adapters/good",
+                "model_path": f"tinker://{w.good_run}/adapters/good",
             },
         ),
         400,
@@ -733,26 +766,26 @@ CASES: list[Case] = [
     ),
     Case(
         "REST publish unknown kind",
-        rest("POST", lambda w: f"training_runs/{w.model_id}/checkpoints/adapters/good/publish"),
+        rest("POST", lambda w: f"training_runs/{w.good_run}/checkpoints/adapters/good/publish"),
         400,
         "kind",
     ),
     Case(
         "REST ttl too short",
-        rest("PUT", lambda w: f"training_runs/{w.model_id}/checkpoints/weights/good/ttl", {"ttl_seconds": 1}),
+        rest("PUT", lambda w: f"training_runs/{w.good_run}/checkpoints/weights/good/ttl", {"ttl_seconds": 1}),
         400,
         "ttl_seconds",
     ),
     Case(
         "REST ttl a string",
-        rest("PUT", lambda w: f"training_runs/{w.model_id}/checkpoints/weights/good/ttl", {"ttl_seconds": "forever"}),
+        rest("PUT", lambda w: f"training_runs/{w.good_run}/checkpoints/weights/good/ttl", {"ttl_seconds": "forever"}),
         422,
         "ttl_seconds",
     ),
     Case("REST unknown run", rest("GET", lambda w: "training_runs/sess-none:train:3/checkpoints"), 404, "training run"),
     Case(
         "REST download URLs of a weights checkpoint",
-        rest("GET", lambda w: f"training_runs/{w.model_id}/checkpoints/weights/good/external_weights_urls"),
+        rest("GET", lambda w: f"training_runs/{w.good_run}/checkpoints/weights/good/external_weights_urls"),
         400,
         "external_weights",
     ),
@@ -999,28 +1032,34 @@ def _check(status: int, body: Any, case: Case | SdkCase) -> None:
     assert any(named.search(m) for m in messages), f"{case.name}: {case.field!r} not named in {messages}"
 
 
+@pytest.mark.fast
 def test_the_table_holds_enough_distinct_cases():
     names = [c.name for c in CASES + SDK_CASES]
     assert len(names) == len(set(names)), "case names must be unique"
     assert len(set(names)) >= MIN_CASES, len(set(names))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_raw_http(world: World, case: Case):
     reply = case.send(world)
     _check(reply.status, reply.body, case)
+    assert_no_gap(world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", SDK_CASES, ids=lambda c: c.name)
 def test_sdk(world: World, case: SdkCase):
     with pytest.raises(tinker.APIStatusError) as info:
         case.call(world)
     _check(info.value.status_code, info.value.body, case)
+    assert_no_gap(world)
 
 
+@pytest.mark.slow
 def test_server_is_healthy_and_still_trains(world: World):
-    """After every case: /healthz is green, neither model waits on a gap left by a rejected
-    request, and a normal SFT step through the SDK succeeds."""
+    """After the cases (whichever ran before): /healthz is green, neither model waits on a gap
+    (each case checks its own too), and a normal SFT step through the SDK succeeds."""
     assert world.http.get("/healthz").status_code == 200
     req = _fb_request(world.model_id, world.next_seq())
     fb_id = world.post("/api/v1/forward_backward", content=req.SerializeToString(), headers=PROTOBUF).body
@@ -1042,6 +1081,7 @@ def test_server_is_healthy_and_still_trains(world: World):
     assert health.status_code == 200 and health.json()["status"] == "ok"
 
 
+@pytest.mark.fast
 def test_body_limit_cuts_off_a_body_without_content_length():
     """A chunked body has no Content-Length to refuse up front: it is cut off with a 413 as soon
     as it passes the limit (here a unit test with a 100-byte limit, not 256 MiB over loopback)."""

@@ -26,6 +26,8 @@ from hosted_tinker.server.protocol.proto_codec import (
     encode_forward_backward_output,
 )
 
+pytestmark = pytest.mark.fast
+
 # ---- helpers --------------------------------------------------------------------------------
 
 

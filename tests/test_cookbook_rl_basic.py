@@ -37,8 +37,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.clients.cookbook import offline_env, read_jsonl, run_recipe
+from tests.clients.cookbook import MATH_RL_EXTRAS, RECIPE_EXTRAS, offline_env, read_jsonl, require_cookbook, run_recipe
 from tests.conftest import ALIAS, ServerProcess
+
+require_cookbook(*RECIPE_EXTRAS, *MATH_RL_EXTRAS)  # the recipe runs in a subprocess
 
 N_BATCHES = 6
 BATCH_SIZE = 4

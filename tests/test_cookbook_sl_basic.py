@@ -25,10 +25,11 @@ import json
 from pathlib import Path
 
 import pytest
-import tinker_cookbook
 
-from tests.clients.cookbook import offline_env, read_jsonl, run_recipe
+from tests.clients.cookbook import RECIPE_EXTRAS, offline_env, read_jsonl, require_cookbook, run_recipe
 from tests.conftest import ALIAS, ServerProcess
+
+tinker_cookbook = require_cookbook(*RECIPE_EXTRAS)
 
 CONVERSATIONS = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
 BATCH_SIZE = 8

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.clients.cookbook import offline_env, read_jsonl, run_recipe
+from tests.clients.cookbook import RECIPE_EXTRAS, offline_env, read_jsonl, require_cookbook, run_recipe
 from tests.conftest import ALIAS, ServerProcess
+
+require_cookbook(*RECIPE_EXTRAS)  # the driver runs the recipe in a subprocess
 
 DRIVER = Path(__file__).parent / "clients" / "sl_loop_offline.py"
 BATCH_SIZE = 8

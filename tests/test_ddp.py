@@ -34,7 +34,7 @@ from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
 from hosted_tinker.server.workers.group import PEER_GRACE_S
 from hosted_tinker.server.workers.launch import free_port, rank_factories
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(300)  # the pure tests are fast; those that start ranks, slow
 
 ADAM = AdamParams(learning_rate=2e-3, beta1=0.85, beta2=0.98, eps=1e-8, weight_decay=0.05, grad_clip_norm=400.0)
 
@@ -42,6 +42,7 @@ ADAM = AdamParams(learning_rate=2e-3, beta1=0.85, beta2=0.98, eps=1e-8, weight_d
 # ---- splitting and merging (pure) ------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_parse_devices():
     assert parse_devices("cpu") == ["cpu"]
     assert parse_devices("cpu:3") == ["cpu"] * 3
@@ -52,6 +53,7 @@ def test_parse_devices():
             parse_devices(bad)
 
 
+@pytest.mark.fast
 def test_shards_balance_tokens_not_datums_and_keep_batch_order():
     lengths = [100, 3, 4, 5, 90, 2, 2]
     shards = shard_by_tokens(lengths, 2)
@@ -64,6 +66,7 @@ def test_shards_balance_tokens_not_datums_and_keep_batch_order():
     assert shard_by_tokens([], 2) == [[], []]
 
 
+@pytest.mark.fast
 def test_merge_puts_results_back_in_batch_order():
     shards = [[0, 3], [1, 2]]
     results = [
@@ -142,6 +145,7 @@ def assert_same(got, want, what: str) -> None:
     assert diff < 1e-5, f"{what}: logprobs differ by {diff}"
 
 
+@pytest.mark.slow
 def test_two_ranks_train_exactly_like_one_process(ddp: ProcessBackend, reference: Trainer):
     """Six steps, one per loss, of 1, 3 or 7 datums plus a second call that accumulates."""
     for backend in (ddp, reference):
@@ -167,6 +171,7 @@ def test_two_ranks_train_exactly_like_one_process(ddp: ProcessBackend, reference
         backend.delete_adapter("same")
 
 
+@pytest.mark.slow
 def test_one_rank_is_the_single_process_backend(tiny_model_dir: Path, reference: Trainer):
     """``--train-devices cpu:1`` (or one GPU): no collective runs, and the steps are exactly
     the peft backend's."""
@@ -189,6 +194,7 @@ def test_one_rank_is_the_single_process_backend(tiny_model_dir: Path, reference:
         single.close()
 
 
+@pytest.mark.slow
 def test_ranks_start_identical_whatever_else_rank_0_holds(ddp: ProcessBackend):
     """The embedded sampler lives on rank 0 alone, and ranks may have made different adapters
     before (their PEFT wrappers came and went differently). Rank 0's initial weights are
@@ -205,6 +211,7 @@ def test_ranks_start_identical_whatever_else_rank_0_holds(ddp: ProcessBackend):
     ddp.delete_adapter("second")
 
 
+@pytest.mark.slow
 def test_a_request_that_fails_on_one_rank_leaves_no_gradient_on_any(ddp: ProcessBackend, reference: Trainer):
     """One datum whose target is outside the vocabulary (the server's validation would refuse
     it; the backend is called directly here) fails on its rank alone. The error is that rank's,
@@ -230,6 +237,7 @@ def test_a_request_that_fails_on_one_rank_leaves_no_gradient_on_any(ddp: Process
         backend.delete_adapter("atomic")
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_fails_the_request_and_the_group_is_replaced(tiny_model_dir: Path):
     """Rank 1 is stopped (SIGSTOP: alive, silent, as on a wedged GPU). Rank 0 does its shard, then
     waits for rank 1 in the collective until ``collective_timeout_s``; the group is replaced and
@@ -294,6 +302,7 @@ def one_rank_fails(model: str) -> list:
     ]
 
 
+@pytest.mark.slow
 def test_adapters_are_made_on_every_rank_or_none_and_ranks_that_disagree_are_replaced(tiny_model_dir: Path):
     """A create_adapter that fails on rank 1 is undone on rank 0: one clean error, the group
     kept. A delete that worked on rank 0 only cannot be undone: training on would run the ranks

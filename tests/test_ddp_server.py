@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from tinker import types
 
 from tests.conftest import ALIAS, start_server
 from tests.test_checkpoints import assert_identical, train
-from tests.test_faults import HEAVY, SMALL, forward_logprobs
+from tests.test_faults import HEAVY, SMALL, forward_logprobs, wait_until_computing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -118,11 +117,7 @@ def test_a_rank_killed_mid_step_fails_that_request_and_the_group_comes_back(serv
 
     old = health(server.base_url)["worker"]["pids"]
     doomed = tc.forward_backward(HEAVY, "cross_entropy")
-    deadline = time.monotonic() + 60
-    while health(server.base_url)["queue"]["in_flight"] == 0:
-        assert time.monotonic() < deadline, "the request never reached the ranks"
-        time.sleep(0.02)
-    time.sleep(0.3)
+    wait_until_computing(server.base_url, old[1])  # rank 1 is inside the step
     os.kill(old[1], signal.SIGKILL)
     with pytest.raises(tinker.RequestFailedError) as failure:
         doomed.result()

@@ -52,14 +52,31 @@ SMALL = [datum(16)]
 HEAVY = [datum(2048, start=i) for i in range(24)]  # a few seconds of CPU: time to kill it
 
 
-def kill_worker_when_busy(base_url: str) -> int:
-    """SIGKILL the worker once it is running a request; its pid."""
-    deadline = time.monotonic() + 60
+def cpu_seconds(pid: int) -> float:
+    """The CPU time ``pid`` has used so far, all its threads together (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def wait_until_computing(base_url: str, pid: int, cpu_s: float = 0.3, timeout: float = 60.0) -> None:
+    """Return once a request is in flight and worker process ``pid`` has spent ``cpu_s`` seconds
+    of CPU on it: the request reached the worker, which is well inside its forward pass (an idle
+    worker uses next to none)."""
+    deadline = time.monotonic() + timeout
     while health(base_url)["queue"]["in_flight"] == 0:
         assert time.monotonic() < deadline, "the request never reached the worker"
         time.sleep(0.02)
-    time.sleep(0.3)  # well inside the forward pass
+    start = cpu_seconds(pid)
+    while cpu_seconds(pid) - start < cpu_s:
+        assert time.monotonic() < deadline, f"worker {pid} never started computing the request"
+        time.sleep(0.02)
+
+
+def kill_worker_when_busy(base_url: str) -> int:
+    """SIGKILL the worker once it is running a request; its pid."""
     pid = health(base_url)["worker"]["pid"]
+    wait_until_computing(base_url, pid)
     os.kill(pid, signal.SIGKILL)
     return pid
 

@@ -10,6 +10,8 @@ import pytest
 from hosted_tinker.server.keys import OPEN, KeyRing, create_key, key_hash, read_keys_file
 from hosted_tinker.server.store import Store
 
+pytestmark = pytest.mark.fast
+
 
 def test_open_until_a_key_exists_and_closed_for_good_after(tmp_path: Path):
     store = Store.in_data_dir(tmp_path)

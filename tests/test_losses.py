@@ -17,6 +17,8 @@ import torch
 
 from hosted_tinker.core.losses import LOSSES, UNSUPPORTED_LOSSES
 
+pytestmark = pytest.mark.fast
+
 TOL = 1e-10
 GAP = 0.02  # minimum distance between a ratio and a clip threshold
 

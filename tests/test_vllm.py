@@ -322,13 +322,24 @@ def test_killing_vllm_fails_calls_cleanly_and_it_comes_back(tmp_path, tiny_model
     assert _no_vllm_left(srv)
 
 
-def _no_vllm_left(srv: ServerProcess) -> bool:
-    """Stopping the server stops vLLM (and its engine processes) too."""
-    time.sleep(1)
+def _no_vllm_left(srv: ServerProcess, timeout: float = 10.0) -> bool:
+    """Stopping the server stops vLLM (and its engine processes) too: within ``timeout`` seconds
+    no process is left that was started for the server's data dir."""
+    deadline = time.monotonic() + timeout
+    while _processes_of(srv):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _processes_of(srv: ServerProcess) -> list[str]:
+    """The pids of live processes whose command line names the server's data dir."""
+    found = []
     for cmdline in Path("/proc").glob("*/cmdline"):
         try:
             if str(srv.data_dir) in cmdline.read_bytes().decode(errors="replace"):
-                return False
+                found.append(cmdline.parent.name)
         except OSError:
             continue
-    return True
+    return found

@@ -10,12 +10,13 @@ import os
 import signal
 import stat
 import sys
-import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 import torch
 
+import hosted_tinker.inference.vllm_adapters as vllm_adapters
 from hosted_tinker.core.errors import EngineUnavailable
 from hosted_tinker.core.sampling import SampleSpec
 from hosted_tinker.inference.lora_sync import LiveAdapters
@@ -23,7 +24,7 @@ from hosted_tinker.inference.vllm_adapters import AdapterRegistry
 from hosted_tinker.inference.vllm_engine import needs_embedded, parse_response, request_body
 from hosted_tinker.inference.vllm_process import EngineState, VllmLaunch, VllmSupervisor, free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 
 
 # ---- SampleSpec <-> /v1/completions ---------------------------------------------------------
@@ -123,6 +124,24 @@ def registry(fake: FakeVllm) -> AdapterRegistry:
     return AdapterRegistry(client, lambda: "http://vllm")
 
 
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``condition`` on the event loop until it holds; fail after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not true after {timeout}s"
+        await asyncio.sleep(0.005)
+
+
+async def settled(timeout: float = 10.0) -> None:
+    """Wait, up to ``timeout``, until the background work (unloads, their cleanups, LoRA syncs)
+    started so far has finished, and whatever it started in turn: nothing is left running."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while pending := set(vllm_adapters._background):
+        left = deadline - asyncio.get_running_loop().time()
+        assert left > 0, f"background work still running after {timeout}s: {pending}"
+        await asyncio.wait(pending, timeout=left)
+
+
 def test_concurrent_users_share_one_load_and_retired_versions_unload_after_use(tmp_path):
     async def run() -> None:
         fake = FakeVllm()
@@ -133,10 +152,10 @@ def test_concurrent_users_share_one_load_and_retired_versions_unload_after_use(t
         assert reg.retire("v1") is True
         for adapter in held[:4]:
             reg.release(adapter)
-        await asyncio.sleep(0)
+        await settled()
         assert len(fake.calls) == 1 and not cleaned  # still one user
         reg.release(held[4])
-        await asyncio.sleep(0.1)
+        await settled()
         assert fake.calls[-1] == ("unload_lora_adapter", held[0].name) and cleaned == [1]
         assert reg.retire("never-loaded") is False
         again = await reg.acquire("v1", tmp_path)  # a retired key loads again under a new name
@@ -159,7 +178,7 @@ def test_idle_eviction_unloads_without_deleting_and_restarts_keep_counts_apart(t
             adapter = await reg.acquire(key, tmp_path, lambda k=key: cleaned.append(k))
             names[key] = adapter.name
             reg.release(adapter)
-        await asyncio.sleep(0.1)
+        await settled()
         assert fake.calls[-1] == ("unload_lora_adapter", names["a"])
         assert cleaned == [] and reg.loaded() == 1  # evicted, not deleted: it reloads on demand
         assert reg.retire("a") is False  # not in vLLM: the caller deletes its files
@@ -169,10 +188,10 @@ def test_idle_eviction_unloads_without_deleting_and_restarts_keep_counts_apart(t
         new = await reg.acquire("b", tmp_path, lambda: cleaned.append("b"))
         reg.release(old)  # the old holder's release must not count against the new load
         assert new.users == 1 and reg.retire("b") is True
-        await asyncio.sleep(0.1)
+        await settled()
         assert ("unload_lora_adapter", new.name) not in fake.calls  # still in use
         reg.release(new)
-        await asyncio.sleep(0.1)
+        await settled()
         assert fake.calls[-1] == ("unload_lora_adapter", new.name) and cleaned == ["b"]
 
     asyncio.run(run())
@@ -202,7 +221,7 @@ def test_live_sync_coalesces_steps_and_readers_wait_for_it(tmp_path):
         config = {"peft_type": "LORA", "r": 1, "target_modules": ["q_proj"]}
         for step in range(1, 6):  # five steps published back to back, before any sync ran
             live.publish("run:train:0", step, config, {"w.lora_A.weight": torch.full((1, 2), float(step))})
-        await asyncio.sleep(0)
+        await until(lambda: "run:train:0" in live._runs)  # publish hands over to the loop: queued
         key, directory = await live.current("run:train:0")
         assert directory.name.startswith("step5-")
         loads = [c for c in fake.calls if c[0] == "load_lora_adapter"]
@@ -212,7 +231,7 @@ def test_live_sync_coalesces_steps_and_readers_wait_for_it(tmp_path):
         stats = live.stats()
         assert stats["synced_versions"] == len(loads) and stats["latency_ms_last"] is not None
         live.drop("run:train:0")
-        await asyncio.sleep(0.1)
+        await settled()
         assert fake.calls[-1][0] == "unload_lora_adapter" and not directory.exists()
         with pytest.raises(Exception, match="no adapter"):
             await live.current("run:train:0")
@@ -279,14 +298,10 @@ def test_supervisor_restarts_a_killed_server_and_stops_it(tmp_path):
         assert await sup.wait_ready(30)
         first = sup.pid
         os.kill(first, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while sup.state is EngineState.READY and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until(lambda: sup.state is not EngineState.READY, timeout=5)  # it noticed the death
         with pytest.raises(EngineUnavailable, match="restarting after: was killed by signal 9"):
             sup.check_ready()
-        deadline = time.monotonic() + 30
-        while sup.state is not EngineState.READY and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        await until(lambda: sup.state is EngineState.READY, timeout=30)
         assert sup.state is EngineState.READY and sup.pid != first and sup.restarts == 1 and restarted == [1]
         second = sup.pid
         await sup.stop()

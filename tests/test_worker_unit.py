@@ -22,7 +22,7 @@ from hosted_tinker.server.api.app import _watch_worker
 from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient, one_worker
 from hosted_tinker.server.workers.process import WorkerProcess
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(120)  # worker processes: slow, but for the watchdog's own test
 
 
 class FakeBackend:
@@ -100,6 +100,7 @@ def backend():
     backend.close()
 
 
+@pytest.mark.slow
 def test_calls_and_callbacks_cross_the_process(backend: ProcessBackend):
     backend.create_adapter("m", LoraSpec(rank=1, seed=0))
     assert backend.has_adapter("m")
@@ -110,6 +111,7 @@ def test_calls_and_callbacks_cross_the_process(backend: ProcessBackend):
     assert SamplerClient(backend).generate(None, ["a"], admit=lambda: next(arrivals)) == ["a", "b", "c"]
 
 
+@pytest.mark.slow
 def test_listeners_hear_every_notification_in_order(backend: ProcessBackend):
     """A listener (``on_token``) is notified without a round trip per call, in order; one that
     raises is logged and the call still returns."""
@@ -129,6 +131,7 @@ def test_listeners_hear_every_notification_in_order(backend: ProcessBackend):
     assert heard == [(0, "a"), (1, "x"), (2, "c")]
 
 
+@pytest.mark.slow
 def test_tensors_cross_the_pipe_intact():
     """Tensors travel as numpy buffers: every dtype we send (bfloat16 as its bits), any strides,
     and what numpy cannot hold (sparse) by torch's own reduction."""
@@ -154,6 +157,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().resolve_conj().to_dense().contiguous().view(torch.uint8)
 
 
+@pytest.mark.slow
 def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):
     pid = backend.status()["pid"]
     with pytest.raises(UserError, match="your mistake"):
@@ -184,6 +188,7 @@ class Recovery:
         return f"{why} and is lost"
 
 
+@pytest.mark.slow
 def test_death_mid_call_restarts_restores_and_tells_the_others(backend: ProcessBackend):
     recovery = backend.recovery = Recovery(backend)
     for model_id in ("a", "b", "c"):
@@ -209,6 +214,7 @@ def test_death_mid_call_restarts_restores_and_tells_the_others(backend: ProcessB
     assert backend.forward_backward("c", batch("cross_entropy")).startswith("c: ok")
 
 
+@pytest.mark.slow
 def test_a_model_that_kills_the_new_worker_too_is_given_up(backend: ProcessBackend):
     recovery = backend.recovery = Recovery(backend)
     for model_id in ("a", "poison", "b"):
@@ -222,6 +228,7 @@ def test_a_model_that_kills_the_new_worker_too_is_given_up(backend: ProcessBacke
     assert backend.has_adapter("a") and backend.has_adapter("b") and not backend.has_adapter("poison")
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_start_keeps_the_models_owed(tmp_path: Path):
     broken = tmp_path / "broken"
     backend = ProcessBackend(one_worker(functools.partial(FlakyBackend, str(broken))))
@@ -250,12 +257,14 @@ class FlakyBackend(FakeBackend):
         super().__init__()
 
 
+@pytest.mark.fast
 def test_the_watchdog_queues_one_replacement_at_a_time_and_backs_off():
     """While a replacement is queued or running, no other is queued; failed ones wait longer."""
-    calls, running, overlaps = [], 0, []
+    calls, running, overlaps, polls = [], 0, [], [0]
 
     class Backend:
         def status(self) -> dict:
+            polls[0] += 1
             return {"alive": len(calls) >= 4 and running == 0}
 
         def ensure_alive(self) -> None:
@@ -274,17 +283,26 @@ def test_the_watchdog_queues_one_replacement_at_a_time_and_backs_off():
 
     state = SimpleNamespace(backend=Backend(), scheduler=Scheduler())
 
-    async def watch_for(seconds: float) -> None:
+    async def until(condition, deadline_s: float = 10.0) -> None:
+        deadline = time.monotonic() + deadline_s
+        while not condition():
+            assert time.monotonic() < deadline, "the watchdog did not get there in time"
+            await asyncio.sleep(0.01)
+
+    async def watch() -> None:
         task = asyncio.create_task(_watch_worker(state, every_s=0.02, max_wait_s=0.08))
-        await asyncio.sleep(seconds)
+        await until(lambda: len(calls) >= 4 and running == 0)  # replaced, after three failures
+        seen = polls[0]
+        await until(lambda: polls[0] >= seen + 5)  # seen alive a few times: nothing more queued
         task.cancel()
 
-    asyncio.run(watch_for(0.6))
+    asyncio.run(watch())
     assert len(calls) == 4 and max(overlaps) == 1  # three failures, then a success, never two at once
     gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
     assert gaps[1] > gaps[0] + 0.01  # backing off
 
 
+@pytest.mark.slow
 def test_a_hung_call_kills_the_worker_and_the_next_call_runs():
     backend = ProcessBackend(one_worker(FakeBackend), call_timeout_s=1.0)
     try:
@@ -296,6 +314,7 @@ def test_a_hung_call_kills_the_worker_and_the_next_call_runs():
         backend.close()
 
 
+@pytest.mark.slow
 def test_a_long_call_that_keeps_talking_is_not_cut_off():
     """Callbacks and notifications (streamed tokens) are signs of life: the limit starts again."""
     worker = WorkerProcess(FakeBackend, call_timeout_s=1.0)
@@ -308,6 +327,7 @@ def test_a_long_call_that_keeps_talking_is_not_cut_off():
         worker.stop()
 
 
+@pytest.mark.slow
 def test_odd_deaths_and_answers_are_reported(backend: ProcessBackend):
     with pytest.raises(WorkerError, match="the answer could not be sent"):
         SamplerClient(backend).generate(None, [], admit=lambda: [lambda: None])  # a lambda cannot be pickled
@@ -315,6 +335,7 @@ def test_odd_deaths_and_answers_are_reported(backend: ProcessBackend):
         backend.forward_backward("m", batch("realtime-signal"))
 
 
+@pytest.mark.slow
 def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBackend):
     old_pid = backend.status()["pid"]
     os.kill(old_pid, signal.SIGKILL)
@@ -325,6 +346,7 @@ def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBacke
     assert "killed by SIGKILL" in backend.status()["last_death"]
 
 
+@pytest.mark.slow
 def test_a_backend_that_cannot_start_says_why():
     backend = ProcessBackend(one_worker(_broken_factory))
     with pytest.raises(RuntimeError, match="could not start: OSError: no such model"):

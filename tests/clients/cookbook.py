@@ -7,6 +7,7 @@ plumbing; the recipe arguments and the assertions stay in the test files.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,6 +19,37 @@ from typing import Any
 import pytest
 
 from tests.conftest import ALIAS, ServerProcess
+
+# Import names of what the recipes need besides tinker-cookbook (tests/requirements-clients.txt).
+RECIPE_EXTRAS = (
+    "aiohttp",
+    "anyio",
+    "blobfile",
+    "chz",
+    "cloudpickle",
+    "datasets",
+    "huggingface_hub",
+    "PIL",
+    "pyrage",
+    "termcolor",
+    "tiktoken",
+    "tqdm",
+)
+MATH_RL_EXTRAS = ("sympy", "pylatexenc", "math_verify")  # tinker-cookbook[math-rl], for rl_basic
+
+
+def require_cookbook(*extras: str) -> Any:
+    """The ``tinker_cookbook`` module; without it or one of ``extras`` the calling test module is
+    skipped, saying what is missing. The extras are looked up, not imported, so collection stays
+    cheap (``datasets`` alone takes over a second to import)."""
+    missing = [name for name in extras if importlib.util.find_spec(name) is None]
+    install = "pip install --no-deps tinker-cookbook==0.6.1 -r tests/requirements-clients.txt"
+    if missing:
+        pytest.skip(
+            f"tinker-cookbook's extras are not installed: {', '.join(missing)} ({install})", allow_module_level=True
+        )
+    return pytest.importorskip("tinker_cookbook", reason=f"tinker-cookbook is not installed ({install})")
+
 
 SNAPSHOT = "0" * 40  # any 40-hex commit id; refs/main only has to point at it
 # Cache locations that would win over $HF_HOME and send a subprocess to the developer's own cache.
