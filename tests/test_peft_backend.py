@@ -150,3 +150,19 @@ def test_requests_admitted_mid_decode_match_solo_runs(rank: Rank):
         for a, b in zip(joint.sequences, solo.sequences, strict=True):
             assert a.tokens == b.tokens
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_the_sampler_shares_the_base_weights_and_not_the_adapters(rank: Rank):
+    """The embedded sampler's tree holds the trainer's base tensors themselves (no second copy
+    of the model), and a sampler adapter never enters a training forward pass."""
+    trained = dict(rank.trainer.model.adapters.lm.named_parameters())
+    for name, p in rank.sampler.adapters.lm.named_parameters():
+        if "lora" not in name:
+            assert p is trained[name], name
+    rank.trainer.create_adapter("shared", LoraSpec(rank=4, seed=9))
+    probe = ForwardBackwardBatch([datum(4)], "cross_entropy", {}, True)
+    before = rank.trainer.forward_backward("shared", probe).logprobs[0]
+    config, weights = rank.sampler.zero_adapter()
+    rank.sampler.load_sampler("zero", config, {k: torch.ones_like(v) for k, v in weights.items()})
+    np.testing.assert_array_equal(before, rank.trainer.forward_backward("shared", probe).logprobs[0])
+    rank.trainer.delete_adapter("shared")
