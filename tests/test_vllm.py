@@ -292,7 +292,9 @@ def test_killing_vllm_fails_calls_cleanly_and_it_comes_back(tmp_path, tiny_model
         trainer = threading.Thread(target=train, daemon=True)
         trainer.start()
         vllm = inference(srv.base_url)
-        long = sampler.sample(prompt, 4, types.SamplingParams(max_tokens=4000, stop=[]))
+        # 32 x 4000 tokens keeps vLLM busy for tens of seconds: with 4 it finished on this machine
+        # before its gauges ever showed it held, and the kill came too late.
+        long = sampler.sample(prompt, 32, types.SamplingParams(max_tokens=4000, stop=[]))
         # Killed once vLLM holds it: killed before it arrives, the SDK would resend it after the
         # restart. vLLM is asked directly: our /healthz answers slowly while vLLM has the cores.
         deadline = time.monotonic() + 60
