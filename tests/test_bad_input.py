@@ -281,7 +281,8 @@ def openai(path: str, **body: Any) -> Callable[[World], Reply]:
 
 def declared_oversize(path: str, content_type: str) -> Callable[[World], Reply]:
     """Headers that announce a body over the limit, and only its first bytes: the server must
-    answer 413 from the headers alone rather than wait for (and buffer) the rest."""
+    answer 413 rather than wait for (and buffer) the rest. (An ordered route waits a moment,
+    ``body_limit.HEAD_WAIT_S``, for a head that names its seq_id; this one never comes.)"""
 
     def send(w: World) -> Reply:
         url = urlsplit(w.server.base_url)

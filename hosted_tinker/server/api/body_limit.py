@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import asyncio
+
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hosted_tinker.server.api.errors import error_response
+from hosted_tinker.core.errors import ApiError
+from hosted_tinker.server.api.auth import presented_key
+from hosted_tinker.server.api.errors import error_response, ordered_kind, refuse_unparsed
+from hosted_tinker.server.api.state import server_state
+from hosted_tinker.server.protocol.ordering import head_limit, order_of
+
+HEAD_WAIT_S = 2.0  # how long a refused ordered body's head is waited for
 
 
 class _BodyTooLarge(Exception):
@@ -18,7 +26,12 @@ class BodyLimit:
     Content-Length over ``max_bytes`` is a 413 at once, without reading the body; a body without
     one (chunked) is cut off with a 413 as soon as it passes the limit. A Content-Encoding other
     than zstd (which forward_backward inflates itself, under the same limit) is a 415: nothing
-    here could decode it, and a JSON parser would only report garbage."""
+    here could decode it, and a JSON parser would only report garbage.
+
+    A request ordered by ``seq_id``, sent with a valid key, is the one exception to "without
+    reading": the head of its body (until it names the seq_id; a few hundred KiB and
+    ``HEAD_WAIT_S`` at most) is read for the seq_id it uses up (``refuse_unparsed``), so that
+    the model's later requests do not wait for it."""
 
     ENCODINGS = ("identity", "zstd")
 
@@ -34,20 +47,25 @@ class BodyLimit:
         encoding = headers.get("content-encoding", "").strip().lower() or "identity"
         if encoding not in self.ENCODINGS:
             detail = f"Content-Encoding {encoding!r} is not supported; send zstd or an unencoded body"
-            await _refusal(scope, 415, detail)(scope, receive, send)
+            await error_response(scope["path"], 415, detail)(scope, receive, send)
             return
+        keep = head_limit(encoding)
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
+            head = await _read_head(scope, receive, keep) if _names_an_order(scope) else b""
             detail = f"body of {declared} bytes exceeds the limit of {self.max_bytes} bytes (Content-Length)"
-            await _refusal(scope, 413, detail)(scope, receive, send)
+            await self._too_large(scope, head, detail)(scope, receive, send)
             return
-        received, over, answered = 0, False, False
+        head, received, over, answered = bytearray(), 0, False, False
 
         async def counting_receive() -> Message:
             nonlocal received, over
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = message.get("body", b"")
+                received += len(chunk)
+                if len(head) < keep:
+                    head.extend(chunk[: keep - len(head)])
                 if received > self.max_bytes:
                     over = True
                     raise _BodyTooLarge
@@ -57,7 +75,8 @@ class BodyLimit:
             nonlocal answered
             if not answered:
                 answered = True
-                await _refusal(scope, 413, f"body exceeds the limit of {self.max_bytes} bytes")(scope, receive, send)
+                detail = f"body exceeds the limit of {self.max_bytes} bytes"
+                await self._too_large(scope, bytes(head), detail)(scope, receive, send)
 
         async def guarded_send(message: Message) -> None:
             nonlocal answered
@@ -74,6 +93,37 @@ class BodyLimit:
         if over:
             await refuse()
 
+    def _too_large(self, scope: Scope, head: bytes, detail: str):
+        error = refuse_unparsed(Request(scope), head, ApiError(413, detail))
+        return error_response(scope["path"], error.status, error.detail, headers=error.headers)
 
-def _refusal(scope: Scope, status: int, detail: str) -> JSONResponse:
-    return error_response(scope["path"], status, detail)
+
+def _names_an_order(scope: Scope) -> bool:
+    """Whether the head of this refused body may use up a seq_id: an ordered route's, sent with
+    a valid key (a stranger's or an anonymous body is not read at all)."""
+    request = Request(scope)
+    if ordered_kind(request) is None:
+        return False
+    return server_state(request).keys.tenant_of(presented_key(request)) is not None
+
+
+async def _read_head(scope: Scope, receive: Receive, size: int) -> bytes:
+    """The start of the body, until it names its model and seq_id, ``size`` bytes have come, or
+    ``HEAD_WAIT_S`` has passed (a client that stalls is answered with what it sent); the rest
+    is never read."""
+    headers = Headers(scope=scope)
+    content_type, encoding = headers.get("content-type", ""), headers.get("content-encoding")
+    head = bytearray()
+    deadline = asyncio.get_running_loop().time() + HEAD_WAIT_S
+    try:
+        while len(head) < size and order_of(bytes(head), content_type, encoding) is None:
+            timeout = deadline - asyncio.get_running_loop().time()
+            message = await asyncio.wait_for(receive(), timeout=max(timeout, 0.0))
+            if message["type"] != "http.request":
+                break
+            head.extend(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+    except TimeoutError:
+        pass
+    return bytes(head[:size])

@@ -11,9 +11,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hosted_tinker.core.errors import ApiError, ServerError, bad_request
+from hosted_tinker.server.api.auth import presented_key
 from hosted_tinker.server.api.state import server_state
+from hosted_tinker.server.protocol.ordering import order_of
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +27,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status >= 500:
             log.error("%s on %s: %s", type(exc).__name__, request.url.path, exc)
         return error_response(request.url.path, exc.status, str(exc), code=exc.code, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals (a body it cannot parse, 405): in the route family's shape.
+        return error_response(request.url.path, exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -72,34 +80,78 @@ def openai_error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-# JSON requests ordered by seq_id within their model (forward_backward is protobuf: its codec
-# reports bad datums against the decoded seq_id itself).
-_ORDERED_ROUTES = {
-    f"/api/v1/{kind}": kind
-    for kind in ("optim_step", "save_weights", "save_weights_for_sampler", "save_weights_external", "load_weights")
-}
+ORDERED = "x-ordered"
 
 
-def _consume_refused_seq(request: Request, body: Any, errors: list[dict]) -> ApiError | None:
-    """An ordered request whose body fails validation (say, NaN that the SDK sends as null) still
-    uses up its seq_id, if the body names a model of the caller's and a seq_id; else every later
-    request of that model would wait for it forever. Returns the 429 to answer instead of the
-    422 when the model's queue has no room even for the refusal: the SDK sends the request
-    again, and then its seq_id is used up."""
-    kind = _ORDERED_ROUTES.get(request.url.path)
-    tenant = getattr(request.state, "tenant", None)
-    if kind is None or tenant is None or not isinstance(body, dict):
+def ordered(kind: str) -> dict[str, Any]:
+    """Route options that declare a request ordered by ``seq_id`` within its model, as the
+    training service's request ``kind``. A body that names the caller's model and a seq_id uses
+    it up even when it is refused before it runs: it fails validation (``_consume_refused_seq``)
+    or is too large or unreadable (``refuse_unparsed``). The mark is on the route itself, and
+    shows in ``/openapi.json`` as the operation's ``x-ordered``."""
+    return {"openapi_extra": {ORDERED: kind}}
+
+
+def ordered_kind(request: Request) -> str | None:
+    """The request kind the route serving ``request`` was declared ``ordered`` as, else None.
+    Before routing (in a middleware) it is read from the app's published declarations."""
+    route = request.scope.get("route")
+    if route is not None:
+        return (getattr(route, "openapi_extra", None) or {}).get(ORDERED)
+    operation = request.app.openapi()["paths"].get(request.url.path, {}).get(request.method.lower(), {})
+    return operation.get(ORDERED)
+
+
+def refuse_unparsed(request: Request, head: bytes, error: ApiError) -> ApiError:
+    """The answer to an ordered request refused before its body was parsed (too large, not
+    inflatable, not protobuf): ``error``, once the seq_id that the body's ``head`` names (see
+    ``protocol.ordering``) is used up, if it names one of the caller's models; or a 429 when
+    the model's queue has no room even for the refusal."""
+    kind = ordered_kind(request)
+    if kind is None:
+        return error
+    state = server_state(request)
+    tenant = getattr(request.state, "tenant", None) or state.keys.tenant_of(presented_key(request))
+    order = order_of(head, request.headers.get("content-type", ""), request.headers.get("content-encoding"))
+    return _use_up(request, kind, tenant, order, error) or error
+
+
+def _use_up(
+    request: Request, kind: str, tenant: str | None, order: tuple[str, int] | None, error: ApiError
+) -> ApiError | None:
+    """Use up the seq_id of the caller's refused request ``order`` as a failed future holding
+    ``error``. A stranger's or an anonymous request touches nothing. Returns the 429 to answer
+    instead when the model's queue has no room even for the refusal (the SDK sends the request
+    again, and then its seq_id is used up)."""
+    if tenant is None or order is None:
         return None
-    model_id, seq_id = body.get("model_id"), body.get("seq_id")
-    if not isinstance(model_id, str) or type(seq_id) is not int:
-        return None
+    model_id, seq_id = order
     state = server_state(request)
     if not state.tenancy.owns(tenant, model_id):
         return None
-    where = ".".join(str(p) for p in errors[0]["loc"][1:]) or "body"
     try:
-        state.training.refuse_ordered(kind, model_id, seq_id, bad_request(f"{where}: {errors[0]['msg']}"))
+        state.training.refuse_ordered(kind, model_id, seq_id, error)
     except ApiError as e:
         if e.status == 429:
             return e
-    return None  # refused as expected (or the model is gone): the caller gets the 422 itself
+    return None  # refused as expected (or the model is gone): the caller gets ``error`` itself
+
+
+def _consume_refused_seq(request: Request, body: Any, errors: list[dict]) -> ApiError | None:
+    """An ordered request whose body fails validation (say, NaN that the SDK sends as null, or
+    JSON that does not parse) still uses up its seq_id, if the body names a model of the
+    caller's and a seq_id; else every later request of that model would wait for it forever."""
+    # forward_backward is protobuf: no validation error reaches here (see refuse_unparsed).
+    kind = ordered_kind(request)
+    if kind is None:
+        return None
+    order = None
+    if isinstance(body, dict):
+        model_id, seq_id = body.get("model_id"), body.get("seq_id")
+        if isinstance(model_id, str) and type(seq_id) is int:
+            order = model_id, seq_id
+    elif isinstance(body, bytes | str):  # not JSON: its leading members may still be readable
+        order = order_of(body.encode() if isinstance(body, str) else body, "application/json")
+    where = ".".join(str(p) for p in errors[0]["loc"][1:]) or "body"
+    tenant = getattr(request.state, "tenant", None)
+    return _use_up(request, kind, tenant, order, bad_request(f"{where}: {errors[0]['msg']}"))

@@ -8,12 +8,20 @@ from fastapi.responses import Response
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.openai_routes import list_models
 from hosted_tinker.server.api.state import server_state
+from hosted_tinker.server.protocol import responses as rsp
 
-router = APIRouter(prefix="/v1")
-router.add_api_route("/models", list_models, methods=["GET"])  # our names, as with the embedded engine
+router = APIRouter(prefix="/v1", responses=rsp.OPENAI_ERRORS)
+# Our model names, as with the embedded engine.
+router.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(rsp.OpenAIModelList))
 
 
-@router.api_route("/{path:path}", methods=["GET", "POST"], response_model=None)
+@router.api_route(
+    "/{path:path}",
+    methods=["GET", "POST"],
+    response_model=None,
+    # vLLM's answer, passed through as it sent it: JSON or server-sent events.
+    responses={200: {"content": {"application/json": {"schema": {"type": "object"}}, **rsp.SSE}}},
+)
 async def forward(path: str, request: Request) -> Response:
     """Completions, chat completions, and vLLM's other OpenAI-style routes."""
     proxy = server_state(request).openai_proxy

@@ -2,31 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.state import server_state
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", responses=rsp.OPENAI_ERRORS)
+# A completion is JSON, or server-sent events with stream=true.
+_OR_STREAM = {200: {"content": rsp.SSE}}
 
 
-@router.get("/models")
+@router.get("/models", **rsp.as_built(rsp.OpenAIModelList))
 async def list_models(request: Request) -> dict:
     return server_state(request).openai.list_models(tenant_of(request))
 
 
-@router.post("/completions", response_model=None)
-async def completions(req: CompletionRequest, request: Request) -> dict | StreamingResponse:
+@router.post("/completions", **rsp.as_built(rsp.Completion), responses=_OR_STREAM)
+async def completions(req: CompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:
         return StreamingResponse(await service.stream(req, tenant_of(request)), media_type="text/event-stream")
     return await service.respond(req, tenant_of(request))
 
 
-@router.post("/chat/completions", response_model=None)
-async def chat_completions(req: ChatCompletionRequest, request: Request) -> dict | StreamingResponse:
+@router.post("/chat/completions", **rsp.as_built(rsp.ChatCompletion), responses=_OR_STREAM)
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:
         return StreamingResponse(await service.stream(req, tenant_of(request)), media_type="text/event-stream")

@@ -8,13 +8,14 @@ from fastapi import APIRouter, Request
 
 from hosted_tinker.rank.plans import backend_options
 from hosted_tinker.server.api.state import server_state
+from hosted_tinker.server.protocol import responses as rsp
 
-router = APIRouter()
+router = APIRouter(responses={413: {"model": rsp.ErrorResponse}, 415: {"model": rsp.ErrorResponse}})
 
 
-@router.get("/healthz")
-@router.get("/health")
-@router.get("/")
+@router.get("/healthz", **rsp.as_built(rsp.ServerHealthResponse))
+@router.get("/health", **rsp.as_built(rsp.ServerHealthResponse))
+@router.get("/", **rsp.as_built(rsp.ServerHealthResponse))
 async def healthz(request: Request) -> dict:
     state = server_state(request)
     return {
@@ -30,6 +31,6 @@ async def healthz(request: Request) -> dict:
     }
 
 
-@router.get("/api/v1/healthz")
+@router.get("/api/v1/healthz", **rsp.as_built(rsp.HealthResponse))
 async def api_healthz() -> dict:
     return {"status": "ok"}

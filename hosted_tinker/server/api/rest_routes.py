@@ -12,15 +12,17 @@ from fastapi.responses import FileResponse
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
 
 MAX_OFFSET = 2**62  # SQLite integers are 64-bit: a larger offset is a 422, not an overflow
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
 # Signed download links are their own credential: the CLI fetches them without an API key.
-downloads = APIRouter(prefix="/api/v1")
+downloads = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
+NO_CONTENT = {"status_code": 204, "response_class": Response}
 
 
-@router.get("/training_runs")
+@router.get("/training_runs", **rsp.as_built(rsp.TrainingRunsResponse))
 async def list_training_runs(
     request: Request,
     limit: int = Query(20, ge=1, le=1000),
@@ -37,43 +39,43 @@ def _own_run(request: Request, run_id: str) -> ServerState:
     return state
 
 
-@router.get("/training_runs/{run_id}")
+@router.get("/training_runs/{run_id}", **rsp.as_built(rsp.TrainingRun))
 async def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
     return _own_run(request, run_id).checkpoints.get_run(run_id)
 
 
-@router.get("/training_runs/{run_id}/checkpoints")
+@router.get("/training_runs/{run_id}/checkpoints", **rsp.as_built(rsp.CheckpointsListResponse))
 async def list_run_checkpoints(run_id: str, request: Request) -> dict:
     return _own_run(request, run_id).checkpoints.list_checkpoints(run_id)
 
 
-@router.get("/checkpoints")
+@router.get("/checkpoints", **rsp.as_built(rsp.CheckpointsListResponse))
 async def list_user_checkpoints(
     request: Request, limit: int = Query(100, ge=1, le=10000), offset: int = Query(0, ge=0, le=MAX_OFFSET)
 ) -> dict:
     return server_state(request).checkpoints.list_owned_checkpoints(tenant_of(request), limit, offset)
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", **NO_CONTENT)
 async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
     # Removing a large adapter's files takes a while: keep it off the event loop.
     await asyncio.to_thread(_own_run(request, run_id).checkpoints.delete, run_id, f"{kind}/{name}")
     return Response(status_code=204)
 
 
-@router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+@router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", **NO_CONTENT)
 async def publish_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
     _own_run(request, run_id).checkpoints.set_public(run_id, f"{kind}/{name}", True)
     return Response(status_code=204)
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", **NO_CONTENT)
 async def unpublish_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
     _own_run(request, run_id).checkpoints.set_public(run_id, f"{kind}/{name}", False)
     return Response(status_code=204)
 
 
-@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", **NO_CONTENT)
 async def set_checkpoint_ttl(
     run_id: str, kind: str, name: str, req: wire.CheckpointTtlRequest, request: Request
 ) -> Response:
@@ -81,7 +83,10 @@ async def set_checkpoint_ttl(
     return Response(status_code=204)
 
 
-@router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+@router.get(
+    "/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls",
+    **rsp.as_built(rsp.ExternalWeightsUrlsResponse),
+)
 async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
     state = server_state(request)
     state.tenancy.readable(tenant_of(request), f"tinker://{run_id}/{kind}/{name}")
@@ -89,26 +94,26 @@ async def external_weights_urls(run_id: str, kind: str, name: str, request: Requ
     return state.checkpoints.download_urls(run_id, f"{kind}/{name}", base_url)
 
 
-@downloads.get("/files/{token}/{signature}/{file_name}")
+@downloads.get("/files/{token}/{signature}/{file_name}", response_class=FileResponse, responses=rsp.FILE)
 async def download_file(token: str, signature: str, file_name: str, request: Request) -> FileResponse:
     return FileResponse(server_state(request).checkpoints.download_file(token, signature), filename=file_name)
 
 
-@router.post("/weights_info")
+@router.post("/weights_info", **rsp.as_built(rsp.WeightsInfoResponse))
 async def weights_info(req: wire.WeightsInfoRequest, request: Request) -> dict:
     state = server_state(request)
     state.tenancy.readable(tenant_of(request), req.tinker_path, field="tinker_path")
     return state.checkpoints.weights_info(req.tinker_path)
 
 
-@router.get("/samplers/{sampler_id}")
+@router.get("/samplers/{sampler_id}", **rsp.as_built(rsp.GetSamplerResponse))
 async def get_sampler(sampler_id: str, request: Request) -> dict:
     state = server_state(request)
     state.tenancy.sampler(tenant_of(request), sampler_id, field="sampler")
     return state.checkpoints.get_sampler(sampler_id)
 
 
-@router.get("/sessions")
+@router.get("/sessions", **rsp.as_built(rsp.ListSessionsResponse))
 async def list_sessions(
     request: Request,
     limit: int = Query(20, ge=1, le=1000),
@@ -118,7 +123,7 @@ async def list_sessions(
     return {"sessions": server_state(request).store.list_sessions(tenant_of(request), limit, offset)}
 
 
-@router.get("/sessions/{session_id}")
+@router.get("/sessions/{session_id}", **rsp.as_built(rsp.GetSessionResponse))
 async def get_session(session_id: str, request: Request, access_scope: str = "owned") -> dict:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id, field="session")

@@ -8,13 +8,16 @@ import json
 
 from fastapi import APIRouter, Request, Response
 
-from hosted_tinker.core.errors import ApiError, not_found
+from hosted_tinker.core.errors import ApiError, UserError, not_found
 from hosted_tinker.server.api.auth import tenant_of
+from hosted_tinker.server.api.errors import ordered, refuse_unparsed
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
+from hosted_tinker.server.protocol.ordering import head_limit
 from hosted_tinker.server.protocol.proto_codec import decode_forward_backward, decompress
 
-router = APIRouter(prefix="/api/v1")
+router = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
 
 
 def _owner_of_model(request: Request, model_id: str) -> ServerState:
@@ -31,7 +34,7 @@ def _future(request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
 # ---- client configuration, sessions, telemetry -----------------------------------------------
 
 
-@router.post("/client/config")
+@router.post("/client/config", **rsp.as_built(rsp.ClientConfigResponse))
 async def client_config(req: wire.ClientConfigRequest, request: Request) -> dict:
     config = server_state(request).config
     return {
@@ -41,7 +44,7 @@ async def client_config(req: wire.ClientConfigRequest, request: Request) -> dict
     }
 
 
-@router.post("/client/dynamic_config")
+@router.post("/client/dynamic_config", **rsp.as_built(rsp.ClientDynamicConfigResponse))
 async def client_dynamic_config(req: wire.ClientConfigRequest) -> dict:
     return {}
 
@@ -51,27 +54,27 @@ async def create_session(req: wire.CreateSessionRequest, request: Request) -> wi
     return server_state(request).sessions.create(req, owner=tenant_of(request))
 
 
-@router.post("/session_heartbeat")
+@router.post("/session_heartbeat", **rsp.as_built(rsp.SessionHeartbeatResponse))
 async def session_heartbeat(req: wire.SessionHeartbeatRequest, request: Request) -> dict:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), req.session_id)
     return state.sessions.heartbeat(req)
 
 
-@router.post("/sessions/{session_id}/finish")
+@router.post("/sessions/{session_id}/finish", **rsp.as_built(rsp.FinishSessionResponse))
 async def finish_session(session_id: str, req: wire.FinishSessionRequest, request: Request) -> dict:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id)
     return state.sessions.finish(session_id, req)
 
 
-@router.post("/telemetry")
+@router.post("/telemetry", **rsp.as_built(rsp.TelemetryResponse))
 async def telemetry(req: wire.TelemetryRequest) -> dict:
     # Telemetry batches can carry API keys in captured headers: never log or store them.
     return {"status": "accepted"}
 
 
-@router.get("/get_server_capabilities")
+@router.get("/get_server_capabilities", **rsp.as_built(rsp.GetServerCapabilitiesResponse))
 async def get_server_capabilities(request: Request) -> dict:
     state = server_state(request)
     caps = state.backend.capabilities
@@ -93,13 +96,13 @@ async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.U
     return _future(state.training.create_model(req))
 
 
-@router.post("/get_info")
+@router.post("/get_info", **rsp.as_built(rsp.GetInfoResponse))
 async def get_info(req: wire.GetInfoRequest, request: Request) -> dict:
     state = _owner_of_model(request, req.model_id)
     return state.training.get_info(req)
 
 
-@router.post("/forward_backward")
+@router.post("/forward_backward", **ordered("forward_backward"))
 async def forward_backward(request: Request) -> wire.UntypedFuture:
     state = server_state(request)
     content_type = request.headers.get("content-type", "")
@@ -112,13 +115,16 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
     # The app's BodyLimit has already bounded the body; the same limit bounds its inflated size.
     limit = state.config.max_body_bytes
     body, encoding = await request.body(), request.headers.get("content-encoding")
-    # Inflating and parsing up to the limit takes a while: not on the event loop.
-    req = await asyncio.to_thread(lambda: decode_forward_backward(decompress(body, encoding, limit)))
+    try:  # inflating and parsing up to the limit takes a while: not on the event loop
+        req = await asyncio.to_thread(lambda: decode_forward_backward(decompress(body, encoding, limit)))
+    except UserError as e:  # unreadable: the seq_id its head names is still used up
+        refused = ApiError(e.status, str(e), headers=e.headers, code=e.code)
+        raise refuse_unparsed(request, body[: head_limit(encoding)], refused) from None
     state.tenancy.model(tenant_of(request), req.model_id)
     return _future(state.training.forward_backward(req), req.model_id)
 
 
-@router.post("/optim_step")
+@router.post("/optim_step", **ordered("optim_step"))
 async def optim_step(req: wire.OptimStepRequest, request: Request) -> wire.UntypedFuture:
     state = _owner_of_model(request, req.model_id)
     return _future(state.training.optim_step(req), req.model_id)
@@ -133,36 +139,42 @@ async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.U
 # ---- checkpoints and sampling sessions -------------------------------------------------------
 
 
-@router.post("/save_weights")
+@router.post("/save_weights", **ordered("save_weights"))
 async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.UntypedFuture:
     state = _owner_of_model(request, req.model_id)
     return _future(state.checkpoints.save_weights(req), req.model_id)
 
 
-@router.post("/save_weights_for_sampler")
+@router.post("/save_weights_for_sampler", **ordered("save_weights_for_sampler"))
 async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, request: Request) -> wire.UntypedFuture:
     state = _owner_of_model(request, req.model_id)
     return _future(state.checkpoints.save_weights_for_sampler(req), req.model_id)
 
 
-@router.post("/save_weights_external")
+@router.post("/save_weights_external", **ordered("save_weights_external"))
 async def save_weights_external(req: wire.SaveWeightsExternalRequest, request: Request) -> wire.UntypedFuture:
     state = _owner_of_model(request, req.model_id)
     return _future(state.checkpoints.save_weights_external(req), req.model_id)
 
 
-@router.post("/load_weights")
+@router.post("/load_weights", **ordered("load_weights"))
 async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.UntypedFuture:
     state, tenant = server_state(request), tenant_of(request)
     if req.model_id is not None:
         state.tenancy.model(tenant, req.model_id)
     elif req.session_id is not None:  # creates a model in this session
         state.tenancy.session(tenant, req.session_id)
-    state.tenancy.readable(tenant, req.path)
+    try:
+        state.tenancy.readable(tenant, req.path)
+    except ApiError as e:
+        if req.model_id is None or req.seq_id is None:
+            raise
+        # The caller's own model: a checkpoint it may not read still uses up the seq_id.
+        state.training.refuse_ordered("load_weights", req.model_id, req.seq_id, e)
     return _future(state.checkpoints.load_weights(req), req.model_id)
 
 
-@router.post("/create_sampling_session")
+@router.post("/create_sampling_session", **rsp.as_built(rsp.CreateSamplingSessionResponse))
 async def create_sampling_session(req: wire.CreateSamplingSessionRequest, request: Request) -> dict:
     state, tenant = server_state(request), tenant_of(request)
     state.tenancy.session(tenant, req.session_id)
@@ -171,19 +183,30 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, reques
     return state.checkpoints.create_sampling_session(req)
 
 
-@router.post("/asample")
-async def asample(req: wire.SampleRequest, request: Request) -> dict:
+@router.post("/asample", response_model=rsp.SampleFuture)
+async def asample(req: wire.SampleRequest, request: Request) -> rsp.SampleFuture:
     state = server_state(request)
     if req.sampling_session_id is not None:
         state.tenancy.sampler(tenant_of(request), req.sampling_session_id)
     request_id, sequence_ids = state.sampling.asample(req)
-    return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+    return rsp.SampleFuture(request_id=request_id, sample_sequence_ids=sequence_ids)
 
 
 # ---- futures ---------------------------------------------------------------------------------
 
 
-@router.post("/retrieve_future")
+@router.post(
+    "/retrieve_future",
+    response_class=Response,
+    responses={
+        200: {
+            "model": rsp.FutureJsonResult,
+            "content": rsp.PROTOBUF,
+            "description": "JSON: try_again, the request's failure, or its JSON result; "
+            "protobuf: a finished forward_backward's or asample's result",
+        }
+    },
+)
 async def retrieve_future(req: wire.RetrieveFutureRequest, request: Request) -> Response:
     state = server_state(request)
     state.tenancy.future(tenant_of(request), req.request_id)

@@ -1,0 +1,380 @@
+"""JSON response types: what each route answers, for ``/openapi.json`` and the fuzzer's checks.
+
+Field names and optionality mirror the SDK 0.38 response types (``tinker/types/*``, protocol
+reference §3, §6.8) and the OpenAI SDK's. Every model allows extra keys, and the routes that
+return dicts serialize with ``response_model_exclude_unset``, so the bytes on the wire are what
+the services built: a key they omit stays absent, a ``None`` they set stays ``null``. Times are
+ISO 8601 strings (typed ``str`` so that their spelling is not re-rendered by pydantic).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hosted_tinker.server.protocol.json_types import CreateSessionResponse, UntypedFuture
+
+__all__ = ["CreateSessionResponse", "UntypedFuture"]
+
+_ISO = {"format": "date-time"}
+
+
+class Response(BaseModel):
+    # Floats keep NaN/Infinity as the JSON encoder wrote them before (logprobs may be -inf).
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), ser_json_inf_nan="constants")
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+class ValidationIssue(Response):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorResponse(Response):
+    """Tinker's error body (``/api/v1`` and health): a message, or a 422's list of issues."""
+
+    detail: str | list[ValidationIssue]
+
+
+class OpenAIErrorBody(Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorResponse(Response):
+    """OpenAI's error body (``/v1``), which its SDK turns into typed exceptions."""
+
+    error: OpenAIErrorBody
+
+
+_ERROR_STATUSES = (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)
+TINKER_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in _ERROR_STATUSES}
+OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": OpenAIErrorResponse} for s in _ERROR_STATUSES}
+
+
+# ---- configuration, sessions, telemetry -----------------------------------------------------
+
+
+class ClientConfigResponse(Response):
+    pjwt_auth_enabled: bool = False
+    proto_compress_fwdbwd: bool = False
+    use_pyqwest_transport: bool = True
+
+
+class ClientDynamicConfigResponse(Response):
+    refresh_interval_sec: int | None = None
+
+
+class SessionHeartbeatResponse(Response):
+    type: Literal["session_heartbeat"] = "session_heartbeat"
+
+
+class FinishSessionResponse(Response):
+    """The SDK ignores this body; it is ``{}``."""
+
+
+class TelemetryResponse(Response):
+    status: Literal["accepted"]
+
+
+class SupportedModel(Response):
+    model_name: str | None = None
+    max_context_length: int | None = None
+    trainable: bool | None = None
+    sampleable: bool | None = None
+
+
+class GetServerCapabilitiesResponse(Response):
+    supported_models: list[SupportedModel]
+
+
+class HealthResponse(Response):
+    status: Literal["ok"]
+
+
+class ServerHealthResponse(Response):
+    """``/healthz`` for operators. Its inner parts come from the backend, the scheduler and the
+    inference engine, and change with them: they are typed as open objects."""
+
+    status: Literal["ok"]
+    served_models: list[str]
+    capabilities: dict[str, Any]
+    backend_options: dict[str, Any]
+    queue: dict[str, Any]
+    worker: dict[str, Any]
+    inference: dict[str, Any] | None = None
+    active: dict[str, Any]
+    auth: dict[str, Any]
+
+
+# ---- training -------------------------------------------------------------------------------
+
+
+class ModelData(Response):
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+
+
+class GetInfoResponse(Response):
+    type: Literal["get_info"] | None = None
+    model_data: ModelData
+    model_id: str
+    optimizer_config: dict[str, Any] | None = None
+    is_lora: bool | None = None
+    lora_rank: int | None = None
+    model_name: str | None = None
+
+
+class CreateSamplingSessionResponse(Response):
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+    sampling_session_id: str
+
+
+class SampleFuture(Response):
+    """``asample``'s future: the SDK requires one sequence id per sample."""
+
+    request_id: str
+    sample_sequence_ids: list[str]
+
+
+# ---- futures --------------------------------------------------------------------------------
+
+
+class TryAgainResponse(Response):
+    type: Literal["try_again"] = "try_again"
+    request_id: str
+    queue_state: Literal["active", "paused_capacity", "paused_rate_limit"]
+
+
+class RequestFailedResponse(Response):
+    error: str
+    category: Literal["unknown", "server", "user"]
+    request_id: str | None = None
+
+
+class CreateModelResponse(Response):
+    model_id: str
+    type: Literal["create_model"] | None = None
+
+
+class OptimStepResponse(Response):
+    metrics: dict[str, float] | None = None
+    type: Literal["optim_step"] | None = None
+
+
+class SaveWeightsResponse(Response):
+    path: str
+    type: Literal["save_weights"] | None = None
+
+
+class SaveWeightsForSamplerResponse(Response):
+    path: str | None = None
+    sampling_session_id: str | None = None
+    type: Literal["save_weights_for_sampler"] | None = None
+
+
+class SaveWeightsExternalResponse(Response):
+    path: str | None = None
+    size_bytes: int | None = None
+    type: Literal["save_weights_external"] | None = None
+
+
+class LoadWeightsResponse(Response):
+    path: str | None = None
+    model_id: str | None = None
+    type: Literal["load_weights"] | None = None
+
+
+class UnloadModelResponse(Response):
+    model_id: str
+    type: Literal["unload_model"] | None = None
+
+
+# The JSON forms of a future's answer. A finished forward_backward or asample is protobuf
+# (``application/x-protobuf``); an unfinished one is try_again; a failed one, RequestFailed.
+FutureJsonResult = (
+    TryAgainResponse
+    | RequestFailedResponse
+    | CreateModelResponse
+    | OptimStepResponse
+    | SaveWeightsResponse
+    | SaveWeightsForSamplerResponse
+    | SaveWeightsExternalResponse
+    | LoadWeightsResponse
+    | UnloadModelResponse
+)
+
+
+# ---- REST -----------------------------------------------------------------------------------
+
+
+class Cursor(Response):
+    offset: int
+    limit: int
+    total_count: int
+
+
+class Checkpoint(Response):
+    checkpoint_id: str
+    checkpoint_type: Literal["training", "sampler", "external"]
+    time: str = Field(json_schema_extra=_ISO)
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+    user_metadata: dict[str, str] | None = None
+    expires_at: str | None = Field(default=None, json_schema_extra=_ISO)
+
+
+class TrainingRun(Response):
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool
+    corrupted: bool = False
+    lora_rank: int | None = None
+    last_request_time: str = Field(json_schema_extra=_ISO)
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class TrainingRunsResponse(Response):
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+class CheckpointsListResponse(Response):
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+class ExternalWeightsUrlsResponse(Response):
+    urls: dict[str, str]
+    expires: str = Field(json_schema_extra=_ISO)
+
+
+class WeightsInfoResponse(Response):
+    base_model: str
+    optimizer_config: dict[str, Any] | None = None
+    is_lora: bool
+    lora_rank: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
+
+
+class GetSamplerResponse(Response):
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class ListSessionsResponse(Response):
+    sessions: list[str]
+
+
+class GetSessionResponse(Response):
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
+
+
+# ---- OpenAI-compatible ----------------------------------------------------------------------
+
+
+class OpenAIModel(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class OpenAIModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel]
+
+
+class Usage(Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Response):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(Response):
+    index: int
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(Response):
+    index: int
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"] | None = None
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+# ---- non-JSON bodies (declared with ``responses=``) -----------------------------------------
+
+_BINARY = {"type": "string", "format": "binary"}
+SSE = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events, ending in [DONE]"}}}
+FILE = {200: {"content": {"application/octet-stream": {"schema": _BINARY}}, "description": "the file's bytes"}}
+PROTOBUF = {"application/x-protobuf": {"schema": _BINARY}}
+
+
+def as_built(model: type[BaseModel]) -> dict[str, Any]:
+    """Route options for a route that returns a service's dict: ``model`` documents and checks
+    it, and it is sent as built (a key the dict leaves out stays absent, as before)."""
+    return {"response_model": model, "response_model_exclude_unset": True}
