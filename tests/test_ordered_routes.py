@@ -20,10 +20,12 @@ import time
 import httpx
 import numpy as np
 import pytest
+import tinker
 import zstandard
+from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
-from tests.conftest import start_server
+from tests.conftest import ALIAS, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -303,3 +305,27 @@ def test_stranger_413_touches_nothing(env):
         assert r.status_code == status, r.text
     out = runs(env, path, "forward_backward", seq)
     assert "error" not in out, out
+
+
+def test_sdk_training_goes_on_after_a_413(env):
+    """Through the SDK: a batch over the limit raises its 413 (the SDK does not resend it), and
+    the training client's next requests run, in order, rather than wait for its seq_id."""
+    with tinker.ServiceClient(base_url=env.base_url, api_key=OWNER) as service:
+        tc = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=0).result()
+        rng = np.random.default_rng(0)
+        too_big = datum(rng.integers(0, 200, MAX_BODY // 4).tolist())
+        with pytest.raises(tinker.APIStatusError) as refused:
+            tc.forward_backward([too_big], "cross_entropy").result(timeout=60)
+        assert refused.value.status_code == 413, refused.value
+        fits = datum([5, 6, 7, 8])
+        before = tc.forward_backward([fits], "cross_entropy").result(timeout=60).metrics["loss:sum"]
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=60)
+        after = tc.forward_backward([fits], "cross_entropy").result(timeout=60).metrics["loss:sum"]
+        assert after < before
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
