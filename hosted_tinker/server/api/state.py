@@ -78,9 +78,6 @@ def build_state(config: ServerConfig) -> ServerState:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s)  # loads meanwhile
     scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
-    training = TrainingService(
-        backend, scheduler, store, config.served_names(), tokenizer_id=config.tokenizer_id or model_path
-    )
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -88,8 +85,15 @@ def build_state(config: ServerConfig) -> ServerState:
     pids = backend.status()["pids"]
     log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))
     vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
-    if vllm is not None:
-        training.live, training.max_lora_rank = vllm.live, config.max_lora_rank
+    training = TrainingService(
+        backend,
+        scheduler,
+        store,
+        config.served_names(),
+        tokenizer_id=config.tokenizer_id or model_path,
+        live=vllm.live if vllm is not None else None,
+        max_lora_rank=config.max_lora_rank if vllm is not None else None,
+    )
     sampling = SamplingService(
         backend,
         scheduler,
@@ -101,10 +105,16 @@ def build_state(config: ServerConfig) -> ServerState:
         EmbeddedEngine(SamplerClient(backend), scheduler.run_on_worker, config.sample_batch_window_s),
         vllm,
     )
-    checkpoints = CheckpointService(training, files, ephemeral, secret=_server_secret(config.data_dir))
+    checkpoints = CheckpointService(
+        training,
+        files,
+        ephemeral,
+        secret=_server_secret(config.data_dir),
+        on_sampler_saved=vllm.prefetch_threadsafe if vllm is not None else None,
+    )
+    # The one link made after construction: the backend restores models through the training
+    # service, which itself calls the backend.
     backend.recovery = ModelRecovery(training, files)
-    if vllm is not None:
-        checkpoints.on_sampler_saved = vllm.prefetch_threadsafe
     tenancy = Tenancy(store)
     openai = OpenAIService(sampling, store, tenancy, config.served_names(), live_runs=vllm is not None)
     return ServerState(

@@ -78,9 +78,10 @@ async def telemetry(req: wire.TelemetryRequest) -> dict:
 async def get_server_capabilities(request: Request) -> dict:
     state = server_state(request)
     caps = state.backend.capabilities
+    sampleable = caps.sampling or state.vllm is not None  # see SamplingService._check_engine
     return {
         "supported_models": [
-            {"model_name": name, "max_context_length": caps.max_seq_len, "trainable": True, "sampleable": caps.sampling}
+            {"model_name": name, "max_context_length": caps.max_seq_len, "trainable": True, "sampleable": sampleable}
             for name in state.config.served_names()
         ]
     }

@@ -55,7 +55,13 @@ def _check_ttl(ttl_seconds: int | None) -> None:
 
 class CheckpointService:
     def __init__(
-        self, training: TrainingService, files: CheckpointFiles, ephemeral: CheckpointFiles, secret: bytes
+        self,
+        training: TrainingService,
+        files: CheckpointFiles,
+        ephemeral: CheckpointFiles,
+        secret: bytes,
+        *,
+        on_sampler_saved: Callable[[WeightsRef], None] | None = None,
     ) -> None:
         self.training = training
         self.backend: TrainingBackend = training.backend
@@ -65,7 +71,7 @@ class CheckpointService:
         self.ephemeral = ephemeral  # snapshots behind save_weights_and_get_sampling_client
         self._secret = secret
         # Called on the worker with each new sampler adapter (vLLM loads it before it is asked for).
-        self.on_sampler_saved: Callable[[WeightsRef], None] | None = None
+        self.on_sampler_saved = on_sampler_saved
 
     def _sampler_saved(self, files: CheckpointFiles, path: TinkerPath) -> None:
         if self.on_sampler_saved is not None:

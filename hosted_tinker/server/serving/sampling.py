@@ -139,7 +139,7 @@ class SamplingService:
                 raise bad_request("prompt_logprobs_last_n needs prompt_logprobs or topk_prompt_logprobs")
             if not 1 <= prompt_logprobs_last_n <= len(prompt) - 1:
                 raise bad_request(f"prompt_logprobs_last_n must be between 1 and {len(prompt) - 1}")
-        return SampleSpec(
+        spec = SampleSpec(
             prompt=prompt,
             max_tokens=max_tokens,
             num_samples=num_samples,
@@ -153,6 +153,24 @@ class SamplingService:
             topk_prompt_logprobs=topk_prompt_logprobs,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
             topk_sample_logprobs=topk_sample_logprobs,
+        )
+        self._check_engine(spec)  # every request passes here before anything is queued
+        return spec
+
+    def _check_engine(self, spec: SampleSpec) -> None:
+        """Refuse at once what no engine here serves: the embedded sampler runs only where the
+        training plan keeps a model tree it can share (``capabilities.sampling``)."""
+        caps = self.backend.capabilities
+        if self.uses_vllm(spec) or caps.sampling:
+            return
+        if self.vllm is not None:
+            raise bad_request(
+                f"prompt logprobs and max_tokens 0 need the embedded sampler, which the {caps.backend!r} "
+                "backend does not run (vLLM serves every other request)"
+            )
+        raise bad_request(
+            f"this server has no sampler: the {caps.backend!r} backend does not run the embedded one; "
+            "start the server with --inference vllm to sample"
         )
 
     def _refuse_unsupported(self, req: wire.SampleRequest) -> None:

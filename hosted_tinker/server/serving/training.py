@@ -43,15 +43,23 @@ def json_result(obj: dict) -> tuple[bytes, str]:
 
 class TrainingService:
     def __init__(
-        self, backend: TrainingBackend, scheduler: Scheduler, store: Store, served_names: list[str], tokenizer_id: str
+        self,
+        backend: TrainingBackend,
+        scheduler: Scheduler,
+        store: Store,
+        served_names: list[str],
+        tokenizer_id: str,
+        *,
+        live: LiveAdapters | None = None,
+        max_lora_rank: int | None = None,
     ) -> None:
         self.backend = backend
         self.scheduler = scheduler
         self.store = store
         self.served_names = served_names
         self.tokenizer_id = tokenizer_id
-        self.live: LiveAdapters | None = None  # with vLLM: each run's adapter synced after every change
-        self.max_lora_rank: int | None = None  # the inference engine's limit, if it has one
+        self.live = live  # with vLLM: each run's adapter synced after every change
+        self.max_lora_rank = max_lora_rank  # the inference engine's limit, if it has one
 
     def weights_changed(self, model_id: str) -> None:
         """On the worker, after a job that set a model's weights (create, load, optim_step)."""
