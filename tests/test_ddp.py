@@ -26,13 +26,14 @@ from hosted_tinker.core import losses
 from hosted_tinker.core.config import ServerConfig, parse_devices
 from hosted_tinker.core.errors import WorkerCrashed, WorkerError
 from hosted_tinker.core.sharding import merge_results, shard_by_tokens
-from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.core.types import AdamParams, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.rank.plans import plan_module
 from hosted_tinker.rank.serve import Rank, RankSpec, build_rank, local_rank
 from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
 from hosted_tinker.server.workers.group import PEER_GRACE_S
 from hosted_tinker.server.workers.launch import free_port, rank_factories
+from tests.batches import random_batch
 
 pytestmark = pytest.mark.timeout(300)  # the pure tests are fast; those that start ranks, slow
 
@@ -119,21 +120,7 @@ def reference(tiny_model_dir: Path) -> Trainer:
 
 
 def batch(rng: np.random.Generator, size: int, loss_fn: str = "cross_entropy") -> ForwardBackwardBatch:
-    """``size`` datums of unequal lengths with the inputs ``loss_fn`` needs."""
-    data = []
-    for n in rng.integers(4, 48, size):
-        tokens = torch.from_numpy(rng.integers(10, 512, int(n) + 1))
-        inputs = {"weights": torch.from_numpy(rng.uniform(0.0, 1.5, int(n)).astype(np.float32))}
-        if loss_fn != "cross_entropy":
-            inputs = {
-                "logprobs": torch.from_numpy(rng.uniform(-8.0, -4.0, int(n)).astype(np.float32)),
-                "advantages": torch.from_numpy(rng.normal(0.0, 1.0, int(n)).astype(np.float32)),
-            }
-            if loss_fn == "gspo":
-                inputs["sequence_ratio_mask"] = torch.ones(int(n))
-        data.append(DatumInput(tokens=tokens[:-1], target_tokens=tokens[1:], inputs=inputs))
-    config = dict(losses.LOSSES[loss_fn].config_defaults)
-    return ForwardBackwardBatch(data=data, loss_fn=loss_fn, loss_config=config, forward_only=False)
+    return random_batch(rng, size, loss_fn, lengths=(4, 48), vocab=512)
 
 
 def forward(backend, model_id: str, b: ForwardBackwardBatch) -> list[np.ndarray]:

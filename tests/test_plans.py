@@ -16,16 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from hosted_tinker.core import losses
 from hosted_tinker.core.config import ServerConfig
-from hosted_tinker.core.types import AdamParams, AdapterState, DatumInput, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.core.types import AdamParams, AdapterState, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.rank.plans import PLANS, backend_options
 from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.backend import ProcessBackend
 from hosted_tinker.server.workers.launch import rank_factories
+from tests.batches import random_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -46,21 +46,7 @@ def devices_for(backend: str, model: Path) -> str:
 
 
 def batch(rng: np.random.Generator, size: int, loss_fn: str) -> ForwardBackwardBatch:
-    data = []
-    for n in rng.integers(3, 40, size):
-        tokens = torch.from_numpy(rng.integers(10, 500, int(n) + 1))
-        if loss_fn == "cross_entropy":
-            inputs = {"weights": torch.from_numpy(rng.uniform(0.0, 1.5, int(n)).astype(np.float32))}
-        else:
-            inputs = {
-                "logprobs": torch.from_numpy(rng.uniform(-8.0, -4.0, int(n)).astype(np.float32)),
-                "advantages": torch.from_numpy(rng.normal(0.0, 1.0, int(n)).astype(np.float32)),
-            }
-            if loss_fn == "gspo":
-                inputs["sequence_ratio_mask"] = torch.ones(int(n))
-        data.append(DatumInput(tokens=tokens[:-1], target_tokens=tokens[1:], inputs=inputs))
-    config = dict(losses.LOSSES[loss_fn].config_defaults)
-    return ForwardBackwardBatch(data=data, loss_fn=loss_fn, loss_config=config, forward_only=False)
+    return random_batch(rng, size, loss_fn)
 
 
 def as_float64(state: AdapterState) -> AdapterState:

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from hosted_tinker.core.errors import ApiError, ServerError, too_many
-from hosted_tinker.server.store import FutureRecord, Store
+from hosted_tinker.server.records import FutureRecord
+from hosted_tinker.server.store import Store
 
 log = logging.getLogger(__name__)
 

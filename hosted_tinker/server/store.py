@@ -10,9 +10,9 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from hosted_tinker.server.records import ApiKeyRecord, CheckpointRecord, FutureRecord, ModelRecord, SamplerRecord
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -82,65 +82,6 @@ CREATE TABLE IF NOT EXISTS samplers (
     created_at REAL NOT NULL
 );
 """
-
-
-@dataclass(frozen=True)
-class FutureRecord:
-    request_id: str
-    model_id: str | None
-    seq_id: int | None
-    kind: str
-    status: str  # pending | done | failed
-    media_type: str | None
-    payload: bytes | None
-    error: str | None
-    category: str | None
-
-    @property
-    def finished(self) -> bool:
-        return self.status != "pending"
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    model_id: str
-    kind: str
-    name: str
-    created_at: float
-    size_bytes: int
-    expires_at: float | None
-    public: bool
-    user_metadata: dict[str, str]
-
-
-@dataclass(frozen=True)
-class SamplerRecord:
-    sampler_id: str
-    session_id: str
-    base_model: str
-    model_path: str | None  # tinker:// path it samples from, if made from one
-    model_id: str | None  # the training model it was saved from, if ephemeral
-    snapshot: str | None  # where an ephemeral sampler's frozen adapter lives
-
-
-@dataclass(frozen=True)
-class ApiKeyRecord:
-    key_id: str
-    name: str
-    prefix: str  # the key's first characters, to tell keys apart in a listing
-    created_at: float
-    revoked_at: float | None
-
-
-@dataclass(frozen=True)
-class ModelRecord:
-    model_id: str
-    session_id: str
-    model_seq_id: int
-    base_model: str
-    lora: dict[str, Any]
-    user_metadata: dict[str, Any]
-    status: str  # active | unloaded | lost
 
 
 class Store:

@@ -32,9 +32,10 @@ from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.core.types import TrainingBackend
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.records import CheckpointRecord, ModelRecord, SamplerRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving.training import TrainingService, json_result
-from hosted_tinker.server.store import CheckpointRecord, ModelRecord, SamplerRecord, Store
+from hosted_tinker.server.store import Store
 
 # Ephemeral sampler snapshots kept per training model; older ones are deleted (asking for one
 # then gets a 404). Async RL samples from a policy a few steps stale, never from 8 steps back.

@@ -21,8 +21,9 @@ from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.vllm_engine import VllmEngine, needs_embedded
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import encode_sample_response
+from hosted_tinker.server.records import SamplerRecord
 from hosted_tinker.server.scheduler import Scheduler
-from hosted_tinker.server.store import SamplerRecord, Store
+from hosted_tinker.server.store import Store
 
 DEFAULT_MAX_TOKENS = 256
 MAX_NUM_SAMPLES = 128

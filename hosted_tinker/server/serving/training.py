@@ -27,8 +27,9 @@ from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatc
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
+from hosted_tinker.server.records import ModelRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
-from hosted_tinker.server.store import ModelRecord, Store
+from hosted_tinker.server.store import Store
 
 JSON = "application/json"
 MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
