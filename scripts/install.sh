@@ -11,7 +11,7 @@ PY="${PYTHON:-python3}"
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 if [ "${1:-}" = "--test" ]; then
-  "${PIP[@]}" -e '.[test]'
+  "${PIP[@]}" -e '.[test,megatron]'
   # tinker-cookbook 0.6.1 declares a dependency PyPI lacks (tml-renderers, used only for
   # models we never load), so it goes in without deps and its real needs are listed here.
   "${PIP[@]}" --no-deps tinker-cookbook==0.6.1

@@ -6,9 +6,11 @@ reduced, how a new adapter's weights are made the same everywhere, and how tenso
 a model-parallel group are gathered for export (and split again on load). It also picks the
 model it runs on. The Tinker step itself is ``rank.trainer``, written once over any plan.
 
-A plan is one module here that defines ``Plan`` (see ``ParallelPlan``) and ``Options`` (its
-typed ``--backend-option``s), plus one line in ``PLANS``; ``tests/test_plans.py`` checks every
-registered plan against a float64 single-process reference.
+A plan is one module here that defines ``Plan`` (see ``ParallelPlan``), ``Options`` (its
+typed ``--backend-option``s) and ``DEVICES`` (where it trains, in words), plus one line in
+``PLANS``; ``tests/test_plans.py`` checks every registered plan against a float64
+single-process reference, on the layouts its ``CHECKED_LAYOUTS`` names (``(devices, options)``
+pairs; by default two CPU ranks, or one).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from hosted_tinker.rank.model import LoraModel
 PLANS: dict[str, str] = {
     "peft": "hosted_tinker.rank.plans.single",
     "ddp": "hosted_tinker.rank.plans.ddp",
+    "megatron": "hosted_tinker.rank.plans.megatron",
 }
 BACKENDS = tuple(PLANS)
 

@@ -58,6 +58,7 @@ class Plan:
         self.rank = rank
         self.world_size = self.replicas = len(devices)
         self.device = devices[rank]
+        self.replica_group: dist.ProcessGroup | None = None  # the ranks holding the same tensors: all
         if self.device == "cpu":  # ranks share the cores: more threads each would only contend
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // len(devices)))
         else:
@@ -86,11 +87,11 @@ class Plan:
             return bool(flag.item())
 
     def broadcast_initial(self, params: list[nn.Parameter]) -> None:
-        if self.world_size == 1:
+        if self.replicas == 1:
             return
         with _collective("create_adapter's broadcast of rank 0's weights"):
             flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-            dist.broadcast(flat, src=0)
+            dist.broadcast(flat, group=self.replica_group, group_src=0)
             offset = 0
             with torch.no_grad():
                 for p in params:
@@ -101,13 +102,13 @@ class Plan:
         """Every rank's gradients summed, on every rank, in one all-reduce. A parameter no rank
         has a gradient for keeps none (AdamW then leaves it alone, as in a single process); one
         that only some ranks have is zero on the others."""
-        if self.world_size == 1:
+        if self.replicas == 1:
             return
         with _collective("optim_step's gradient all-reduce"):
             has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
             flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
             buffer = torch.cat([has, *flat])
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.replica_group)
             present = buffer[: len(params)].tolist()  # one device-to-host copy, not one per parameter
         offset = len(params)
         for p, has_grad in zip(params, present, strict=True):

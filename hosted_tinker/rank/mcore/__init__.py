@@ -1,0 +1,10 @@
+"""The base model on megatron-core's tensor-parallel layers, with LoRA on them (the ``megatron``
+plan's model). Imports megatron-core: only a rank of that plan imports this package.
+
+- ``cpu``: megatron-core's CUDA-only RNG and device calls, pointed at the CPU (gloo ranks).
+- ``convert``: a Hugging Face Qwen3 / Llama checkpoint as megatron-core's config and, per rank,
+  the shards of its weights (read from the safetensors, never whole).
+- ``lora``: LoRA on the tensor-parallel layers, sharded like them, keyed by PEFT's names.
+- ``vocab``: per-token log-probs from vocab-parallel logits.
+- ``model``: ``McoreLoraModel``, the ``LoraModel`` the trainer drives.
+"""

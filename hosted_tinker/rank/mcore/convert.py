@@ -1,0 +1,193 @@
+"""A Hugging Face Qwen3 / Llama / Qwen2 checkpoint as megatron-core's ``GPTModel``: its config,
+and each rank's shards of its weights, read from the safetensors by slice (no rank ever holds a
+whole tensor it does not keep).
+
+Megatron's fused layouts, for tensor-parallel rank ``r`` of ``tp``:
+
+- ``linear_qkv``: query group by query group, each ``[q heads of the group; k; v]`` (head_dim
+  rows each); rank ``r`` holds groups ``[r·G/tp, (r+1)·G/tp)``.
+- ``linear_fc1``: ``[gate rows of rank r; up rows of rank r]`` (its SwiGLU splits the output in two).
+- ``linear_proj`` / ``linear_fc2`` (row-parallel): columns ``[r·in/tp, (r+1)·in/tp)``.
+- ``word_embeddings`` / ``output_layer`` (vocab-parallel): rows ``[r·V/tp, (r+1)·V/tp)``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import Tensor
+
+ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class HfShape:
+    """What of the HF config decides the megatron model and its sharding."""
+
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head's q and k
+    qkv_bias: bool  # Qwen2
+    rms_eps: float
+    rope_theta: float
+    max_positions: int
+
+    @classmethod
+    def read(cls, model_path: str) -> HfShape:
+        config: dict[str, Any] = json.loads((Path(model_path) / "config.json").read_text())
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch not in ARCHS:
+            raise ValueError(f"the megatron backend loads {', '.join(ARCHS)}; {model_path} is {arch}")
+        if (config.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"the megatron backend does not convert rope_scaling {config['rope_scaling']}")
+        rope = config.get("rope_parameters") or {}
+        heads = config["num_attention_heads"]
+        return cls(
+            arch=arch,
+            layers=config["num_hidden_layers"],
+            hidden=config["hidden_size"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            ffn=config["intermediate_size"],
+            vocab=config["vocab_size"],
+            tied=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            rms_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            max_positions=config.get("max_position_embeddings") or 32768,
+        )
+
+    def check_tp(self, tp: int) -> None:
+        """``tp`` must divide every dimension megatron splits; else say which does not."""
+        for what, n in (("attention heads", self.heads), ("kv heads", self.kv_heads), ("vocab_size", self.vocab)):
+            if n % tp:
+                raise ValueError(f"--backend-option tp={tp} does not divide the model's {what} ({n})")
+        if self.ffn % tp:
+            raise ValueError(f"--backend-option tp={tp} does not divide the model's intermediate_size ({self.ffn})")
+
+
+def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype):
+    """megatron-core's ``TransformerConfig`` for ``shape``: the plain-PyTorch (local) path, no
+    fusions, no dropout, so that it computes what the HF model computes."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_eps,
+        qk_layernorm=shape.qk_norm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is loaded below
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+    )
+
+
+class HfWeights:
+    """Reads this rank's shards of the HF weights, by slice, from every safetensors file."""
+
+    def __init__(self, model_path: str, shape: HfShape, tp: int, tp_rank: int) -> None:
+        self.shape, self.tp, self.r = shape, tp, tp_rank
+        self._files: dict[str, Any] = {}
+        for path in sorted(Path(model_path).glob("*.safetensors")):
+            handle = safe_open(str(path), framework="pt")
+            for key in handle.keys():
+                self._files[key] = handle
+
+    def full(self, key: str) -> Tensor:
+        return self._files[key].get_tensor(key)
+
+    def rows(self, key: str, start: int, stop: int) -> Tensor:
+        return self._files[key].get_slice(key)[start:stop]
+
+    def row_part(self, key: str) -> Tensor:
+        """Rank ``r``'s contiguous share of dim 0."""
+        n = self._files[key].get_slice(key).get_shape()[0] // self.tp
+        return self.rows(key, self.r * n, (self.r + 1) * n)
+
+    def col_part(self, key: str) -> Tensor:
+        """Rank ``r``'s contiguous share of dim 1."""
+        sliced = self._files[key].get_slice(key)
+        n = sliced.get_shape()[1] // self.tp
+        return sliced[:, self.r * n : (self.r + 1) * n]
+
+    def has(self, key: str) -> bool:
+        return key in self._files
+
+    def qkv(self, layer: int, part: str = "weight") -> Tensor:
+        """This rank's ``linear_qkv`` rows (or bias): its query groups, each ``[q; k; v]``."""
+        s, p = self.shape, f"model.layers.{layer}.self_attn"
+        groups = s.kv_heads // self.tp
+        per_group = s.heads // s.kv_heads * s.head_dim
+        g0 = self.r * groups
+        q = self.rows(f"{p}.q_proj.{part}", g0 * per_group, (g0 + groups) * per_group)
+        k = self.rows(f"{p}.k_proj.{part}", g0 * s.head_dim, (g0 + groups) * s.head_dim)
+        v = self.rows(f"{p}.v_proj.{part}", g0 * s.head_dim, (g0 + groups) * s.head_dim)
+        tail = q.shape[1:]
+        fused = torch.cat(
+            [
+                q.reshape(groups, per_group, *tail),
+                k.reshape(groups, s.head_dim, *tail),
+                v.reshape(groups, s.head_dim, *tail),
+            ],
+            dim=1,
+        )
+        return fused.reshape(-1, *tail)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every megatron parameter this rank holds, under ``GPTModel``'s names."""
+        s = self.shape
+        out = {"embedding.word_embeddings.weight": self.row_part("model.embed_tokens.weight")}
+        for i in range(s.layers):
+            hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
+            out[f"{mc}.input_layernorm.weight"] = self.full(f"{hf}.input_layernorm.weight")
+            out[f"{mc}.self_attention.linear_qkv.weight"] = self.qkv(i)
+            if s.qkv_bias:
+                out[f"{mc}.self_attention.linear_qkv.bias"] = self.qkv(i, "bias")
+            if s.qk_norm:
+                out[f"{mc}.self_attention.q_layernorm.weight"] = self.full(f"{hf}.self_attn.q_norm.weight")
+                out[f"{mc}.self_attention.k_layernorm.weight"] = self.full(f"{hf}.self_attn.k_norm.weight")
+            out[f"{mc}.self_attention.linear_proj.weight"] = self.col_part(f"{hf}.self_attn.o_proj.weight")
+            out[f"{mc}.pre_mlp_layernorm.weight"] = self.full(f"{hf}.post_attention_layernorm.weight")
+            gate, up = self.row_part(f"{hf}.mlp.gate_proj.weight"), self.row_part(f"{hf}.mlp.up_proj.weight")
+            out[f"{mc}.mlp.linear_fc1.weight"] = torch.cat([gate, up])
+            out[f"{mc}.mlp.linear_fc2.weight"] = self.col_part(f"{hf}.mlp.down_proj.weight")
+        out["decoder.final_layernorm.weight"] = self.full("model.norm.weight")
+        if not s.tied:
+            out["output_layer.weight"] = self.row_part("lm_head.weight")
+        return out

@@ -1,0 +1,27 @@
+"""megatron-core on CPU ranks (gloo): its tensor-parallel RNG tracker and rotary embedding call
+``torch.cuda`` unconditionally. On a CPU rank those calls are pointed at the CPU generator and
+device; a CUDA rank is left untouched. (gpu-and-engines.md §2: with exactly these, TP=2 on gloo
+trains like TP=1.)"""
+
+from __future__ import annotations
+
+import torch
+
+_patched = False
+
+
+def use_cpu() -> None:
+    """Point megatron-core's CUDA RNG and device calls at the CPU, once per process."""
+    global _patched
+    if _patched or torch.cuda.is_available():
+        return
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    _patched = True

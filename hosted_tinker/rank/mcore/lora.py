@@ -1,0 +1,174 @@
+"""LoRA on megatron-core's tensor-parallel layers, sharded like its base layer and keyed by
+PEFT's names, so that its checkpoints are the ``peft`` backend's.
+
+Each HF projection PEFT would wrap (``q_proj``, ..., ``down_proj``, ``lm_head``) gets its own
+``A`` (r × in) and ``B`` (out × r), with ``y += scale · B(A x)``, ``scale = alpha / r``:
+
+- on a column-parallel layer (``linear_qkv``, ``linear_fc1``, ``output_layer``) the input is
+  whole on every rank: ``A`` is replicated, ``B`` split by output rows like the base weight.
+  ``A x`` passes megatron's ``copy_to`` region (identity forward, all-reduce backward) so that
+  ``A``'s gradient sums every rank's rows of ``B``.
+- on a row-parallel layer (``linear_proj``, ``linear_fc2``) the input is split by features:
+  ``A`` is split by its columns, ``B`` replicated; the partial ``A x`` is summed over the
+  ranks (``reduce_from``: all-reduce forward, identity backward) before ``B``.
+
+The fused layers take their deltas in megatron's layout (``convert``): q, k and v interleaved
+query group by query group; gate then up. Deltas are added by forward hooks, one per layer, for
+the adapter that is active; the base modules are never replaced.
+
+Tensors are ``[sequence, batch, features]``, as megatron-core passes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from hosted_tinker.rank.mcore.convert import HfShape
+
+COLUMN, ROW = "column", "row"
+
+
+@dataclass
+class Projection:
+    """One HF projection's LoRA on this rank."""
+
+    module: str  # PEFT's module name, e.g. model.layers.0.self_attn.q_proj
+    A: nn.Parameter  # (r, in) or, row-parallel, (r, in / tp)
+    B: nn.Parameter  # (out / tp, r) or, row-parallel, (out, r)
+    kind: str  # COLUMN | ROW
+
+    @property
+    def split_dims(self) -> tuple[int | None, int | None]:
+        return (None, 0) if self.kind == COLUMN else (1, None)
+
+
+@dataclass
+class Site:
+    """A megatron layer LoRA attaches to, and the HF projections it fuses."""
+
+    layer: nn.Module
+    kind: str
+    hf_modules: list[str]  # in megatron's fused order
+    in_features: int  # whole
+    out_features: list[int]  # whole, per HF projection
+    fuse: Callable[[list[Tensor]], Tensor] = field(default=lambda deltas: deltas[0])
+
+
+@dataclass
+class Adapter:
+    projections: dict[str, list[Projection]]  # site name -> its projections, fused order
+    scale: float
+
+
+def sites(gpt: nn.Module, shape: HfShape, tp: int) -> dict[str, Site]:
+    """Every layer LoRA may wrap, by Tinker's groups: ``attn``, ``mlp``, ``unembed``."""
+    out: dict[str, Site] = {}
+    groups = shape.kv_heads // tp  # query groups on this rank
+
+    def qkv(deltas: list[Tensor]) -> Tensor:  # [s, b, local q | k | v] -> per group [q; k; v]
+        q, k, v = (d.unflatten(-1, (groups, -1)) for d in deltas)
+        return torch.cat([q, k, v], dim=-1).flatten(-2)
+
+    for i, layer in enumerate(gpt.decoder.layers):
+        hf = f"model.layers.{i}"
+        attn, mlp = layer.self_attention, layer.mlp
+        kv_out = shape.kv_heads * shape.head_dim
+        out[f"{i}.qkv"] = Site(
+            attn.linear_qkv,
+            COLUMN,
+            [f"{hf}.self_attn.{p}_proj" for p in "qkv"],
+            shape.hidden,
+            [shape.heads * shape.head_dim, kv_out, kv_out],
+            qkv,
+        )
+        out[f"{i}.proj"] = Site(
+            attn.linear_proj, ROW, [f"{hf}.self_attn.o_proj"], shape.heads * shape.head_dim, [shape.hidden]
+        )
+        out[f"{i}.fc1"] = Site(
+            mlp.linear_fc1,
+            COLUMN,
+            [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"],
+            shape.hidden,
+            [shape.ffn, shape.ffn],
+            lambda deltas: torch.cat(deltas, dim=-1),
+        )
+        out[f"{i}.fc2"] = Site(mlp.linear_fc2, ROW, [f"{hf}.mlp.down_proj"], shape.ffn, [shape.hidden])
+    out["unembed"] = Site(gpt.output_layer, COLUMN, ["lm_head"], shape.hidden, [shape.vocab])
+    return out
+
+
+def group_of(site_name: str) -> str:
+    return "unembed" if site_name == "unembed" else ("attn" if site_name.split(".")[1] in ("qkv", "proj") else "mlp")
+
+
+def _kaiming(rows: int, cols: int) -> Tensor:
+    """``nn.Linear``'s default init (kaiming-uniform, a=√5) of a (rows, cols) weight, drawing
+    from the process RNG exactly as ``nn.Linear(cols, rows)`` does."""
+    weight = torch.empty(rows, cols)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    return weight
+
+
+def init_adapter(chosen: dict[str, Site], rank: int, tp: int, tp_rank: int, seed: int) -> dict[str, list[Projection]]:
+    """New LoRA weights for the chosen sites, drawn as PEFT draws them for the same modules in
+    the same order (``A``'s ``nn.Linear``, ``B``'s, then ``A`` again; ``B`` zero), so that a
+    seed starts a model exactly where the ``peft`` backend starts it; this rank keeps its shards."""
+    projections: dict[str, list[Projection]] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, site in chosen.items():
+            projections[name] = []
+            for module, out_features in zip(site.hf_modules, site.out_features, strict=True):
+                _kaiming(rank, site.in_features)  # lora_A's nn.Linear
+                _kaiming(out_features, rank)  # lora_B's nn.Linear
+                a, b = _kaiming(rank, site.in_features), torch.zeros(out_features, rank)  # PEFT's reset
+                if site.kind == COLUMN:
+                    b = b.chunk(tp, dim=0)[tp_rank]
+                else:
+                    a = a.chunk(tp, dim=1)[tp_rank]
+                projections[name].append(Projection(module, nn.Parameter(a), nn.Parameter(b), site.kind))
+    return projections
+
+
+def column_delta(x: Tensor, p: Projection) -> Tensor:
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(x @ p.A.T) @ p.B.T
+
+
+def row_delta(x: Tensor, p: Projection) -> Tensor:
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x @ p.A.T) @ p.B.T
+
+
+class TpLora:
+    """The adapters on one ``GPTModel``: one forward hook per site adds the active adapter's
+    deltas to the base layer's output."""
+
+    def __init__(self, gpt: nn.Module, shape: HfShape, tp: int) -> None:
+        self.sites = sites(gpt, shape, tp)
+        self.adapters: dict[str, Adapter] = {}
+        self.active: str | None = None
+        for name, site in self.sites.items():
+            site.layer.register_forward_hook(self._hook(name, site))
+
+    def _hook(self, name: str, site: Site):
+        delta = column_delta if site.kind == COLUMN else row_delta
+
+        def add_delta(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor | None]):
+            adapter = self.adapters.get(self.active) if self.active is not None else None
+            projections = adapter.projections.get(name) if adapter is not None else None
+            if not projections:
+                return output
+            out, bias = output
+            x = args[0].to(projections[0].A.dtype)
+            fused = site.fuse([delta(x, p) for p in projections])
+            return out + (adapter.scale * fused).to(out.dtype), bias
+
+        return add_delta

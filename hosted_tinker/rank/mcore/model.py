@@ -1,0 +1,142 @@
+"""``McoreLoraModel``: the ``LoraModel`` of the ``megatron`` plan. The HF base model as a
+megatron-core ``GPTModel`` sharded over the tensor-parallel group (``convert``), LoRA adapters on
+its parallel layers (``lora``), and per-token log-probs from vocab-parallel logits (``vocab``).
+
+Every rank of a tensor-parallel group runs the same batch; each holds ``1/tp`` of the base and of
+each adapter's sharded tensors. The process group and megatron's parallel state are the plan's
+(``rank.plans.megatron``); this module only builds on them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hosted_tinker.core.errors import UserError
+from hosted_tinker.core.types import DatumInput, LoraSpec
+from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, transformer_config
+from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter
+from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
+from hosted_tinker.rank.model import AdapterHandle, load_base
+
+
+class McoreLoraModel:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tp: int,
+        tp_rank: int,
+        device: str,
+        dtype: str,
+        lora_alpha: float,
+        sampler_base: bool = False,
+    ) -> None:
+        """``sampler_base``: also load the whole HF base model, for an embedded sampler on this
+        rank (``rank.sampler``; it gets adapter tensors gathered whole, in PEFT's keys)."""
+        from megatron.core import tensor_parallel
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from hosted_tinker.rank.mcore import cpu
+
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            cpu.use_cpu()
+        shape = HfShape.read(model_path)
+        shape.check_tp(tp)
+        self.shape, self.tp, self.tp_rank = shape, tp, tp_rank
+        tensor_parallel.model_parallel_cuda_manual_seed(0)  # megatron's RNG tracker; no dropout draws from it
+        self.gpt = GPTModel(
+            transformer_config(shape, tp, getattr(torch, dtype)),
+            get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm"),
+            vocab_size=shape.vocab,
+            max_sequence_length=shape.max_positions,
+            share_embeddings_and_output_weights=shape.tied,
+            position_embedding_type="rope",
+            rotary_base=int(shape.rope_theta),
+            parallel_output=True,  # each rank keeps its vocabulary slice of the logits
+        )
+        self.gpt.load_state_dict(HfWeights(model_path, shape, tp, tp_rank).state_dict(), strict=False)
+        self.gpt.to(self.device).eval()
+        self.gpt.requires_grad_(False)
+        self.arch = shape.arch
+        self.vocab_size = shape.vocab
+        self.max_positions = shape.max_positions
+        self.pad_id = 0  # right padding: under causal attention no real position sees it
+        self.lora_alpha = lora_alpha
+        self.lora = TpLora(self.gpt, shape, tp)
+        self._next = 0
+        self.shareable_base = load_base(model_path, self.device, dtype) if sampler_base else None
+
+    # ---- adapters ------------------------------------------------------------------------------
+
+    def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
+        wanted = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}
+        chosen = {name: site for name, site in self.lora.sites.items() if wanted[group_of(name)]}
+        if not chosen:
+            raise UserError("lora_config enables no trainable module (train_attn/train_mlp/train_unembed)")
+        projections = init_adapter(chosen, spec.rank, self.tp, self.tp_rank, spec.seed)
+        name = f"a{self._next}"
+        self._next += 1
+        self.lora.adapters[name] = Adapter(projections, self.lora_alpha / spec.rank)
+        keys, params, split_dims = [], [], []
+        for projection in _in_peft_order(projections):
+            for matrix, param, dim in zip("AB", (projection.A, projection.B), projection.split_dims, strict=True):
+                param.data = param.data.to(self.device)
+                param.requires_grad_(True)
+                keys.append(f"base_model.model.{projection.module}.lora_{matrix}.weight")
+                params.append(param)
+                split_dims.append(dim)
+        return AdapterHandle(name, keys, params, split_dims)
+
+    def remove_adapter(self, handle: AdapterHandle) -> None:
+        self.lora.adapters.pop(handle.name, None)
+        if self.lora.active == handle.name:
+            self.lora.active = None
+
+    def adapter_config(self, handle: AdapterHandle) -> dict:
+        """PEFT's ``adapter_config.json`` for the same modules on the HF model."""
+        from peft import LoraConfig
+
+        adapter = self.lora.adapters[handle.name]
+        modules = [p.module for p in _in_peft_order(adapter.projections)]
+        rank = next(iter(adapter.projections.values()))[0].A.shape[0]
+        config = LoraConfig(r=rank, lora_alpha=self.lora_alpha, lora_dropout=0.0, target_modules=modules).to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+    # ---- scoring -------------------------------------------------------------------------------
+
+    def logprobs(self, handle: AdapterHandle, data: list[DatumInput]) -> list[Tensor]:
+        self.lora.active = handle.name
+        lengths = [d.num_tokens for d in data]
+        width = max(lengths)
+        ids = torch.full((len(data), width), self.pad_id, dtype=torch.long)
+        real = torch.zeros((len(data), width), dtype=torch.bool)
+        for row, d in enumerate(data):
+            ids[row, : d.num_tokens] = d.tokens
+            real[row, : d.num_tokens] = True
+        positions = torch.arange(width).expand(len(data), width)
+        causal = torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)[None, None]  # True: hidden
+        logits = self.gpt(ids.to(self.device), positions.to(self.device), attention_mask=causal.to(self.device))
+        flat = logits[real.to(self.device)]  # (ΣN, V/tp), row-major = datum order
+        k = max(d.target_tokens.shape[1] if d.target_tokens.dim() == 2 else 1 for d in data)
+        targets = torch.zeros((flat.shape[0], k), dtype=torch.long)
+        row = 0
+        for d in data:
+            t = d.target_tokens.reshape(d.num_tokens, -1)
+            targets[row : row + d.num_tokens, : t.shape[1]] = t
+            row += d.num_tokens
+        lp = vocab_parallel_logprobs(flat, targets.to(self.device), self.tp_rank * flat.shape[-1])
+        out, row = [], 0
+        for d in data:
+            piece = lp[row : row + d.num_tokens]
+            out.append(piece if d.target_tokens.dim() == 2 else piece[:, 0])
+            row += d.num_tokens
+        return out
+
+
+def _in_peft_order(projections: dict[str, list]) -> list:
+    """Projections in the HF model's module order (PEFT's): per layer q, k, v, o, gate, up,
+    down; lm_head last. Sites are built in that order and fuse in it."""
+    return [p for name in projections for p in projections[name]]

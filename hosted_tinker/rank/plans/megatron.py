@@ -1,0 +1,103 @@
+"""Tensor parallelism on megatron-core: ``tp`` consecutive ranks share one copy of the model,
+each holding ``1/tp`` of every attention, MLP, embedding and output layer and of the LoRA on
+them (``rank.mcore``); the ``world / tp`` such groups are data-parallel replicas, as in ``ddp``.
+
+The ranks of a tensor-parallel group run the same shard of a batch (the server gives
+consecutive ranks the same replica's shard) and meet inside every layer; the plan's own
+collectives are ``ddp``'s, over the replica group of this rank's tensor-parallel position
+(gradients summed, initial weights broadcast), plus:
+
+- the gradient norm: squares of sharded gradients summed over the tensor-parallel group,
+  replicated ones counted once;
+- export and load: sharded tensors gathered over the tensor-parallel group into whole PEFT
+  tensors on rank 0, and split again on load, so checkpoints are the ``peft`` backend's.
+
+megatron-core is an optional extra (``pip install hosted-tinker[megatron]``), imported only here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from torch import Tensor
+
+from hosted_tinker.rank.plans import ddp
+
+DEVICES = "tp x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=N"
+# tests/test_plans.py: tensor-parallel alone, and with two data-parallel replicas.
+CHECKED_LAYOUTS = [("cpu:2", {"tp": "2"}), ("cpu:4", {"tp": "2"})]
+
+
+class Options(ddp.Options):
+    tp: int = Field(1, ge=1, description="tensor-parallel size: ranks that share one copy of the model")
+    embedded_sampler: bool = Field(
+        True,
+        description="rank 0 also loads the whole HF base model for the embedded sampler (off: sample with "
+        "--inference vllm, where prompt logprobs are then refused)",
+    )
+
+    def check(self, devices: list[str], worker_timeout_s: float) -> None:
+        super().check(devices, worker_timeout_s)
+        if len(devices) % self.tp:
+            raise ValueError(
+                f"--backend-option tp={self.tp} does not divide the {len(devices)} ranks of --train-devices"
+            )
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "the megatron backend needs megatron-core: pip install 'hosted-tinker[megatron]'"
+            ) from None
+
+
+class Plan(ddp.Plan):
+    def __init__(self, rank: int, devices: list[str], init_method: str, options: Options) -> None:
+        super().__init__(rank, devices, init_method, options)
+        from megatron.core import parallel_state
+
+        self.tp = options.tp
+        self.embedded_sampler = options.embedded_sampler and rank == 0
+        self.tp_rank = rank % self.tp
+        self.replicas = self.world_size // self.tp
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.replica_group = parallel_state.get_data_parallel_group()
+
+    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float):
+        from hosted_tinker.rank.mcore.model import McoreLoraModel
+
+        return McoreLoraModel(
+            model_path,
+            tp=self.tp,
+            tp_rank=self.tp_rank,
+            device=self.device,
+            dtype=dtype,
+            lora_alpha=lora_alpha,
+            sampler_base=self.embedded_sampler,
+        )
+
+    def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
+        squares = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sharded, replicated]
+        for g, dim in zip(grads, split_dims, strict=True):
+            squares[0 if dim is not None else 1] += g.double().pow(2).sum()
+        if self.tp > 1:
+            with ddp._collective("the gradient norm's all-reduce"):
+                sharded = squares[:1].clone()
+                dist.all_reduce(sharded, group=self.tp_group)
+                squares = torch.cat([sharded, squares[1:]])
+        return squares.sum().sqrt().float().cpu()
+
+    def gather(self, tensors: dict[str, tuple[Tensor, int | None]]) -> dict[str, Tensor] | None:
+        whole: dict[str, Tensor] = {}
+        with ddp._collective("export's gather over the tensor-parallel group"):
+            for key, (t, dim) in tensors.items():
+                if dim is not None and self.tp > 1:
+                    parts = [torch.empty_like(t) for _ in range(self.tp)]
+                    dist.all_gather(parts, t.detach().contiguous(), group=self.tp_group)
+                    t = torch.cat(parts, dim=dim)
+                whole[key] = t.detach().cpu().clone()
+        return whole if self.rank == 0 else None
+
+    def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
+        return full if split_dim is None else full.chunk(self.tp, dim=split_dim)[self.tp_rank]
