@@ -1,8 +1,9 @@
-"""The ddp backend behind the real server (issue #7): start-up checks of devices and options,
-bit-identical resume, sampling and sampler weights from rank 0, and a rank killed mid-step.
+"""The multi-rank backends behind the real server (issues #7, #16): ddp on two gloo ranks and
+megatron at tp=2. Start-up checks of devices and options, bit-identical resume, sampling and
+sampler weights from rank 0, and a rank killed mid-step.
 
-The core SDK suite runs on ddp too (``test_sdk_training.py``); the math against one process is
-pinned in ``test_ddp.py``.
+The core SDK suite runs on both too (``test_sdk_training.py``); the math against one process is
+pinned in ``test_plans.py`` and ``test_ddp.py``.
 """
 
 from __future__ import annotations
@@ -26,17 +27,30 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ADAM = types.AdamParams(learning_rate=1e-2)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
+# backend -> its extra options, and every option as /healthz then shows it
+BACKENDS = {
+    "ddp": ((), {"microbatch_tokens": 4096, "collective_timeout_s": 1800.0}),
+    "megatron": (
+        ("--backend-option", "tp=2"),
+        {"microbatch_tokens": 4096, "collective_timeout_s": 1800.0, "tp": 2, "embedded_sampler": True},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def server(request, tmp_path_factory, tiny_model_dir):
+    extra, _ = BACKENDS[request.param]
     srv = start_server(
-        tmp_path_factory.mktemp("ddp-server"),
+        tmp_path_factory.mktemp(f"{request.param}-server"),
         "--backend",
-        "ddp",
+        request.param,
         "--train-devices",
         "cpu:2",
         "--backend-option",
         "microbatch_tokens=4096",
+        *extra,
     )
+    srv.backend = request.param
     yield srv
     srv.stop()
 
@@ -63,19 +77,39 @@ def test_devices_and_options_are_checked_at_start_up(tmp_path):
     assert "microbatch_tokens" in said
     said = serve_fails(tmp_path, "--backend", "ddp", "--train-devices", "cpu:2", "--worker-timeout", "600")
     assert "collective_timeout_s=1800 must be below --worker-timeout (600 s)" in said
+    megatron = ("--backend", "megatron", "--train-devices")
+    said = serve_fails(tmp_path, *megatron, "cpu:3", "--backend-option", "tp=2")
+    assert "tp=2 does not divide the 3 ranks" in said
 
 
-def test_backends_command_lists_ddp_and_its_options():
+def test_tp_must_divide_the_model(tmp_path, tiny_model_dir):
+    """The tiny model has 4 heads and 2 kv heads: tp=4 is refused at start-up, naming them."""
+    said = serve_fails(
+        tmp_path,
+        "--model",
+        str(tiny_model_dir),
+        "--backend",
+        "megatron",
+        "--train-devices",
+        "cpu:4",
+        "--backend-option",
+        "tp=4",
+    )
+    assert "tp=4 does not divide the model's kv heads (2)" in said
+
+
+def test_backends_command_lists_the_backends_and_their_options():
     out = subprocess.run(
         [sys.executable, "-m", "hosted_tinker", "backends"], capture_output=True, text=True, check=True, timeout=120
     ).stdout
     assert '"ddp"' in out and "collective_timeout_s" in out and "--train-devices" in out
+    assert '"megatron"' in out and "tensor-parallel size" in out and "embedded_sampler" in out
 
 
 def test_health_shows_the_ranks_and_options(server):
     h = health(server.base_url)
-    assert h["capabilities"]["backend"] == "ddp" and h["capabilities"]["devices"] == ["cpu", "cpu"]
-    assert h["backend_options"] == {"microbatch_tokens": 4096, "collective_timeout_s": 1800.0}
+    assert h["capabilities"]["backend"] == server.backend and h["capabilities"]["devices"] == ["cpu", "cpu"]
+    assert h["backend_options"] == BACKENDS[server.backend][1]
     assert len(h["worker"]["pids"]) == 2 and h["worker"]["alive"]
 
 

@@ -1,5 +1,6 @@
-"""End-to-end: the real tinker 0.38 SDK trains LoRA adapters on a live server, once on the
-peft backend (the session's shared server) and once on the ddp backend (two gloo ranks)."""
+"""End-to-end: the real tinker 0.38 SDK trains LoRA adapters on a live server, on the peft
+backend (the session's shared server), the ddp backend (two gloo ranks) and the megatron
+backend (two tensor-parallel gloo ranks)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,22 @@ from tests.conftest import ALIAS, ServerProcess, start_server
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module", params=["peft", "ddp"])
+LAYOUTS = {
+    "ddp": ("--backend", "ddp", "--train-devices", "cpu:2"),
+    "megatron": ("--backend", "megatron", "--train-devices", "cpu:2", "--backend-option", "tp=2"),
+}
+
+
+@pytest.fixture(scope="module", params=["peft", *LAYOUTS])
 def base_url(request, server: ServerProcess, tmp_path_factory, tiny_model_dir) -> str:
-    """Every test here runs against both backends."""
+    """Every test here runs against every backend."""
     if request.param == "peft":
         yield server.base_url
         return
-    ddp = start_server(tmp_path_factory.mktemp("ddp"), "--backend", "ddp", "--train-devices", "cpu:2")
-    assert capabilities(ddp.base_url)["devices"] == ["cpu", "cpu"]
-    yield ddp.base_url
-    ddp.stop()
+    other = start_server(tmp_path_factory.mktemp(request.param), *LAYOUTS[request.param])
+    assert capabilities(other.base_url)["devices"] == ["cpu", "cpu"]
+    yield other.base_url
+    other.stop()
 
 
 def capabilities(base_url: str) -> dict:

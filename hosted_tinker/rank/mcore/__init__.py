@@ -8,3 +8,13 @@ plan's model). Imports megatron-core: only a rank of that plan imports this pack
 - ``vocab``: per-token log-probs from vocab-parallel logits.
 - ``model``: ``McoreLoraModel``, the ``LoraModel`` the trainer drives.
 """
+
+import logging
+import warnings
+
+
+def quiet() -> None:
+    """Before megatron-core is first imported: its notes that the optional fused kernels (Apex,
+    transformer-engine) are absent and which FSDP it found are not a rank's news."""
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)

@@ -46,6 +46,7 @@ class McoreLoraModel:
         shape = HfShape.read(model_path)
         shape.check_tp(tp)
         self.shape, self.tp, self.tp_rank = shape, tp, tp_rank
+        self.model_path = model_path
         tensor_parallel.model_parallel_cuda_manual_seed(0)  # megatron's RNG tracker; no dropout draws from it
         self.gpt = GPTModel(
             transformer_config(shape, tp, getattr(torch, dtype)),
@@ -102,7 +103,13 @@ class McoreLoraModel:
         adapter = self.lora.adapters[handle.name]
         modules = [p.module for p in _in_peft_order(adapter.projections)]
         rank = next(iter(adapter.projections.values()))[0].A.shape[0]
-        config = LoraConfig(r=rank, lora_alpha=self.lora_alpha, lora_dropout=0.0, target_modules=modules).to_dict()
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=modules,
+            base_model_name_or_path=self.model_path,
+        ).to_dict()
         return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
     # ---- scoring -------------------------------------------------------------------------------

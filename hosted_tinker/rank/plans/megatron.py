@@ -17,6 +17,8 @@ megatron-core is an optional extra (``pip install hosted-tinker[megatron]``), im
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.distributed as dist
 from pydantic import Field
@@ -43,17 +45,17 @@ class Options(ddp.Options):
             raise ValueError(
                 f"--backend-option tp={self.tp} does not divide the {len(devices)} ranks of --train-devices"
             )
-        try:
-            import megatron.core  # noqa: F401
-        except ImportError:
-            raise ValueError(
-                "the megatron backend needs megatron-core: pip install 'hosted-tinker[megatron]'"
-            ) from None
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            # Found, not imported: the server process never loads megatron-core, only its ranks.
+            raise ValueError("the megatron backend needs megatron-core: pip install 'hosted-tinker[megatron]'")
 
 
 class Plan(ddp.Plan):
     def __init__(self, rank: int, devices: list[str], init_method: str, options: Options) -> None:
         super().__init__(rank, devices, init_method, options)
+        from hosted_tinker.rank import mcore
+
+        mcore.quiet()
         from megatron.core import parallel_state
 
         self.tp = options.tp

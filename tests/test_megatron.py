@@ -1,0 +1,115 @@
+"""Checkpoints are interchangeable between the megatron (tp=2) and peft backends (issue #16): a
+training state written by one, as files, loads on the other, and the next steps agree (log-probs,
+``loss:sum``, ``grad_norm``) to 1e-4; the adapter config each writes is the same PEFT config; and
+the sampler weights megatron exports load into PEFT itself."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hosted_tinker.core.checkpoints import TinkerPath, peft_adapter_files, state_from_files, state_to_files
+from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.types import AdamParams, LoraSpec
+from hosted_tinker.rank.serve import local_rank
+from hosted_tinker.rank.trainer import Trainer
+from hosted_tinker.server.workers.backend import ProcessBackend
+from hosted_tinker.server.workers.launch import rank_factories
+from tests.batches import random_batch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=10.0)
+LORA = LoraSpec(rank=4, seed=5, train_unembed=True)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def megatron(tiny_model_dir: Path):
+    config = ServerConfig(
+        model=str(tiny_model_dir), backend="megatron", train_devices="cpu:2", backend_options={"tp": "2"}
+    )
+    backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def peft(tiny_model_dir: Path) -> Trainer:
+    return local_rank(str(tiny_model_dir)).trainer
+
+
+def through_files(state, config: dict):
+    """A training state as the server writes it to disk and reads it back."""
+    path = TinkerPath("m", "weights", "x")
+    return state_from_files(path, state_to_files(state, config, "tiny")).state
+
+
+def steps(backend, model_id: str, seed: int, n: int) -> list:
+    """``n`` accumulate-and-step rounds on a fixed stream of batches: what each returned."""
+    rng, out = np.random.default_rng(seed), []
+    for loss_fn in ("cross_entropy", "ppo", "importance_sampling")[:n]:
+        result = backend.forward_backward(model_id, random_batch(rng, 3, loss_fn))
+        out.append((result.logprobs, result.loss_sum, backend.optim_step(model_id, ADAM)["grad_norm"]))
+    return out
+
+
+def assert_agree(got: list, want: list) -> None:
+    for (lp_g, loss_g, norm_g), (lp_w, loss_w, norm_w) in zip(got, want, strict=True):
+        for g, w in zip(lp_g, lp_w, strict=True):
+            np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL)
+        assert loss_g == pytest.approx(loss_w, rel=TOL, abs=TOL)
+        assert norm_g == pytest.approx(norm_w, rel=TOL)
+
+
+@pytest.mark.parametrize("direction", ["megatron->peft", "peft->megatron"])
+def test_a_training_state_moves_between_backends(direction: str, megatron: ProcessBackend, peft: Trainer):
+    source, target = (megatron, peft) if direction == "megatron->peft" else (peft, megatron)
+    name = direction.replace("->", "-to-")
+    source.create_adapter(name, LORA)
+    steps(source, name, seed=1, n=2)
+    config = source.peft_config(name)
+    saved = through_files(source.export_state(name), config)
+    target.create_adapter(name, LoraSpec(rank=4, seed=99, train_unembed=True))  # other weights, then the state
+    target.load_state(name, saved, with_optimizer=True)
+    assert target.peft_config(name) == config
+    assert_agree(steps(target, name, seed=2, n=3), steps(source, name, seed=2, n=3))
+    for backend in (source, target):
+        backend.delete_adapter(name)
+
+
+def test_the_same_seed_starts_at_the_same_weights(megatron: ProcessBackend, peft: Trainer):
+    """LoRA is drawn as PEFT draws it, so a seed starts a model where peft starts it."""
+    for backend in (megatron, peft):
+        backend.create_adapter("seeded", LORA)
+    got, want = megatron.export_state("seeded"), peft.export_state("seeded")
+    assert list(got.weights) == list(want.weights)
+    assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
+    for backend in (megatron, peft):
+        backend.delete_adapter("seeded")
+
+
+def test_sampler_weights_load_into_peft(megatron: ProcessBackend, tiny_model_dir: Path, tmp_path: Path):
+    """megatron's exported adapter is a PEFT folder: PEFT loads it onto the HF model, and its
+    log-probs are the trainer's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    megatron.create_adapter("export", LORA)
+    steps(megatron, "export", seed=3, n=2)
+    files = peft_adapter_files(megatron.peft_config("export"), megatron.export_state("export").weights)
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path).eval()
+    batch = random_batch(np.random.default_rng(4), 2, "cross_entropy")
+    trainer = megatron.forward_backward("export", dataclasses.replace(batch, forward_only=True))
+    for datum, lp in zip(batch.data, trainer.logprobs, strict=True):
+        with torch.no_grad():
+            logits = hf(datum.tokens[None]).logits[0].log_softmax(-1)
+        want = logits.gather(-1, datum.target_tokens[:, None])[:, 0]
+        np.testing.assert_allclose(lp, want.numpy(), rtol=TOL, atol=TOL)
+    megatron.delete_adapter("export")
