@@ -6,6 +6,7 @@ the sampler weights megatron exports load into PEFT itself."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 
 from hosted_tinker.core.checkpoints import TinkerPath, peft_adapter_files, state_from_files, state_to_files
 from hosted_tinker.core.config import ServerConfig
-from hosted_tinker.core.types import AdamParams, LoraSpec
+from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.backend import ProcessBackend
@@ -113,3 +114,72 @@ def test_sampler_weights_load_into_peft(megatron: ProcessBackend, tiny_model_dir
         want = logits.gather(-1, datum.target_tokens[:, None])[:, 0]
         np.testing.assert_allclose(lp, want.numpy(), rtol=TOL, atol=TOL)
     megatron.delete_adapter("export")
+
+
+def topk_batch(rng: np.random.Generator) -> ForwardBackwardBatch:
+    """Cross-entropy against K=4 soft targets per position (distillation), unequal lengths."""
+    data = []
+    for n in (5, 11, 3):
+        tokens = torch.from_numpy(rng.integers(10, 500, n))
+        targets = torch.from_numpy(rng.integers(0, 512, (n, 4)))
+        weights = torch.from_numpy(rng.dirichlet(np.ones(4), n).astype(np.float32))
+        data.append(DatumInput(tokens=tokens, target_tokens=targets, inputs={"weights": weights}))
+    return ForwardBackwardBatch(data=data, loss_fn="cross_entropy", loss_config={}, forward_only=False)
+
+
+def test_top_k_targets(megatron: ProcessBackend, peft: Trainer):
+    """(N, K) targets, scored vocab-parallel, as peft scores them."""
+    for backend in (megatron, peft):
+        backend.create_adapter("topk", LORA)
+    batch = topk_batch(np.random.default_rng(6))
+    got, want = megatron.forward_backward("topk", batch), peft.forward_backward("topk", batch)
+    for g, w in zip(got.logprobs, want.logprobs, strict=True):
+        assert g.shape == w.shape and g.shape[1] == 4
+        np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL)
+    assert got.loss_sum == pytest.approx(want.loss_sum, rel=TOL)
+    assert megatron.optim_step("topk", ADAM)["grad_norm"] == pytest.approx(
+        peft.optim_step("topk", ADAM)["grad_norm"], rel=TOL
+    )
+    for backend in (megatron, peft):
+        backend.delete_adapter("topk")
+
+
+def test_an_untied_llama_at_tp_2(tmp_path: Path, tiny_model_dir: Path):
+    """A Llama with its own output layer (vocab-parallel, LoRA on lm_head) and no q/k norms."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        rope_theta=5e5,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the embedded sampler's, for stop strings
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    layout = ServerConfig(model=str(tmp_path), backend="megatron", train_devices="cpu:2", backend_options={"tp": "2"})
+    megatron = ProcessBackend(rank_factories(layout, str(tmp_path)))
+    peft = local_rank(str(tmp_path)).trainer
+    try:
+        lora = LoraSpec(rank=4, seed=2, train_unembed=True)
+        for backend in (megatron, peft):
+            backend.create_adapter("llama", lora)
+        assert any("lm_head" in key for key in megatron.export_state("llama").weights)
+        rng = np.random.default_rng(8)
+        for loss_fn in ("cross_entropy", "ppo"):
+            batch = random_batch(rng, 3, loss_fn, vocab=256)
+            got, want = megatron.forward_backward("llama", batch), peft.forward_backward("llama", batch)
+            for g, w in zip(got.logprobs, want.logprobs, strict=True):
+                np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL)
+            assert megatron.optim_step("llama", ADAM)["grad_norm"] == pytest.approx(
+                peft.optim_step("llama", ADAM)["grad_norm"], rel=TOL
+            )
+    finally:
+        megatron.close()
