@@ -65,8 +65,10 @@ def devices_for(device: str, ranks: int) -> str:
     return f"cpu:{ranks}"
 
 
-def worker_backend(model: str, backend: str, train_devices: str) -> ProcessBackend:
-    config = ServerConfig(model=model, backend=backend, train_devices=train_devices)
+def worker_backend(
+    model: str, backend: str, train_devices: str, options: dict[str, str] | None = None
+) -> ProcessBackend:
+    config = ServerConfig(model=model, backend=backend, train_devices=train_devices, backend_options=options or {})
     return ProcessBackend(rank_factories(config, model))
 
 

@@ -1,0 +1,155 @@
+"""What does tensor parallelism cost, and what does it buy? The same SFT steps (forward_backward
++ optim_step on one batch of unequal sequences) on the peft backend and on megatron at tp=1 and
+tp=N, in one run, alternating rounds:
+
+    peft         the peft backend in its worker process (the baseline)
+    tp1          megatron-core with one rank (its own overhead over peft)
+    tpN          megatron-core with N tensor-parallel ranks
+
+    python benchmarks/megatron_tp.py [--tp 2 --batch 8 --seq-len 256 --model DIR]
+    python benchmarks/megatron_tp.py --device cuda --tp 2 --model DIR --peak-tflops 989
+
+Every path trains the same adapter (LoRA draws the same initial weights everywhere) on the same
+batch, so their losses must agree (checked to a relative 1e-4). It prints the model FLOPs of a
+token and of a step, so that MFU follows from any step time on any device (``--peak-tflops``
+prints it here): ``6·P + attention`` (the usual convention; P the matmul weights a token meets)
+and what a LoRA step executes (the frozen base has no weight gradients: ``4·P``, plus the
+adapters' ``6·P_lora``). Writes benchmarks/results/megatron_tp-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ddp_scaling import devices_for, make_batch, model_shape, run_rounds, step, worker_backend  # noqa: E402
+from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
+from hosted_tinker.core.types import AdamParams, LoraSpec, TrainingBackend  # noqa: E402
+from hosted_tinker.server.workers.backend import ProcessBackend  # noqa: E402
+
+LORA = LoraSpec(rank=32, seed=0)
+
+
+def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str, float]:
+    """Model FLOPs per trained token of the HF model at ``model`` (LoRA on attention and MLP)."""
+    c = json.loads((Path(model) / "config.json").read_text())
+    hidden, layers, ffn, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    heads = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or hidden // heads
+    q, kv_out = heads * head_dim, kv * head_dim
+    per_layer = hidden * (q + 2 * kv_out) + q * hidden + 3 * hidden * ffn
+    params = layers * per_layer + vocab * hidden  # the output layer; embedding lookups are free
+    # A (r x in) and B (out x r) of q, k, v, o, gate, up, down
+    lora = layers * lora_rank * (3 * hidden + q + 2 * kv_out + q + hidden + 2 * (hidden + ffn) + ffn + hidden)
+    attention_fwd = 4 * layers * q * mean_context  # scores and values, a causal context of mean_context
+    return {
+        "matmul_params": params,
+        "lora_params": lora,
+        "model_flops_6p": 6 * params + 3 * attention_fwd,
+        "lora_step_flops": 4 * params + 6 * lora + 3 * attention_fwd,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=2, help="N of the tpN path")
+    parser.add_argument("--steps", type=int, default=4, help="steps per round and path")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, to print MFU")
+    add_common_args(parser)
+    args = parser.parse_args()
+
+    _, model, vocab = setup(args.model)
+    batch = make_batch(args.batch, args.seq_len, vocab)
+    tokens = sum(d.num_tokens for d in batch.data)
+    mean_context = float(np.mean([(d.num_tokens + 1) / 2 for d in batch.data]))
+    flops = flops_per_token(model, mean_context, LORA.rank)
+    adam = AdamParams(learning_rate=args.lr)
+    one = "cuda:0" if args.device.startswith("cuda") else "cpu"
+    tp_n = f"tp{args.tp}"
+    makers: dict[str, Callable[[], TrainingBackend]] = {
+        "peft": lambda: worker_backend(model, "peft", one),
+        "tp1": lambda: worker_backend(model, "megatron", one, {"tp": "1", "embedded_sampler": "false"}),
+        tp_n: lambda: worker_backend(
+            model, "megatron", devices_for(args.device, args.tp), {"tp": str(args.tp), "embedded_sampler": "false"}
+        ),
+    }
+    paths: dict[str, TrainingBackend] = {}
+    try:
+        for name, make in makers.items():
+            paths[name] = make()
+            paths[name].create_adapter("bench", LORA)
+        for backend in paths.values():  # first steps allocate; not measured
+            for _ in range(args.warmup):
+                step(backend, batch, AdamParams(learning_rate=0.0))
+        timings = run_rounds(paths, batch, adam, args.rounds, args.steps)
+    finally:
+        for backend in paths.values():
+            if isinstance(backend, ProcessBackend):
+                backend.close()
+
+    median_s = {name: statistics.median(t["seconds"]) for name, t in timings.items()}
+    losses = np.array([timings[name]["loss"] for name in paths])
+    same_math = bool(np.allclose(losses, losses[0], rtol=1e-4))
+    step_flops = {k: v * tokens for k, v in flops.items() if k.endswith("flops") or k.endswith("_6p")}
+    results = {
+        **result_header("megatron_tp", args.device),
+        "workload": {
+            "batch": args.batch,
+            "tokens_per_step": tokens,
+            "seq_len": f"{args.seq_len // 2}..{args.seq_len}",
+            "steps_measured": args.steps * args.rounds,
+            "rounds": args.rounds,
+            "lora_rank": LORA.rank,
+            "model": model_label(args.model),
+            "model_shape": model_shape(model),
+            "tp": args.tp,
+        },
+        "flops_per_token": flops,
+        "flops_per_step": step_flops,
+        "step_ms_median": {name: 1000 * s for name, s in median_s.items()},
+        "step_ms_p10_p90": {
+            name: [1000 * float(np.percentile(t["seconds"], q)) for q in (10, 90)] for name, t in timings.items()
+        },
+        "tokens_per_s": {name: tokens / s for name, s in median_s.items()},
+        "ratio_tp1_over_peft_step_time": median_s["tp1"] / median_s["peft"],
+        f"speedup_{tp_n}_over_tp1": median_s["tp1"] / median_s[tp_n],
+        "losses_equal_on_every_path_rtol_1e-4": same_math,
+    }
+    rows = [(f"{name}: step", f"{1000 * s:8.1f} ms   {tokens / s:8.0f} tok/s") for name, s in median_s.items()]
+    rows += [
+        ("tp1 / peft step time", f"{results['ratio_tp1_over_peft_step_time']:8.3f}"),
+        (f"{tp_n} speed-up over tp1", f"{results[f'speedup_{tp_n}_over_tp1']:8.3f}"),
+        ("model FLOPs / token (6P + attn)", f"{flops['model_flops_6p']:10.3e}"),
+        ("LoRA step FLOPs / token (4P + 6P_lora + attn)", f"{flops['lora_step_flops']:10.3e}"),
+        ("model FLOPs / step (6P + attn)", f"{step_flops['model_flops_6p']:10.3e}"),
+        ("losses equal on every path (rtol 1e-4)", f"{same_math!s:>8}"),
+    ]
+    if args.peak_tflops:
+        mfu = {name: step_flops["model_flops_6p"] / s / (args.peak_tflops * 1e12) for name, s in median_s.items()}
+        results["mfu_6p"] = mfu
+        rows += [(f"{name}: MFU (6P + attn)", f"{100 * m:8.2f} %") for name, m in mfu.items()]
+    print_table(
+        f"megatron tp on {results['device']}: {args.batch} sequences, {tokens} tokens a step, "
+        f"{args.rounds} x {args.steps} steps per path",
+        rows,
+    )
+    write_results(results, args.out, args.device)
+
+
+if __name__ == "__main__":
+    main()
