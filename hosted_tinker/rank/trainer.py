@@ -241,6 +241,11 @@ class Trainer:
             adapter.steps = state.steps
             adapter.generator.set_state(state.rng_state)
 
+    @rank_call("first")
+    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """A PEFT adapter on the base model whose update is zero (``rank.model.zero_adapter``)."""
+        return self.model.zero_adapter()
+
     @rank_call("first", model="uses")
     def peft_config(self, model_id: str) -> dict:
         """The adapter's ``adapter_config.json`` contents, as PEFT writes it."""

@@ -17,7 +17,7 @@ from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, transformer_config
 from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
-from hosted_tinker.rank.model import AdapterHandle, load_base
+from hosted_tinker.rank.model import AdapterHandle, load_base, zero_adapter
 
 
 class McoreLoraModel:
@@ -111,6 +111,10 @@ class McoreLoraModel:
             base_model_name_or_path=self.model_path,
         ).to_dict()
         return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+    def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
+        s = self.shape
+        return zero_adapter("model.layers.0.self_attn.q_proj", s.heads * s.head_dim, s.hidden, self.model_path)
 
     # ---- scoring -------------------------------------------------------------------------------
 

@@ -180,7 +180,7 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
 
     root = default_root(config.data_dir)
     on_gpu = config.vllm_gpus is not None or config.training_devices()[0].startswith("cuda")
-    zero = None if on_gpu else write_zero_adapter(root, *SamplerClient(backend).zero_adapter())  # see VllmEngine
+    zero = None if on_gpu else write_zero_adapter(root, *backend.zero_adapter())  # see VllmEngine
     return VllmEngine(host, files_version, verify, root, zero)
 
 

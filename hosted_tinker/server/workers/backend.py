@@ -222,6 +222,9 @@ class ProcessBackend:
     def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
         return self._call(Trainer, "snapshot_weights", model_id)
 
+    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return self._call(Trainer, "zero_adapter")
+
 
 class SamplerClient:
     """The embedded sampler on rank 0, as the embedded engine calls it: sampling is not a
@@ -245,6 +248,3 @@ class SamplerClient:
     ) -> list[SampleOutput]:
         listener = Listener(on_token) if on_token is not None else None
         return self.backend._call(EmbeddedSampler, "generate", key, specs, admit=admit, on_token=listener)
-
-    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        return self.backend._call(EmbeddedSampler, "zero_adapter")
