@@ -32,7 +32,13 @@ BACKENDS = {
     "ddp": ((), {"microbatch_tokens": 4096, "collective_timeout_s": 1800.0}),
     "megatron": (
         ("--backend-option", "tp=2"),
-        {"microbatch_tokens": 4096, "collective_timeout_s": 1800.0, "tp": 2, "embedded_sampler": True},
+        {
+            "microbatch_tokens": 4096,
+            "collective_timeout_s": 1800.0,
+            "tp": 2,
+            "sequence_parallel": False,
+            "embedded_sampler": True,
+        },
     ),
 }
 
@@ -80,6 +86,8 @@ def test_devices_and_options_are_checked_at_start_up(tmp_path):
     megatron = ("--backend", "megatron", "--train-devices")
     said = serve_fails(tmp_path, *megatron, "cpu:3", "--backend-option", "tp=2")
     assert "tp=2 does not divide the 3 ranks" in said
+    said = serve_fails(tmp_path, *megatron, "cpu:2", "--backend-option", "sequence_parallel=true")
+    assert "sequence_parallel=true needs tp > 1" in said
 
 
 def test_tp_must_divide_the_model(tmp_path, tiny_model_dir):

@@ -81,7 +81,7 @@ class HfShape:
             raise ValueError(f"--backend-option tp={tp} does not divide the model's intermediate_size ({self.ffn})")
 
 
-def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype):
+def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_parallel: bool = False):
     """megatron-core's ``TransformerConfig`` for ``shape``: the plain-PyTorch (local) path, no
     fusions, no dropout, so that it computes what the HF model computes."""
     from megatron.core.transformer import TransformerConfig
@@ -110,6 +110,7 @@ def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype):
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
         use_cpu_initialization=True,
         perform_initialization=False,  # every weight is loaded below
         params_dtype=dtype,
@@ -191,3 +192,32 @@ class HfWeights:
         if not s.tied:
             out["output_layer.weight"] = self.row_part("lm_head.weight")
         return out
+
+
+class FrozenNorm:
+    """megatron-core's PyTorch norm (``WrappedTorchNorm``) for sequence-parallel layers. It
+    refuses sequence parallelism because nothing would sum its weight's gradient over the ranks
+    that each saw part of the sequence; the base model is frozen here, so there is none."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        import copy
+
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        unsplit = copy.copy(config)
+        unsplit.sequence_parallel = False
+        return WrappedTorchNorm(unsplit, hidden_size, eps, **kwargs)
+
+
+def block_spec(shape: HfShape, layers: int):
+    """The local (PyTorch) layer spec of ``shape``'s decoder, every norm a ``FrozenNorm``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    layer.submodules.input_layernorm = FrozenNorm
+    layer.submodules.pre_mlp_layernorm = FrozenNorm
+    attention = layer.submodules.self_attention.submodules
+    if shape.qk_norm:
+        attention.q_layernorm = attention.k_layernorm = FrozenNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=FrozenNorm)

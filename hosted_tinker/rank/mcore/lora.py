@@ -147,19 +147,42 @@ def row_delta(x: Tensor, p: Projection) -> Tensor:
     return reduce_from_tensor_model_parallel_region(x @ p.A.T) @ p.B.T
 
 
+# With sequence parallelism the activations between layers are split by sequence: a column
+# layer's input arrives as this rank's positions, a row layer's output leaves as them. The LoRA
+# branch gathers its input whole (its gradient then comes back split, not summed: the branch's
+# own all-reduce has already made it whole on every rank) and scatters its output, so that every
+# LoRA gradient is the whole sequence's on every rank, as without sequence parallelism.
+
+
+def sp_column_delta(x: Tensor, p: Projection) -> Tensor:
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    return column_delta(gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False), p)
+
+
+def sp_row_delta(x: Tensor, p: Projection) -> Tensor:
+    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+    return scatter_to_sequence_parallel_region(row_delta(x, p))
+
+
 class TpLora:
     """The adapters on one ``GPTModel``: one forward hook per site adds the active adapter's
     deltas to the base layer's output."""
 
-    def __init__(self, gpt: nn.Module, shape: HfShape, tp: int) -> None:
+    def __init__(self, gpt: nn.Module, shape: HfShape, tp: int, sequence_parallel: bool = False) -> None:
         self.sites = sites(gpt, shape, tp)
         self.adapters: dict[str, Adapter] = {}
         self.active: str | None = None
+        self.sequence_parallel = sequence_parallel
         for name, site in self.sites.items():
             site.layer.register_forward_hook(self._hook(name, site))
 
     def _hook(self, name: str, site: Site):
-        delta = column_delta if site.kind == COLUMN else row_delta
+        if self.sequence_parallel:
+            delta = sp_column_delta if site.kind == COLUMN else sp_row_delta
+        else:
+            delta = column_delta if site.kind == COLUMN else row_delta
 
         def add_delta(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor | None]):
             adapter = self.adapters.get(self.active) if self.active is not None else None

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.types import DatumInput, LoraSpec
-from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, transformer_config
+from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, block_spec, transformer_config
 from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
 from hosted_tinker.rank.model import AdapterHandle, load_base, zero_adapter
@@ -31,12 +31,13 @@ class McoreLoraModel:
         dtype: str,
         lora_alpha: float,
         sampler_base: bool = False,
+        sequence_parallel: bool = False,
     ) -> None:
         """``sampler_base``: also load the whole HF base model, for an embedded sampler on this
-        rank (``rank.sampler``; it gets adapter tensors gathered whole, in PEFT's keys)."""
+        rank (``rank.sampler``; it gets adapter tensors gathered whole, in PEFT's keys).
+        ``sequence_parallel``: activations between the parallel layers split by sequence."""
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         from hosted_tinker.rank.mcore import cpu
 
@@ -49,8 +50,8 @@ class McoreLoraModel:
         self.model_path = model_path
         tensor_parallel.model_parallel_cuda_manual_seed(0)  # megatron's RNG tracker; no dropout draws from it
         self.gpt = GPTModel(
-            transformer_config(shape, tp, getattr(torch, dtype)),
-            get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm"),
+            transformer_config(shape, tp, getattr(torch, dtype), sequence_parallel),
+            block_spec(shape, shape.layers),
             vocab_size=shape.vocab,
             max_sequence_length=shape.max_positions,
             share_embeddings_and_output_weights=shape.tied,
@@ -66,7 +67,8 @@ class McoreLoraModel:
         self.max_positions = shape.max_positions
         self.pad_id = 0  # right padding: under causal attention no real position sees it
         self.lora_alpha = lora_alpha
-        self.lora = TpLora(self.gpt, shape, tp)
+        self.lora = TpLora(self.gpt, shape, tp, sequence_parallel)
+        self.sequence_parallel = sequence_parallel
         self._next = 0
         self.shareable_base = load_base(model_path, self.device, dtype) if sampler_base else None
 
@@ -122,6 +124,8 @@ class McoreLoraModel:
         self.lora.active = handle.name
         lengths = [d.num_tokens for d in data]
         width = max(lengths)
+        if self.sequence_parallel:  # the sequence is split over the ranks: a whole share each
+            width = -(-width // self.tp) * self.tp
         ids = torch.full((len(data), width), self.pad_id, dtype=torch.long)
         real = torch.zeros((len(data), width), dtype=torch.bool)
         for row, d in enumerate(data):

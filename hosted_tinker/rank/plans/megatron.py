@@ -27,12 +27,15 @@ from torch import Tensor
 from hosted_tinker.rank.plans import ddp
 
 DEVICES = "tp x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=N"
-# tests/test_plans.py: tensor-parallel alone, and with two data-parallel replicas.
-CHECKED_LAYOUTS = [("cpu:2", {"tp": "2"}), ("cpu:4", {"tp": "2"})]
+# tests/test_plans.py: tensor-parallel alone, with sequence parallelism, and with two data-parallel replicas.
+CHECKED_LAYOUTS = [("cpu:2", {"tp": "2"}), ("cpu:2", {"tp": "2", "sequence_parallel": "true"}), ("cpu:4", {"tp": "2"})]
 
 
 class Options(ddp.Options):
     tp: int = Field(1, ge=1, description="tensor-parallel size: ranks that share one copy of the model")
+    sequence_parallel: bool = Field(
+        False, description="split the activations between the parallel layers by sequence (needs tp > 1)"
+    )
     embedded_sampler: bool = Field(
         True,
         description="rank 0 also loads the whole HF base model for the embedded sampler (off: sample with "
@@ -41,6 +44,8 @@ class Options(ddp.Options):
 
     def check(self, devices: list[str], worker_timeout_s: float) -> None:
         super().check(devices, worker_timeout_s)
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--backend-option sequence_parallel=true needs tp > 1")
         if len(devices) % self.tp:
             raise ValueError(
                 f"--backend-option tp={self.tp} does not divide the {len(devices)} ranks of --train-devices"
@@ -60,6 +65,7 @@ class Plan(ddp.Plan):
 
         self.tp = options.tp
         self.embedded_sampler = options.embedded_sampler and rank == 0
+        self.sequence_parallel = options.sequence_parallel
         self.tp_rank = rank % self.tp
         self.replicas = self.world_size // self.tp
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
@@ -77,6 +83,7 @@ class Plan(ddp.Plan):
             dtype=dtype,
             lora_alpha=lora_alpha,
             sampler_base=self.embedded_sampler,
+            sequence_parallel=self.sequence_parallel,
         )
 
     def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
