@@ -1,4 +1,4 @@
-"""``hosted-tinker serve | keys | setup-vllm | make-tiny-model | backends``."""
+"""``hosted-tinker serve | node | keys | setup-vllm | make-tiny-model | backends``."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import datetime as dt
 import ipaddress
 import json
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
 
-from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.config import CLUSTER_KEY_ENV, ServerConfig, read_cluster_key
 from hosted_tinker.rank.plans import BACKENDS, backend_options
 
 
@@ -129,6 +130,47 @@ def _backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node(args: argparse.Namespace) -> int:
+    from hosted_tinker.node import agent
+
+    if args.nnodes < 2:
+        raise SystemExit("hosted-tinker node: --nnodes must be at least 2 (node 0 is the server)")
+    try:
+        key = read_cluster_key(args.cluster_key_file)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"hosted-tinker node: {e}") from None
+    return agent.run(args.node_rank, args.nnodes, (args.master_addr, args.master_port), key)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _cluster_flags(group: argparse._ActionsContainer) -> None:
+    """The flags of torch.distributed's launchers, with their environment variables as defaults."""
+    group.add_argument(
+        "--nnodes", type=int, default=_env_int("NNODES") or 1, help="machines in all, node 0 included ($NNODES)"
+    )
+    group.add_argument(
+        "--master-addr",
+        default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        help="node 0's address as the other nodes reach it ($MASTER_ADDR)",
+    )
+    group.add_argument(
+        "--master-port",
+        type=int,
+        default=_env_int("MASTER_PORT") or 29500,
+        help="node 0's cluster port, where the other nodes connect ($MASTER_PORT)",
+    )
+    group.add_argument(
+        "--cluster-key-file",
+        type=Path,
+        default=None,
+        help=f"the secret every node shares (default: ${CLUSTER_KEY_ENV})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hosted-tinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--backend", default="peft", choices=BACKENDS, help="peft: one process; ddp: data parallel")
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the peft backend's device)")
     serve.add_argument(
-        "--train-devices", default=None, help="a device per data-parallel rank: cpu:N or cuda:0,1,... (ddp)"
+        "--train-devices", default=None, help="a device per rank, on every node: cpu:N or cuda:0,1,... (ddp, megatron)"
     )
     serve.add_argument(
         "--backend-option",
@@ -188,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=7 * 86400.0,
         help="seconds a finished request's result stays retrievable (default: 7 days)",
     )
+    _cluster_flags(serve.add_argument_group("several machines (ddp, megatron): this server is node 0"))
     auth = serve.add_argument_group("API keys (besides `hosted-tinker keys create`)")
     auth.add_argument("--api-keys-file", type=Path, default=None, help="file with one tml- key per line")
     auth.add_argument(
@@ -208,6 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--vllm-gpu-memory-utilization", type=float, default=None)
     engine.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank vLLM must serve")
     serve.set_defaults(func=_serve)
+
+    node = sub.add_parser("node", help="run another node's training ranks for the server on node 0")
+    node.add_argument(
+        "--node-rank",
+        type=int,
+        default=_env_int("NODE_RANK"),
+        required=_env_int("NODE_RANK") is None,
+        help="this machine's node number, 1 to nnodes-1 (default: $NODE_RANK)",
+    )
+    _cluster_flags(node)
+    node.set_defaults(func=_node)
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
     keys_sub = keys.add_subparsers(dest="action", required=True)

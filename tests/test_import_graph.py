@@ -3,6 +3,7 @@
 core/        pure and shared by every process: imports nothing else of ours
 rank/        inside worker processes: core only
 inference/   the engines the server samples through: core only
+node/        the agent of a node other than the server's: core, and rank (to start ranks)
 server/      the event loop: core, inference, and rank (to start ranks and read their calls)
 cli.py       the entry point: anything
 
@@ -23,6 +24,7 @@ MAY_IMPORT = {
     "core": {"core"},
     "rank": {"core", "rank"},
     "inference": {"core", "inference"},
+    "node": {"core", "node", "rank"},
     "server": {"core", "inference", "rank", "server"},
 }
 

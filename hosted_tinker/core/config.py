@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -9,6 +10,21 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 TINY_MODEL_NAME = "hosted-tinker/tiny-qwen3"
 VLLM_LORA_RANKS = {1, 8, 16, 32, 64, 128, 256, 320, 512}  # the --max-lora-rank values vLLM accepts
+CLUSTER_KEY_ENV = "HOSTED_TINKER_CLUSTER_KEY"
+
+
+def read_cluster_key(path: Path | None) -> bytes:
+    """The secret the nodes of a multi-node server prove to each other: the file's contents, or
+    the environment's ``HOSTED_TINKER_CLUSTER_KEY``. What crosses the cluster port is unpickled,
+    so it is never open: no key, no cluster."""
+    key = path.read_bytes().strip() if path is not None else os.environ.get(CLUSTER_KEY_ENV, "").encode()
+    if len(key) < 16:
+        where = f"--cluster-key-file {path}" if path is not None else f"${CLUSTER_KEY_ENV}"
+        raise ValueError(
+            f"several nodes need a cluster key of at least 16 characters in {where}, the same on every node "
+            "(e.g. `openssl rand -hex 32`)"
+        )
+    return key
 
 
 def parse_devices(spec: str) -> list[str]:
@@ -43,6 +59,12 @@ class ServerConfig(BaseModel):
     # Data parallel: a device per rank, "cpu:2" or "cuda:0,1" (parse_devices).
     train_devices: str | None = None
     backend_options: dict[str, str] = Field(default_factory=dict)  # checked by rank.plans.backend_options
+    # Several machines: this server is node 0 of ``nnodes``, each with the devices above; the
+    # other nodes' agents (``hosted-tinker node``) connect to master_addr:master_port.
+    nnodes: int = Field(1, ge=1)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(29500, ge=0, le=65535)  # 0: any free port (tests)
+    cluster_key_file: Path | None = None  # else $HOSTED_TINKER_CLUSTER_KEY (read_cluster_key)
     dtype: str = "float32"
     lora_alpha: float = 32.0
     max_seq_len: int | None = None
@@ -86,8 +108,12 @@ class ServerConfig(BaseModel):
         return self
 
     def training_devices(self) -> list[str]:
-        """One device per training rank."""
+        """One device per training rank of this node."""
         return parse_devices(self.train_devices) if self.train_devices is not None else [self.device]
+
+    def rank_devices(self) -> list[str]:
+        """One device per training rank of every node, by global rank: each node has the same."""
+        return self.training_devices() * self.nnodes
 
     @property
     def uses_vllm(self) -> bool:

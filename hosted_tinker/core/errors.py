@@ -9,6 +9,8 @@ by kind (``core.messages``), so a rank's ``UserError`` is the server's ``UserErr
 
 from __future__ import annotations
 
+import signal
+
 
 class ServerError(Exception):
     """Base of every named failure. ``status``: the HTTP answer when raised while handling a
@@ -92,6 +94,20 @@ class EngineUnavailable(ServerError):
 
 class WorkerDied(ServerError):
     """A worker process ended, or was killed for hanging (the message says how)."""
+
+
+def how_it_ended(exitcode: int | None) -> str:
+    """A process's end as ``WorkerDied`` says it, from its exit code (negative: a signal)."""
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:  # a real-time signal has no name
+            name = f"signal {-exitcode}"
+        hint = " (the kernel's out-of-memory killer sends SIGKILL)" if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {exitcode}"
 
 
 class WorkerError(ServerError):

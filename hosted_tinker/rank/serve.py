@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import torch
@@ -81,6 +82,17 @@ def local_rank(model_path: str, backend: str = "peft", **options: Any) -> Rank:
     device = options.pop("device", "cpu")
     spec = RankSpec(backend, plan_module(backend).Options(**options), model_path, 0, (device,), "", **settings)
     return build_rank(spec)
+
+
+def serve_remote(
+    address: tuple[str, int], authkey: bytes, generation: int, rank: int, factory: Callable[[], Any]
+) -> None:
+    """Entry point of a rank on another node than the server's (started by ``node.agent``):
+    connect to the server's cluster port, say which rank of which group this is, then serve
+    over that connection as a local rank does over its pipe."""
+    conn = Client(address, family="AF_INET", authkey=authkey)
+    send(conn, "rank", generation, rank, os.getpid())
+    serve(conn, factory)
 
 
 def serve(conn: Connection, factory: Callable[[], Any]) -> None:

@@ -86,7 +86,7 @@ def plan_module(backend: str) -> ModuleType:
 
 def backend_options(config: ServerConfig) -> PlanOptions:
     """The server's ``--backend-option``s, checked against its plan and devices."""
-    return plan_options(config.backend, config.backend_options, config.training_devices(), config.worker_timeout_s)
+    return plan_options(config.backend, config.backend_options, config.rank_devices(), config.worker_timeout_s)
 
 
 def plan_options(backend: str, values: dict[str, str], devices: list[str], worker_timeout_s: float) -> PlanOptions:

@@ -13,7 +13,7 @@ from fastapi import Request
 from transformers import AutoTokenizer
 
 from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles
-from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.config import ServerConfig, read_cluster_key
 from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
@@ -32,6 +32,7 @@ from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.serving.training import TrainingService
 from hosted_tinker.server.store import Store
 from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
+from hosted_tinker.server.workers.cluster import Cluster
 from hosted_tinker.server.workers.launch import rank_factories
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def build_state(config: ServerConfig) -> ServerState:
     failed, lost = store.recover_after_restart()
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
-    backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s)  # loads meanwhile
+    backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s, _cluster(config))
     scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
@@ -132,6 +133,23 @@ def build_state(config: ServerConfig) -> ServerState:
         vllm=vllm,
         openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,
     )
+
+
+def _cluster(config: ServerConfig) -> Cluster | None:
+    """Node 0's cluster port, where the other nodes' agents connect (``--nnodes`` > 1)."""
+    if config.nnodes == 1:
+        return None
+    try:
+        key = read_cluster_key(config.cluster_key_file)
+        cluster = Cluster(config.nnodes, len(config.training_devices()), (config.master_addr, config.master_port), key)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"--nnodes {config.nnodes}: {e}") from None
+    log.info(
+        "node 0 of %d: the other nodes connect to %s:%d (`hosted-tinker node --node-rank K ...`)",
+        config.nnodes,
+        *cluster.address,
+    )
+    return cluster
 
 
 def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) -> VllmEngine:

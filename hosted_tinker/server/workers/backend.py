@@ -39,6 +39,7 @@ from hosted_tinker.core.types import (
 )
 from hosted_tinker.rank.sampler import EmbeddedSampler
 from hosted_tinker.rank.trainer import Trainer
+from hosted_tinker.server.workers.cluster import Cluster
 from hosted_tinker.server.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -69,14 +70,21 @@ class Recovery(Protocol):
 class ProcessBackend:
     """Implements ``TrainingBackend`` by calling the real backend in worker processes.
 
-    ``ranks`` returns one factory per rank, afresh for every (re)start of the group. Called
-    from the scheduler's single dispatch thread only, like any backend.
+    ``ranks`` returns one factory per rank, afresh for every (re)start of the group; with a
+    ``cluster``, the ranks past this node's run on the other nodes. Called from the scheduler's
+    single dispatch thread only, like any backend.
     """
 
-    def __init__(self, ranks: Callable[[], list[Factory]], call_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        ranks: Callable[[], list[Factory]],
+        call_timeout_s: float | None = None,
+        cluster: Cluster | None = None,
+    ) -> None:
         self._ranks = ranks
         self._call_timeout_s = call_timeout_s  # see WorkerProcess
-        self._group = WorkerGroup(ranks(), call_timeout_s)  # loads now; ``capabilities`` waits for it
+        self._cluster = cluster
+        self._group = self._new_group()  # loads now; ``capabilities`` waits for it
         self._capabilities: Capabilities | None = None
         self._ready = threading.Lock()
         self._restoring = False
@@ -96,16 +104,24 @@ class ProcessBackend:
 
     def status(self) -> dict:
         """For /healthz."""
-        return {
+        status = {
             "pid": self._group.pids[0],
-            "pids": self._group.pids,
+            "pids": self._group.pids,  # each on its own node's machine
             "alive": self._group.alive,
             "restarts": self.restarts,
             "last_death": self.last_death,
         }
+        if self._cluster is not None:
+            status["nodes"] = self._cluster.status()
+        return status
 
     def close(self) -> None:
         self._group.stop()
+        if self._cluster is not None:
+            self._cluster.close()
+
+    def _new_group(self) -> WorkerGroup:
+        return WorkerGroup(self._ranks(), self._call_timeout_s, self._cluster)
 
     # ---- calls, and what happens when a worker dies -------------------------------------------
 
@@ -161,7 +177,7 @@ class ProcessBackend:
         for _ in range(RESTORE_ATTEMPTS):
             self._group.kill()
             try:
-                self._group = WorkerGroup(self._ranks(), self._call_timeout_s)
+                self._group = self._new_group()
                 self._group.wait_ready(START_TIMEOUT_S)
             except BaseException:
                 self._adapters = todo  # still owed: the next replacement restores them

@@ -16,19 +16,32 @@ from typing import Any
 
 from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError
 from hosted_tinker.core.types import Capabilities
-from hosted_tinker.server.workers.process import POLL_S, WorkerProcess, outcome, said
+from hosted_tinker.server.workers.cluster import Cluster
+from hosted_tinker.server.workers.process import POLL_S, Worker, WorkerProcess, outcome, said
 
 PEER_GRACE_S = 5.0  # after a rank's collective failed, how long the others get to answer
 
 
 class WorkerGroup:
-    def __init__(self, factories: Sequence[Callable[[], Any]], call_timeout_s: float | None = None) -> None:
+    """``factories``: one per rank. Without a ``cluster`` every rank runs here; with one, this
+    node runs the first ``cluster.ranks_per_node`` and the other nodes' agents the rest."""
+
+    def __init__(
+        self,
+        factories: Sequence[Callable[[], Any]],
+        call_timeout_s: float | None = None,
+        cluster: Cluster | None = None,
+    ) -> None:
         self.call_timeout_s = call_timeout_s
         single = len(factories) == 1
-        self.workers = [
+        here = len(factories) if cluster is None else cluster.ranks_per_node
+        self.workers: list[Worker] = [
             WorkerProcess(factory, call_timeout_s, "the training worker" if single else f"training rank {rank}")
-            for rank, factory in enumerate(factories)
+            for rank, factory in enumerate(factories[:here])
         ]
+        if cluster is not None:
+            elsewhere = {rank: factory for rank, factory in enumerate(factories) if rank >= here}
+            self.workers += cluster.start(elsewhere, call_timeout_s)
 
     @property
     def size(self) -> int:
@@ -122,8 +135,11 @@ class WorkerGroup:
         replies: dict[int, tuple] = {}
         broken: int | None = None
         while len(replies) < self.size:
-            waiting = {w.conn: rank for rank, w in enumerate(self.workers) if rank not in replies}
-            for conn in wait([*waiting, *(w.process.sentinel for w in self.workers)], timeout=POLL_S):
+            # A remote rank that has not connected yet has no connection to wait on: it is
+            # looked at again after POLL_S.
+            waiting = {w.conn: rank for rank, w in enumerate(self.workers) if rank not in replies and w.conn}
+            sentinels = [s for w in self.workers for s in w.sentinels]
+            for conn in wait([*waiting, *sentinels], timeout=POLL_S):
                 if conn in waiting:
                     rank = waiting[conn]
                     try:
@@ -147,7 +163,7 @@ class WorkerGroup:
                 self.kill()
                 if broken is None:
                     late = silent[0]
-                    raise WorkerDied(f"training rank {late} (pid {self.workers[late].pid}) {overdue} and was killed")
+                    raise WorkerDied(f"{self.workers[late].named} {overdue} and was killed")
                 raise WorkerDied(f"{self._said_by(broken, replies)}; {self._named(silent)} had not answered")
         if broken is not None:  # every rank answered, yet one's collective failed
             self.kill()
@@ -155,7 +171,7 @@ class WorkerGroup:
         return replies
 
     def _said_by(self, rank: int, replies: dict[int, tuple]) -> str:
-        return f"training rank {rank} (pid {self.workers[rank].pid}): {replies[rank][1]}"
+        return f"{self.workers[rank].named}: {replies[rank][1]}"
 
     def _named(self, ranks: list[int]) -> str:
-        return ", ".join(f"rank {rank} (pid {self.workers[rank].pid})" for rank in ranks)
+        return ", ".join(self.workers[rank].named.removeprefix("training ") for rank in ranks)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import functools
-import socket
 from collections.abc import Callable
 
 from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.inference.vllm_process import free_port
 from hosted_tinker.rank.plans import backend_options
 from hosted_tinker.rank.serve import RankSpec, build_rank
 from hosted_tinker.server.workers.backend import Factory
@@ -16,10 +16,13 @@ def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[F
     """Called at each (re)start of the group: one picklable factory per rank, joined by a fresh
     rendezvous (a restarted group must not meet the dead one's port)."""
     options = backend_options(config)  # ValueError at start-up, naming what the plan accepts
-    devices = tuple(config.training_devices())
+    devices = tuple(config.rank_devices())
+    # torch.distributed's rendezvous is hosted by rank 0, here on node 0; the other nodes reach it
+    # where they reach the cluster port.
+    host = config.master_addr if config.nnodes > 1 else "127.0.0.1"
 
     def group() -> list[Factory]:
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = f"tcp://{host}:{free_port(host)}"
         return [
             functools.partial(
                 build_rank,
@@ -39,9 +42,3 @@ def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[F
         ]
 
     return group
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

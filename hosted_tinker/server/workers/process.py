@@ -1,16 +1,16 @@
-"""One worker process and the pipe to it, seen from the server: start, call, notice death, stop."""
+"""One rank seen from the server, and the worker process that runs it on this machine: start,
+call, notice death, stop."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
-import signal
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError
+from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError, how_it_ended
 from hosted_tinker.core.messages import Callback, Listener, recv, send
 from hosted_tinker.core.types import Capabilities
 from hosted_tinker.rank import serve as child
@@ -20,35 +20,49 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2  # how often a waiting call checks that the worker is still alive
 
 
-class WorkerProcess:
-    """A spawned child running ``child.serve``; calls are synchronous, one at a time."""
+class Worker:
+    """One rank seen from the server, over a connection that carries ``core.messages``: a pipe
+    to a child process on this machine (``WorkerProcess``), or a socket from a rank on another
+    node (``server.workers.cluster.RemoteWorker``). Calls are synchronous, one at a time; a
+    subclass says whether its rank is alive, how it died, and how to end it."""
 
-    def __init__(
-        self,
-        factory: Callable[[], Any],  # builds what the worker serves (``rank.serve.build_rank``)
-        call_timeout_s: float | None = None,
-        label: str = "the training worker",
-    ) -> None:
-        # A call that shows no sign of life (an answer, a callback, a notification) for this
-        # long has hung (a deadlocked collective, a wedged GPU): the worker is killed.
-        self.call_timeout_s = call_timeout_s
-        self.label = label  # how messages name it
-        # spawn, not fork: the server has threads and an event loop, and CUDA cannot be forked.
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_end = context.Pipe()
-        self.process = context.Process(target=child.serve, args=(child_end, factory), name="backend-worker")
-        self.process.start()
-        child_end.close()  # ours closed, the pipe reports EOF as soon as the child is gone
-        self.pid: int = self.process.pid
+    label: str  # how messages name it: "training rank 2", "training rank 2 on node 1"
+    pid: int | None  # the rank's process id on its own machine, once known
+    # A call that shows no sign of life (an answer, a callback, a notification) for this long
+    # has hung (a deadlocked collective, a wedged GPU): the rank is killed.
+    call_timeout_s: float | None
+    _conn: Connection | None
 
     @property
-    def conn(self) -> Connection:
-        """Our end of the pipe, for ``multiprocessing.connection.wait`` over several workers."""
+    def conn(self) -> Connection | None:
+        """Our end of the connection, for ``multiprocessing.connection.wait`` over several
+        ranks (None while a remote rank has not connected yet)."""
         return self._conn
 
     @property
+    def sentinels(self) -> list[Any]:
+        """What else ``wait`` may watch for the rank's end."""
+        return []
+
+    @property
+    def named(self) -> str:
+        return f"{self.label} (pid {self.pid})"
+
+    @property
     def alive(self) -> bool:
-        return self.process.is_alive()
+        raise NotImplementedError
+
+    def how_it_died(self) -> str:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """End the rank now, whatever it is doing (after one died, the others may be stuck in a
+        collective)."""
+        raise NotImplementedError
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the rank to exit; kill it if it does not."""
+        raise NotImplementedError
 
     def wait_ready(self, timeout_s: float) -> Capabilities:
         """Block until the backend is built (loading a model takes a while); its capabilities."""
@@ -65,7 +79,7 @@ class WorkerProcess:
     def read(self) -> tuple:
         """The next message, which ``conn`` says is there."""
         try:
-            return recv(self._conn)
+            return recv(self._require_conn())
         except (EOFError, OSError):
             raise WorkerDied(self.how_it_died()) from None
 
@@ -106,8 +120,58 @@ class WorkerProcess:
             else:
                 return outcome(kind, rest[0])
 
+    def _require_conn(self) -> Connection:
+        if self._conn is None:
+            raise WorkerDied(f"{self.named} is not connected")
+        return self._conn
+
+    def _send(self, *message: Any) -> None:
+        try:
+            send(self._require_conn(), *message)
+        except OSError:
+            raise WorkerDied(self.how_it_died()) from None
+
+    def _recv(self, deadline: float | None, overdue: str) -> tuple:
+        """The rank's next message; past ``deadline`` the rank is killed: it ``overdue``."""
+        while self._conn is None or not self._conn.poll(POLL_S):
+            if not self.alive:
+                raise WorkerDied(self.how_it_died())
+            if deadline is not None and time.monotonic() > deadline:
+                self.kill()
+                raise WorkerDied(f"{self.named} {overdue} and was killed")
+            if self._conn is None:
+                time.sleep(POLL_S)
+        return self.read()
+
+
+class WorkerProcess(Worker):
+    """A spawned child on this machine running ``child.serve``."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],  # builds what the worker serves (``rank.serve.build_rank``)
+        call_timeout_s: float | None = None,
+        label: str = "the training worker",
+    ) -> None:
+        self.call_timeout_s = call_timeout_s
+        self.label = label
+        # spawn, not fork: the server has threads and an event loop, and CUDA cannot be forked.
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_end = context.Pipe()
+        self.process = context.Process(target=child.serve, args=(child_end, factory), name="backend-worker")
+        self.process.start()
+        child_end.close()  # ours closed, the pipe reports EOF as soon as the child is gone
+        self.pid = self.process.pid
+
+    @property
+    def sentinels(self) -> list[Any]:
+        return [self.process.sentinel]
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask the worker to exit; kill it if it does not."""
         if self.alive:
             try:
                 self._send("stop")
@@ -120,7 +184,6 @@ class WorkerProcess:
         self._conn.close()
 
     def kill(self) -> None:
-        """End the worker now, whatever it is doing."""
         if self.alive:
             self.process.kill()
         self.process.join(10)
@@ -128,35 +191,7 @@ class WorkerProcess:
 
     def how_it_died(self) -> str:
         self.process.join(5)
-        code = self.process.exitcode
-        who = f"{self.label} (pid {self.pid})"
-        if code is None:
-            return f"{who} stopped answering"
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:  # a real-time signal has no name
-                name = f"signal {-code}"
-            hint = " (the kernel's out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
-            return f"{who} was killed by {name}{hint}"
-        return f"{who} exited with code {code}"
-
-    def _send(self, *message: Any) -> None:
-        try:
-            send(self._conn, *message)
-        except OSError:
-            raise WorkerDied(self.how_it_died()) from None
-
-    def _recv(self, deadline: float | None, overdue: str) -> tuple:
-        """The worker's next message; past ``deadline`` the worker is killed: it ``overdue``."""
-        while not self._conn.poll(POLL_S):
-            if not self.alive:
-                raise WorkerDied(self.how_it_died())
-            if deadline is not None and time.monotonic() > deadline:
-                self.process.kill()
-                self.process.join(5)
-                raise WorkerDied(f"{self.label} (pid {self.pid}) {overdue} and was killed")
-        return self.read()
+        return f"{self.named} {how_it_ended(self.process.exitcode)}"
 
 
 def said(method: str) -> str:
