@@ -37,6 +37,7 @@ BACKENDS = {
             "collective_timeout_s": 1800.0,
             "tp": 2,
             "sequence_parallel": False,
+            "layers": "auto",
             "embedded_sampler": True,
         },
     ),
@@ -88,6 +89,8 @@ def test_devices_and_options_are_checked_at_start_up(tmp_path):
     assert "tp=2 does not divide the 3 ranks" in said
     said = serve_fails(tmp_path, *megatron, "cpu:2", "--backend-option", "sequence_parallel=true")
     assert "sequence_parallel=true needs tp > 1" in said
+    said = serve_fails(tmp_path, *megatron, "cpu:2", "--backend-option", "tp=2", "--backend-option", "layers=te")
+    assert "layers=te needs GPU ranks" in said
 
 
 def test_tp_must_divide_the_model(tmp_path, tiny_model_dir):

@@ -6,6 +6,7 @@ the sampler weights megatron exports load into PEFT itself."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -183,3 +184,60 @@ def test_an_untied_llama_at_tp_2(tmp_path: Path, tiny_model_dir: Path):
             )
     finally:
         megatron.close()
+
+
+def test_a_bfloat16_base_trains_float32_lora(tiny_model_dir: Path):
+    """``--dtype bfloat16``: the base model in bf16, the LoRA weights, their AdamW moments and
+    the reduced gradients in fp32; the first step is peft's bf16 one up to bf16's rounding."""
+    config = ServerConfig(
+        model=str(tiny_model_dir),
+        backend="megatron",
+        train_devices="cpu:2",
+        backend_options={"tp": "2"},
+        dtype="bfloat16",
+    )
+    backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+    peft = local_rank(str(tiny_model_dir), dtype="bfloat16").trainer
+    try:
+        got, want = [], []
+        for trainer, out in ((backend, got), (peft, want)):
+            trainer.create_adapter("bf16", LORA)
+            out += steps(trainer, "bf16", seed=2, n=1)
+        (lp_g, loss_g, norm_g), (lp_w, loss_w, norm_w) = got[0], want[0]
+        assert loss_g == pytest.approx(loss_w, rel=2e-3)
+        assert norm_g == pytest.approx(norm_w, rel=2e-3)
+        for g, w in zip(lp_g, lp_w, strict=True):
+            assert g.dtype == np.float32
+            np.testing.assert_allclose(g, w, atol=5e-2)
+        state = backend.export_state("bf16")
+        assert {t.dtype for t in [*state.weights.values(), *state.optimizer.values()]} == {torch.float32}
+    finally:
+        backend.close()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
+    reason="transformer-engine layers run on CUDA only (the CPU runs the local spec, checked above)",
+)
+def test_transformer_engine_layers_train_as_the_local_ones(tiny_model_dir: Path):
+    """The seam behind ``layers``: the same steps on TE's layers and on megatron-core's PyTorch
+    ones (the CPU twin every other test here runs) agree, LoRA hooks included."""
+    results = {}
+    for layers in ("te", "local"):
+        config = ServerConfig(
+            model=str(tiny_model_dir),
+            backend="megatron",
+            train_devices="cuda:0",
+            backend_options={"layers": layers},
+        )
+        backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+        try:
+            backend.create_adapter("m", LORA)
+            results[layers] = steps(backend, "m", seed=3, n=3)
+        finally:
+            backend.close()
+    for (lp_te, loss_te, norm_te), (lp, loss, norm) in zip(results["te"], results["local"], strict=True):
+        for a, b in zip(lp_te, lp, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)  # TE's kernels sum in another order
+        assert loss_te == pytest.approx(loss, rel=1e-3)
+        assert norm_te == pytest.approx(norm, rel=1e-3)

@@ -206,18 +206,41 @@ class FrozenNorm:
 
         unsplit = copy.copy(config)
         unsplit.sequence_parallel = False
-        return WrappedTorchNorm(unsplit, hidden_size, eps, **kwargs)
+        # In the model's dtype, as its other weights: torch's norm in float32 on bfloat16 input
+        # falls back from its fused kernel.
+        return WrappedTorchNorm(unsplit, hidden_size, eps, **kwargs).to(config.params_dtype)
 
 
-def block_spec(shape: HfShape, layers: int):
-    """The local (PyTorch) layer spec of ``shape``'s decoder, every norm a ``FrozenNorm``."""
+def block_spec(shape: HfShape, layers: int, te: bool = False):
+    """``shape``'s decoder as megatron-core layer specs: its PyTorch layers (the local spec, every
+    norm a ``FrozenNorm``), or with ``te`` transformer-engine's linear layers, attention and norms.
+
+    Not megatron's own TE spec: that fuses each norm into the linear layer after it
+    (``TELayerNormColumnParallelLinear``), whose input is then the un-normalised activation, while
+    the LoRA branch beside ``linear_qkv`` and ``linear_fc1`` must see what the base weight sees
+    (PEFT wraps ``q_proj``, whose input is normalised). Here norm and linear stay two modules, so
+    the LoRA hooks (``lora``) see the same input on either spec, and the weights load under the
+    same names. Both specs are the same module tree; only the classes at its leaves differ."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     layer = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
-    layer.submodules.input_layernorm = FrozenNorm
-    layer.submodules.pre_mlp_layernorm = FrozenNorm
     attention = layer.submodules.self_attention.submodules
+    mlp = layer.submodules.mlp.submodules
+    norm: Any = FrozenNorm
+    if te:  # CUDA only: importing it needs transformer_engine
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TEDotProductAttention,
+            TENorm,
+            TERowParallelLinear,
+        )
+
+        norm = TENorm  # frozen too; under sequence parallelism it only marks its weight, which has no gradient
+        attention.linear_qkv = mlp.linear_fc1 = TEColumnParallelLinear
+        attention.linear_proj = mlp.linear_fc2 = TERowParallelLinear
+        attention.core_attention = TEDotProductAttention
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
     if shape.qk_norm:
-        attention.q_layernorm = attention.k_layernorm = FrozenNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=FrozenNorm)
+        attention.q_layernorm = attention.k_layernorm = norm
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)

@@ -32,10 +32,12 @@ class McoreLoraModel:
         lora_alpha: float,
         sampler_base: bool = False,
         sequence_parallel: bool = False,
+        te: bool = False,
     ) -> None:
         """``sampler_base``: also load the whole HF base model, for an embedded sampler on this
         rank (``rank.sampler``; it gets adapter tensors gathered whole, in PEFT's keys).
-        ``sequence_parallel``: activations between the parallel layers split by sequence."""
+        ``sequence_parallel``: activations between the parallel layers split by sequence.
+        ``te``: transformer-engine layers (CUDA only) rather than megatron-core's PyTorch ones."""
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt import GPTModel
 
@@ -51,7 +53,7 @@ class McoreLoraModel:
         tensor_parallel.model_parallel_cuda_manual_seed(0)  # megatron's RNG tracker; no dropout draws from it
         self.gpt = GPTModel(
             transformer_config(shape, tp, getattr(torch, dtype), sequence_parallel),
-            block_spec(shape, shape.layers),
+            block_spec(shape, shape.layers, te),
             vocab_size=shape.vocab,
             max_sequence_length=shape.max_positions,
             share_embeddings_and_output_weights=shape.tied,

@@ -18,6 +18,7 @@ megatron-core is an optional extra (``pip install hosted-tinker[megatron]``), im
 from __future__ import annotations
 
 import importlib.util
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,11 @@ class Options(ddp.Options):
     sequence_parallel: bool = Field(
         False, description="split the activations between the parallel layers by sequence (needs tp > 1)"
     )
+    layers: Literal["auto", "te", "local"] = Field(
+        "auto",
+        description="transformer-engine layers (te, CUDA only) or megatron-core's PyTorch ones (local); "
+        "auto: te when transformer_engine is installed and the ranks are on GPUs",
+    )
     embedded_sampler: bool = Field(
         True,
         description="rank 0 also loads the whole HF base model for the embedded sampler (off: sample with "
@@ -53,6 +59,21 @@ class Options(ddp.Options):
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             # Found, not imported: the server process never loads megatron-core, only its ranks.
             raise ValueError("the megatron backend needs megatron-core: pip install 'hosted-tinker[megatron]'")
+        if self.layers == "te":
+            if not all(d.startswith("cuda") for d in devices):
+                raise ValueError("--backend-option layers=te needs GPU ranks (transformer-engine runs on CUDA only)")
+            if not has_transformer_engine():
+                raise ValueError("--backend-option layers=te needs transformer-engine: pip install transformer-engine")
+
+    def uses_te(self, device: str) -> bool:
+        """Whether a rank on ``device`` builds transformer-engine layers."""
+        if self.layers == "auto":
+            return device.startswith("cuda") and has_transformer_engine()
+        return self.layers == "te"
+
+
+def has_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 class Plan(ddp.Plan):
@@ -66,6 +87,7 @@ class Plan(ddp.Plan):
         self.tp = options.tp
         self.embedded_sampler = options.embedded_sampler and rank == 0
         self.sequence_parallel = options.sequence_parallel
+        self.te = options.uses_te(self.device)
         self.tp_rank = rank % self.tp
         self.replicas = self.world_size // self.tp
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
@@ -84,6 +106,7 @@ class Plan(ddp.Plan):
             lora_alpha=lora_alpha,
             sampler_base=self.embedded_sampler,
             sequence_parallel=self.sequence_parallel,
+            te=self.te,
         )
 
     def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
