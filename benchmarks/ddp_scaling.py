@@ -66,9 +66,11 @@ def devices_for(device: str, ranks: int) -> str:
 
 
 def worker_backend(
-    model: str, backend: str, train_devices: str, options: dict[str, str] | None = None
+    model: str, backend: str, train_devices: str, options: dict[str, str] | None = None, dtype: str = "float32"
 ) -> ProcessBackend:
-    config = ServerConfig(model=model, backend=backend, train_devices=train_devices, backend_options=options or {})
+    config = ServerConfig(
+        model=model, backend=backend, train_devices=train_devices, backend_options=options or {}, dtype=dtype
+    )
     return ProcessBackend(rank_factories(config, model))
 
 

@@ -8,6 +8,10 @@ tp=N, in one run, alternating rounds:
 
     python benchmarks/megatron_tp.py [--tp 2 --batch 8 --seq-len 256 --model DIR]
     python benchmarks/megatron_tp.py --device cuda --tp 2 --model DIR --peak-tflops 989
+    # issue #16's GPU figure: Qwen3-8B's shape with random weights, 4K-token sequences, one
+    # path at a time (two 8B copies and their activations do not share one 80 GB GPU)
+    python benchmarks/megatron_tp.py --device cuda --shape qwen3-8b --dtype bfloat16 --tp 1 \
+        --batch 2 --seq-len 4096 --one-at-a-time --peak-tflops 989
 
 Every path trains the same adapter (LoRA draws the same initial weights everywhere) on the same
 batch, so their losses must agree (checked to a relative 1e-4). It prints the model FLOPs of a
@@ -37,6 +41,51 @@ from hosted_tinker.core.types import AdamParams, LoraSpec, TrainingBackend  # no
 from hosted_tinker.server.workers.backend import ProcessBackend  # noqa: E402
 
 LORA = LoraSpec(rank=32, seed=0)
+# Model shapes to benchmark with random weights (``--shape``), as their HF configs give them.
+SHAPES = {
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+MODEL_CACHE = Path.home() / ".cache" / "hosted-tinker" / "bench-models"
+
+
+def random_model(shape: str, dtype: str, root: Path = MODEL_CACHE) -> str:
+    """A model folder of ``SHAPES[shape]`` with random weights in ``dtype`` (and the tiny
+    tokenizer: the benchmark feeds token ids), written once and reused."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hosted_tinker.core.tiny_model import build_tokenizer
+
+    out = root / f"{shape}-random-{dtype}"
+    if (out / "config.json").exists():
+        return str(out)
+    config = Qwen3Config(**SHAPES[shape], dtype=dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp)
+    build_tokenizer().save_pretrained(tmp)
+    tmp.rename(out)
+    return str(out)
 
 
 def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str, float]:
@@ -70,9 +119,18 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, to print MFU")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the base model's")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random weights of this shape")
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="start, measure and stop one path after the other (for models of which the device holds one copy)",
+    )
     add_common_args(parser)
     args = parser.parse_args()
 
+    if args.shape is not None:
+        args.model = random_model(args.shape, args.dtype)
     _, model, vocab = setup(args.model)
     batch = make_batch(args.batch, args.seq_len, vocab)
     tokens = sum(d.num_tokens for d in batch.data)
@@ -81,26 +139,21 @@ def main() -> None:
     adam = AdamParams(learning_rate=args.lr)
     one = "cuda:0" if args.device.startswith("cuda") else "cpu"
     tp_n = f"tp{args.tp}"
-    makers: dict[str, Callable[[], TrainingBackend]] = {
-        "peft": lambda: worker_backend(model, "peft", one),
-        "tp1": lambda: worker_backend(model, "megatron", one, {"tp": "1", "embedded_sampler": "false"}),
+    no_sampler = {"embedded_sampler": "false"}  # not measured; it would hold a second copy of the base
+    makers: dict[str, Callable[[], TrainingBackend]] = {  # with --tp 1, tpN is tp1
+        "peft": lambda: worker_backend(model, "peft", one, dtype=args.dtype),
+        "tp1": lambda: worker_backend(model, "megatron", one, {"tp": "1", **no_sampler}, args.dtype),
         tp_n: lambda: worker_backend(
-            model, "megatron", devices_for(args.device, args.tp), {"tp": str(args.tp), "embedded_sampler": "false"}
+            model, "megatron", devices_for(args.device, args.tp), {"tp": str(args.tp), **no_sampler}, args.dtype
         ),
     }
-    paths: dict[str, TrainingBackend] = {}
-    try:
+    if args.one_at_a_time:
+        timings = {}
         for name, make in makers.items():
-            paths[name] = make()
-            paths[name].create_adapter("bench", LORA)
-        for backend in paths.values():  # first steps allocate; not measured
-            for _ in range(args.warmup):
-                step(backend, batch, AdamParams(learning_rate=0.0))
-        timings = run_rounds(paths, batch, adam, args.rounds, args.steps)
-    finally:
-        for backend in paths.values():
-            if isinstance(backend, ProcessBackend):
-                backend.close()
+            timings |= measure({name: make}, batch, adam, args)
+    else:
+        timings = measure(makers, batch, adam, args)
+    paths = list(timings)
 
     median_s = {name: statistics.median(t["seconds"]) for name, t in timings.items()}
     losses = np.array([timings[name]["loss"] for name in paths])
@@ -127,13 +180,16 @@ def main() -> None:
         },
         "tokens_per_s": {name: tokens / s for name, s in median_s.items()},
         "ratio_tp1_over_peft_step_time": median_s["tp1"] / median_s["peft"],
-        f"speedup_{tp_n}_over_tp1": median_s["tp1"] / median_s[tp_n],
+        "one_path_at_a_time": args.one_at_a_time,
+        "dtype": args.dtype,
         "losses_equal_on_every_path_rtol_1e-4": same_math,
     }
     rows = [(f"{name}: step", f"{1000 * s:8.1f} ms   {tokens / s:8.0f} tok/s") for name, s in median_s.items()]
+    rows += [("tp1 / peft step time", f"{results['ratio_tp1_over_peft_step_time']:8.3f}")]
+    if args.tp > 1:
+        results[f"speedup_{tp_n}_over_tp1"] = median_s["tp1"] / median_s[tp_n]
+        rows += [(f"{tp_n} speed-up over tp1", f"{results[f'speedup_{tp_n}_over_tp1']:8.3f}")]
     rows += [
-        ("tp1 / peft step time", f"{results['ratio_tp1_over_peft_step_time']:8.3f}"),
-        (f"{tp_n} speed-up over tp1", f"{results[f'speedup_{tp_n}_over_tp1']:8.3f}"),
         ("model FLOPs / token (6P + attn)", f"{flops['model_flops_6p']:10.3e}"),
         ("LoRA step FLOPs / token (4P + 6P_lora + attn)", f"{flops['lora_step_flops']:10.3e}"),
         ("model FLOPs / step (6P + attn)", f"{step_flops['model_flops_6p']:10.3e}"),
@@ -149,6 +205,25 @@ def main() -> None:
         rows,
     )
     write_results(results, args.out, args.device)
+
+
+def measure(
+    makers: dict[str, Callable[[], TrainingBackend]], batch, adam: AdamParams, args: argparse.Namespace
+) -> dict[str, dict[str, list[float]]]:
+    """Start the paths, warm them up (first steps allocate), time them in alternating rounds, stop them."""
+    paths: dict[str, TrainingBackend] = {}
+    try:
+        for name, make in makers.items():
+            paths[name] = make()
+            paths[name].create_adapter("bench", LORA)
+        for backend in paths.values():
+            for _ in range(args.warmup):
+                step(backend, batch, AdamParams(learning_rate=0.0))
+        return run_rounds(paths, batch, adam, args.rounds, args.steps)
+    finally:
+        for backend in paths.values():
+            if isinstance(backend, ProcessBackend):
+                backend.close()
 
 
 if __name__ == "__main__":
