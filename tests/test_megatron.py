@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hosted_tinker.core.checkpoints import TinkerPath, peft_adapter_files, state_from_files, state_to_files
 from hosted_tinker.core.config import ServerConfig
@@ -145,24 +146,36 @@ def test_top_k_targets(megatron: ProcessBackend, peft: Trainer):
         backend.delete_adapter("topk")
 
 
-def test_an_untied_llama_at_tp_2(tmp_path: Path, tiny_model_dir: Path):
-    """A Llama with its own output layer (vocab-parallel, LoRA on lm_head) and no q/k norms."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def other_architecture(arch: str):
+    """An untied Llama (its own vocab-parallel output layer, LoRA on lm_head, no q/k norms), or
+    a Qwen2 (q/k/v biases, sharded with their rows)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-        rope_theta=5e5,
-    )
+    shape = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rope_theta": 5e5,
+    }
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    with torch.no_grad():
+        for module in model.modules():  # HF starts biases at zero, which would check nothing
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_other_architectures_at_tp_2(arch: str, tmp_path: Path, tiny_model_dir: Path):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(tmp_path)
+        other_architecture(arch).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the embedded sampler's, for stop strings
         shutil.copy(tiny_model_dir / name, tmp_path / name)
     layout = ServerConfig(model=str(tmp_path), backend="megatron", train_devices="cpu:2", backend_options={"tp": "2"})
@@ -171,16 +184,18 @@ def test_an_untied_llama_at_tp_2(tmp_path: Path, tiny_model_dir: Path):
     try:
         lora = LoraSpec(rank=4, seed=2, train_unembed=True)
         for backend in (megatron, peft):
-            backend.create_adapter("llama", lora)
-        assert any("lm_head" in key for key in megatron.export_state("llama").weights)
+            backend.create_adapter(arch, lora)
+        assert any("lm_head" in key for key in megatron.export_state(arch).weights)
+        if arch == "qwen2":
+            assert any(k.endswith("q_proj.bias") for k in load_file(tmp_path / "model.safetensors"))
         rng = np.random.default_rng(8)
         for loss_fn in ("cross_entropy", "ppo"):
             batch = random_batch(rng, 3, loss_fn, vocab=256)
-            got, want = megatron.forward_backward("llama", batch), peft.forward_backward("llama", batch)
+            got, want = megatron.forward_backward(arch, batch), peft.forward_backward(arch, batch)
             for g, w in zip(got.logprobs, want.logprobs, strict=True):
                 np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL)
-            assert megatron.optim_step("llama", ADAM)["grad_norm"] == pytest.approx(
-                peft.optim_step("llama", ADAM)["grad_norm"], rel=TOL
+            assert megatron.optim_step(arch, ADAM)["grad_norm"] == pytest.approx(
+                peft.optim_step(arch, ADAM)["grad_norm"], rel=TOL
             )
     finally:
         megatron.close()
