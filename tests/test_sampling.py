@@ -129,6 +129,19 @@ def test_concurrent_samples_and_refusals(trained):
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=-1.0)).result()
 
 
+def test_a_request_over_the_batch_cap_runs_alone_and_the_others_go_on(trained):
+    """num_samples above the engine's rows per run (64) and below the API's cap (128): it used to
+    be left waiting forever, and the engine retried it in a loop that stopped every sampler."""
+    sampler, prompt = trained["sampler"], types.ModelInput.from_ints(trained["prompt"])
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3, stop=[])
+    large = sampler.sample(prompt, 100, params)
+    others = [sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, seed=i, stop=[])) for i in range(4)]
+    assert len(large.result(timeout=120).sequences) == 100
+    assert all(len(f.result(timeout=120).sequences[0].tokens) == 4 for f in others)
+    again = sampler.sample(prompt, 100, params).result(timeout=120)  # the same seed, the same sequences
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in large.result().sequences]
+
+
 def test_training_continues_while_sampling(trained, base_url):
     """Sampling of one model does not stall another model's training for long."""
     sampler, prompt = trained["sampler"], types.ModelInput.from_ints(trained["prompt"])

@@ -92,12 +92,15 @@ class EmbeddedEngine:
 
     # ---- on the worker ----------------------------------------------------------------------
 
-    def _take(self, key: str | None, max_rows: int) -> list[_Pending]:
-        """Oldest-first waiting requests on weights ``key``, up to ``max_rows`` sequences."""
+    def _take(self, key: str | None, max_rows: int, at_least_one: bool = False) -> list[_Pending]:
+        """Oldest-first waiting requests on weights ``key``, up to ``max_rows`` sequences; with
+        ``at_least_one``, the oldest even if it alone has more (it then runs alone: a request
+        validation accepted must be served, and one left waiting would be retried forever)."""
         with self._lock:
             taken, rest, rows = [], [], 0
             for item in self._pending:
-                if item.weights.key == key and rows + item.spec.num_samples <= max_rows:
+                fits = rows + item.spec.num_samples <= max_rows or (at_least_one and not taken)
+                if item.weights.key == key and fits:
                     taken.append(item)
                     rows += item.spec.num_samples
                 else:
@@ -120,8 +123,8 @@ class EmbeddedEngine:
             self.run_on_worker(self._run_batch)
 
     def _sample_group(self, weights: WeightsRef) -> None:
-        items = self._take(weights.key, MAX_BATCH_ROWS)
-        budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)
+        items = self._take(weights.key, MAX_BATCH_ROWS, at_least_one=True)
+        budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)  # below 0 after a large one: none admitted
 
         def admit() -> list[SampleSpec]:
             nonlocal budget
