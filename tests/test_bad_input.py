@@ -736,6 +736,13 @@ CASES: list[Case] = [
         "path",
     ),
     Case(
+        "save_weights name with a trailing newline",
+        post("save_weights", lambda w: {"model_id": w.model_id, "seq_id": w.next_seq(), "path": "good\n"}),
+        400,
+        "path",
+    ),
+    Case("download token that is not a link", rest("GET", lambda w: "files/31/00/x"), 404, "no such download"),
+    Case(
         "save_weights negative ttl",
         post(
             "save_weights", lambda w: {"model_id": w.model_id, "seq_id": w.next_seq(), "path": "t", "ttl_seconds": -5}

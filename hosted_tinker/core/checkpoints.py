@@ -30,9 +30,9 @@ from hosted_tinker.core.types import AdapterState, LoraSpec
 
 KIND_TO_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 MANIFEST = "manifest.json"
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "$" would let a trailing newline in
 # Not starting with '.': a run id is a directory name, and "." or ".." would leave the root.
-_RUN_ID = re.compile(r"^[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]{0,199}$")
+_RUN_ID = re.compile(r"[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]{0,199}")
 FORMAT_VERSION = 1
 
 
@@ -41,7 +41,7 @@ class CheckpointError(UserError):
 
 
 def validate_name(name: str, field: str = "path") -> str:
-    if not _NAME.match(name) or name in (".", ".."):
+    if not _NAME.fullmatch(name) or name in (".", ".."):
         raise CheckpointError(
             f"{field} {name!r} is not a valid checkpoint name: use 1-128 letters, digits, '_', '-' or '.', "
             "not starting with '.' or '-'"
@@ -68,7 +68,7 @@ class TinkerPath:
         run_id, kind, name = parts
         if kind not in KIND_TO_TYPE:
             raise CheckpointError(f"{field} {path!r}: checkpoint kind {kind!r} is not one of {', '.join(KIND_TO_TYPE)}")
-        if not _RUN_ID.match(run_id):
+        if not _RUN_ID.fullmatch(run_id):
             raise CheckpointError(f"{field} {path!r} has an invalid run id {run_id!r}")
         return cls(run_id, kind, validate_name(name, field))
 

@@ -468,7 +468,7 @@ class CheckpointService:
         try:
             payload = bytes.fromhex(token).decode()
             run_id, kind, name, file_name, expires = json.loads(payload)
-        except ValueError:
+        except (ValueError, TypeError):  # not hex, not JSON, not a list of five
             raise not_found("no such download") from None
         if not hmac.compare_digest(self._sign(payload), signature) or time.time() > expires:
             raise ApiError(403, "this download link is invalid or has expired")
