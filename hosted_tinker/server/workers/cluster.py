@@ -102,12 +102,13 @@ class Cluster:
 
     def status(self) -> list[dict[str, Any]]:
         """For /healthz: each other node, and whether its agent is connected."""
+        nodes = []
         with self._changed:
-            return [
-                {"node": n, "host": node.host if node else None, "connected": node is not None and node.lost is None}
-                for n in range(1, self.nnodes)
-                for node in [self._nodes.get(n)]
-            ]
+            for n in range(1, self.nnodes):
+                node = self._nodes.get(n)
+                connected = node is not None and node.lost is None
+                nodes.append({"node": n, "host": node.host if node is not None else None, "connected": connected})
+        return nodes
 
     def close(self) -> None:
         """Stop listening and drop the agents (they end their ranks and wait for a new server)."""
