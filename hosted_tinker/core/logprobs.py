@@ -6,6 +6,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from hosted_tinker.core.types import DatumInput
+
 
 def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
     logits = head(hidden).float()  # (C, V)
@@ -31,3 +33,27 @@ def target_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, chunk_toke
         else:
             parts.append(_chunk_logprobs(head, h, t))
     return torch.cat(parts) if parts else hidden.new_zeros((0, targets.shape[-1]), dtype=torch.float32)
+
+
+def packed_targets(data: list[DatumInput]) -> Tensor:
+    """Every datum's targets one position per row, in datum order: ``(ΣN, K)`` int64, K the
+    widest datum's (1 for next-token targets; narrower rows padded with id 0, never read)."""
+    k = max(d.target_tokens.shape[1] if d.target_tokens.dim() == 2 else 1 for d in data)
+    targets = torch.zeros((sum(d.num_tokens for d in data), k), dtype=torch.long)
+    row = 0
+    for d in data:
+        t = d.target_tokens.reshape(d.num_tokens, -1)
+        targets[row : row + d.num_tokens, : t.shape[1]] = t
+        row += d.num_tokens
+    return targets
+
+
+def unpacked(logprobs: Tensor, data: list[DatumInput]) -> list[Tensor]:
+    """``packed_targets``'s ``(ΣN, K)`` log-probs back per datum: ``(N, K)`` for top-K targets,
+    ``(N,)`` for next-token ones."""
+    out, row = [], 0
+    for d in data:
+        piece = logprobs[row : row + d.num_tokens]
+        out.append(piece if d.target_tokens.dim() == 2 else piece[:, 0])
+        row += d.num_tokens
+    return out

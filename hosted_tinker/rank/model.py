@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from hosted_tinker.core.errors import UserError
-from hosted_tinker.core.logprobs import target_logprobs
+from hosted_tinker.core.logprobs import packed_targets, target_logprobs, unpacked
 from hosted_tinker.core.types import DatumInput, LoraSpec
 
 _ATTN_HINTS = ("attn", "attention")
@@ -226,17 +226,5 @@ class HfLoraModel:
         decoder = getattr(lm, lm.base_model_prefix)
         hidden = decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
         flat_hidden = hidden[mask.to(self.device).bool()]  # (ΣN, H), row-major = datum order
-        k = max(d.target_tokens.shape[1] if d.target_tokens.dim() == 2 else 1 for d in data)
-        targets = torch.zeros((flat_hidden.shape[0], k), dtype=torch.long)
-        row = 0
-        for d in data:
-            t = d.target_tokens.reshape(d.num_tokens, -1)
-            targets[row : row + d.num_tokens, : t.shape[1]] = t
-            row += d.num_tokens
-        lp = target_logprobs(lm.get_output_embeddings(), flat_hidden, targets.to(self.device))
-        out, row = [], 0
-        for d in data:
-            piece = lp[row : row + d.num_tokens]
-            out.append(piece if d.target_tokens.dim() == 2 else piece[:, 0])
-            row += d.num_tokens
-        return out
+        targets = packed_targets(data).to(self.device)
+        return unpacked(target_logprobs(lm.get_output_embeddings(), flat_hidden, targets), data)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from hosted_tinker.core.errors import UserError
+from hosted_tinker.core.logprobs import packed_targets, unpacked
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, block_spec, transformer_config
 from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter
@@ -137,20 +138,8 @@ class McoreLoraModel:
         causal = torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)[None, None]  # True: hidden
         logits = self.gpt(ids.to(self.device), positions.to(self.device), attention_mask=causal.to(self.device))
         flat = logits[real.to(self.device)]  # (ΣN, V/tp), row-major = datum order
-        k = max(d.target_tokens.shape[1] if d.target_tokens.dim() == 2 else 1 for d in data)
-        targets = torch.zeros((flat.shape[0], k), dtype=torch.long)
-        row = 0
-        for d in data:
-            t = d.target_tokens.reshape(d.num_tokens, -1)
-            targets[row : row + d.num_tokens, : t.shape[1]] = t
-            row += d.num_tokens
-        lp = vocab_parallel_logprobs(flat, targets.to(self.device), self.tp_rank * flat.shape[-1])
-        out, row = [], 0
-        for d in data:
-            piece = lp[row : row + d.num_tokens]
-            out.append(piece if d.target_tokens.dim() == 2 else piece[:, 0])
-            row += d.num_tokens
-        return out
+        targets = packed_targets(data).to(self.device)
+        return unpacked(vocab_parallel_logprobs(flat, targets, self.tp_rank * flat.shape[-1]), data)
 
 
 def _in_peft_order(projections: dict[str, list]) -> list:
