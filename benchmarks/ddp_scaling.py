@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,6 +99,41 @@ def run_rounds(
     return out
 
 
+def measure(
+    makers: dict[str, Callable[[], TrainingBackend]], batch: ForwardBackwardBatch, adam: AdamParams, args: Any
+) -> dict[str, dict[str, list[float]]]:
+    """Start the paths and create the adapter on each, warm them up (``args.warmup`` steps at
+    learning rate 0: first steps allocate), time ``args.rounds`` x ``args.steps`` in alternating
+    rounds (``run_rounds``), and stop the worker processes."""
+    paths: dict[str, TrainingBackend] = {}
+    try:
+        for name, make in makers.items():
+            paths[name] = make()
+            paths[name].create_adapter("bench", LORA)
+        for backend in paths.values():
+            for _ in range(args.warmup):
+                step(backend, batch, AdamParams(learning_rate=0.0))
+        return run_rounds(paths, batch, adam, args.rounds, args.steps)
+    finally:
+        for backend in paths.values():
+            if isinstance(backend, ProcessBackend):
+                backend.close()
+
+
+def workload(args: Any, tokens: int, model: str) -> dict[str, Any]:
+    """The ``workload`` fields both training benchmarks write (each adds its layout)."""
+    return {
+        "batch": args.batch,
+        "tokens_per_step": tokens,
+        "seq_len": f"{args.seq_len // 2}..{args.seq_len}",
+        "steps_measured": args.steps * args.rounds,
+        "rounds": args.rounds,
+        "lora_rank": LORA.rank,
+        "model": model_label(args.model),
+        "model_shape": model_shape(model),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2, help="N of the ddpN path")
@@ -134,36 +170,15 @@ def main() -> None:
     }
     for skipped in args.skip:
         del makers[ddp_n if skipped == "ddpN" else skipped]
-    paths: dict[str, TrainingBackend] = {}
-    try:
-        for name, make in makers.items():
-            paths[name] = make()
-            paths[name].create_adapter("bench", LORA)
-        for backend in paths.values():  # first steps allocate; not measured
-            for _ in range(args.warmup):
-                step(backend, batch, AdamParams(learning_rate=0.0))
-        timings = run_rounds(paths, batch, adam, args.rounds, args.steps)
-    finally:
-        for backend in paths.values():
-            if isinstance(backend, ProcessBackend):
-                backend.close()
+    timings = measure(makers, batch, adam, args)
+    paths = list(timings)
 
     median_s = {name: statistics.median(t["seconds"]) for name, t in timings.items()}
     losses = np.array([timings[name]["loss"] for name in paths])
     same_math = bool(np.allclose(losses, losses[0], rtol=1e-4))
     results = {
         **result_header("ddp_scaling", args.device),
-        "workload": {
-            "batch": args.batch,
-            "tokens_per_step": tokens,
-            "seq_len": f"{args.seq_len // 2}..{args.seq_len}",
-            "steps_measured": args.steps * args.rounds,
-            "rounds": args.rounds,
-            "lora_rank": LORA.rank,
-            "model": model_label(args.model),
-            "model_shape": model_shape(model),
-            "ranks": args.ranks,
-        },
+        "workload": {**workload(args, tokens, model), "ranks": args.ranks},
         "step_ms_median": {name: 1000 * s for name, s in median_s.items()},
         "step_ms_p10_p90": {
             name: [1000 * float(np.percentile(t["seconds"], q)) for q in (10, 90)] for name, t in timings.items()

@@ -35,12 +35,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ddp_scaling import devices_for, make_batch, model_shape, run_rounds, step, worker_backend  # noqa: E402
-from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
-from hosted_tinker.core.types import AdamParams, LoraSpec, TrainingBackend  # noqa: E402
-from hosted_tinker.server.workers.backend import ProcessBackend  # noqa: E402
+from benchmarks.ddp_scaling import LORA, devices_for, make_batch, measure, worker_backend, workload  # noqa: E402
+from benchmarks.report import add_common_args, print_table, result_header, setup, write_results  # noqa: E402
+from hosted_tinker.core.types import AdamParams, TrainingBackend  # noqa: E402
 
-LORA = LoraSpec(rank=32, seed=0)
 # Model shapes to benchmark with random weights (``--shape``), as their HF configs give them.
 SHAPES = {
     "qwen3-8b": {
@@ -161,17 +159,7 @@ def main() -> None:
     step_flops = {k: v * tokens for k, v in flops.items() if k.endswith("flops") or k.endswith("_6p")}
     results = {
         **result_header("megatron_tp", args.device),
-        "workload": {
-            "batch": args.batch,
-            "tokens_per_step": tokens,
-            "seq_len": f"{args.seq_len // 2}..{args.seq_len}",
-            "steps_measured": args.steps * args.rounds,
-            "rounds": args.rounds,
-            "lora_rank": LORA.rank,
-            "model": model_label(args.model),
-            "model_shape": model_shape(model),
-            "tp": args.tp,
-        },
+        "workload": {**workload(args, tokens, model), "tp": args.tp},
         "flops_per_token": flops,
         "flops_per_step": step_flops,
         "step_ms_median": {name: 1000 * s for name, s in median_s.items()},
@@ -205,25 +193,6 @@ def main() -> None:
         rows,
     )
     write_results(results, args.out, args.device)
-
-
-def measure(
-    makers: dict[str, Callable[[], TrainingBackend]], batch, adam: AdamParams, args: argparse.Namespace
-) -> dict[str, dict[str, list[float]]]:
-    """Start the paths, warm them up (first steps allocate), time them in alternating rounds, stop them."""
-    paths: dict[str, TrainingBackend] = {}
-    try:
-        for name, make in makers.items():
-            paths[name] = make()
-            paths[name].create_adapter("bench", LORA)
-        for backend in paths.values():
-            for _ in range(args.warmup):
-                step(backend, batch, AdamParams(learning_rate=0.0))
-        return run_rounds(paths, batch, adam, args.rounds, args.steps)
-    finally:
-        for backend in paths.values():
-            if isinstance(backend, ProcessBackend):
-                backend.close()
 
 
 if __name__ == "__main__":
