@@ -57,8 +57,11 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def start_server(data_dir: Path, *extra: str, alias: str | None = ALIAS, timeout: float = 180.0) -> ServerProcess:
-    port = free_port()
+def start_server(
+    data_dir: Path, *extra: str, alias: str | None = ALIAS, timeout: float = 180.0, port: int | None = None
+) -> ServerProcess:
+    """A server on 127.0.0.1, healthy; ``port`` to come back where a stopped one was."""
+    port = port or free_port()
     log_path = data_dir / f"server-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     cmd = [

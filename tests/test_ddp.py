@@ -76,12 +76,13 @@ def test_merge_puts_results_back_in_batch_order():
     ]
     merged = merge_results(results, shards)
     assert [float(lp[0]) for lp in merged.logprobs] == [0.0, 1.0, 2.0, 3.0] and merged.loss_sum == 3.5
+    assert [float(t[0]) for t in merged.elementwise_loss] == [-0.0, -1.0, -2.0, -3.0]
 
 
 def _result(logprobs: list[np.ndarray], loss: float):
     from hosted_tinker.core.types import ForwardBackwardResult
 
-    return ForwardBackwardResult(logprobs=logprobs, loss_sum=loss)
+    return ForwardBackwardResult(logprobs=logprobs, loss_sum=loss, elementwise_loss=[-lp for lp in logprobs])
 
 
 # ---- two ranks against one process -----------------------------------------------------------

@@ -27,23 +27,28 @@ GAP = 0.02  # minimum distance between a ratio and a clip threshold
 
 
 def run_loss(name: str, lp: np.ndarray, inputs: dict[str, np.ndarray], config: dict | None = None):
-    """Run the project's loss in float64 torch; return (value, d value / d lp) as numpy."""
+    """Run the project's loss in float64 torch; return (per-token terms, d Σterms / d lp) as numpy.
+
+    The terms are what the client gets as ``elementwise_loss``; their sum is the datum's loss."""
     cfg = dict(LOSSES[name].config_defaults)
     cfg.update(config or {})
     lp_t = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
     inputs_t = {k: torch.tensor(v, dtype=torch.float64) for k, v in inputs.items()}
-    loss = LOSSES[name].fn(lp_t, inputs_t, cfg)
-    assert loss.dim() == 0, "a loss must be a scalar"
-    assert loss.dtype == torch.float64
-    loss.backward()
+    terms = LOSSES[name].fn(lp_t, inputs_t, cfg)
+    assert terms.shape == lp_t.shape, "a loss returns one term per target"
+    assert terms.dtype == torch.float64
+    terms.sum().backward()
     assert lp_t.grad is not None
-    return float(loss.detach()), lp_t.grad.numpy().copy()
+    return terms.detach().numpy().copy(), lp_t.grad.numpy().copy()
 
 
-def assert_matches(got: tuple[float, np.ndarray], want: tuple[float, np.ndarray]) -> None:
-    value, grad = got
-    ref_value, ref_grad = want
-    assert value == pytest.approx(ref_value, abs=TOL, rel=TOL)
+def assert_matches(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.ndarray]) -> None:
+    """Per-token terms, their sum and the gradient all match the reference."""
+    terms, grad = got
+    ref_terms, ref_grad = want
+    assert terms.shape == ref_terms.shape
+    np.testing.assert_allclose(terms, ref_terms, rtol=TOL, atol=TOL)
+    assert terms.sum() == pytest.approx(ref_terms.sum(), abs=TOL, rel=TOL)
     assert grad.shape == ref_grad.shape
     np.testing.assert_allclose(grad, ref_grad, rtol=TOL, atol=TOL)
 
@@ -90,12 +95,12 @@ def pg_case(
 
 
 def ref_cross_entropy(lp, w):
-    return -np.sum(w * lp), -w
+    return -w * lp, -w
 
 
 def ref_importance_sampling(lp, q, adv):
     r = np.exp(lp - q)
-    return -np.sum(r * adv), -adv * r
+    return -r * adv, -adv * r
 
 
 def ref_clipped_surrogate(ratio, adv, lo, hi):
@@ -112,7 +117,7 @@ def ref_clipped_surrogate(ratio, adv, lo, hi):
     bound = np.where(ratio > hi, hi, lo)
     per_token = np.where(clipped_active, -bound * adv, -ratio * adv)
     grad = np.where(clipped_active, 0.0, -adv * ratio)
-    return np.sum(per_token), grad
+    return per_token, grad
 
 
 def ref_ppo(lp, q, adv, lo, hi):
@@ -122,11 +127,11 @@ def ref_ppo(lp, q, adv, lo, hi):
 def ref_cispo(lp, q, adv, lo, hi):
     r = np.exp(lp - q)
     c = np.minimum(np.maximum(r, lo), hi)
-    return -np.sum(c * lp * adv), -c * adv
+    return -c * lp * adv, -c * adv
 
 
 def ref_dro(lp, q, adv, beta):
-    value = -np.sum(lp * adv - 0.5 * beta * (lp - q) ** 2)
+    value = -(lp * adv - 0.5 * beta * (lp - q) ** 2)
     grad = -(adv - beta * (lp - q))
     return value, grad
 
@@ -143,7 +148,8 @@ def ref_gspo(lp, q, adv, mask, lo, hi):
 
 
 def test_documented_defaults():
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
+    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}
+    assert dict(LOSSES["stable_reinforce"].config_defaults) == {"clip_high_threshold": 2.0, "kl_coeff": 0.0}
     assert dict(LOSSES["ppo"].config_defaults) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert dict(LOSSES["cispo"].config_defaults) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
     assert dict(LOSSES["gspo"].config_defaults) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
@@ -161,10 +167,14 @@ def test_required_inputs_and_topk():
     assert set(LOSSES["gspo"].required_inputs) == {"logprobs", "advantages", "sequence_ratio_mask"}
     for name in ("ppo", "cispo", "gspo"):
         assert set(LOSSES[name].optional_inputs) == {"clip_low_threshold", "clip_high_threshold"}
+    # stable_reinforce reads the sampler's log-probs from the server's record, never the client's
+    sr = LOSSES["stable_reinforce"]
+    assert sr.required_inputs == ("advantages",) and sr.optional_inputs == ("logprobs",)
+    assert sr.needs_provenance and set(sr.recorded_inputs) == {"logprobs", "sampled_mask"}
+    assert not any(LOSSES[name].needs_provenance for name in LOSSES if name != "stable_reinforce")
 
 
 def test_unsupported_losses():
-    assert "stable_reinforce" in UNSUPPORTED_LOSSES
     assert "custom" in UNSUPPORTED_LOSSES
     assert not set(UNSUPPORTED_LOSSES) & set(LOSSES)
     assert all(isinstance(v, str) and v for v in UNSUPPORTED_LOSSES.values())
@@ -199,12 +209,12 @@ def test_cross_entropy_topk():
     value, grad = run_loss("cross_entropy", lp, {"weights": w})
     assert grad.shape == (n, k)
     assert_matches((value, grad), ref_cross_entropy(lp, w))
-    assert value == pytest.approx(-sum(w[t, j] * lp[t, j] for t in range(n) for j in range(k)), abs=TOL)
+    assert value.sum() == pytest.approx(-sum(w[t, j] * lp[t, j] for t in range(n) for j in range(k)), abs=TOL)
 
 
 def test_cross_entropy_empty():
     lp = np.zeros(0)
-    assert_matches(run_loss("cross_entropy", lp, {"weights": np.zeros(0)}), (0.0, np.zeros(0)))
+    assert_matches(run_loss("cross_entropy", lp, {"weights": np.zeros(0)}), (np.zeros(0), np.zeros(0)))
 
 
 # ---- importance_sampling ------------------------------------------------------------------------
@@ -224,7 +234,7 @@ def test_importance_sampling_on_policy_is_minus_sum_advantages():
     q = rng.normal(-1.0, 0.5, size=8)
     adv = rng.normal(size=8)
     value, grad = run_loss("importance_sampling", q.copy(), {"logprobs": q, "advantages": adv})
-    assert value == pytest.approx(-adv.sum(), abs=TOL)
+    assert value.sum() == pytest.approx(-adv.sum(), abs=TOL)
     np.testing.assert_allclose(grad, -adv, atol=TOL)
 
 
@@ -238,7 +248,7 @@ def test_ppo_defaults():
     assert_matches(got, ref_ppo(lp, q, adv, 0.8, 1.2))
     # the clip really bites: some gradients are exactly zero, and the result differs from IS
     assert np.sum(got[1] == 0.0) == 6  # (r > hi, A > 0) and (r < lo, A < 0), 3 tokens each
-    assert got[0] != pytest.approx(ref_importance_sampling(lp, q, adv)[0], abs=1e-3)
+    assert got[0].sum() != pytest.approx(ref_importance_sampling(lp, q, adv)[0].sum(), abs=1e-3)
 
 
 def test_ppo_custom_thresholds():
@@ -248,7 +258,7 @@ def test_ppo_custom_thresholds():
     got = run_loss("ppo", lp, {"logprobs": q, "advantages": adv}, cfg)
     assert_matches(got, ref_ppo(lp, q, adv, lo, hi))
     # the defaults would give a different answer on the same data
-    assert got[0] != pytest.approx(ref_ppo(lp, q, adv, 0.8, 1.2)[0], abs=1e-6)
+    assert got[0].sum() != pytest.approx(ref_ppo(lp, q, adv, 0.8, 1.2)[0].sum(), abs=1e-6)
 
 
 def test_ppo_per_token_thresholds():
@@ -318,7 +328,7 @@ def test_dro_custom_beta():
     lp, q, adv, _ = pg_case(41, 0.8, 1.2)
     got = run_loss("dro", lp, {"logprobs": q, "advantages": adv}, {"beta": 0.7})
     assert_matches(got, ref_dro(lp, q, adv, 0.7))
-    assert got[0] != pytest.approx(ref_dro(lp, q, adv, 0.05)[0], abs=1e-6)
+    assert got[0].sum() != pytest.approx(ref_dro(lp, q, adv, 0.05)[0].sum(), abs=1e-6)
 
 
 # ---- gspo ---------------------------------------------------------------------------------------
@@ -359,7 +369,7 @@ def test_gspo_value_ignores_unmasked_logprobs():
     lp2 = lp.copy()
     lp2[mask == 0] += 3.0  # wildly different log-probs outside the mask
     a, b = run_loss("gspo", lp, inputs), run_loss("gspo", lp2, inputs)
-    assert a[0] == pytest.approx(b[0], abs=TOL)
+    np.testing.assert_allclose(a[0], b[0], atol=TOL)
     np.testing.assert_allclose(a[1], b[1], atol=TOL)
 
 
@@ -412,7 +422,7 @@ def test_gspo_empty_mask():
     inputs = {"logprobs": q, "advantages": adv, "sequence_ratio_mask": mask}
     got = run_loss("gspo", lp, inputs)
     assert_matches(got, ref_gspo(lp, q, adv, mask, 0.8, 1.2))
-    assert got[0] == pytest.approx(-adv.sum(), abs=TOL)
+    assert got[0].sum() == pytest.approx(-adv.sum(), abs=TOL)
     np.testing.assert_allclose(got[1], -adv, atol=TOL)
     assert np.all(np.isfinite(got[1]))
 
@@ -442,7 +452,7 @@ def test_gspo_full_mask_matches_sequence_level_ratio():
     adv = np.full(n, 0.75)
     value, grad = run_loss("gspo", lp, {"logprobs": q, "advantages": adv, "sequence_ratio_mask": mask})
     s = np.exp(np.mean(lp - q))
-    assert value == pytest.approx(-n * s * 0.75, abs=TOL)
+    assert value.sum() == pytest.approx(-n * s * 0.75, abs=TOL)
     np.testing.assert_allclose(grad, -0.75 * s, atol=TOL)
 
 
@@ -467,3 +477,91 @@ def test_random_cases_against_reference(name, seed):
         "dro": lambda: ref_dro(lp, q, adv, beta),
     }[name]()
     assert_matches(got, want)
+
+
+# ---- stable_reinforce ---------------------------------------------------------------------------
+
+
+def ref_stable_reinforce(lp, q, adv, sampled, c, beta):
+    """Per token, written out by case: a prompt position (m = 0) is 0 with gradient 0; a sampled
+    one is -w·A·lp + β(ρ - 1 - log ρ), with w = ρ below the cap (a constant: stop-gradient) and
+    c above it, so d/dlp = -w·A + β(ρ - 1)."""
+    terms, grad = np.zeros_like(lp), np.zeros_like(lp)
+    for t in range(len(lp)):
+        if sampled[t] == 0:
+            continue
+        rho = np.exp(lp[t] - q[t])
+        w = rho if rho < c else c
+        terms[t] = -w * adv[t] * lp[t] + beta * (rho - 1.0 - (lp[t] - q[t]))
+        grad[t] = -w * adv[t] + beta * (rho - 1.0)
+    return terms, grad
+
+
+def stable_case(seed: int, c: float):
+    """Ratios on both sides of the cap, both advantage signs, and prompt positions whose
+    recorded log-prob is a placeholder 0 (the server fills nothing there)."""
+    lp, q, adv, r = pg_case(seed, 0.5, c)
+    sampled = np.ones_like(lp)
+    sampled[:4] = 0.0
+    q[:4] = 0.0
+    lp[:4] = -rng_lp(seed, 4)
+    assert np.any((r > c)[4:]) and np.any((r < c)[4:])
+    return lp, q, adv, sampled
+
+
+def rng_lp(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed + 7).exponential(3.0, size=n)
+
+
+def test_stable_reinforce_defaults_truncate_at_two_without_kl():
+    lp, q, adv, sampled = stable_case(60, 2.0)
+    inputs = {"logprobs": q, "advantages": adv, "sampled_mask": sampled}
+    got = run_loss("stable_reinforce", lp, inputs)
+    assert_matches(got, ref_stable_reinforce(lp, q, adv, sampled, 2.0, 0.0))
+    # prompt positions contribute nothing, and every sampled token keeps a gradient (unlike PPO)
+    assert np.all(got[0][:4] == 0) and np.all(got[1][:4] == 0)
+    assert np.all(got[1][4:] != 0)
+
+
+@pytest.mark.parametrize(("c", "beta"), [(1.5, 0.1), (3.0, 1.0), (10.0, 0.02)])
+def test_stable_reinforce_cap_and_kl(c, beta):
+    lp, q, adv, sampled = stable_case(61, c)
+    inputs = {"logprobs": q, "advantages": adv, "sampled_mask": sampled}
+    cfg = {"clip_high_threshold": c, "kl_coeff": beta}
+    assert_matches(run_loss("stable_reinforce", lp, inputs, cfg), ref_stable_reinforce(lp, q, adv, sampled, c, beta))
+
+
+def test_stable_reinforce_on_policy_is_reinforce():
+    # learner = sampler: ρ = 1, the KL term and its gradient vanish, the loss is -Σ A·lp.
+    rng = np.random.default_rng(62)
+    q = rng.normal(-1.0, 0.5, size=9)
+    adv = rng.normal(size=9)
+    inputs = {"logprobs": q, "advantages": adv, "sampled_mask": np.ones(9)}
+    terms, grad = run_loss("stable_reinforce", q.copy(), inputs, {"kl_coeff": 0.5})
+    np.testing.assert_allclose(terms, -adv * q, atol=TOL)
+    np.testing.assert_allclose(grad, -adv, atol=TOL)
+
+
+def test_stable_reinforce_kl_pulls_towards_the_sampler():
+    # No advantage: only the KL term acts; its gradient has the sign of lp - q (descent moves
+    # lp back towards q), and the term is ≥ 0.
+    lp, q, _, sampled = stable_case(63, 2.0)
+    inputs = {"logprobs": q, "advantages": np.zeros_like(lp), "sampled_mask": sampled}
+    terms, grad = run_loss("stable_reinforce", lp, inputs, {"kl_coeff": 1.0})
+    on = sampled != 0
+    assert np.all(terms[on] >= 0)
+    assert np.all(np.sign(grad[on]) == np.sign(lp[on] - q[on]))
+
+
+def test_stable_reinforce_overflowing_ratio_without_kl_stays_finite():
+    # A sampled token the sampler gave log-prob -120 and the learner ~0: ρ overflows float32.
+    lp = torch.tensor([-0.01, -1.0], dtype=torch.float32, requires_grad=True)
+    inputs = {
+        "logprobs": torch.tensor([-120.0, -1.0]),
+        "advantages": torch.tensor([1.0, 1.0]),
+        "sampled_mask": torch.tensor([1.0, 1.0]),
+    }
+    terms = LOSSES["stable_reinforce"].fn(lp, inputs, dict(LOSSES["stable_reinforce"].config_defaults))
+    terms.sum().backward()
+    assert torch.isfinite(terms).all() and torch.isfinite(lp.grad).all()
+    assert lp.grad[0].item() == pytest.approx(-2.0)  # the weight is capped at c = 2

@@ -28,7 +28,7 @@ def service(*, embedded_sampler: bool, vllm: bool) -> SamplingService:
     )
     engine = SimpleNamespace(name="vllm") if vllm else None
     backend = SimpleNamespace(capabilities=caps)
-    return SamplingService(backend, None, None, None, None, None, {0}, SimpleNamespace(name="embedded"), engine)
+    return SamplingService(backend, None, None, None, None, None, {0}, SimpleNamespace(name="embedded"), None, engine)
 
 
 def spec(sampling: SamplingService, **kwargs):

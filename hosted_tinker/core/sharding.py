@@ -28,9 +28,11 @@ def shard_batch(batch: ForwardBackwardBatch, shards: list[list[int]]) -> list[Fo
 
 
 def merge_results(results: list[ForwardBackwardResult], shards: list[list[int]]) -> ForwardBackwardResult:
-    """The ranks' results as one: per-datum log-probs back in batch order, losses summed."""
-    logprobs: list[np.ndarray | None] = [None] * sum(len(s) for s in shards)
+    """The ranks' results as one: per-datum arrays back in batch order, losses summed."""
+    n = sum(len(s) for s in shards)
+    logprobs: list[np.ndarray | None] = [None] * n
+    elementwise: list[np.ndarray | None] = [None] * n
     for result, shard in zip(results, shards, strict=True):
-        for i, lp in zip(shard, result.logprobs, strict=True):
-            logprobs[i] = lp
-    return ForwardBackwardResult(logprobs=logprobs, loss_sum=sum(r.loss_sum for r in results))
+        for i, lp, terms in zip(shard, result.logprobs, result.elementwise_loss, strict=True):
+            logprobs[i], elementwise[i] = lp, terms
+    return ForwardBackwardResult(logprobs, sum(r.loss_sum for r in results), elementwise)

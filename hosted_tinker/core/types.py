@@ -54,10 +54,12 @@ class ForwardBackwardBatch:
 
 @dataclass
 class ForwardBackwardResult:
-    """Per-datum learner log-probs (float32 ``(N,)`` or ``(N, K)``) and the summed loss."""
+    """Per datum: learner log-probs (float32 ``(N,)`` or ``(N, K)``) and the loss's per-token
+    terms (same shape, ``elementwise_loss``); and the summed loss."""
 
     logprobs: list[np.ndarray]
     loss_sum: float
+    elementwise_loss: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass

@@ -131,22 +131,25 @@ class Trainer:
 
     def _run_batch(self, handle: AdapterHandle, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
         spec = losses.LOSSES[batch.loss_fn]
-        results: list[np.ndarray | None] = [None] * len(batch.data)
+        logprobs: list[np.ndarray | None] = [None] * len(batch.data)
+        elementwise: list[np.ndarray | None] = [None] * len(batch.data)
         loss_sum = 0.0
         for indices in microbatches(batch.data, self.microbatch_tokens):
             data = [batch.data[i] for i in indices]
             with torch.set_grad_enabled(not batch.forward_only):
                 lps = self.model.logprobs(handle, data)
-                loss = sum(
+                terms = [
                     spec.fn(lp, {k: v.to(lp.device) for k, v in d.inputs.items()}, batch.loss_config)
                     for lp, d in zip(lps, data, strict=True)
-                )
+                ]
+                loss = sum(t.sum() for t in terms)
                 if not batch.forward_only:
                     loss.backward()
             loss_sum += float(loss.detach())
-            for i, lp in zip(indices, lps, strict=True):
-                results[i] = lp.detach().float().cpu().numpy()
-        return ForwardBackwardResult(logprobs=results, loss_sum=loss_sum)
+            for i, lp, t in zip(indices, lps, terms, strict=True):
+                logprobs[i] = lp.detach().float().cpu().numpy()
+                elementwise[i] = t.detach().float().cpu().numpy()
+        return ForwardBackwardResult(logprobs=logprobs, loss_sum=loss_sum, elementwise_loss=elementwise)
 
     # ---- optimizer ----------------------------------------------------------------------------
 

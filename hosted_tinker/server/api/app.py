@@ -37,6 +37,7 @@ def create_app(state: ServerState) -> FastAPI:
             await state.openai_proxy.aclose()
         if state.vllm is not None:
             await state.vllm.stop()
+        state.sequences.close()
         state.store.close()
 
     app = FastAPI(title="hosted-tinker", lifespan=lifespan)
@@ -53,16 +54,22 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _sweep(state: ServerState) -> None:
-    """At start-up and periodically: delete checkpoints past their TTL and results past retention,
-    so that neither the disk nor the database grows without bound."""
+    """At start-up and periodically: delete checkpoints past their TTL, results past retention and
+    sampling records past their day, so that neither the disk nor the database grows without bound."""
     retention = state.config.result_retention_s
     every_s = min(600.0, max(1.0, retention / 4))
     while True:
         try:
             checkpoints = await asyncio.to_thread(state.checkpoints.delete_expired)
             results = await asyncio.to_thread(state.store.delete_futures_finished_before, time.time() - retention)
-            if checkpoints or results:
-                log.info("deleted %d expired checkpoints and %d old results", checkpoints, results)
+            sequences = await asyncio.to_thread(state.sequences.delete_expired)
+            if checkpoints or results or sequences:
+                log.info(
+                    "deleted %d expired checkpoints, %d old results and %d expired sampling records",
+                    checkpoints,
+                    results,
+                    sequences,
+                )
         except Exception:
             log.exception("sweep failed")
         await asyncio.sleep(every_s)

@@ -22,6 +22,7 @@ from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmS
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
+from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
@@ -44,6 +45,7 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 class ServerState:
     config: ServerConfig
     store: Store
+    sequences: SequenceRecords
     keys: KeyRing
     tenancy: Tenancy
     scheduler: Scheduler
@@ -69,6 +71,7 @@ def build_state(config: ServerConfig) -> ServerState:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model_path()
     store = Store.in_data_dir(config.data_dir)
+    sequences = SequenceRecords(store.path)
     try:
         static_keys = env_keys() + (read_keys_file(config.api_keys_file) if config.api_keys_file else [])
     except (ValueError, OSError) as e:
@@ -92,6 +95,7 @@ def build_state(config: ServerConfig) -> ServerState:
         store,
         config.served_names(),
         tokenizer_id=config.tokenizer_id or model_path,
+        sequences=sequences,
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
     )
@@ -104,6 +108,7 @@ def build_state(config: ServerConfig) -> ServerState:
         tokenizer,
         _eos_ids(model_path, tokenizer),
         EmbeddedEngine(SamplerClient(backend), scheduler.run_on_worker, config.sample_batch_window_s),
+        sequences,
         vllm,
     )
     checkpoints = CheckpointService(
@@ -121,6 +126,7 @@ def build_state(config: ServerConfig) -> ServerState:
     return ServerState(
         config=config,
         store=store,
+        sequences=sequences,
         keys=keys,
         tenancy=tenancy,
         scheduler=scheduler,

@@ -21,10 +21,26 @@ from hosted_tinker.core.sampling import SampleOutput
 _DTYPES = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
 
 
+@dataclass(frozen=True)
+class Span:
+    """One run of a datum's provenance (``PromptProvenanceSpan`` / ``SampledProvenanceSpan``):
+    the next ``length`` positions are positions ``[offset, offset + length)`` of the prompt
+    (``sampled=False``) or of the sampled tokens (``sampled=True``) of ``sequence_id``."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class WireDatum:
     tokens: np.ndarray  # int64 (N,)
     loss_fn_inputs: dict[str, np.ndarray]  # dense, in the declared shape
+    # Provenance (``Datum.with_provenance``): runs tiling the model input and the targets; both
+    # or neither (empty lists).
+    model_input_spans: list[Span] = field(default_factory=list)
+    loss_fn_input_spans: list[Span] = field(default_factory=list)
 
 
 # Input is fed in small pieces so one piece can never inflate far past the limit
@@ -147,7 +163,23 @@ def _datum(msg: pb.Datum, index: int, budget: list[int]) -> WireDatum:
     inputs = {
         key: _tensor(t, f"{where}.loss_fn_inputs.{key}", len(joined), budget) for key, t in msg.loss_fn_inputs.items()
     }
-    return WireDatum(tokens=joined, loss_fn_inputs=inputs)
+    model_input_spans = [_span(s, f"{where}.model_input_spans[{j}]") for j, s in enumerate(msg.model_input_spans)]
+    loss_fn_input_spans = [_span(s, f"{where}.loss_fn_input_spans[{j}]") for j, s in enumerate(msg.loss_fn_input_spans)]
+    if bool(model_input_spans) != bool(loss_fn_input_spans):
+        raise WireError(f"{where}: provenance comes as a pair: model_input_spans and loss_fn_input_spans, or neither")
+    return WireDatum(joined, inputs, model_input_spans, loss_fn_input_spans)
+
+
+def _span(msg: pb.ProvenanceSpan, where: str) -> Span:
+    kind = msg.WhichOneof("span")
+    if kind is None:
+        raise WireError(f"{where}: an empty span (neither prompt_tokens nor sampled_tokens)")
+    arm = getattr(msg, kind)
+    if not arm.sequence_id:
+        raise WireError(f"{where}.sequence_id is empty")
+    if arm.offset < 0 or arm.length < 0:
+        raise WireError(f"{where}: offset {arm.offset} and length {arm.length} must be >= 0")
+    return Span(kind == "sampled_tokens", arm.sequence_id, arm.offset, arm.length)
 
 
 def decode_forward_backward(body: bytes) -> WireForwardBackward:

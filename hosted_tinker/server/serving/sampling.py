@@ -23,6 +23,7 @@ from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import encode_sample_response
 from hosted_tinker.server.records import SamplerRecord
 from hosted_tinker.server.scheduler import Scheduler
+from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.store import Store
 
 DEFAULT_MAX_TOKENS = 256
@@ -63,6 +64,7 @@ class SamplingService:
         tokenizer,
         eos_token_ids: set[int],
         embedded: EmbeddedEngine,
+        sequences: SequenceRecords,
         vllm: VllmEngine | None = None,
     ) -> None:
         self.backend = backend
@@ -73,6 +75,7 @@ class SamplingService:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.embedded = embedded
+        self.sequences = sequences  # stability info, for samplers that record it
         self.vllm = vllm
         self._tasks: set[asyncio.Task] = set()
 
@@ -178,7 +181,6 @@ class SamplingService:
         unsupported = {
             "target_prompt_logprobs": req.target_prompt_logprobs is not None,
             "prompt_alt_tokens_k": req.prompt_alt_tokens_k != 0,
-            "record_stability_info": req.record_stability_info,
         }
         for name, used in unsupported.items():
             if used:
@@ -211,14 +213,26 @@ class SamplingService:
             self._check_vllm_ready()  # a 503 the SDK retries, rather than a failed future
         self.scheduler.check_capacity(sampler.sampler_id, None)
         request_id = self.scheduler.register("sample", model_id=sampler.sampler_id, seq_id=seq_id)
-        task = asyncio.get_running_loop().create_task(self._sample_into(request_id, self.weights_of(sampler), spec))
+        # With record_stability_info, what the sampler chose is recorded for training
+        # (``server.sequences``) under the ids the client gets, before the result is visible.
+        record = (sampler.session_id, sequence_ids) if req.record_stability_info else None
+        task = asyncio.get_running_loop().create_task(
+            self._sample_into(request_id, self.weights_of(sampler), spec, record)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return request_id, sequence_ids
 
-    async def _sample_into(self, request_id: str, weights: WeightsRef, spec: SampleSpec) -> None:
+    async def _sample_into(
+        self, request_id: str, weights: WeightsRef, spec: SampleSpec, record: tuple[str, list[str]] | None
+    ) -> None:
         try:
             output = await self.run(weights, spec)
+            if record is not None:
+                session_id, sequence_ids = record
+                sequences = [(sid, s.tokens, s.logprobs) for sid, s in zip(sequence_ids, output.sequences, strict=True)]
+                request_key = sequence_ids[0].rpartition(":")[0]  # "<sampler>:<seq_id>"
+                await asyncio.to_thread(self.sequences.record, session_id, request_key, spec.prompt, sequences)
         except Exception as e:
             self.scheduler.fail_with(request_id, e)
         except asyncio.CancelledError:  # the server is shutting down: the future must still end

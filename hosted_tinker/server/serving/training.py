@@ -29,6 +29,8 @@ from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
 from hosted_tinker.server.records import ModelRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
+from hosted_tinker.server.sequences import SequenceRecords
+from hosted_tinker.server.serving import provenance
 from hosted_tinker.server.store import Store
 
 JSON = "application/json"
@@ -50,6 +52,7 @@ class TrainingService:
         store: Store,
         served_names: list[str],
         tokenizer_id: str,
+        sequences: SequenceRecords,
         *,
         live: LiveAdapters | None = None,
         max_lora_rank: int | None = None,
@@ -57,6 +60,7 @@ class TrainingService:
         self.backend = backend
         self.scheduler = scheduler
         self.store = store
+        self.sequences = sequences  # what samplers recorded, for provenance spans
         self.served_names = served_names
         self.tokenizer_id = tokenizer_id
         self.live = live  # with vLLM: each run's adapter synced after every change
@@ -247,8 +251,12 @@ class TrainingService:
 
             def job() -> tuple[bytes, str]:
                 result = self.backend.forward_backward(req.model_id, batch)
-                outputs = [{"logprobs": lp} for lp in result.logprobs]
-                return encode_forward_backward_output(outputs, {"loss:sum": result.loss_sum}), PROTOBUF
+                outputs = [
+                    {"logprobs": lp, "elementwise_loss": terms}
+                    for lp, terms in zip(result.logprobs, result.elementwise_loss, strict=True)
+                ]
+                metrics = {"loss:sum": result.loss_sum, **losses.sampler_gap(batch.data, result.logprobs)}
+                return encode_forward_backward_output(outputs, metrics), PROTOBUF
 
             return job
 
@@ -282,6 +290,7 @@ class TrainingService:
         if total > caps.max_tokens_per_batch:
             raise bad_request(f"data holds {total} tokens, over the limit of {caps.max_tokens_per_batch} per request")
         data = [self._validate_datum(d, i, spec) for i, d in enumerate(wire_data)]
+        self._resolve_provenance(req.model_id, wire_data, data, spec)
         return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
 
     def _validate_datum(self, d: WireDatum, index: int, spec: losses.LossSpec) -> DatumInput:
@@ -331,6 +340,36 @@ class TrainingService:
             target_tokens=torch.from_numpy(targets.astype(np.int64)),
             inputs=tensors,
         )
+
+    def _resolve_provenance(
+        self, model_id: str, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec
+    ) -> None:
+        """Check every datum's provenance spans against the sampler's records (restarting their
+        day), and give a loss that reads the record (``recorded_inputs``) its inputs."""
+        wanted = set().union(*(provenance.sequence_ids(d) for d in wire_data))
+        if not wanted and not spec.needs_provenance:
+            return
+        records = self.sequences.take(self.live_model(model_id).session_id, wanted)
+        for i, (d, datum) in enumerate(zip(wire_data, data, strict=True)):
+            where = f"data[{i}]"
+            if not d.model_input_spans:
+                if spec.needs_provenance:
+                    raise bad_request(
+                        f"{where} has no provenance: this loss reads what the sampler recorded, so every datum "
+                        "must name its sampled sequences (Datum.with_provenance, after sampling with "
+                        "record_stability_info=True)"
+                    )
+                continue
+            for field_name in ("model_input_spans", "loss_fn_input_spans"):
+                for j, span in enumerate(getattr(d, field_name)):
+                    if span.sequence_id not in records:
+                        raise provenance.unknown_sequence(f"{where}.{field_name}[{j}]", span.sequence_id)
+            resolved = provenance.resolve(d, where, records)
+            if spec.needs_provenance:
+                if "logprobs" in datum.inputs:
+                    provenance.check_client_logprobs(datum.inputs["logprobs"].numpy(), resolved, where)
+                datum.inputs["logprobs"] = torch.from_numpy(resolved.logprobs)
+                datum.inputs["sampled_mask"] = torch.from_numpy(resolved.sampled_mask)
 
     # ---- optimizer ------------------------------------------------------------------------
 

@@ -1,0 +1,134 @@
+"""What the sampler knew: sequences sampled with ``record_stability_info``, kept for training.
+
+A sampling request that asks for it records its prompt once and, per returned sequence, the
+sampled tokens and the sampler's log-prob of each, under the ``sequence_id`` the client got
+(``SampledSequence.sequence_id``). Training requests name them in provenance spans
+(``Datum.with_provenance``), and ``stable_reinforce`` reads the recorded log-probs instead of
+trusting the client's copy.
+
+As the official service documents: records belong to the session that sampled them, live one
+day, and each training request that uses a sequence restarts its day. They are rows in the
+server's SQLite file (their own connection; WAL lets it share the file with ``Store``), so
+they survive a restart.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TTL_S = 24 * 3600.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sampled_prompts (
+    request_key TEXT PRIMARY KEY,
+    prompt BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sampled_sequences (
+    sequence_id TEXT PRIMARY KEY,
+    request_key TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    tokens BLOB NOT NULL,
+    logprobs BLOB NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sampled_sequences_by_request ON sampled_sequences(request_key);
+CREATE INDEX IF NOT EXISTS sampled_sequences_by_expiry ON sampled_sequences(expires_at);
+"""
+
+
+@dataclass(frozen=True)
+class RecordedSequence:
+    """prompt int32 ``(P,)``, tokens int32 ``(T,)``, logprobs float32 ``(T,)``: the sampler's
+    log-prob of each sampled token, exactly as returned to the client."""
+
+    prompt: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+
+
+class SequenceRecords:
+    def __init__(self, path: str | Path, ttl_s: float = TTL_S, clock: Callable[[], float] = time.time) -> None:
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+        self.ttl_s = ttl_s
+        self._clock = clock
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def record(
+        self,
+        session_id: str,
+        request_key: str,
+        prompt: Iterable[int],
+        sequences: Iterable[tuple[str, Iterable[int], Iterable[float]]],
+    ) -> None:
+        """One sampling request: its prompt, and ``(sequence_id, tokens, logprobs)`` per sequence."""
+        expires = self._clock() + self.ttl_s
+        rows = [
+            (sid, request_key, session_id, _int32(tokens), np.asarray(list(lps), dtype="<f4").tobytes(), expires)
+            for sid, tokens, lps in sequences
+        ]
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR REPLACE INTO sampled_prompts(request_key, prompt) VALUES (?,?)",
+                (request_key, _int32(prompt)),
+            )
+            self._db.executemany("INSERT OR REPLACE INTO sampled_sequences VALUES (?,?,?,?,?,?)", rows)
+
+    def take(self, session_id: str, sequence_ids: Iterable[str]) -> dict[str, RecordedSequence]:
+        """The live records of ``session_id`` among ``sequence_ids`` (others are simply absent),
+        each with its day restarted: a training request is using them."""
+        ids = sorted(set(sequence_ids))
+        if not ids:
+            return {}
+        now = self._clock()
+        marks = ",".join("?" * len(ids))
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            rows = self._db.execute(
+                "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs FROM sampled_sequences s "
+                "JOIN sampled_prompts p ON p.request_key = s.request_key "
+                f"WHERE s.session_id=? AND s.expires_at>? AND s.sequence_id IN ({marks})",
+                (session_id, now, *ids),
+            ).fetchall()
+            found = [r[0] for r in rows]
+            if found:
+                self._db.execute(
+                    f"UPDATE sampled_sequences SET expires_at=? WHERE sequence_id IN ({','.join('?' * len(found))})",
+                    (now + self.ttl_s, *found),
+                )
+        return {
+            sid: RecordedSequence(
+                np.frombuffer(prompt, dtype="<i4"), np.frombuffer(tokens, dtype="<i4"), np.frombuffer(lps, dtype="<f4")
+            )
+            for sid, prompt, tokens, lps in rows
+        }
+
+    def delete_expired(self) -> int:
+        """Drop sequences past their day, and prompts no sequence refers to any more."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            gone = self._db.execute("DELETE FROM sampled_sequences WHERE expires_at<=?", (self._clock(),)).rowcount
+            if gone:
+                self._db.execute(
+                    "DELETE FROM sampled_prompts WHERE NOT EXISTS "
+                    "(SELECT 1 FROM sampled_sequences s WHERE s.request_key = sampled_prompts.request_key)"
+                )
+        return gone
+
+
+def _int32(tokens: Iterable[int]) -> bytes:
+    return np.asarray(list(tokens), dtype="<i4").tobytes()

@@ -1,0 +1,118 @@
+"""Provenance spans, checked against what the sampler recorded (``server.sequences``).
+
+A datum's ``model_input_spans`` tile its input tokens and its ``loss_fn_input_spans`` tile its
+targets; each run claims that those positions are a stretch of a recorded sequence's prompt
+or of its sampled tokens. Every claim is checked against the record, so a loss that uses the
+record (``stable_reinforce``) uses it for exactly the tokens the sampler chose:
+
+- the runs tile their field exactly, and stay inside the named sequence;
+- input positions equal the recorded tokens they claim (prompt or sampled): the context the
+  learner sees is the one the sampler saw;
+- target positions claimed as sampled equal the recorded sampled tokens. Targets claimed as
+  prompt are not compared: a recipe may put placeholders there (they carry no loss).
+
+What comes out, per target position: whether it is a sampled token (``sampled_mask``) and
+the sampler's recorded log-prob of it (0 elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hosted_tinker.core.errors import ApiError, bad_request
+from hosted_tinker.server.protocol.proto_codec import Span, WireDatum
+from hosted_tinker.server.sequences import RecordedSequence
+
+# The client's copy of the sampler's log-probs went through float32 on the wire, as the
+# record did: equal up to rounding, or the datum is not what was sampled.
+LOGPROB_TOLERANCE = 1e-5
+
+
+@dataclass
+class Resolved:
+    """Per target position ``(N,)``: 1.0 where it is a sampled token, and the sampler's log-prob."""
+
+    sampled_mask: np.ndarray
+    logprobs: np.ndarray
+
+
+def sequence_ids(datum: WireDatum) -> set[str]:
+    return {s.sequence_id for s in (*datum.model_input_spans, *datum.loss_fn_input_spans)}
+
+
+def unknown_sequence(where: str, sequence_id: str) -> ApiError:
+    return bad_request(
+        f"{where}: sequence_id {sequence_id!r} has no record in this session: it was not sampled with "
+        "record_stability_info=True, its record expired (one day after its last use), or another session sampled it"
+    )
+
+
+def resolve(datum: WireDatum, where: str, records: dict[str, RecordedSequence]) -> Resolved:
+    """Check the datum's spans against ``records`` (which hold every sequence it names)."""
+    targets = datum.loss_fn_inputs["target_tokens"]
+    n = len(datum.tokens)
+    _walk(datum.model_input_spans, n, f"{where}.model_input_spans", records, datum.tokens, check_prompt=True)
+    mask = np.zeros(n, dtype=np.float32)
+    logprobs = np.zeros(n, dtype=np.float32)
+    for pos, span, rec in _walk(
+        datum.loss_fn_input_spans, n, f"{where}.loss_fn_input_spans", records, targets, check_prompt=False
+    ):
+        if span.sampled:
+            mask[pos : pos + span.length] = 1.0
+            logprobs[pos : pos + span.length] = rec.logprobs[span.offset : span.offset + span.length]
+    return Resolved(mask, logprobs)
+
+
+def _walk(
+    spans: list[Span],
+    n: int,
+    where: str,
+    records: dict[str, RecordedSequence],
+    tokens: np.ndarray,
+    *,
+    check_prompt: bool,
+) -> list[tuple[int, Span, RecordedSequence]]:
+    """Each span with its first position and its record, after checking tiling, bounds and tokens."""
+    covered = sum(s.length for s in spans)
+    if covered != n:
+        raise bad_request(f"{where} cover {covered} positions; the field has {n}: the runs must tile it exactly")
+    out, pos = [], 0
+    for j, span in enumerate(spans):
+        rec = records[span.sequence_id]
+        source = rec.tokens if span.sampled else rec.prompt
+        name = "sampled tokens" if span.sampled else "prompt"
+        if span.offset + span.length > len(source):
+            raise bad_request(
+                f"{where}[{j}]: positions [{span.offset}, {span.offset + span.length}) are outside the {name} of "
+                f"sequence {span.sequence_id!r} ({len(source)} tokens)"
+            )
+        if span.sampled or check_prompt:
+            got = tokens[pos : pos + span.length]
+            if got.ndim > 1:  # (N, K) targets: the first column is the token the span claims
+                got = got[:, 0]
+            want = source[span.offset : span.offset + span.length]
+            bad = np.flatnonzero(got != want)
+            if bad.size:
+                i = int(bad[0])
+                raise bad_request(
+                    f"{where}[{j}]: position {pos + i} holds token {int(got[i])}, but the {name} of sequence "
+                    f"{span.sequence_id!r} has {int(want[i])} at {span.offset + i}"
+                )
+        out.append((pos, span, rec))
+        pos += span.length
+    return out
+
+
+def check_client_logprobs(client: np.ndarray, resolved: Resolved, where: str) -> None:
+    """The client may send the sampler's log-probs too; on sampled tokens they must be the record's."""
+    on = resolved.sampled_mask != 0
+    diff = np.abs(client[on] - resolved.logprobs[on])
+    if diff.size and float(diff.max()) > LOGPROB_TOLERANCE:
+        i = int(np.flatnonzero(on)[int(diff.argmax())])
+        raise bad_request(
+            f"{where}.loss_fn_inputs.logprobs[{i}] = {float(client[i]):.6g}, but the sampler recorded "
+            f"{float(resolved.logprobs[i]):.6g} for that token; stable_reinforce uses the record (send the "
+            "sampler's log-probs, or none)"
+        )

@@ -1,0 +1,113 @@
+"""Unit tests of the sampler's records (``server.sequences``) and of provenance spans on the wire
+and against the records (``server.serving.provenance``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinker.proto import tinker_public_pb2 as pb
+
+from hosted_tinker.core.errors import ApiError, WireError
+from hosted_tinker.server.protocol.proto_codec import Span, WireDatum, decode_forward_backward
+from hosted_tinker.server.sequences import SequenceRecords
+from hosted_tinker.server.serving import provenance
+
+pytestmark = pytest.mark.fast
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_record_lives_a_day_from_its_last_use_and_only_for_its_session(tmp_path):
+    clock = Clock()
+    records = SequenceRecords(tmp_path / "db.sqlite", ttl_s=100.0, clock=clock)
+    records.record("sess-a", "s:1", [1, 2, 3], [("s:1:0", [7, 8], [-0.5, -1.25]), ("s:1:1", [9], [-2.0])])
+    got = records.take("sess-a", ["s:1:0", "s:1:1", "nope"])
+    assert set(got) == {"s:1:0", "s:1:1"}
+    np.testing.assert_array_equal(got["s:1:0"].prompt, [1, 2, 3])
+    np.testing.assert_array_equal(got["s:1:0"].tokens, [7, 8])
+    assert got["s:1:0"].logprobs.dtype == np.float32 and list(got["s:1:0"].logprobs) == [-0.5, -1.25]
+    assert records.take("sess-b", ["s:1:0"]) == {}  # another session's
+
+    clock.now += 90
+    assert set(records.take("sess-a", ["s:1:0"])) == {"s:1:0"}  # used: its day starts again
+    clock.now += 90  # 180 s after sampling: s:1:1 (unused since t+0) is gone, s:1:0 is not
+    assert set(records.take("sess-a", ["s:1:0", "s:1:1"])) == {"s:1:0"}
+    assert records.delete_expired() == 1
+    clock.now += 200
+    assert records.delete_expired() == 1
+    assert records._db.execute("SELECT count(*) FROM sampled_prompts").fetchone()[0] == 0  # noqa: SLF001
+    records.close()
+
+
+def test_records_survive_reopening(tmp_path):
+    SequenceRecords(tmp_path / "db.sqlite").record("s", "x:1", [4], [("x:1:0", [5], [-0.1])])
+    again = SequenceRecords(tmp_path / "db.sqlite")
+    assert list(again.take("s", ["x:1:0"])["x:1:0"].tokens) == [5]
+
+
+def _request(*, model_spans: list[pb.ProvenanceSpan], loss_spans: list[pb.ProvenanceSpan]) -> bytes:
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.array([1, 2], dtype="<i4").tobytes()
+    datum.model_input_spans.extend(model_spans)
+    datum.loss_fn_input_spans.extend(loss_spans)
+    return msg.SerializeToString()
+
+
+def _span(kind: str, sid: str, offset: int, length: int) -> pb.ProvenanceSpan:
+    span = pb.ProvenanceSpan()
+    arm = getattr(span, kind)
+    arm.sequence_id, arm.offset, arm.length = sid, offset, length
+    return span
+
+
+def test_spans_are_decoded_and_checked_on_the_wire():
+    body = _request(
+        model_spans=[_span("prompt_tokens", "a", 0, 1), _span("sampled_tokens", "a", 0, 1)],
+        loss_spans=[_span("sampled_tokens", "a", 0, 2)],
+    )
+    (datum,) = decode_forward_backward(body).datums()
+    assert datum.model_input_spans == [Span(False, "a", 0, 1), Span(True, "a", 0, 1)]
+    assert datum.loss_fn_input_spans == [Span(True, "a", 0, 2)]
+    one_sided = _request(model_spans=[_span("prompt_tokens", "a", 0, 2)], loss_spans=[])
+    with pytest.raises(WireError, match="provenance comes as a pair"):
+        decode_forward_backward(one_sided).datums()
+    empty = _request(model_spans=[pb.ProvenanceSpan()], loss_spans=[_span("prompt_tokens", "a", 0, 2)])
+    with pytest.raises(WireError, match=r"model_input_spans\[0\]: an empty span"):
+        decode_forward_backward(empty).datums()
+    no_id = _request(model_spans=[_span("prompt_tokens", "", 0, 2)], loss_spans=[_span("prompt_tokens", "a", 0, 2)])
+    with pytest.raises(WireError, match="sequence_id is empty"):
+        decode_forward_backward(no_id).datums()
+
+
+def test_resolution_marks_the_sampled_targets_with_the_recorded_logprobs(tmp_path):
+    records = SequenceRecords(tmp_path / "db.sqlite")
+    records.record("s", "r:1", [10, 11, 12], [("r:1:0", [20, 21, 22], [-0.25, -0.5, -0.75])])
+    rec = records.take("s", ["r:1:0"])
+    # rl_loop's layout: input = prompt + sampled[:-1]; targets = 2 placeholders + sampled
+    datum = WireDatum(
+        tokens=np.array([10, 11, 12, 20, 21]),
+        loss_fn_inputs={"target_tokens": np.array([0, 0, 20, 21, 22])},
+        model_input_spans=[Span(False, "r:1:0", 0, 3), Span(True, "r:1:0", 0, 2)],
+        loss_fn_input_spans=[Span(False, "r:1:0", 1, 2), Span(True, "r:1:0", 0, 3)],
+    )
+    out = provenance.resolve(datum, "data[0]", rec)
+    assert list(out.sampled_mask) == [0, 0, 1, 1, 1]
+    assert list(out.logprobs) == [0, 0, -0.25, -0.5, -0.75]
+    provenance.check_client_logprobs(np.array([9.0, 9.0, -0.25, -0.5, -0.75], dtype=np.float32), out, "data[0]")
+    with pytest.raises(ApiError, match=r"logprobs\[3\] = -0.6"):
+        provenance.check_client_logprobs(np.array([0, 0, -0.25, -0.6, -0.75], dtype=np.float32), out, "data[0]")
+    # a sampled target that is not the recorded token
+    datum.loss_fn_inputs["target_tokens"] = np.array([0, 0, 20, 99, 22])
+    with pytest.raises(ApiError, match=r"loss_fn_input_spans\[1\]: position 3 holds token 99"):
+        provenance.resolve(datum, "data[0]", rec)
+    # runs that do not tile their field
+    datum.loss_fn_input_spans = [Span(True, "r:1:0", 0, 3)]
+    with pytest.raises(ApiError, match="cover 3 positions; the field has 5"):
+        provenance.resolve(datum, "data[0]", rec)
