@@ -32,6 +32,8 @@ def random_batch(
             }
             if loss_fn == "gspo":
                 inputs["sequence_ratio_mask"] = torch.ones(n)
+            if loss_fn == "stable_reinforce":  # what the server resolves from provenance spans
+                inputs["sampled_mask"] = torch.from_numpy((rng.uniform(size=n) > 0.3).astype(np.float32))
         data.append(DatumInput(tokens=tokens[:-1], target_tokens=tokens[1:], inputs=inputs))
     config = dict(losses.LOSSES[loss_fn].config_defaults)
     return ForwardBackwardBatch(data=data, loss_fn=loss_fn, loss_config=config, forward_only=False)
