@@ -910,6 +910,16 @@ def _datum(tokens: list[int], **inputs: Any) -> types.Datum:
     return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=kept)
 
 
+def _spanned(datum: types.Datum, sequence_id: str, inputs: int, targets: int | None = None) -> types.Datum:
+    """``datum`` with provenance naming one sequence: prompt spans of ``inputs`` and ``targets``
+    positions (built as the SDK would, without its own tiling check, so that a bad one is sent)."""
+    from dataclasses import replace
+
+    spans = [types.PromptProvenanceSpan(sequence_id=sequence_id, length=inputs)]
+    loss = [types.PromptProvenanceSpan(sequence_id=sequence_id, length=targets if targets is not None else inputs)]
+    return replace(datum, model_input_spans=spans, loss_fn_input_spans=loss)
+
+
 def sdk_fb(datum: types.Datum, loss_fn: str = "cross_entropy", config: dict | None = None) -> Callable[[World], Any]:
     return lambda w: w.sdk["tc"].forward_backward([datum], loss_fn, loss_fn_config=config).result()
 
@@ -972,6 +982,40 @@ SDK_CASES: list[SdkCase] = [
         "loss_fn_config.clip_low_threshold",
     ),
     # The SDK sends NaN as null: a 422, which must still consume the seq_id (the last test checks).
+    # stable_reinforce and provenance spans
+    SdkCase(
+        "sdk stable_reinforce without provenance",
+        sdk_fb(_datum([5, 6, 7], weights=..., advantages=[1.0] * 3), "stable_reinforce"),
+        400,
+        "provenance",
+    ),
+    SdkCase(
+        "sdk span naming an unknown sequence_id",
+        sdk_fb(_spanned(_datum([5, 6, 7]), "sess-x:sample:0:1:0", 3), "cross_entropy"),
+        400,
+        "sequence_id",
+    ),
+    SdkCase(
+        "sdk spans that do not tile the targets",
+        sdk_fb(_spanned(_datum([5, 6, 7]), "sess-x:sample:0:1:0", 3, targets=2), "cross_entropy"),
+        400,
+        "loss_fn_input_spans",
+    ),
+    SdkCase(
+        "sdk stable_reinforce sampled_mask from the client",
+        sdk_fb(
+            _datum([5, 6, 7], weights=..., advantages=[1.0] * 3, sampled_mask=np.ones(3, dtype=np.float32)),
+            "stable_reinforce",
+        ),
+        400,
+        "loss_fn_inputs.sampled_mask",
+    ),
+    SdkCase(
+        "sdk load_state after the first request",
+        lambda w: w.sdk["tc"].load_state(w.weights_path).result(),
+        400,
+        "seq_id",
+    ),
     SdkCase("sdk NaN learning_rate", sdk_optim(learning_rate=math.nan), 422, "adam_params.learning_rate"),
     SdkCase("sdk negative learning_rate", sdk_optim(learning_rate=-1.0), 400, "learning_rate"),
     SdkCase("sdk beta1 = 1", sdk_optim(beta1=1.0), 400, "beta1"),

@@ -150,8 +150,9 @@ def good(env: Env, kind: str, seq: int):
 
 def runs(env: Env, path: str, kind: str, seq: int) -> dict:
     """The owner's request ``seq`` is accepted and finishes. (A forward_backward's seq_id is
-    taken by an optim_step: the model's order is one, whatever the request.)"""
-    if kind == "forward_backward":
+    taken by an optim_step: the model's order is one, whatever the request. So is a
+    load_weights', which succeeds only as a model's first request.)"""
+    if kind in ("forward_backward", "load_weights"):
         path, kind = "/api/v1/optim_step", "optim_step"
     r = send(env, env.owner, path, kind, good(env, kind, seq))
     assert r.status_code == 200, f"{path} seq {seq}: {r.status_code} {r.text}"

@@ -108,6 +108,7 @@ def test_resolution_marks_the_sampled_targets_with_the_recorded_logprobs(tmp_pat
     with pytest.raises(ApiError, match=r"loss_fn_input_spans\[1\]: position 3 holds token 99"):
         provenance.resolve(datum, "data[0]", rec)
     # runs that do not tile their field
+    provenance.check_tiling(datum, "data[0]")
     datum.loss_fn_input_spans = [Span(True, "r:1:0", 0, 3)]
-    with pytest.raises(ApiError, match="cover 3 positions; the field has 5"):
-        provenance.resolve(datum, "data[0]", rec)
+    with pytest.raises(ApiError, match=r"data\[0\].loss_fn_input_spans cover 3 positions; the field has 5"):
+        provenance.check_tiling(datum, "data[0]")

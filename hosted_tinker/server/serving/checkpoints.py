@@ -263,6 +263,14 @@ class CheckpointService:
                 raise bad_request(f"{path} holds a LoRA adapter {theirs}, but model {model.model_id} has {mine}")
             if base_model not in self.training.served_names:
                 raise bad_request(f"{path} was trained on {base_model!r}, which is not served here")
+            # As the official service: a state is loaded only as a training client's first
+            # request (seq_id 1), never into a model that has already been asked something.
+            if req.seq_id != 1:
+                raise bad_request(
+                    f"LoadWeights is not permitted with seq_id {req.seq_id}: load_state is allowed only as a "
+                    "training client's first request; to go on from a checkpoint, use "
+                    "ServiceClient.create_training_client_from_state[_with_optimizer]"
+                )
 
             def job() -> tuple[bytes, str]:
                 loaded = state_from_files(path, self.files.read(path))

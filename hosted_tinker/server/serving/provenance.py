@@ -49,8 +49,20 @@ def unknown_sequence(where: str, sequence_id: str) -> ApiError:
     )
 
 
+def check_tiling(datum: WireDatum, where: str) -> None:
+    """Each field's runs cover it exactly (before any record is looked up)."""
+    n = len(datum.tokens)
+    for name in ("model_input_spans", "loss_fn_input_spans"):
+        covered = sum(s.length for s in getattr(datum, name))
+        if covered != n:
+            raise bad_request(
+                f"{where}.{name} cover {covered} positions; the field has {n}: the runs must tile it exactly"
+            )
+
+
 def resolve(datum: WireDatum, where: str, records: dict[str, RecordedSequence]) -> Resolved:
-    """Check the datum's spans against ``records`` (which hold every sequence it names)."""
+    """Check the datum's spans (tiled: ``check_tiling``) against ``records``, which hold every
+    sequence it names."""
     targets = datum.loss_fn_inputs["target_tokens"]
     n = len(datum.tokens)
     _walk(datum.model_input_spans, n, f"{where}.model_input_spans", records, datum.tokens, check_prompt=True)
@@ -74,10 +86,7 @@ def _walk(
     *,
     check_prompt: bool,
 ) -> list[tuple[int, Span, RecordedSequence]]:
-    """Each span with its first position and its record, after checking tiling, bounds and tokens."""
-    covered = sum(s.length for s in spans)
-    if covered != n:
-        raise bad_request(f"{where} cover {covered} positions; the field has {n}: the runs must tile it exactly")
+    """Each span with its first position and its record, after checking bounds and tokens."""
     out, pos = [], 0
     for j, span in enumerate(spans):
         rec = records[span.sequence_id]

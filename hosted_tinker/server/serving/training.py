@@ -346,19 +346,22 @@ class TrainingService:
     ) -> None:
         """Check every datum's provenance spans against the sampler's records (restarting their
         day), and give a loss that reads the record (``recorded_inputs``) its inputs."""
+        for i, d in enumerate(wire_data):
+            if d.model_input_spans:
+                provenance.check_tiling(d, f"data[{i}]")
+            elif spec.needs_provenance:
+                raise bad_request(
+                    f"data[{i}] has no provenance: this loss reads what the sampler recorded, so every datum "
+                    "must name its sampled sequences (Datum.with_provenance, after sampling with "
+                    "record_stability_info=True)"
+                )
         wanted = set().union(*(provenance.sequence_ids(d) for d in wire_data))
-        if not wanted and not spec.needs_provenance:
+        if not wanted:
             return
         records = self.sequences.take(self.live_model(model_id).session_id, wanted)
         for i, (d, datum) in enumerate(zip(wire_data, data, strict=True)):
             where = f"data[{i}]"
             if not d.model_input_spans:
-                if spec.needs_provenance:
-                    raise bad_request(
-                        f"{where} has no provenance: this loss reads what the sampler recorded, so every datum "
-                        "must name its sampled sequences (Datum.with_provenance, after sampling with "
-                        "record_stability_info=True)"
-                    )
                 continue
             for field_name in ("model_input_spans", "loss_fn_input_spans"):
                 for j, span in enumerate(getattr(d, field_name)):
