@@ -135,24 +135,26 @@ def assert_same(got, want, what: str) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_train_exactly_like_one_process(ddp: ProcessBackend, reference: Trainer):
-    """Six steps, one per loss, of 1, 3 or 7 datums plus a second call that accumulates."""
+    """Seven steps, one per loss, of 1, 3 or 7 datums plus a second call that accumulates; also
+    the per-token loss terms (``elementwise_loss``) merged back in batch order."""
     for backend in (ddp, reference):
         backend.create_adapter("same", LoraSpec(rank=8, seed=11))
     rng = np.random.default_rng(0)
     probe = batch(rng, 5)
-    plan = zip((1, 3, 7, 3, 1, 7), losses.LOSSES, strict=True)
+    plan = zip((1, 3, 7, 3, 1, 7, 3), losses.LOSSES, strict=True)
     for step, (size, loss_fn) in enumerate(plan):
         for b in (batch(rng, size, loss_fn), batch(rng, 2, loss_fn)):
             got, want = ddp.forward_backward("same", b), reference.forward_backward("same", b)
             assert_same(got.logprobs, want.logprobs, f"step {step} ({loss_fn})")
+            assert_same(got.elementwise_loss, want.elementwise_loss, f"step {step} ({loss_fn}) terms")
             assert got.loss_sum == pytest.approx(want.loss_sum, rel=1e-5, abs=1e-5)
         got, want = ddp.optim_step("same", ADAM), reference.optim_step("same", ADAM)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-    assert_same(forward(ddp, "same", probe), forward(reference, "same", probe), "after six steps")
+    assert_same(forward(ddp, "same", probe), forward(reference, "same", probe), "after seven steps")
 
     rank0 = ddp.export_state("same")
     rank1 = ddp._group.workers[1].call("local_state", "same")  # rank 1 alone, for this check
-    assert rank0.steps == 6 and rank1.keys() == {**rank0.weights, **rank0.optimizer}.keys()
+    assert rank0.steps == 7 and rank1.keys() == {**rank0.weights, **rank0.optimizer}.keys()
     for name, tensor in {**rank0.weights, **rank0.optimizer}.items():
         assert torch.equal(tensor, rank1[name]), f"the ranks differ in {name}"
     for backend in (ddp, reference):
