@@ -991,7 +991,9 @@ SDK_CASES: list[SdkCase] = [
     ),
     SdkCase(
         "sdk span naming an unknown sequence_id",
-        sdk_fb(_spanned(_datum([5, 6, 7]), "sess-x:sample:0:1:0", 3), "cross_entropy"),
+        sdk_fb(
+            _spanned(_datum([5, 6, 7], weights=..., advantages=[1.0] * 3), "sess-x:sample:0:1:0", 3), "stable_reinforce"
+        ),
         400,
         "sequence_id",
     ),

@@ -110,11 +110,11 @@ def test_failed_request_does_not_block_the_next(api: Api):
 def test_rejected_submit_consumes_seq_and_reports_failure(api: Api):
     model = api.new_model()
     bad = pb.ForwardBackwardRequest.FromString(fwdbwd_body(model, 1))
-    bad.loss_fn = "stable_reinforce"
+    bad.loss_fn = "custom"
     r = api.post(
         "forward_backward", content=bad.SerializeToString(), headers={"Content-Type": "application/x-protobuf"}
     )
-    assert r.status_code == 400 and "stable_reinforce" in r.json()["detail"]
+    assert r.status_code == 400 and "custom" in r.json()["detail"]
     assert api.result(api.fwdbwd(fwdbwd_body(model, 2))).metrics["loss:sum"] > 0
 
 

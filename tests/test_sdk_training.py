@@ -272,9 +272,11 @@ def test_clear_errors(service_client, tokenizer):
         service_client.create_lora_training_client(base_model="no/such-model", rank=4).result()
     tc = service_client.create_lora_training_client(base_model=ALIAS, rank=4).result()
     datum = sft_datum(tokenizer)
-    for loss_fn in ("stable_reinforce", "custom", "nonsense"):
+    for loss_fn in ("custom", "nonsense"):
         with pytest.raises(tinker.BadRequestError, match=loss_fn):
             tc.forward_backward([datum], loss_fn).result()
+    with pytest.raises(tinker.BadRequestError, match="advantages is required"):
+        tc.forward_backward([datum], "stable_reinforce").result()
     with pytest.raises(tinker.BadRequestError, match="loss_fn_inputs.logprobs is required"):
         tc.forward_backward([datum], "ppo").result()
     with pytest.raises(tinker.BadRequestError, match="loss_fn_config.bogus"):

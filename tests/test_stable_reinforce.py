@@ -142,8 +142,10 @@ def test_provenance_that_does_not_match_the_record_is_refused(clients, server: S
     lps = list(seq.logprobs)
     lps[2] -= 0.5
     refused(rl_datum(seq, 1.0, logprobs=lps), r"loss_fn_inputs.logprobs\[13\] = .* but the sampler recorded")
-    # spans are checked for every loss, not only the one that reads them
-    refused(rl_datum(unrecorded, 1.0), "has no record in this session", loss_fn="importance_sampling")
+    # spans are checked against the record for every loss, not only the one that reads it ...
+    refused(rl_datum(seq, 1.0, prompt=tokens), r"position 3 holds token 34", loss_fn="importance_sampling")
+    # ... but only that one needs a record: the cookbook labels every RL datum, recorded or not
+    assert tc.forward([rl_datum(unrecorded, 1.0)], "importance_sampling").result().metrics["loss:sum"] != 0
     # another session cannot use this session's records
     with tinker.ServiceClient(base_url=server.base_url) as other:
         tc2 = other.create_lora_training_client(base_model=ALIAS, rank=8).result()

@@ -60,16 +60,21 @@ def check_tiling(datum: WireDatum, where: str) -> None:
             )
 
 
-def resolve(datum: WireDatum, where: str, records: dict[str, RecordedSequence]) -> Resolved:
-    """Check the datum's spans (tiled: ``check_tiling``) against ``records``, which hold every
-    sequence it names."""
+def resolve(
+    datum: WireDatum, where: str, records: dict[str, RecordedSequence], *, require_records: bool = True
+) -> Resolved:
+    """Check the datum's spans (tiled: ``check_tiling``) against ``records``, the live records of
+    the model's session. Without ``require_records`` (a loss that does not read them), a span
+    naming a sequence with no record is taken as the label it is: tinker-cookbook attaches
+    provenance to every RL datum, whatever the loss and whether or not its sampler recorded."""
     targets = datum.loss_fn_inputs["target_tokens"]
     n = len(datum.tokens)
-    _walk(datum.model_input_spans, n, f"{where}.model_input_spans", records, datum.tokens, check_prompt=True)
+    walk = {"records": records, "require_records": require_records}
+    _walk(datum.model_input_spans, f"{where}.model_input_spans", datum.tokens, check_prompt=True, **walk)
     mask = np.zeros(n, dtype=np.float32)
     logprobs = np.zeros(n, dtype=np.float32)
     for pos, span, rec in _walk(
-        datum.loss_fn_input_spans, n, f"{where}.loss_fn_input_spans", records, targets, check_prompt=False
+        datum.loss_fn_input_spans, f"{where}.loss_fn_input_spans", targets, check_prompt=False, **walk
     ):
         if span.sampled:
             mask[pos : pos + span.length] = 1.0
@@ -79,17 +84,22 @@ def resolve(datum: WireDatum, where: str, records: dict[str, RecordedSequence]) 
 
 def _walk(
     spans: list[Span],
-    n: int,
     where: str,
-    records: dict[str, RecordedSequence],
     tokens: np.ndarray,
     *,
+    records: dict[str, RecordedSequence],
+    require_records: bool,
     check_prompt: bool,
 ) -> list[tuple[int, Span, RecordedSequence]]:
-    """Each span with its first position and its record, after checking bounds and tokens."""
+    """Each recorded span with its first position and its record, after checking bounds and tokens."""
     out, pos = [], 0
     for j, span in enumerate(spans):
-        rec = records[span.sequence_id]
+        rec = records.get(span.sequence_id)
+        if rec is None:
+            if require_records:
+                raise unknown_sequence(f"{where}[{j}]", span.sequence_id)
+            pos += span.length
+            continue
         source = rec.tokens if span.sampled else rec.prompt
         name = "sampled tokens" if span.sampled else "prompt"
         if span.offset + span.length > len(source):

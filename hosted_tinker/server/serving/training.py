@@ -345,7 +345,8 @@ class TrainingService:
         self, model_id: str, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec
     ) -> None:
         """Check every datum's provenance spans against the sampler's records (restarting their
-        day), and give a loss that reads the record (``recorded_inputs``) its inputs."""
+        day), and give a loss that reads the record (``recorded_inputs``) its inputs. Only such a
+        loss needs every named sequence to have a record."""
         for i, d in enumerate(wire_data):
             if d.model_input_spans:
                 provenance.check_tiling(d, f"data[{i}]")
@@ -363,11 +364,7 @@ class TrainingService:
             where = f"data[{i}]"
             if not d.model_input_spans:
                 continue
-            for field_name in ("model_input_spans", "loss_fn_input_spans"):
-                for j, span in enumerate(getattr(d, field_name)):
-                    if span.sequence_id not in records:
-                        raise provenance.unknown_sequence(f"{where}.{field_name}[{j}]", span.sequence_id)
-            resolved = provenance.resolve(d, where, records)
+            resolved = provenance.resolve(d, where, records, require_records=spec.needs_provenance)
             if spec.needs_provenance:
                 if "logprobs" in datum.inputs:
                     provenance.check_client_logprobs(datum.inputs["logprobs"].numpy(), resolved, where)
