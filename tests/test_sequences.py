@@ -45,6 +45,16 @@ def test_a_record_lives_a_day_from_its_last_use_and_only_for_its_session(tmp_pat
     records.close()
 
 
+def test_a_request_may_name_more_sequences_than_a_statement_takes(tmp_path):
+    records = SequenceRecords(tmp_path / "db.sqlite")
+    records.record("s", "r:1", [1], [(f"r:1:{i}", [i], [-1.0]) for i in range(1200)])
+    wanted = [f"r:1:{i}" for i in range(0, 1200, 2)] + [
+        f"nope:{i}" for i in range(260_000)
+    ]  # over this build's cap of 250,000
+    got = records.take("s", wanted)
+    assert len(got) == 600 and int(got["r:1:1198"].tokens[0]) == 1198
+
+
 def test_records_survive_reopening(tmp_path):
     SequenceRecords(tmp_path / "db.sqlite").record("s", "x:1", [4], [("x:1:0", [5], [-0.1])])
     again = SequenceRecords(tmp_path / "db.sqlite")

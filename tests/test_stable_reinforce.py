@@ -18,6 +18,7 @@ import tinker
 from tinker import types
 
 from tests.conftest import ALIAS, ServerProcess, start_server
+from tests.test_losses import ref_stable_reinforce
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -51,14 +52,15 @@ def rl_datum(seq: types.SampledSequence, advantage: float, prompt=PROMPT, logpro
 
 
 def reference_loss(seqs, advantages, learner, c=2.0, beta=0.0) -> tuple[float, list[np.ndarray]]:
-    """float64: Σ over sampled tokens of -min(ρ, c)·A·lp + β(ρ - 1 - log ρ); 0 on the prompt."""
+    """test_losses' float64 reference on the learner log-probs the server returned and the sampler
+    log-probs the client saw; prompt positions (the first len(PROMPT) - 1) are not sampled."""
     total, per_datum = 0.0, []
-    for seq, adv, lp_all in zip(seqs, advantages, learner, strict=True):
-        lp = np.asarray(lp_all, dtype=np.float64)[len(PROMPT) - 1 :]
-        q = np.asarray(seq.logprobs, dtype=np.float64)
-        rho = np.exp(lp - q)
-        terms = -np.minimum(rho, c) * adv * lp + beta * (rho - 1 - (lp - q))
-        per_datum.append(np.concatenate([np.zeros(len(PROMPT) - 1), terms]))
+    for seq, adv, lp in zip(seqs, advantages, learner, strict=True):
+        n_prompt = len(PROMPT) - 1
+        q = np.concatenate([np.zeros(n_prompt), np.asarray(seq.logprobs, dtype=np.float64)])
+        sampled = np.concatenate([np.zeros(n_prompt), np.ones(len(seq.logprobs))])
+        terms, _ = ref_stable_reinforce(np.asarray(lp, dtype=np.float64), q, np.full(len(q), adv), sampled, c, beta)
+        per_datum.append(terms)
         total += terms.sum()
     return total, per_datum
 

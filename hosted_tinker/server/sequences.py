@@ -14,7 +14,6 @@ they survive a restart.
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,7 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from hosted_tinker.server.store import connect
+
 TTL_S = 24 * 3600.0
+# Ids per statement: SQLite caps a statement's parameters (32766), and a request may name
+# as many sequences as its body holds spans.
+_IDS_PER_QUERY = 500
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sampled_prompts (
@@ -55,10 +59,7 @@ class RecordedSequence:
 
 class SequenceRecords:
     def __init__(self, path: str | Path, ttl_s: float = TTL_S, clock: Callable[[], float] = time.time) -> None:
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._db = connect(path, _SCHEMA)
         self._lock = threading.Lock()
         self.ttl_s = ttl_s
         self._clock = clock
@@ -92,24 +93,25 @@ class SequenceRecords:
         """The live records of ``session_id`` among ``sequence_ids`` (others are simply absent),
         each with its day restarted: a training request is using them."""
         ids = sorted(set(sequence_ids))
-        if not ids:
-            return {}
         now = self._clock()
-        marks = ",".join("?" * len(ids))
+        rows: list[tuple] = []
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            rows = self._db.execute(
-                "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs FROM sampled_sequences s "
-                "JOIN sampled_prompts p ON p.request_key = s.request_key "
-                f"WHERE s.session_id=? AND s.expires_at>? AND s.sequence_id IN ({marks})",
-                (session_id, now, *ids),
-            ).fetchall()
-            found = [r[0] for r in rows]
-            if found:
+            for start in range(0, len(ids), _IDS_PER_QUERY):
+                chunk = ids[start : start + _IDS_PER_QUERY]
+                marks = ",".join("?" * len(chunk))
+                found = self._db.execute(
+                    "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs FROM sampled_sequences s "
+                    "JOIN sampled_prompts p ON p.request_key = s.request_key "
+                    f"WHERE s.session_id=? AND s.expires_at>? AND s.sequence_id IN ({marks})",
+                    (session_id, now, *chunk),
+                ).fetchall()
                 self._db.execute(
-                    f"UPDATE sampled_sequences SET expires_at=? WHERE sequence_id IN ({','.join('?' * len(found))})",
-                    (now + self.ttl_s, *found),
+                    f"UPDATE sampled_sequences SET expires_at=? WHERE session_id=? AND expires_at>? "
+                    f"AND sequence_id IN ({marks})",
+                    (now + self.ttl_s, session_id, now, *chunk),
                 )
+                rows += found
         return {
             sid: RecordedSequence(
                 np.frombuffer(prompt, dtype="<i4"), np.frombuffer(tokens, dtype="<i4"), np.frombuffer(lps, dtype="<f4")

@@ -84,14 +84,21 @@ CREATE TABLE IF NOT EXISTS samplers (
 """
 
 
+def connect(path: str | Path, schema: str) -> sqlite3.Connection:
+    """A connection to the server's database as every part of it opens one: shared between
+    threads (each user guards it with its own lock), autocommit, WAL, ``schema`` applied."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.executescript(schema)
+    return db
+
+
 class Store:
     def __init__(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = Path(path)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._db = connect(path, _SCHEMA)
         self._migrate()
         self._lock = threading.Lock()
 

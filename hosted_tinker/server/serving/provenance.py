@@ -32,10 +32,14 @@ LOGPROB_TOLERANCE = 1e-5
 
 @dataclass
 class Resolved:
-    """Per target position ``(N,)``: 1.0 where it is a sampled token, and the sampler's log-prob."""
+    """Per target position ``(N,)``: 1.0 where it is a sampled token, and the sampler's log-prob;
+    by the names of a loss's ``recorded_inputs`` (``inputs``)."""
 
     sampled_mask: np.ndarray
     logprobs: np.ndarray
+
+    def inputs(self) -> dict[str, np.ndarray]:
+        return {"sampled_mask": self.sampled_mask, "logprobs": self.logprobs}
 
 
 def sequence_ids(datum: WireDatum) -> set[str]:

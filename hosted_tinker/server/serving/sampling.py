@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+from dataclasses import dataclass
 
 from pydantic import ValidationError
 
@@ -51,6 +52,16 @@ def prompt_tokens(prompt: wire.ModelInput) -> list[int]:
             loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
             raise bad_request(f"{where}{loc}: {first['msg']}") from None
     return tokens
+
+
+@dataclass(frozen=True)
+class Recording:
+    """Where a request sampled with ``record_stability_info`` is recorded: its session, its key
+    (``<sampler>:<seq_id>``) and the ids its sequences were given."""
+
+    session_id: str
+    request_key: str
+    sequence_ids: list[str]
 
 
 class SamplingService:
@@ -196,7 +207,8 @@ class SamplingService:
         if sampler is None:
             raise not_found(f"sampling_session_id {req.sampling_session_id!r} does not exist")
         seq_id = req.seq_id if req.seq_id is not None else secrets.randbits(62)
-        sequence_ids = [f"{sampler.sampler_id}:{seq_id}:{i}" for i in range(req.num_samples)]
+        request_key = f"{sampler.sampler_id}:{seq_id}"
+        sequence_ids = [f"{request_key}:{i}" for i in range(req.num_samples)]
         if (existing := self.scheduler.find(sampler.sampler_id, seq_id)) is not None:  # a resend
             return existing, sequence_ids
         self._refuse_unsupported(req)
@@ -215,7 +227,7 @@ class SamplingService:
         request_id = self.scheduler.register("sample", model_id=sampler.sampler_id, seq_id=seq_id)
         # With record_stability_info, what the sampler chose is recorded for training
         # (``server.sequences``) under the ids the client gets, before the result is visible.
-        record = (sampler.session_id, sequence_ids) if req.record_stability_info else None
+        record = Recording(sampler.session_id, request_key, sequence_ids) if req.record_stability_info else None
         task = asyncio.get_running_loop().create_task(
             self._sample_into(request_id, self.weights_of(sampler), spec, record)
         )
@@ -224,15 +236,17 @@ class SamplingService:
         return request_id, sequence_ids
 
     async def _sample_into(
-        self, request_id: str, weights: WeightsRef, spec: SampleSpec, record: tuple[str, list[str]] | None
+        self, request_id: str, weights: WeightsRef, spec: SampleSpec, record: Recording | None
     ) -> None:
         try:
             output = await self.run(weights, spec)
             if record is not None:
-                session_id, sequence_ids = record
-                sequences = [(sid, s.tokens, s.logprobs) for sid, s in zip(sequence_ids, output.sequences, strict=True)]
-                request_key = sequence_ids[0].rpartition(":")[0]  # "<sampler>:<seq_id>"
-                await asyncio.to_thread(self.sequences.record, session_id, request_key, spec.prompt, sequences)
+                sequences = [
+                    (sid, s.tokens, s.logprobs) for sid, s in zip(record.sequence_ids, output.sequences, strict=True)
+                ]
+                await asyncio.to_thread(
+                    self.sequences.record, record.session_id, record.request_key, spec.prompt, sequences
+                )
         except Exception as e:
             self.scheduler.fail_with(request_id, e)
         except asyncio.CancelledError:  # the server is shutting down: the future must still end

@@ -368,8 +368,8 @@ class TrainingService:
             if spec.needs_provenance:
                 if "logprobs" in datum.inputs:
                     provenance.check_client_logprobs(datum.inputs["logprobs"].numpy(), resolved, where)
-                datum.inputs["logprobs"] = torch.from_numpy(resolved.logprobs)
-                datum.inputs["sampled_mask"] = torch.from_numpy(resolved.sampled_mask)
+                recorded = resolved.inputs()
+                datum.inputs.update({key: torch.from_numpy(recorded[key]) for key in spec.recorded_inputs})
 
     # ---- optimizer ------------------------------------------------------------------------
 
