@@ -63,3 +63,14 @@ class ModelRecord:
     lora: dict[str, Any]
     user_metadata: dict[str, Any]
     status: str  # active | unloaded | lost
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    session_id: str
+    created_at: float
+    owner: str
+    project_id: str | None
+    status: str  # active | finished:<success|errored|interrupted>
+    display_name: str | None
+    user_metadata: dict[str, Any]

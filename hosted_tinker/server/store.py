@@ -12,7 +12,14 @@ import threading
 import time
 from pathlib import Path
 
-from hosted_tinker.server.records import ApiKeyRecord, CheckpointRecord, FutureRecord, ModelRecord, SamplerRecord
+from hosted_tinker.server.records import (
+    ApiKeyRecord,
+    CheckpointRecord,
+    FutureRecord,
+    ModelRecord,
+    SamplerRecord,
+    SessionRow,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -372,6 +379,21 @@ class Store:
             (owner, limit, offset),
         )
         return [r[0] for r in rows.fetchall()]
+
+    def sessions_of(self, owner: str) -> list[SessionRow]:
+        """``owner``'s sessions, newest first."""
+        rows = self._exec(
+            "SELECT session_id, created_at, owner, project_id, status, display_name, user_metadata FROM sessions "
+            "WHERE owner=? ORDER BY created_at DESC",
+            (owner,),
+        ).fetchall()
+        return [SessionRow(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6])) for r in rows]
+
+    def checkpoints_count(self, session_id: str) -> int:
+        return self._exec(
+            "SELECT COUNT(*) FROM checkpoints c JOIN models m ON m.model_id = c.model_id WHERE m.session_id=?",
+            (session_id,),
+        ).fetchone()[0]
 
     def get_session(self, session_id: str) -> dict | None:
         row = self._exec(

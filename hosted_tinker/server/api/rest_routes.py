@@ -123,6 +123,11 @@ async def list_sessions(
     return {"sessions": server_state(request).store.list_sessions(tenant_of(request), limit, offset)}
 
 
+@router.post("/sessions/search", **rsp.as_built(rsp.SessionSearchResponse))
+async def search_sessions(req: wire.SessionSearchRequest, request: Request) -> dict:
+    return server_state(request).sessions.search(req, tenant_of(request))
+
+
 @router.get("/sessions/{session_id}", **rsp.as_built(rsp.GetSessionResponse))
 async def get_session(session_id: str, request: Request, access_scope: str = "owned") -> dict:
     state = server_state(request)

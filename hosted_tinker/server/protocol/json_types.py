@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 
 class Request(BaseModel):
@@ -53,6 +53,37 @@ class FinishReason(Request):
 class FinishSessionRequest(Request):
     reason: FinishReason
     detail: str | None = None
+
+
+class SearchOwner(Request):
+    """Whose sessions: ``own``; ``accessible`` (all a key may list: its own, here); ``user``,
+    the sessions of the listed owners (``SessionSummary.owner``) the key may list."""
+
+    type: Literal["own", "accessible", "user"] = "own"
+    owner_urns: list[str] | None = Field(default=None, min_length=1, max_length=10)
+
+
+class SessionStatusQuery(Request):
+    type: Literal["active", "cancelled", "failed", "client_finished"]
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(default=None, min_length=1)
+
+
+class SessionSearchCursor(Request):
+    last_created_at: AwareDatetime
+    last_session_id: str
+
+
+class SessionSearchRequest(Request):
+    """``RestClient.search_sessions`` (SDK ``types.SessionSearchRequest``)."""
+
+    session_id: str | None = None
+    project_ids: list[str] | None = None
+    user_metadata: dict[str, str] = Field(default_factory=dict)
+    display_name: str | None = Field(default=None, min_length=1)
+    owner: SearchOwner = Field(default_factory=SearchOwner)
+    statuses: list[SessionStatusQuery] | None = Field(default=None, min_length=1)
+    limit: int = Field(default=50, ge=1, le=200)
+    cursor: SessionSearchCursor | None = None
 
 
 class TelemetryRequest(BaseModel):

@@ -9,6 +9,7 @@ ISO 8601 strings (typed ``str`` so that their spelling is not re-rendered by pyd
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,6 +19,12 @@ from hosted_tinker.server.protocol.json_types import CreateSessionResponse, Unty
 __all__ = ["CreateSessionResponse", "UntypedFuture"]
 
 _ISO = {"format": "date-time"}
+
+
+def iso_time(t: float) -> datetime.datetime:
+    """A stored time (Unix seconds) as the aware datetime the wire carries (``.isoformat()``),
+    microsecond precision: compare with the client's copy as this, never as the float."""
+    return datetime.datetime.fromtimestamp(t, datetime.UTC)
 
 
 class Response(BaseModel):
@@ -285,6 +292,27 @@ class GetSessionResponse(Response):
     sampler_ids: list[str]
     user_metadata: dict[str, str] | None = None
     display_name: str | None = None
+
+
+class SessionSearchCursor(Response):
+    last_created_at: str = Field(json_schema_extra=_ISO)
+    last_session_id: str
+
+
+class SessionSummary(Response):
+    session_id: str
+    created_at: str = Field(json_schema_extra=_ISO)
+    owner: str
+    project_id: str
+    status: dict[str, Any] | None = None  # SDK SessionStatus: {"type": "active"} | {"type": "client_finished", ...}
+    checkpoints_count: int
+    display_name: str | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class SessionSearchResponse(Response):
+    sessions: list[SessionSummary]
+    next_cursor: SessionSearchCursor | None = None
 
 
 # ---- OpenAI-compatible ----------------------------------------------------------------------

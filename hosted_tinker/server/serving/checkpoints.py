@@ -8,7 +8,6 @@ request of the model produced. File I/O happens in those jobs, never on the even
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import hmac
 import json
@@ -32,6 +31,7 @@ from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.core.types import TrainingBackend
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.records import CheckpointRecord, ModelRecord, SamplerRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving.training import TrainingService, json_result
@@ -46,7 +46,7 @@ DOWNLOAD_URL_TTL_S = 3600
 
 
 def _iso(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat()
+    return iso_time(t).isoformat()
 
 
 def _check_ttl(ttl_seconds: int | None) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 
-from hosted_tinker.core.errors import ApiError, not_found
+from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol.responses import iso_time
+from hosted_tinker.server.records import SessionRow
 from hosted_tinker.server.serving.training import TrainingService
 from hosted_tinker.server.store import Store
 
@@ -49,3 +51,89 @@ class SessionService:
         if self.on_finish is not None:
             self.on_finish(session_id)
         return {}
+
+    # ---- search (RestClient.search_sessions) -----------------------------------------------
+
+    def search(self, req: wire.SessionSearchRequest, owner: str) -> dict:
+        """One page of the caller's sessions that match, newest first. A key lists only its own
+        sessions, so ``accessible`` is ``own`` and ``user`` finds the caller's among its URNs."""
+        if req.owner.type == "user" and owner not in (req.owner.owner_urns or []):
+            return {"sessions": []}
+        if req.owner.type != "user" and req.owner.owner_urns is not None:
+            raise bad_request(f"owner.owner_urns is only for owner.type 'user', not {req.owner.type!r}")
+        # Pages are ordered and cut by the key the cursor carries: time at microseconds, then id.
+        rows = sorted(self.store.sessions_of(owner), key=lambda r: (iso_time(r.created_at), r.session_id), reverse=True)
+        if req.project_ids is not None:
+            projects = {_project(r) for r in rows}
+            unknown = [p for p in req.project_ids if p not in projects and p != DEFAULT_PROJECT]
+            if unknown:
+                raise not_found(f"project_ids: {unknown[0]!r} is not a project of yours")
+        if req.cursor is not None:  # compared as the wire has it: microseconds, not the stored float
+            after = (req.cursor.last_created_at, req.cursor.last_session_id)
+            rows = [r for r in rows if (iso_time(r.created_at), r.session_id) < after]
+        matches: list[SessionRow] = []
+        for row in rows:
+            if _matches(row, req):
+                matches.append(row)
+                if len(matches) > req.limit:  # one more than a page: there is a next page
+                    break
+        page = matches[: req.limit]
+        next_cursor = None
+        if len(matches) > req.limit:
+            last = page[-1]
+            next_cursor = {"last_created_at": iso_time(last.created_at).isoformat(), "last_session_id": last.session_id}
+        return {"sessions": [self._summary(r) for r in page], "next_cursor": next_cursor}
+
+    def _summary(self, row: SessionRow) -> dict:
+        return {
+            "session_id": row.session_id,
+            "created_at": iso_time(row.created_at).isoformat(),
+            "owner": row.owner,
+            "project_id": _project(row),
+            "status": _status(row.status),
+            "checkpoints_count": self.store.checkpoints_count(row.session_id),
+            "display_name": row.display_name,
+            "user_metadata": {k: str(v) for k, v in row.user_metadata.items()},
+        }
+
+
+# A session created without a project belongs to this one (SessionSummary.project_id is required).
+DEFAULT_PROJECT = "default"
+
+
+def _project(row: SessionRow) -> str:
+    return row.project_id or DEFAULT_PROJECT
+
+
+def _status(stored: str) -> dict:
+    """The SDK's ``SessionStatus`` of a stored status (``active``, ``finished:<reason>``)."""
+    if stored == "active":
+        return {"type": "active"}
+    return {"type": "client_finished", "reason": {"type": stored.removeprefix("finished:")}}
+
+
+def _matches(row: SessionRow, req: wire.SessionSearchRequest) -> bool:
+    # session_id and display_name: either one (the SDK's rule); each word of the name, anywhere.
+    named = []
+    if req.session_id is not None:
+        named.append(row.session_id == req.session_id)
+    if req.display_name is not None:
+        name = (row.display_name or "").casefold()
+        named.append(all(word in name for word in req.display_name.casefold().split()))
+    if named and not any(named):
+        return False
+    if req.project_ids is not None and _project(row) not in req.project_ids:
+        return False
+    if any(str(row.user_metadata.get(k)) != v or k not in row.user_metadata for k, v in req.user_metadata.items()):
+        return False
+    if req.statuses is not None:
+        status = _status(row.status)
+        if not any(_status_matches(status, q) for q in req.statuses):
+            return False
+    return True
+
+
+def _status_matches(status: dict, query: wire.SessionStatusQuery) -> bool:
+    if status["type"] != query.type:
+        return False
+    return query.reasons is None or status.get("reason", {}).get("type") in query.reasons
