@@ -156,6 +156,28 @@ class CheckpointFiles:
             files[name] = data
         return files
 
+    def link(self, source: TinkerPath, target: TinkerPath) -> int:
+        """Make ``target`` the same checkpoint as ``source``, sharing its files (hard links; a
+        copy where the filesystem has none), after checking them against the manifest. Files
+        are never rewritten in place, so neither side can change the other; deleting one
+        leaves the other whole. Returns the size in bytes."""
+        files = self.read(source)  # verified: a corrupt source is refused, not propagated
+        if self.directory(target).exists():
+            raise CheckpointError(f"{target} already exists")
+        staging = Path(tempfile.mkdtemp(dir=self._tmp))
+        try:
+            for name in (*files, MANIFEST):
+                try:
+                    os.link(self.directory(source) / name, staging / name)
+                except OSError:
+                    shutil.copy2(self.directory(source) / name, staging / name)
+            self.directory(target).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging, self.directory(target))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return sum(len(d) for d in files.values())
+
     def delete(self, path: TinkerPath) -> None:
         directory = self.directory(path)
         if directory.exists():

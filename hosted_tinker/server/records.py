@@ -62,7 +62,7 @@ class ModelRecord:
     base_model: str
     lora: dict[str, Any]
     user_metadata: dict[str, Any]
-    status: str  # active | unloaded | lost
+    status: str  # active | unloaded | lost | failed | copy (holds copy_weights, never trained)
 
 
 @dataclass(frozen=True)

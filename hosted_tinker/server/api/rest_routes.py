@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 
 from hosted_tinker.server.api.auth import tenant_of
@@ -121,6 +121,16 @@ async def list_sessions(
     access_scope: str = "owned",
 ) -> dict:
     return {"sessions": server_state(request).store.list_sessions(tenant_of(request), limit, offset)}
+
+
+@router.post("/copy_weights", **rsp.as_built(rsp.CopyWeightsResponse))
+async def copy_weights(
+    req: wire.CopyWeightsRequest,
+    request: Request,
+    idempotency_key: str | None = Header(None, alias="X-Idempotency-Key"),
+) -> dict:
+    state = server_state(request)
+    return await asyncio.to_thread(state.copies.copy, req, tenant_of(request), idempotency_key)
 
 
 @router.post("/sessions/search", **rsp.as_built(rsp.SessionSearchResponse))

@@ -24,6 +24,7 @@ from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving.checkpoints import CheckpointService
+from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.server.serving.recovery import ModelRecovery
@@ -53,6 +54,7 @@ class ServerState:
     sessions: SessionService
     training: TrainingService
     checkpoints: CheckpointService
+    copies: CopyService
     sampling: SamplingService
     openai: OpenAIService
     vllm: VllmEngine | None = None
@@ -134,6 +136,7 @@ def build_state(config: ServerConfig) -> ServerState:
         sessions=SessionService(store, training, on_finish=checkpoints.finish_session),
         training=training,
         checkpoints=checkpoints,
+        copies=CopyService(store, files, tenancy),
         sampling=sampling,
         openai=openai,
         vllm=vllm,

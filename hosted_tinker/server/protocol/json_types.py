@@ -55,6 +55,18 @@ class FinishSessionRequest(Request):
     detail: str | None = None
 
 
+class CopyWeightsRequest(Request):
+    """``RestClient.copy_weights`` / ``ServiceClient.copy_weights``: into a new run of a new
+    session in ``destination_project_id``, or into run ``model_seq_id`` of ``session_id``."""
+
+    session_id: str | None = None
+    model_seq_id: int | None = Field(default=None, ge=0, lt=2**63)
+    destination_project_id: str | None = None
+    source_path: str
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = None
+
+
 class SearchOwner(Request):
     """Whose sessions: ``own``; ``accessible`` (all a key may list: its own, here); ``user``,
     the sessions of the listed owners (``SessionSummary.owner``) the key may list."""

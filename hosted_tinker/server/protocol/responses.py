@@ -294,6 +294,10 @@ class GetSessionResponse(Response):
     display_name: str | None = None
 
 
+class CopyWeightsResponse(Response):
+    tinker_path: str
+
+
 class SessionSearchCursor(Response):
     last_created_at: str = Field(json_schema_extra=_ISO)
     last_session_id: str

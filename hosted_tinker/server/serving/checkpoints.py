@@ -49,7 +49,7 @@ def _iso(t: float) -> str:
     return iso_time(t).isoformat()
 
 
-def _check_ttl(ttl_seconds: int | None) -> None:
+def check_ttl(ttl_seconds: int | None) -> None:
     if ttl_seconds is not None and not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
         raise bad_request(f"ttl_seconds must be between {MIN_TTL_S} and {MAX_TTL_S} (or null), got {ttl_seconds}")
 
@@ -99,7 +99,7 @@ class CheckpointService:
         }[kind]
 
         def prepare() -> Job:
-            _check_ttl(ttl_seconds)
+            check_ttl(ttl_seconds)
             try:
                 path = TinkerPath(model_id, kind, validate_name(name))
             except CheckpointError as e:
@@ -429,7 +429,7 @@ class CheckpointService:
 
     def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         path, _ = self._record(run_id, checkpoint_id)
-        _check_ttl(ttl_seconds)
+        check_ttl(ttl_seconds)
         expires = time.time() + ttl_seconds if ttl_seconds is not None else None
         self.store.update_checkpoint(path.run_id, path.kind, path.name, expires_at=expires)
 

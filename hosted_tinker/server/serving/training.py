@@ -90,6 +90,11 @@ class TrainingService:
             raise bad_request(
                 f"model {model_id} was lost in a server restart or with its worker; recreate it (or load a saved state)"
             )
+        if model.status == "copy":
+            raise bad_request(
+                f"training run {model_id} holds copied weights (copy_weights) and cannot be trained on; "
+                "create a training client from its checkpoint"
+            )
         if model.status == "failed":
             raise bad_request(f"model {model_id} could not be created; its create_model future says why")
         return model
