@@ -43,6 +43,8 @@ class SamplerRecord:
     model_path: str | None  # tinker:// path it samples from, if made from one
     model_id: str | None  # the training model it was saved from, if ephemeral
     snapshot: str | None  # where an ephemeral sampler's frozen adapter lives
+    # snapshot: those weights, always; inflight: the newest inflight snapshot of its model
+    kind: str = "snapshot"
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,8 @@ CREATE TABLE IF NOT EXISTS samplers (
     model_path TEXT,
     model_id TEXT,
     snapshot TEXT,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    kind TEXT NOT NULL DEFAULT 'snapshot'
 );
 """
 
@@ -115,10 +116,14 @@ class Store:
         return cls(Path(data_dir) / "hosted_tinker.sqlite")
 
     def _migrate(self) -> None:
-        """Columns added since a data dir was created (sessions made before keys belong to no key)."""
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
-        if "owner" not in columns:
-            self._db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+        """Columns added since a data dir was created (sessions made before keys belong to no key,
+        samplers made before inflight ones are snapshots)."""
+        for table, column, declared in [
+            ("sessions", "owner", "TEXT NOT NULL DEFAULT ''"),
+            ("samplers", "kind", "TEXT NOT NULL DEFAULT 'snapshot'"),
+        ]:
+            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declared}")
 
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self._lock:
@@ -419,11 +424,12 @@ class Store:
         model_path: str | None,
         model_id: str | None,
         snapshot: str | None = None,
+        kind: str = "snapshot",
     ) -> None:
         self._exec(
-            "INSERT INTO samplers(sampler_id, session_id, base_model, model_path, model_id, snapshot, created_at) "
-            "VALUES (?,?,?,?,?,?,?)",
-            (sampler_id, session_id, base_model, model_path, model_id, snapshot, time.time()),
+            "INSERT INTO samplers(sampler_id, session_id, base_model, model_path, model_id, snapshot, created_at, "
+            "kind) VALUES (?,?,?,?,?,?,?,?)",
+            (sampler_id, session_id, base_model, model_path, model_id, snapshot, time.time(), kind),
         )
 
     def ephemeral_sampler_ids(self, owner: str) -> list[str]:
@@ -441,7 +447,7 @@ class Store:
         if owner is not None:
             where, args = where + " AND s.owner=?", [*args, owner]
         rows = self._exec(
-            "SELECT x.sampler_id, x.session_id, x.base_model, x.model_path, x.model_id, x.snapshot "
+            "SELECT x.sampler_id, x.session_id, x.base_model, x.model_path, x.model_id, x.snapshot, x.kind "
             "FROM samplers x LEFT JOIN sessions s ON s.session_id = x.session_id "
             f"WHERE {where} ORDER BY x.created_at DESC, x.rowid DESC",
             tuple(args),
@@ -453,7 +459,7 @@ class Store:
 
     def get_sampler(self, sampler_id: str) -> SamplerRecord | None:
         row = self._exec(
-            "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot "
+            "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot, kind "
             "FROM samplers WHERE sampler_id=?",
             (sampler_id,),
         ).fetchone()

@@ -148,8 +148,12 @@ class CheckpointService:
 
     def save_weights_for_sampler(self, req: wire.SaveWeightsForSamplerRequest) -> str:
         refusal = None
-        if req.kind != "snapshot":
-            refusal = bad_request(f"kind {req.kind!r} is not supported; this server saves 'snapshot' sampler weights")
+        if req.kind not in ("snapshot", "inflight"):
+            refusal = bad_request(f"kind must be 'snapshot' or 'inflight', got {req.kind!r}")
+        elif req.kind == "inflight" and req.path is not None:
+            refusal = bad_request(
+                "kind 'inflight' is for save_weights_and_get_sampling_client; a named save is a snapshot"
+            )
         elif req.path is None and req.sampling_session_seq_id is None:
             refusal = bad_request("save_weights_for_sampler needs either path (a name) or sampling_session_seq_id")
         if refusal is not None:
@@ -167,7 +171,8 @@ class CheckpointService:
         return self._save_ephemeral(req)
 
     def _save_ephemeral(self, req: wire.SaveWeightsForSamplerRequest) -> str:
-        """A frozen copy of the current adapter, registered as a sampling session."""
+        """A frozen copy of the current adapter, registered as a sampling session. An inflight
+        one is also the new target of every inflight session of the model (``weights_of``)."""
 
         def prepare() -> Job:
             model = self.training.live_model(req.model_id)
@@ -185,14 +190,23 @@ class CheckpointService:
                     model_path=None,
                     model_id=req.model_id,
                     snapshot=str(snapshot),
+                    kind=req.kind,
                 )
-                self._retire_snapshots(self.store.ephemeral_samplers(model_id=req.model_id)[KEEP_SNAPSHOTS:])
+                self._retire_old(req.model_id)
                 self._sampler_saved(self.ephemeral, snapshot)
                 return json_result({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
             return job
 
         return self.training.submit_ordered("save_weights_for_sampler", req.model_id, req.seq_id, prepare)
+
+    def _retire_old(self, model_id: str) -> None:
+        """Keep a model's newest snapshot sessions; an inflight session stays (it follows the
+        newest inflight weights), only its own old weights go."""
+        samplers = self.store.ephemeral_samplers(model_id=model_id)
+        self._retire_snapshots([s for s in samplers if s.kind == "snapshot"][KEEP_SNAPSHOTS:])
+        for sampler in [s for s in samplers if s.kind == "inflight"][KEEP_SNAPSHOTS:]:
+            self.ephemeral.delete(TinkerPath.parse(sampler.snapshot))
 
     def _retire_snapshots(self, samplers: list[SamplerRecord]) -> None:
         """Delete ephemeral snapshots (an RL loop makes one per step; each is a full adapter)."""

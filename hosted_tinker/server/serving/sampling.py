@@ -93,6 +93,8 @@ class SamplingService:
     # ---- validation -------------------------------------------------------------------------
 
     def weights_of(self, sampler: SamplerRecord) -> WeightsRef:
+        if sampler.kind == "inflight":  # the model's newest inflight weights, whichever session
+            sampler = next(s for s in self.store.ephemeral_samplers(model_id=sampler.model_id) if s.kind == "inflight")
         if sampler.snapshot is not None:
             return WeightsRef(sampler.snapshot, self.ephemeral, TinkerPath.parse(sampler.snapshot))
         if sampler.model_path is not None:
