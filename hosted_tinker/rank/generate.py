@@ -27,13 +27,12 @@ def _row_generator(seed: int, sample_index: int, device: torch.device) -> torch.
     return g
 
 
-def _choose(logits: Tensor, spec: SampleSpec, generator: torch.Generator) -> int:
-    """Pick one token from ``logits`` (V,) under the request's temperature / top-k / top-p."""
-    if spec.temperature == 0:
-        return int(torch.argmax(logits))
+def _sampling_probs(logits: Tensor, spec: SampleSpec) -> Tensor:
+    """The distribution a request samples from, per row of ``logits`` (..., V): temperature
+    (> 0), then top-k, then top-p."""
     scaled = logits / spec.temperature
     if 0 < spec.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, spec.top_k).values[-1]
+        kth = torch.topk(scaled, spec.top_k).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, -math.inf)
     probs = torch.softmax(scaled, dim=-1)
     if spec.top_p < 1.0:
@@ -42,7 +41,50 @@ def _choose(logits: Tensor, spec: SampleSpec, generator: torch.Generator) -> int
         drop = torch.cumsum(sorted_probs, -1) - sorted_probs >= spec.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
+
+
+def _choose(logits: Tensor, spec: SampleSpec, generator: torch.Generator) -> int:
+    """Pick one token from ``logits`` (V,) under the request's temperature / top-k / top-p."""
+    if spec.temperature == 0:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(_sampling_probs(logits, spec), 1, generator=generator))
+
+
+_CHUNK = 1024  # prompt positions whose full-vocabulary rows are held at once
+
+
+def _prompt_extras(
+    head: nn.Module, hidden: Tensor, spec: SampleSpec, generator: torch.Generator
+) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
+    """Log-probs of ``target_prompt_ids`` (0.0 at -1), and ``prompt_alt_tokens_k`` draws with
+    their log-probs, for prompt positions 1.. (row i: position i + 1). Draws use the request's
+    temperature, top-k and top-p; reported log-probs are the model's own, as for sampled tokens."""
+    n, ids, k = len(spec.prompt), spec.target_prompt_ids, spec.prompt_alt_tokens_k
+    targets, alt, start_row = None, None, n - 1
+    if ids is not None:
+        targets = torch.zeros(ids.shape, dtype=torch.float32)
+        named = (ids >= 0).any(-1).nonzero()
+        start_row = int(named[0]) if len(named) else n - 1  # rows before the first id: not scored
+    if k:
+        alt = (torch.zeros((n - 1, k), dtype=torch.int64), torch.zeros((n - 1, k), dtype=torch.float32))
+    first = 0 if k else start_row
+    for start in range(first, n - 1, _CHUNK):
+        end = min(start + _CHUNK, n - 1)
+        logits = head(hidden[start:end]).float()  # row r predicts prompt position start + r + 1
+        logp = torch.log_softmax(logits, -1)
+        if ids is not None and end > start_row:
+            rows = ids[start:end].to(logp.device)
+            scored = logp.gather(-1, rows.clamp(min=0)).masked_fill(rows < 0, 0.0)
+            targets[start:end] = scored.cpu()
+        if k:
+            if spec.temperature == 0:
+                drawn = logits.argmax(-1, keepdim=True).expand(-1, k)
+            else:
+                drawn = torch.multinomial(_sampling_probs(logits, spec), k, replacement=True, generator=generator)
+            alt[0][start:end] = drawn.cpu()
+            alt[1][start:end] = logp.gather(-1, drawn).cpu()
+    return targets, alt
 
 
 def _prompt_scores(
@@ -159,9 +201,14 @@ def generate(
         hidden = out.last_hidden_state  # (rows, longest, H)
         for r, (i, s) in enumerate(rows):
             spec = specs[i]
-            if s == 0 and (spec.prompt_logprobs or spec.topk_prompt_logprobs):
+            if s == 0 and spec.scores_prompt:
                 row_hidden = hidden[r, longest - len(spec.prompt) :]
                 outputs[i].prompt_logprobs, outputs[i].topk_prompt = _prompt_scores(head, row_hidden, spec.prompt, spec)
+                # Alternative draws have a generator of their own: the samples' do not move.
+                extras_generator = _row_generator(seeds[i - first], spec.num_samples, device)
+                outputs[i].target_prompt, outputs[i].prompt_alt = _prompt_extras(
+                    head, row_hidden, spec, extras_generator
+                )
         live = _Live(rows, generators, mask, positions[:, -1:], out.past_key_values, hidden[:, -1])
         live.select([r for r, (i, _) in enumerate(rows) if specs[i].max_tokens > 0])
         return live

@@ -244,6 +244,16 @@ class SamplingParams(Request):
     top_p: float = 1.0
 
 
+class TensorData(Request):
+    """The SDK's JSON ``TensorData`` (protocol reference §6.2): flat row-major values, or CSR."""
+
+    data: list[int | float]
+    dtype: Literal["int64", "float32"]
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
 class SampleRequest(Request):
     num_samples: int = 1
     prompt: ModelInput
@@ -255,7 +265,7 @@ class SampleRequest(Request):
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
-    target_prompt_logprobs: dict[str, Any] | None = None
+    target_prompt_logprobs: TensorData | None = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool = False

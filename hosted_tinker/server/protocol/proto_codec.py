@@ -17,6 +17,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from hosted_tinker.core.errors import UnsupportedEncoding, WireError
 from hosted_tinker.core.sampling import SampleOutput
+from hosted_tinker.server.protocol.json_types import TensorData
 
 _DTYPES = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
 
@@ -102,7 +103,27 @@ def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def _tensor(msg: pb.Tensor, where: str, leading: int, budget: list[int]) -> np.ndarray:
+def decode_tensor_json(td: TensorData, where: str, leading: int, pad: float) -> tuple[np.ndarray, pb.Tensor]:
+    """A JSON ``TensorData`` as a dense array (unlisted CSR cells = ``pad``) and as the protobuf
+    ``Tensor`` it stands for, checked by the same rules as a protobuf one."""
+    dtype = _DTYPES[pb.DTYPE_INT64 if td.dtype == "int64" else pb.DTYPE_FLOAT32]
+    values = np.asarray(td.data, dtype=np.float64)
+    if td.dtype == "int64" and not np.all(values == np.round(values)):
+        raise WireError(f"{where}: int64 data holds a non-integer value")
+    msg = pb.Tensor(dtype=pb.DTYPE_INT64 if td.dtype == "int64" else pb.DTYPE_FLOAT32, shape=td.shape or [len(values)])
+    sparse = (td.sparse_crow_indices, td.sparse_col_indices)
+    if (sparse[0] is None) != (sparse[1] is None):
+        raise WireError(f"{where}: sparse_crow_indices and sparse_col_indices come together")
+    if sparse[0] is not None:
+        msg.sparse_csr.values = values.astype(dtype).tobytes()
+        msg.sparse_csr.crow_indices = np.asarray(sparse[0], dtype="<i8").tobytes()
+        msg.sparse_csr.col_indices = np.asarray(sparse[1], dtype="<i8").tobytes()
+    else:
+        msg.dense = values.astype(dtype).tobytes()
+    return _tensor(msg, where, leading, [MAX_REQUEST_ELEMENTS], pad), msg
+
+
+def _tensor(msg: pb.Tensor, where: str, leading: int, budget: list[int], pad: float = 0) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(
@@ -138,7 +159,7 @@ def _tensor(msg: pb.Tensor, where: str, leading: int, budget: list[int]) -> np.n
         row_of = np.repeat(np.arange(rows), np.diff(crow))
         if len(np.unique(row_of * cols + col)) != len(col):
             raise WireError(f"{where}: CSR indices name the same cell twice")
-        dense = np.zeros(shape, dtype=dtype)
+        dense = np.full(shape, pad, dtype=dtype)
         dense[row_of, col] = values
         return dense
     flat = _frombuffer(msg.dense, dtype, where)
@@ -231,8 +252,9 @@ def encode_forward_backward_output(per_datum: list[dict[str, np.ndarray]], metri
     return out.SerializeToString()
 
 
-def encode_sample_response(output: SampleOutput) -> bytes:
-    """``SampleResponse``: sequences in order, NaN-coded prompt log-probs, top-k prompt rows."""
+def encode_sample_response(output: SampleOutput, target_layout: pb.Tensor | None = None) -> bytes:
+    """``SampleResponse``: sequences in order, NaN-coded prompt log-probs, top-k prompt rows,
+    target log-probs (in the layout of the request's ``target_layout``) and alternative draws."""
     msg = pb.SampleResponse()
     for seq in output.sequences:
         out = msg.sequences.add(
@@ -255,4 +277,28 @@ def encode_sample_response(output: SampleOutput) -> bytes:
         msg.topk_prompt_logprobs.token_ids = ids.numpy().astype("<i4").tobytes()
         msg.topk_prompt_logprobs.logprobs = lps.numpy().astype("<f4").tobytes()
         msg.topk_prompt_logprobs.length, msg.topk_prompt_logprobs.k = ids.shape
+    if output.target_prompt is not None:
+        _fill_like(msg.target_prompt_logprobs, output.target_prompt.numpy(), target_layout)
+    if output.prompt_alt is not None:
+        tokens, logprobs = output.prompt_alt
+        _fill_like(msg.prompt_alt_tokens.tokens, tokens.numpy(), None)
+        _fill_like(msg.prompt_alt_tokens.logprobs, logprobs.numpy(), None)
     return msg.SerializeToString()
+
+
+def _fill_like(out: pb.Tensor, dense: np.ndarray, layout: pb.Tensor | None) -> None:
+    """``dense`` as a protobuf ``Tensor``, in ``layout``'s CSR cells when that one was sparse
+    (the SDK answers a sparse request in kind)."""
+    dtype = pb.DTYPE_INT64 if dense.dtype.kind in "iu" else pb.DTYPE_FLOAT32
+    wire = np.dtype("<i8") if dtype == pb.DTYPE_INT64 else np.dtype("<f4")
+    out.dtype = dtype
+    out.shape.extend(dense.shape)
+    if layout is not None and layout.HasField("sparse_csr"):
+        crow = np.frombuffer(layout.sparse_csr.crow_indices, dtype="<i8")
+        col = np.frombuffer(layout.sparse_csr.col_indices, dtype="<i8")
+        rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+        out.sparse_csr.values = dense[rows, col].astype(wire).tobytes()
+        out.sparse_csr.crow_indices = layout.sparse_csr.crow_indices
+        out.sparse_csr.col_indices = layout.sparse_csr.col_indices
+    else:
+        out.dense = dense.astype(wire).tobytes()

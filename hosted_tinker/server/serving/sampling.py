@@ -12,16 +12,19 @@ import math
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
+import torch
 from pydantic import ValidationError
+from tinker.proto import tinker_public_pb2 as pb
 
 from hosted_tinker.core.checkpoints import CheckpointFiles, TinkerPath
-from hosted_tinker.core.errors import EngineUnavailable, bad_request, not_found, unavailable
+from hosted_tinker.core.errors import EngineUnavailable, WireError, bad_request, not_found, unavailable
 from hosted_tinker.core.sampling import SampleOutput, SampleSpec
 from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.vllm_engine import VllmEngine, needs_embedded
 from hosted_tinker.server.protocol import json_types as wire
-from hosted_tinker.server.protocol.proto_codec import encode_sample_response
+from hosted_tinker.server.protocol.proto_codec import decode_tensor_json, encode_sample_response
 from hosted_tinker.server.records import SamplerRecord
 from hosted_tinker.server.scheduler import Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
@@ -111,6 +114,8 @@ class SamplingService:
         topk_prompt_logprobs: int = 0,
         prompt_logprobs_last_n: int | None = None,
         topk_sample_logprobs: int = 0,
+        target_prompt_ids: np.ndarray | None = None,
+        prompt_alt_tokens_k: int = 0,
     ) -> SampleSpec:
         caps = self.backend.capabilities
         if not prompt:
@@ -151,6 +156,10 @@ class SamplingService:
         for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
             if not 0 <= k <= MAX_TOPK:
                 raise bad_request(f"{name} must be between 0 and {MAX_TOPK}, got {k}")
+        if not 0 <= prompt_alt_tokens_k <= MAX_TOPK:
+            raise bad_request(f"prompt_alt_tokens_k must be between 0 and {MAX_TOPK}, got {prompt_alt_tokens_k}")
+        if target_prompt_ids is not None:
+            self._check_target_ids(target_prompt_ids, len(prompt))
         if prompt_logprobs_last_n is not None:
             if not (prompt_logprobs or topk_prompt_logprobs):
                 raise bad_request("prompt_logprobs_last_n needs prompt_logprobs or topk_prompt_logprobs")
@@ -170,6 +179,8 @@ class SamplingService:
             topk_prompt_logprobs=topk_prompt_logprobs,
             prompt_logprobs_last_n=prompt_logprobs_last_n,
             topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_ids=torch.from_numpy(target_prompt_ids) if target_prompt_ids is not None else None,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
         self._check_engine(spec)  # every request passes here before anything is queued
         return spec
@@ -182,7 +193,8 @@ class SamplingService:
             return
         if self.vllm is not None:
             raise bad_request(
-                f"prompt logprobs and max_tokens 0 need the embedded sampler, which the {caps.backend!r} "
+                "prompt scoring (prompt logprobs, target_prompt_logprobs, prompt_alt_tokens_k) and max_tokens 0 "
+                f"need the embedded sampler, which the {caps.backend!r} "
                 "backend does not run (vLLM serves every other request)"
             )
         raise bad_request(
@@ -190,14 +202,23 @@ class SamplingService:
             "start the server with --inference vllm to sample"
         )
 
-    def _refuse_unsupported(self, req: wire.SampleRequest) -> None:
-        unsupported = {
-            "target_prompt_logprobs": req.target_prompt_logprobs is not None,
-            "prompt_alt_tokens_k": req.prompt_alt_tokens_k != 0,
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise bad_request(f"{name} is not supported by this server's sampler")
+    def _check_target_ids(self, ids: np.ndarray, prompt_len: int) -> None:
+        """``[len(prompt) - 1, K]`` ids in the vocabulary or -1, at least one, and at most
+        ``MAX_TOPK`` distinct ones (the cost is prompt length × distinct ids, as for top-k)."""
+        where = "target_prompt_logprobs"
+        if ids.ndim != 2 or ids.shape[0] != prompt_len - 1 or ids.shape[1] < 1:
+            raise bad_request(
+                f"{where} has shape {list(ids.shape)}; expected [{prompt_len - 1}, K] (len(prompt) - 1 rows)"
+            )
+        vocab = self.backend.capabilities.vocab_size
+        bad = ids[(ids < -1) | (ids >= vocab)]
+        if bad.size:
+            raise bad_request(f"{where} contains token id {int(bad[0])}; ids are in [0, {vocab}) or -1 for none")
+        distinct = np.unique(ids[ids >= 0])
+        if not distinct.size:
+            raise bad_request(f"{where} names no token id (every cell is -1)")
+        if distinct.size > MAX_TOPK:
+            raise bad_request(f"{where} names {distinct.size} distinct token ids; at most {MAX_TOPK}")
 
     # ---- the Tinker endpoint ----------------------------------------------------------------
 
@@ -213,15 +234,27 @@ class SamplingService:
         sequence_ids = [f"{request_key}:{i}" for i in range(req.num_samples)]
         if (existing := self.scheduler.find(sampler.sampler_id, seq_id)) is not None:  # a resend
             return existing, sequence_ids
-        self._refuse_unsupported(req)
+        prompt = prompt_tokens(req.prompt)
+        target_ids, target_layout = None, None
+        if req.target_prompt_logprobs is not None and prompt:  # an empty prompt: spec() says so
+            if req.target_prompt_logprobs.dtype != "int64":
+                raise bad_request("target_prompt_logprobs must be an int64 tensor of token ids")
+            try:
+                target_ids, target_layout = decode_tensor_json(
+                    req.target_prompt_logprobs, "target_prompt_logprobs", len(prompt) - 1, pad=-1
+                )
+            except WireError as e:
+                raise bad_request(str(e)) from None
         spec = self.spec(
-            prompt_tokens(req.prompt),
+            prompt,
             req.sampling_params,
             num_samples=req.num_samples,
             prompt_logprobs=req.prompt_logprobs,
             topk_prompt_logprobs=req.topk_prompt_logprobs,
             prompt_logprobs_last_n=req.prompt_logprobs_last_n,
             topk_sample_logprobs=req.topk_sample_logprobs,
+            target_prompt_ids=target_ids,
+            prompt_alt_tokens_k=req.prompt_alt_tokens_k,
         )
         if self.uses_vllm(spec):
             self._check_vllm_ready()  # a 503 the SDK retries, rather than a failed future
@@ -231,14 +264,19 @@ class SamplingService:
         # (``server.sequences``) under the ids the client gets, before the result is visible.
         record = Recording(sampler.session_id, request_key, sequence_ids) if req.record_stability_info else None
         task = asyncio.get_running_loop().create_task(
-            self._sample_into(request_id, self.weights_of(sampler), spec, record)
+            self._sample_into(request_id, self.weights_of(sampler), spec, record, target_layout)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return request_id, sequence_ids
 
     async def _sample_into(
-        self, request_id: str, weights: WeightsRef, spec: SampleSpec, record: Recording | None
+        self,
+        request_id: str,
+        weights: WeightsRef,
+        spec: SampleSpec,
+        record: Recording | None,
+        target_layout: pb.Tensor | None = None,
     ) -> None:
         try:
             output = await self.run(weights, spec)
@@ -255,7 +293,7 @@ class SamplingService:
             self.scheduler.fail(request_id, "the server stopped while sampling; retry", "server")
             raise
         else:
-            self.scheduler.complete(request_id, encode_sample_response(output), "application/x-protobuf")
+            self.scheduler.complete(request_id, encode_sample_response(output, target_layout), "application/x-protobuf")
 
     def uses_vllm(self, spec: SampleSpec) -> bool:
         return self.vllm is not None and not needs_embedded(spec)
