@@ -25,6 +25,7 @@ from hosted_tinker.server.scheduler import QueueLimits, Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
+from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.server.serving.recovery import ModelRecovery
@@ -117,7 +118,7 @@ def build_state(config: ServerConfig) -> ServerState:
         training,
         files,
         ephemeral,
-        secret=_server_secret(config.data_dir),
+        links=DownloadLinks(files, _server_secret(config.data_dir)),
         on_sampler_saved=vllm.prefetch_threadsafe if vllm is not None else None,
     )
     # The one link made after construction: the backend restores models through the training

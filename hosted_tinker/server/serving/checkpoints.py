@@ -8,13 +8,9 @@ request of the model produced. File I/O happens in those jobs, never on the even
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import secrets
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from hosted_tinker.core.checkpoints import (
     CheckpointError,
@@ -27,13 +23,14 @@ from hosted_tinker.core.checkpoints import (
     validate_name,
 )
 from hosted_tinker.core.checkpoints import describe as describe_checkpoint
-from hosted_tinker.core.errors import ApiError, bad_request, not_found
+from hosted_tinker.core.errors import bad_request, not_found
 from hosted_tinker.core.types import TrainingBackend
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.records import CheckpointRecord, ModelRecord, SamplerRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
+from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.training import TrainingService, json_result
 from hosted_tinker.server.store import Store
 
@@ -42,7 +39,6 @@ from hosted_tinker.server.store import Store
 KEEP_SNAPSHOTS = 8
 MIN_TTL_S = 3600
 MAX_TTL_S = 10 * 365 * 86400
-DOWNLOAD_URL_TTL_S = 3600
 
 
 def _iso(t: float) -> str:
@@ -60,7 +56,7 @@ class CheckpointService:
         training: TrainingService,
         files: CheckpointFiles,
         ephemeral: CheckpointFiles,
-        secret: bytes,
+        links: DownloadLinks,
         *,
         on_sampler_saved: Callable[[WeightsRef], None] | None = None,
     ) -> None:
@@ -70,7 +66,7 @@ class CheckpointService:
         self.store: Store = training.store
         self.files = files
         self.ephemeral = ephemeral  # snapshots behind save_weights_and_get_sampling_client
-        self._secret = secret
+        self.links = links  # signed download links of external weights
         # Called on the worker with each new sampler adapter (vLLM loads it before it is asked for).
         self.on_sampler_saved = on_sampler_saved
 
@@ -469,35 +465,12 @@ class CheckpointService:
 
     # ---- downloads --------------------------------------------------------------------------
 
-    def _sign(self, payload: str) -> str:
-        return hmac.new(self._secret, payload.encode(), hashlib.sha256).hexdigest()[:32]
-
     def download_urls(self, run_id: str, checkpoint_id: str, base_url: str) -> dict:
         """Signed, expiring URLs for each file of an external-weights checkpoint (no auth needed)."""
         path, _ = self._record(run_id, checkpoint_id)
         if path.kind != "external_weights":
             raise bad_request(f"{path} is not an external_weights checkpoint")
-        expires = int(time.time()) + DOWNLOAD_URL_TTL_S
-        names = sorted(p.name for p in self.files.directory(path).iterdir() if p.name != "manifest.json")
-        urls = {}
-        for name in names:
-            payload = json.dumps([path.run_id, path.kind, path.name, name, expires])
-            token = payload.encode().hex()
-            urls[name] = f"{base_url}/api/v1/files/{token}/{self._sign(payload)}/{name}"
-        return {"urls": urls, "expires": _iso(expires)}
-
-    def download_file(self, token: str, signature: str) -> Path:
-        try:
-            payload = bytes.fromhex(token).decode()
-            run_id, kind, name, file_name, expires = json.loads(payload)
-        except (ValueError, TypeError):  # not hex, not JSON, not a list of five
-            raise not_found("no such download") from None
-        if not hmac.compare_digest(self._sign(payload), signature) or time.time() > expires:
-            raise ApiError(403, "this download link is invalid or has expired")
-        file_path = self.files.directory(TinkerPath(run_id, kind, name)) / file_name
-        if not file_path.is_file():
-            raise not_found("no such download")
-        return file_path
+        return self.links.urls(path, base_url)
 
     # ---- retention --------------------------------------------------------------------------
 
