@@ -32,7 +32,7 @@ from hosted_tinker.rank.serve import Rank, RankSpec, build_rank, local_rank
 from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
 from hosted_tinker.server.workers.group import PEER_GRACE_S
-from hosted_tinker.server.workers.launch import free_port, rank_factories
+from hosted_tinker.server.workers.launch import rank_factories, rendezvous
 from tests.batches import random_batch
 
 pytestmark = pytest.mark.timeout(300)  # the pure tests are fast; those that start ranks, slow
@@ -284,8 +284,12 @@ def fails_on_rank_1(spec: RankSpec) -> Rank:
     return rank
 
 
+_STORES: list = []  # each group's rendezvous, held for the group's life (as rank_factories does)
+
+
 def one_rank_fails(model: str) -> list:
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method, store = rendezvous("127.0.0.1")
+    _STORES[:] = [store]
     options = plan_module("ddp").Options(collective_timeout_s=60)
     return [
         functools.partial(fails_on_rank_1, RankSpec("ddp", options, model, rank, ("cpu", "cpu"), init_method))

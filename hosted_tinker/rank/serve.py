@@ -40,7 +40,7 @@ class RankSpec:
     model_path: str
     rank: int
     devices: tuple[str, ...]  # one per rank
-    init_method: str  # the group's rendezvous (torch.distributed), fresh for every start
+    init_method: str  # tcp://host:port of the group's store, hosted by the server, fresh for every start
     dtype: str = "float32"
     lora_alpha: float = 32.0
     max_seq_len: int | None = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import urllib.parse
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -66,12 +67,17 @@ class Plan:
             # A collective past its timeout then raises in this rank (GroupBroken), rather than
             # NCCL's watchdog aborting the process: that would name the rank that waited.
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        timeout = timedelta(seconds=options.collective_timeout_s)
+        # The server hosts the group's store (``server.workers.launch.rendezvous``): every rank,
+        # rank 0 included, joins it as a client.
+        address = urllib.parse.urlsplit(init_method)
+        store = dist.TCPStore(address.hostname, address.port, len(devices), is_master=False, timeout=timeout)
         dist.init_process_group(
             "gloo" if self.device == "cpu" else "nccl",
-            init_method=init_method,
+            store=store,
             rank=rank,
             world_size=len(devices),
-            timeout=timedelta(seconds=options.collective_timeout_s),
+            timeout=timeout,
             device_id=None if self.device == "cpu" else torch.device(self.device),  # NCCL connects now
         )
 

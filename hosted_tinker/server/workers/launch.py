@@ -5,24 +5,36 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch.distributed as dist
+
 from hosted_tinker.core.config import ServerConfig
-from hosted_tinker.inference.vllm_process import free_port
 from hosted_tinker.rank.plans import backend_options
 from hosted_tinker.rank.serve import RankSpec, build_rank
 from hosted_tinker.server.workers.backend import Factory
 
 
+def rendezvous(host: str) -> tuple[str, dist.TCPStore]:
+    """A group's rendezvous: torch.distributed's key-value store, hosted in this process on a port
+    the kernel picks as it binds it, and its address (``tcp://host:port``) for the ranks, which
+    join it as clients. The caller holds the store for the group's life. (Picking a free port,
+    releasing it and letting rank 0 bind it raced with every other process on the machine: a
+    replacement group once failed to start with "address already in use".)"""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    return f"tcp://{host}:{store.port}", store
+
+
 def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[Factory]]:
     """Called at each (re)start of the group: one picklable factory per rank, joined by a fresh
-    rendezvous (a restarted group must not meet the dead one's port)."""
+    rendezvous (a restarted group must not meet the dead one's)."""
     options = backend_options(config)  # ValueError at start-up, naming what the plan accepts
     devices = tuple(config.rank_devices())
-    # torch.distributed's rendezvous is hosted by rank 0, here on node 0; the other nodes reach it
-    # where they reach the cluster port.
+    # The rendezvous is on node 0; the other nodes reach it where they reach the cluster port.
     host = config.master_addr if config.nnodes > 1 else "127.0.0.1"
+    held: list[dist.TCPStore] = []  # the current group's store (the previous group is gone)
 
     def group() -> list[Factory]:
-        init_method = f"tcp://{host}:{free_port(host)}"
+        init_method, store = rendezvous(host)
+        held[:] = [store]
         return [
             functools.partial(
                 build_rank,
