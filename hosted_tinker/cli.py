@@ -110,6 +110,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 def _backends(args: argparse.Namespace) -> int:
     """Each backend: what it supports, where it trains, and its options (--backend-option)."""
     from hosted_tinker.core.losses import LOSSES
+    from hosted_tinker.core.types import OPTIMIZERS
     from hosted_tinker.rank.plans import PLANS, plan_module
 
     info = {}
@@ -121,6 +122,7 @@ def _backends(args: argparse.Namespace) -> int:
         }
         info[name] = {
             "losses": list(LOSSES),
+            "optimizers": list(OPTIMIZERS),
             "topk_targets": True,
             "sampling": True,  # the embedded sampler on rank 0
             "devices": plan.DEVICES,

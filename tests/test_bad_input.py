@@ -474,6 +474,19 @@ CASES: list[Case] = [
     Case("optim +inf grad_clip_norm", optim({"grad_clip_norm": math.inf}), 400, "adam_params.grad_clip_norm"),
     Case("optim negative weight_decay", optim({"weight_decay": -0.1}), 400, "adam_params.weight_decay"),
     Case("optim unknown optimizer_params", optim(None, optimizer_params={"type": "muon"}), 400, "optimizer_params"),
+    Case(
+        "optim Dimuon params on an AdamW model",
+        optim(None, optimizer_params={"type": "dimuon", "learning_rate": 0.1}),
+        400,
+        "created with the adamw optimizer",
+    ),
+    Case(
+        "optim adam_params and optimizer_params",
+        optim({}, optimizer_params={"type": "dimuon", "learning_rate": 0.1}),
+        400,
+        "not both",
+    ),
+    Case("optim optimizer_params a list", optim(None, optimizer_params=[0.1]), 422, "optimizer_params"),
     Case("optim seq_id 0", optim({}, consumes=False, seq_id=0), 400, "seq_id"),
     Case("optim seq_id negative", optim({}, consumes=False, seq_id=-3), 400, "seq_id"),
     Case("optim seq_id over int32", optim({}, consumes=False, seq_id=2**31), 400, "seq_id"),
@@ -828,6 +841,111 @@ CASES: list[Case] = [
         post("create_model", lambda w: {"session_id": w.session_id, "model_seq_id": 52, "base_model": ALIAS}),
         400,
         "lora_config",
+    ),
+    Case(
+        "create_model optimizer_config {type: lion}",
+        post(
+            "create_model",
+            lambda w: {
+                "session_id": w.session_id,
+                "model_seq_id": 60,
+                "base_model": ALIAS,
+                "lora_config": {"rank": 4},
+                "optimizer_config": {"type": "lion"},
+            },
+        ),
+        400,
+        "optimizer_config.type 'lion'",
+    ),
+    Case(
+        "create_model optimizer_config {type: dimuon, version: 2}",
+        post(
+            "create_model",
+            lambda w: {
+                "session_id": w.session_id,
+                "model_seq_id": 61,
+                "base_model": ALIAS,
+                "lora_config": {"rank": 4},
+                "optimizer_config": {"type": "dimuon", "version": 2},
+            },
+        ),
+        400,
+        "optimizer_config.version = 2",
+    ),
+    Case(
+        "create_model optimizer_config {type: dimuon, momentum: 0.9}",
+        post(
+            "create_model",
+            lambda w: {
+                "session_id": w.session_id,
+                "model_seq_id": 62,
+                "base_model": ALIAS,
+                "lora_config": {"rank": 4},
+                "optimizer_config": {"type": "dimuon", "momentum": 0.9},
+            },
+        ),
+        400,
+        "optimizer_config.momentum",
+    ),
+    Case(
+        "create_model optimizer_config {version: 1}",
+        post(
+            "create_model",
+            lambda w: {
+                "session_id": w.session_id,
+                "model_seq_id": 63,
+                "base_model": ALIAS,
+                "lora_config": {"rank": 4},
+                "optimizer_config": {"version": 1},
+            },
+        ),
+        400,
+        "optimizer_config.version",
+    ),
+    Case(
+        "create_model optimizer_config dimuon",
+        post(
+            "create_model",
+            lambda w: {
+                "session_id": w.session_id,
+                "model_seq_id": 64,
+                "base_model": ALIAS,
+                "lora_config": {"rank": 4},
+                "optimizer_config": "dimuon",
+            },
+        ),
+        422,
+        "optimizer_config",
+    ),
+    Case(
+        "load_weights optimizer_config with optimizer state",
+        post(
+            "load_weights",
+            lambda w: {
+                "session_id": w.session_id,
+                "model_seq_id": 70,
+                "path": w.weights_path,
+                "optimizer": True,
+                "optimizer_config": {"type": "dimuon", "version": 1},
+            },
+        ),
+        400,
+        "optimizer_config",
+    ),
+    Case(
+        "load_weights changes an existing model's optimizer",
+        post(
+            "load_weights",
+            lambda w: {
+                "model_id": w.model_id,
+                "seq_id": w.next_seq(),
+                "path": w.weights_path,
+                "optimizer": False,
+                "optimizer_config": {"type": "dimuon", "version": 1},
+            },
+        ),
+        400,
+        "cannot change the optimizer",
     ),
     Case(
         "create_model negative model_seq_id",

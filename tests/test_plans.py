@@ -4,7 +4,8 @@ Each plan runs in worker processes through ``ProcessBackend``, as the server run
 ranks where it accepts two (else one). The reference is the single plan in float64 in this
 process, started from the plan's own initial weights. Every loss, datums of unequal lengths,
 gradients accumulated over two calls before each step, full AdamParams: per-datum logprobs,
-``loss:sum``, ``grad_norm`` and the weights after the steps agree to float32 precision.
+``loss:sum``, ``grad_norm`` and the weights after the steps agree to float32 precision; and
+three Dimuon steps, whose update needs whole matrices where a plan shards them.
 
 A new plan is checked by registering it: nothing here names one.
 """
@@ -12,6 +13,7 @@ A new plan is checked by registering it: nothing here names one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ import pytest
 
 from hosted_tinker.core import losses
 from hosted_tinker.core.config import ServerConfig
-from hosted_tinker.core.types import AdamParams, AdapterState, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.core.types import AdamParams, AdapterState, DimuonParams, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.rank.plans import PLANS, backend_options, plan_module
 from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.rank.trainer import Trainer
@@ -30,6 +32,7 @@ from tests.batches import random_batch
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ADAM = AdamParams(learning_rate=5e-3, beta1=0.85, beta2=0.98, eps=1e-8, weight_decay=0.05, grad_clip_norm=50.0)
+DIMUON = functools.partial(DimuonParams, grad_clip_norm=3.0, beta1=0.8, damping=0.05)
 RTOL = 2e-4  # float32 against float64, over a few steps
 
 
@@ -102,7 +105,27 @@ def test_plan_trains_like_the_float64_reference(
         assert got_state.weights.keys() == want_state.weights.keys()
         for key, tensor in got_state.weights.items():
             np.testing.assert_allclose(tensor.double(), want_state.weights[key], rtol=1e-3, atol=1e-5, err_msg=key)
+        check_dimuon(plan, reference, f"{model_id}-dimuon", rng)
     finally:
-        if reference.has_adapter(model_id):
-            reference.delete_adapter(model_id)
+        for name in (model_id, f"{model_id}-dimuon"):
+            if reference.has_adapter(name):
+                reference.delete_adapter(name)
         plan.close()
+
+
+def check_dimuon(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
+    """Dimuon takes whole matrices: a plan that shards them must make them whole for the step."""
+    spec = LoraSpec(rank=4, seed=5, optimizer="dimuon")
+    plan.create_adapter(model_id, spec)
+    reference.create_adapter(model_id, spec)
+    reference.load_state(model_id, as_float64(plan.export_state(model_id)), with_optimizer=True)
+    for lr in (0.02, 0.01, 0.03):
+        b = batch(rng, 3, "cross_entropy")
+        plan.forward_backward(model_id, b), reference.forward_backward(model_id, b)
+        got_step, want_step = plan.optim_step(model_id, DIMUON(lr)), reference.optim_step(model_id, DIMUON(lr))
+        assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4)
+    got_state, want_state = plan.export_state(model_id), reference.export_state(model_id)
+    assert {k for k in got_state.optimizer if k.endswith(".momentum")} == {f"{k}.momentum" for k in got_state.weights}
+    for key, tensor in [*got_state.weights.items(), *got_state.optimizer.items()]:
+        want = {**want_state.weights, **want_state.optimizer}[key]
+        np.testing.assert_allclose(tensor.double(), want, rtol=1e-3, atol=1e-5, err_msg=key)

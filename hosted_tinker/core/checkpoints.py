@@ -26,7 +26,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from hosted_tinker.core.errors import UserError
-from hosted_tinker.core.types import AdapterState, LoraSpec
+from hosted_tinker.core.types import OPTIMIZER_CONFIGS, AdapterState, LoraSpec
 
 KIND_TO_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 MANIFEST = "manifest.json"
@@ -248,5 +248,5 @@ def describe(path: TinkerPath, files: dict[str, bytes]) -> dict:
         "train_attn": lora.train_attn,
         "train_mlp": lora.train_mlp,
         "train_unembed": lora.train_unembed,
-        "optimizer_config": {"type": "adamw"},
+        "optimizer_config": OPTIMIZER_CONFIGS[lora.optimizer],
     }

@@ -16,14 +16,23 @@ from typing import Protocol
 import numpy as np
 import torch
 
+# The optimizer families a model can be created with, as the SDK's ``optimizer_config`` names
+# them (and as get_info / weights_info report them).
+OPTIMIZER_CONFIGS: dict[str, dict] = {"adamw": {"type": "adamw"}, "dimuon": {"type": "dimuon", "version": 1}}
+OPTIMIZERS = tuple(OPTIMIZER_CONFIGS)
+
 
 @dataclass(frozen=True)
 class LoraSpec:
+    """What a training model is made of, fixed at its creation: the adapter's shape and seed,
+    and its optimizer family (``OPTIMIZERS``; checkpoints from before it existed are AdamW)."""
+
     rank: int
     seed: int
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
+    optimizer: str = "adamw"
 
 
 @dataclass
@@ -67,7 +76,9 @@ class AdapterState:
     """Everything needed to continue training a model exactly where it stopped.
 
     weights    LoRA tensors under PEFT's key names (``...q_proj.lora_A.weight``), on CPU
-    optimizer  AdamW moments per weight key: ``<key>.exp_avg``, ``<key>.exp_avg_sq``, ``<key>.step``
+    optimizer  the optimizer's state per weight key, of the family ``lora.optimizer`` names:
+               AdamW's ``<key>.exp_avg``, ``<key>.exp_avg_sq``, ``<key>.step``; Dimuon's
+               ``<key>.momentum``
     steps      optimizer steps taken
     rng_state  the model's own torch generator state (uint8)
     """
@@ -90,6 +101,24 @@ class AdamParams:
 
 
 @dataclass(frozen=True)
+class DimuonParams:
+    """One Dimuon step's hyperparameters (``core.dimuon`` says what each does)."""
+
+    learning_rate: float
+    grad_clip_norm: float = 0.0  # 0 means no clipping
+    beta1: float = 0.9
+    damping: float = 0.1
+    rank_lr_correction_exponent: float = 0.5
+
+
+OptimParams = AdamParams | DimuonParams
+
+
+def optimizer_family(params: OptimParams) -> str:
+    return "dimuon" if isinstance(params, DimuonParams) else "adamw"
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a backend can do; shown in ``/healthz`` and checked before work is queued."""
 
@@ -103,6 +132,7 @@ class Capabilities:
     sampling: bool = False
     devices: tuple[str, ...] = ()  # where it trains: one device per rank
     replicas: int = 1  # data-parallel replicas: how many shards a forward_backward batch is split into
+    optimizers: tuple[str, ...] = OPTIMIZERS
 
 
 class TrainingBackend(Protocol):
@@ -119,7 +149,7 @@ class TrainingBackend(Protocol):
 
     def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult: ...
 
-    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]: ...
+    def optim_step(self, model_id: str, params: OptimParams) -> dict[str, float]: ...
 
     def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState: ...
 

@@ -7,9 +7,10 @@ What makes a step Tinker's lives here and nowhere else:
 - losses are the loss table's plain sums over tokens and datums (``core.losses``), evaluated
   per micro-batch of at most ``microbatch_tokens`` padded tokens;
 - ``optim_step`` reduces gradients over the ranks (``plan.reduce_gradients``), refuses a
-  non-finite norm, clips *to* ``grad_clip_norm`` exactly, and takes an AdamW step with the
-  request's hyperparameters;
-- the state (weights, AdamW moments, step count, the model's RNG) travels as ``AdapterState``
+  non-finite norm, clips *to* ``grad_clip_norm`` exactly, and takes a step of the model's
+  optimizer (AdamW or Dimuon, ``rank.optimizers``, fixed at creation) with the request's
+  hyperparameters;
+- the state (weights, optimizer state, step count, the model's RNG) travels as ``AdapterState``
   under PEFT's key names, whole tensors gathered over the plan's model-parallel group.
 
 Called from one thread (the worker's), one call at a time: no locking. Every call either
@@ -29,13 +30,15 @@ from hosted_tinker.core import losses
 from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.errors import PeerFailed, UserError
 from hosted_tinker.core.types import (
-    AdamParams,
     AdapterState,
     DatumInput,
     ForwardBackwardBatch,
     ForwardBackwardResult,
     LoraSpec,
+    OptimParams,
+    optimizer_family,
 )
+from hosted_tinker.rank import optimizers
 from hosted_tinker.rank.model import AdapterHandle, LoraModel
 from hosted_tinker.rank.plans import ParallelPlan
 
@@ -44,7 +47,7 @@ from hosted_tinker.rank.plans import ParallelPlan
 class _Adapter:
     spec: LoraSpec
     handle: AdapterHandle
-    optimizer: torch.optim.AdamW
+    optimizer: optimizers.Optimizer
     generator: torch.Generator  # the model's own randomness; checkpointed with it
     steps: int = 0
 
@@ -69,7 +72,7 @@ class Trainer:
                 raise UserError(f"model {model_id} already exists")
             handle = self.model.add_adapter(lora)
             generator = torch.Generator().manual_seed(lora.seed)
-            self.adapters[model_id] = _Adapter(lora, handle, _new_optimizer(handle.params), generator)
+            self.adapters[model_id] = _Adapter(lora, handle, self._new_optimizer(lora, handle), generator)
         except Exception as e:
             failure = e
         error = self._failure_anywhere(failure)
@@ -154,8 +157,13 @@ class Trainer:
     # ---- optimizer ----------------------------------------------------------------------------
 
     @rank_call("every", model="uses")
-    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+    def optim_step(self, model_id: str, params: OptimParams) -> dict[str, float]:
         adapter = self._adapter(model_id)
+        if optimizer_family(params) != adapter.optimizer.family:
+            raise UserError(
+                f"model {model_id} uses the {adapter.optimizer.family} optimizer (chosen when it was created); "
+                f"this step sent {optimizer_family(params)} parameters"
+            )
         handle = adapter.handle
         self.plan.reduce_gradients(handle.params)
         present = [(p.grad, dim) for p, dim in zip(handle.params, handle.split_dims, strict=True) if p.grad is not None]
@@ -170,15 +178,7 @@ class Trainer:
             scale = params.grad_clip_norm / grad_norm
             for g in grads:
                 g.mul_(scale)
-        for group in adapter.optimizer.param_groups:
-            group.update(
-                lr=params.learning_rate,
-                betas=(params.beta1, params.beta2),
-                eps=params.eps,
-                weight_decay=params.weight_decay,
-            )
-        adapter.optimizer.step()
-        adapter.optimizer.zero_grad(set_to_none=True)
+        adapter.optimizer.step(params)
         adapter.steps += 1
         return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "optimizer_step": float(adapter.steps)}
 
@@ -224,17 +224,22 @@ class Trainer:
                 f"{model_id} (rank {adapter.spec.rank}, {len(handle.keys)} tensors): LoRA rank, targets or base model "
                 "differ"
             )
+        if with_optimizer and state.lora.optimizer != adapter.spec.optimizer:
+            raise UserError(
+                f"the checkpoint holds {state.lora.optimizer} optimizer state, but model {model_id} uses "
+                f"{adapter.spec.optimizer}: load its weights only, or create the model from the checkpoint"
+            )
         with torch.no_grad():
             for key, p in zip(handle.keys, handle.params, strict=True):
                 p.copy_(shards[key])
                 p.grad = None
-        adapter.optimizer = _new_optimizer(handle.params)
+        adapter.optimizer = self._new_optimizer(adapter.spec, handle)
         adapter.steps = 0
         if with_optimizer:
             for key, p, dim in zip(handle.keys, handle.params, handle.split_dims, strict=True):
                 moments = {
                     f: state.optimizer[f"{key}.{f}"]
-                    for f in ("step", "exp_avg", "exp_avg_sq")
+                    for f in adapter.optimizer.STATE_FIELDS
                     if f"{key}.{f}" in state.optimizer
                 }
                 if moments:
@@ -243,6 +248,10 @@ class Trainer:
                     }
             adapter.steps = state.steps
             adapter.generator.set_state(state.rng_state)
+
+    def _new_optimizer(self, lora: LoraSpec, handle: AdapterHandle) -> optimizers.Optimizer:
+        # Hyperparameters come with each step.
+        return optimizers.create(lora.optimizer, handle.params, handle.split_dims, lora.rank, self.plan)
 
     @rank_call("first")
     def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -253,11 +262,6 @@ class Trainer:
     def peft_config(self, model_id: str) -> dict:
         """The adapter's ``adapter_config.json`` contents, as PEFT writes it."""
         return self.model.adapter_config(self._adapter(model_id).handle)
-
-
-def _new_optimizer(params: list[nn.Parameter]) -> torch.optim.AdamW:
-    # Hyperparameters are set per step from the request's AdamParams.
-    return torch.optim.AdamW(params, lr=0.0, foreach=False)
 
 
 def microbatches(data: list[DatumInput], budget: int) -> list[list[int]]:

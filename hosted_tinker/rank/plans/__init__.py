@@ -3,7 +3,8 @@
 A plan says how a batch is split over ranks (``replicas``: the data-parallel shards, see
 ``core.sharding``), whether a call succeeded on every rank, how gradients and their norm are
 reduced, how a new adapter's weights are made the same everywhere, and how tensors sharded over
-a model-parallel group are gathered for export (and split again on load). It also picks the
+a model-parallel group are gathered for export (and split again on load), or made whole on
+every rank for an optimizer that needs whole matrices. It also picks the
 model it runs on. The Tinker step itself is ``rank.trainer``, written once over any plan.
 
 A plan is one module here that defines ``Plan`` (see ``ParallelPlan``), ``Options`` (its
@@ -77,6 +78,11 @@ class ParallelPlan(Protocol):
 
     def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
         """This rank's part of a full tensor (the inverse of ``gather``)."""
+        ...
+
+    def whole(self, t: Tensor, split_dim: int | None) -> Tensor:
+        """The whole tensor of which ``t`` is this rank's part, on every rank of its model-parallel
+        group (a collective where it is sharded; ``t`` itself where it is not)."""
         ...
 
 

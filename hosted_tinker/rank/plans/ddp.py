@@ -133,6 +133,9 @@ class Plan:
     def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
         return full
 
+    def whole(self, t: Tensor, split_dim: int | None) -> Tensor:
+        return t
+
 
 @contextlib.contextmanager
 def _collective(what: str) -> Iterator[None]:

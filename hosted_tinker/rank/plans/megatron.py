@@ -121,15 +121,20 @@ class Plan(ddp.Plan):
         return squares.sum().sqrt().float().cpu()
 
     def gather(self, tensors: dict[str, tuple[Tensor, int | None]]) -> dict[str, Tensor] | None:
-        whole: dict[str, Tensor] = {}
         with ddp._collective("export's gather over the tensor-parallel group"):
-            for key, (t, dim) in tensors.items():
-                if dim is not None and self.tp > 1:
-                    parts = [torch.empty_like(t) for _ in range(self.tp)]
-                    dist.all_gather(parts, t.detach().contiguous(), group=self.tp_group)
-                    t = torch.cat(parts, dim=dim)
-                whole[key] = t.detach().cpu().clone()
+            whole = {key: self._all_gather(t, dim).detach().cpu().clone() for key, (t, dim) in tensors.items()}
         return whole if self.rank == 0 else None
+
+    def whole(self, t: Tensor, split_dim: int | None) -> Tensor:
+        with ddp._collective("a whole matrix's gather over the tensor-parallel group"):
+            return self._all_gather(t, split_dim)
+
+    def _all_gather(self, t: Tensor, split_dim: int | None) -> Tensor:
+        if split_dim is None or self.tp == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.tp)]
+        dist.all_gather(parts, t.detach().contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=split_dim)
 
     def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
         return full if split_dim is None else full.chunk(self.tp, dim=split_dim)[self.tp_rank]

@@ -46,6 +46,9 @@ class Plan:
     def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
         return full
 
+    def whole(self, t: Tensor, split_dim: int | None) -> Tensor:
+        return t
+
 
 def local_norm(grads: list[Tensor]) -> Tensor:
     """The L2 norm over all of ``grads`` (norm of the per-tensor norms: one pass each)."""

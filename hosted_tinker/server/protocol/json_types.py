@@ -115,7 +115,10 @@ class LoraConfig(Request):
 
 
 class OptimizerConfig(BaseModel):
-    # Other optimizer families carry their own fields; we reject them by `type` with a clear 400.
+    """The optimizer family fixed at creation: ``{"type": "adamw"}`` or ``{"type": "dimuon",
+    "version": 1}``. Families carry their own fields, so any are let in here and checked by
+    ``serving.optimizers`` (an unknown family or field is a 400 naming it)."""
+
     model_config = ConfigDict(extra="allow")
     type: str = "adamw"
 
@@ -145,11 +148,23 @@ class AdamParams(Request):
     grad_clip_norm: float = 0.0
 
 
+class DimuonParams(Request):
+    # Ranges are checked by the training service, as for AdamParams. The SDK 0.38 sends the
+    # first three; the official documentation also lists the last two.
+    type: Literal["dimuon"] = "dimuon"
+    learning_rate: float
+    grad_clip_norm: float = 0.0
+    beta1: float = 0.9
+    damping: float = 0.1
+    rank_lr_correction_exponent: float = 0.5
+
+
 class OptimStepRequest(Request):
     model_id: str
     seq_id: int
     adam_params: AdamParams | None = None
-    # Non-Adam families (SDK `optimizer_params`) are refused with a 400 naming the family.
+    # Other families (the SDK's `optimizer_params`, tagged by `type`): parsed by the training
+    # service, so that a malformed one still uses up its seq_id.
     optimizer_params: dict[str, Any] | None = None
     type: Literal["optim_step"] = "optim_step"
 

@@ -8,6 +8,7 @@ request of the model produced. File I/O happens in those jobs, never on the even
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable
@@ -30,8 +31,9 @@ from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.records import CheckpointRecord, ModelRecord, SamplerRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
+from hosted_tinker.server.serving import optimizers
 from hosted_tinker.server.serving.downloads import DownloadLinks
-from hosted_tinker.server.serving.training import TrainingService, json_result
+from hosted_tinker.server.serving.training import TrainingService, json_result, model_optimizer
 from hosted_tinker.server.store import Store
 
 # Ephemeral sampler snapshots kept per training model; older ones are deleted (asking for one
@@ -245,23 +247,35 @@ class CheckpointService:
         return parsed
 
     @staticmethod
-    def _check_load_options(req: wire.LoadWeightsRequest) -> None:
+    def _check_load_options(req: wire.LoadWeightsRequest) -> str | None:
+        """The optimizer family the request names, if any."""
         if req.weights_access_token is not None:
             raise bad_request("weights_access_token is not supported: checkpoints here have no access tokens")
-        if req.optimizer_config is not None and req.optimizer_config.type != "adamw":
-            raise bad_request(f"optimizer_config.type {req.optimizer_config.type!r} is not supported; use 'adamw'")
+        if req.optimizer_config is None:
+            return None
+        if req.optimizer:
+            raise bad_request(
+                "optimizer_config is for a weights-only load: a load with optimizer state keeps the "
+                "checkpoint's optimizer"
+            )
+        return optimizers.family(req.optimizer_config)
 
     def load_weights(self, req: wire.LoadWeightsRequest) -> str:
         if req.model_id is None:
-            self._check_load_options(req)
             return self._create_via_load(req)
         if req.seq_id is None:
             raise bad_request("load_weights on an existing model needs seq_id")
 
         def prepare() -> Job:  # every refusal in here still consumes the seq_id
-            self._check_load_options(req)
+            named = self._check_load_options(req)
             path = self._training_path(req.path)
             model = self.training.live_model(req.model_id)
+            mine = model_optimizer(model)
+            if named is not None and named != mine:
+                raise bad_request(
+                    f"optimizer_config {named!r} cannot change the optimizer of model {model.model_id}, "
+                    f"created with {mine!r}"
+                )
             try:
                 base_model, lora = training_meta(path, self.files.read(path, only=("training_state.json",)))
             except CheckpointError as e:
@@ -273,6 +287,11 @@ class CheckpointService:
                 raise bad_request(f"{path} holds a LoRA adapter {theirs}, but model {model.model_id} has {mine}")
             if base_model not in self.training.served_names:
                 raise bad_request(f"{path} was trained on {base_model!r}, which is not served here")
+            if req.optimizer and lora.optimizer != mine:
+                raise bad_request(
+                    f"{path} holds {lora.optimizer} optimizer state, but model {model.model_id} uses {mine}: "
+                    "load its weights only (load_state), or create a training client from it"
+                )
             # As the official service: a state is loaded only as a training client's first
             # request (seq_id 1), never into a model that has already been asked something.
             if req.seq_id != 1:
@@ -293,7 +312,9 @@ class CheckpointService:
         return self.training.submit_ordered("load_weights", req.model_id, req.seq_id, prepare)
 
     def _create_via_load(self, req: wire.LoadWeightsRequest) -> str:
-        """``create_training_client_from_state*``: a new model named ``{session}:train:{seq}``."""
+        """``create_training_client_from_state*``: a new model named ``{session}:train:{seq}``,
+        with the checkpoint's optimizer when its state is loaded, else ``optimizer_config``'s."""
+        named = self._check_load_options(req)
         if req.session_id is None or req.model_seq_id is None:
             raise bad_request("load_weights needs model_id, or session_id and model_seq_id to create a model")
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
@@ -308,6 +329,8 @@ class CheckpointService:
             raise bad_request(f"{path} was trained on {base_model!r}, which is not served here")
         if req.base_model is not None and req.base_model not in self.training.served_names:
             raise bad_request(f"base_model {req.base_model!r} is not served here")
+        if not req.optimizer:
+            lora = dataclasses.replace(lora, optimizer=named or "adamw")
 
         def load(new_model_id: str) -> None:
             loaded = state_from_files(path, self.files.read(path))

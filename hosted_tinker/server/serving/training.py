@@ -23,14 +23,14 @@ from hosted_tinker.core.errors import (
     bad_request,
     not_found,
 )
-from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend
+from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
 from hosted_tinker.server.records import ModelRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
-from hosted_tinker.server.serving import provenance
+from hosted_tinker.server.serving import optimizers, provenance
 from hosted_tinker.server.store import Store
 
 JSON = "application/json"
@@ -105,10 +105,7 @@ class TrainingService:
             return existing
         if req.base_model not in self.served_names:
             raise bad_request(f"base_model {req.base_model!r} is not served here; served names: {self.served_names}")
-        if req.optimizer_config.type != "adamw":
-            raise bad_request(
-                f"optimizer_config.type {req.optimizer_config.type!r} is not supported; this server implements 'adamw'"
-            )
+        optimizer = optimizers.family(req.optimizer_config)
         if req.lora_config is None:
             raise bad_request("lora_config is required: this server trains LoRA adapters only")
         lc = req.lora_config
@@ -121,6 +118,7 @@ class TrainingService:
             lc.train_mlp,
             lc.train_attn,
             lc.train_unembed,
+            optimizer,
         )
         return self.create_model_with(
             model_id,
@@ -194,7 +192,7 @@ class TrainingService:
             "model_name": model.base_model,
             "is_lora": True,
             "lora_rank": model.lora["rank"],
-            "optimizer_config": {"type": "adamw"},
+            "optimizer_config": OPTIMIZER_CONFIGS[model_optimizer(model)],
             "type": "get_info",
         }
 
@@ -380,10 +378,8 @@ class TrainingService:
 
     def optim_step(self, req: wire.OptimStepRequest) -> str:
         def prepare() -> Job:
-            if req.optimizer_params is not None:
-                family = req.optimizer_params.get("type")
-                raise bad_request(f"optimizer_params of type {family!r} are not supported; send adam_params")
-            params = _adam_params(req.adam_params or wire.AdamParams())
+            model = self.live_model(req.model_id)
+            params = optimizers.step_params(req, model_optimizer(model), req.model_id)
 
             def job() -> tuple[bytes, str]:
                 metrics = self.backend.optim_step(req.model_id, params)
@@ -395,21 +391,9 @@ class TrainingService:
         return self.submit_ordered("optim_step", req.model_id, req.seq_id, prepare)
 
 
-def _adam_params(p: wire.AdamParams) -> AdamParams:
-    """Range-check here rather than in the wire type, so a bad value consumes its seq_id."""
-    checks = {
-        "learning_rate": p.learning_rate >= 0,
-        "beta1": 0 <= p.beta1 < 1,
-        "beta2": 0 <= p.beta2 < 1,
-        "eps": p.eps > 0,
-        "weight_decay": p.weight_decay >= 0,
-        "grad_clip_norm": p.grad_clip_norm >= 0,
-    }
-    for name, ok in checks.items():
-        value = getattr(p, name)
-        if not ok or not math.isfinite(value):
-            raise bad_request(f"adam_params.{name} = {value} is out of range")
-    return AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+def model_optimizer(model: ModelRecord) -> str:
+    """The model's optimizer family (models stored before Dimuon existed are AdamW)."""
+    return model.lora.get("optimizer", "adamw")
 
 
 def _failing(detail: str) -> Job:
