@@ -948,6 +948,43 @@ CASES: list[Case] = [
         "cannot change the optimizer",
     ),
     Case(
+        "cancel_future unknown request_id",
+        post("cancel_future", lambda w: {"request_id": "req-nope"}),
+        404,
+        "request_id",
+    ),
+    Case("cancel_future without request_id", post("cancel_future", lambda w: {}), 422, "request_id"),
+    Case(
+        "retrieve_futures unknown sampling session",
+        post("retrieve_futures", lambda w: {"target": {"sampling_session_id": "samp-nope"}}),
+        404,
+        "target.sampling_session_id",
+    ),
+    Case(
+        "retrieve_futures negative clone",
+        post("retrieve_futures", lambda w: {"target": {"sampling_session_id": w.sampler_id, "cloned_sampler_id": -1}}),
+        422,
+        "cloned_sampler_id",
+    ),
+    Case(
+        "retrieve_futures negative timeout",
+        post("retrieve_futures", lambda w: {"target": {"sampling_session_id": w.sampler_id}, "timeout": -1}),
+        422,
+        "timeout",
+    ),
+    Case(
+        "retrieve_futures cursor over int64",
+        post("retrieve_futures", lambda w: {"target": {"sampling_session_id": w.sampler_id}, "prev_cursor": 2**64}),
+        422,
+        "prev_cursor",
+    ),
+    Case(
+        "join_sampling_session unknown session",
+        post("join_sampling_session", lambda w: {"sampling_session_id": "samp-nope"}),
+        404,
+        "sampling_session_id",
+    ),
+    Case(
         "create_model negative model_seq_id",
         post(
             "create_model",

@@ -130,7 +130,7 @@ def test_a_failed_request_leaves_accumulated_gradients_untouched(backend: Traine
 
 
 def test_requests_admitted_mid_decode_match_solo_runs(rank: Rank):
-    from hosted_tinker.core.sampling import SampleSpec
+    from hosted_tinker.core.sampling import Admission, SampleSpec
 
     first = SampleSpec(prompt=list(range(10, 40)), max_tokens=12, temperature=0.0)
     late = [
@@ -139,9 +139,9 @@ def test_requests_admitted_mid_decode_match_solo_runs(rank: Rank):
     ]
     calls = []
 
-    def admit() -> list[SampleSpec]:
+    def admit() -> Admission:
         calls.append(1)
-        return late if len(calls) == 3 else []  # join after a few decode steps
+        return Admission(late if len(calls) == 3 else [])  # join after a few decode steps
 
     together = rank.sampler.generate(None, [first], admit)
     alone = [rank.sampler.generate(None, [spec])[0] for spec in (first, *late)]
@@ -150,6 +150,23 @@ def test_requests_admitted_mid_decode_match_solo_runs(rank: Rank):
         for a, b in zip(joint.sequences, solo.sequences, strict=True):
             assert a.tokens == b.tokens
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_dropped_requests_leave_the_decode_and_the_others_are_unchanged(rank: Rank):
+    from hosted_tinker.core.sampling import Admission, SampleSpec
+
+    kept = SampleSpec(prompt=list(range(10, 30)), max_tokens=10, temperature=1.0, seed=3, stop_token_ids=frozenset())
+    doomed = SampleSpec(prompt=list(range(40, 50)), max_tokens=200, num_samples=3, temperature=1.0, seed=4)
+    calls = []
+
+    def admit() -> Admission:
+        calls.append(1)
+        return Admission(dropped=(1,) if len(calls) == 2 else ())  # its client gave up after two steps
+
+    kept_out, doomed_out = rank.sampler.generate(None, [kept, doomed], admit)
+    assert [len(s.tokens) for s in doomed_out.sequences] == [2, 2, 2]  # stopped, not decoded to 200
+    solo = rank.sampler.generate(None, [kept])[0]
+    assert kept_out.sequences[0].tokens == solo.sequences[0].tokens
 
 
 def test_the_sampler_shares_the_base_weights_and_not_the_adapters(rank: Rank):

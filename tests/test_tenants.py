@@ -204,6 +204,13 @@ def probes(a: dict, b_session: str) -> list[tuple[str, str, dict]]:
             },
         ),
         (post, "/api/v1/retrieve_future", {"json": {"request_id": a["request_id"]}}),
+        (post, "/api/v1/cancel_future", {"json": {"request_id": a["request_id"]}}),
+        (
+            post,
+            "/api/v1/retrieve_futures",
+            {"json": {"target": {"sampling_session_id": a["sampler_id"]}, "timeout": 0}},
+        ),
+        (post, "/api/v1/join_sampling_session", {"json": {"sampling_session_id": a["sampler_id"]}}),
         ("GET", f"/api/v1/training_runs/{run}", {}),
         ("GET", f"/api/v1/training_runs/{run}/checkpoints", {}),
         ("PUT", f"/api/v1/training_runs/{run}/checkpoints/{ckpt}/ttl", {"json": {"ttl_seconds": 7200}}),

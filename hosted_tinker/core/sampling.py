@@ -67,3 +67,13 @@ class SampleOutput:
     topk_prompt: tuple[Tensor, Tensor] | None = None  # ids int32 (L, k), logprobs float32 (L, k)
     target_prompt: Tensor | None = None  # float32 (L - 1, K): log-probs of target_prompt_ids, 0.0 at -1
     prompt_alt: tuple[Tensor, Tensor] | None = None  # tokens int64 (L - 1, k), their log-probs float32
+
+
+@dataclass
+class Admission:
+    """What the server hands a running decode between its steps (``generate``'s ``admit``):
+    requests that join it, on the same weights, and the numbers of requests whose clients gave
+    up (``cancel_future``), whose rows leave it."""
+
+    arrivals: list[SampleSpec] = field(default_factory=list)
+    dropped: tuple[int, ...] = ()

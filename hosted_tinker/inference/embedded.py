@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from safetensors.torch import load as load_safetensors
 
-from hosted_tinker.core.sampling import SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 
 MAX_BATCH_ROWS = 64  # sequences decoded together in one run
@@ -31,6 +31,7 @@ class _Pending:
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
     on_token: SampleListener | None = None
+    abandoned: bool = False  # its caller stopped waiting (a cancelled request): not worth decoding
 
     def settle(self, result: SampleOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(_settle, self.done, result)
@@ -47,7 +48,7 @@ class Sampler(Protocol):
         self,
         key: str | None,
         specs: list[SampleSpec],
-        admit: Callable[[], list[SampleSpec]] | None = None,
+        admit: Callable[[], Admission] | None = None,
         on_token: TokenListener | None = None,
     ) -> list[SampleOutput]: ...
 
@@ -80,6 +81,7 @@ class EmbeddedEngine:
         loop = asyncio.get_running_loop()
         spec = dataclasses.replace(spec, stream=on_token is not None)
         item = _Pending(weights, spec, loop.create_future(), loop, on_token)
+        item.done.add_done_callback(lambda done: setattr(item, "abandoned", done.cancelled()))
         with self._lock:
             self._pending.append(item)
             start = not self._scheduled
@@ -99,6 +101,8 @@ class EmbeddedEngine:
         with self._lock:
             taken, rest, rows = [], [], 0
             for item in self._pending:
+                if item.abandoned:  # never started: nothing to stop
+                    continue
                 fits = rows + item.spec.num_samples <= max_rows or (at_least_one and not taken)
                 if item.weights.key == key and fits:
                     taken.append(item)
@@ -126,14 +130,16 @@ class EmbeddedEngine:
         items = self._take(weights.key, MAX_BATCH_ROWS, at_least_one=True)
         budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)  # below 0 after a large one: none admitted
 
-        def admit() -> list[SampleSpec]:
+        dropped: set[int] = set()
+
+        def admit() -> Admission:
             nonlocal budget
-            if budget <= 0:
-                return []
-            arrivals = self._take(weights.key, budget)
+            gone = [n for n, item in enumerate(items) if item.abandoned and n not in dropped]
+            dropped.update(gone)
+            arrivals = self._take(weights.key, budget) if budget > 0 else []
             budget -= sum(i.spec.num_samples for i in arrivals)
             items.extend(arrivals)
-            return [i.spec for i in arrivals]
+            return Admission([i.spec for i in arrivals], tuple(gone))
 
         def on_token(request: int, sample: int, token: int, logprob: float) -> None:
             listener = items[request].on_token  # items and the engine's requests share one order

@@ -18,7 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from hosted_tinker.core.logprobs import target_logprobs
-from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.sampling import (
+    MASK_LOGPROB,
+    Admission,
+    SampledSequence,
+    SampleOutput,
+    SampleSpec,
+    TokenListener,
+)
 
 
 def _row_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
@@ -166,13 +173,14 @@ def generate(
     pad_id: int,
     decode: Callable[[list[int]], str],
     default_seed: Callable[[], int],
-    admit: Callable[[], list[SampleSpec]] | None = None,
+    admit: Callable[[], Admission] | None = None,
     on_token: TokenListener | None = None,
 ) -> list[SampleOutput]:
     """Sample every request of ``specs``; ``lm`` is a causal LM with its adapter set.
 
     Between decode steps, ``admit`` may hand over more requests (same weights): they are
-    prefilled and join the running batch, so a request never waits for a whole batch to end.
+    prefilled and join the running batch, so a request never waits for a whole batch to end;
+    and it may name requests to drop, whose rows leave the batch with what they have so far.
     Returns one output per request, ``specs`` first, then admitted ones in order; requests
     are numbered in that order for ``on_token``, which hears every token of a ``stream`` spec.
     """
@@ -247,8 +255,13 @@ def generate(
                 use_cache=True,
             )
             live.cache, live.last = out.past_key_values, out.last_hidden_state[:, -1]
-        arrivals = admit() if admit is not None else []
-        if arrivals:
+        admission = admit() if admit is not None else Admission()
+        if admission.dropped:
+            gone = set(admission.dropped)
+            keep = [r for r, (i, _) in enumerate(live.rows) if i not in gone]
+            if len(keep) < len(live.rows):
+                live.select(keep)
+        if arrivals := admission.arrivals:
             specs.extend(arrivals)
             joined = prefill(arrivals)
             if live.rows:

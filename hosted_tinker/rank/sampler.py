@@ -18,7 +18,7 @@ from torch import nn
 
 from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.errors import UserError
-from hosted_tinker.core.sampling import SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.rank.generate import generate
 from hosted_tinker.rank.model import PeftAdapters
 
@@ -70,11 +70,12 @@ class EmbeddedSampler:
         self,
         key: str | None,
         specs: list[SampleSpec],
-        admit: Callable[[], list[SampleSpec]] | None = None,
+        admit: Callable[[], Admission] | None = None,
         on_token: TokenListener | None = None,
     ) -> list[SampleOutput]:
         """Sample ``specs``; between decode steps ``admit`` may hand over more requests on the
-        same weights, and ``on_token`` hears each token of a ``stream`` spec as it is chosen."""
+        same weights or drop abandoned ones, and ``on_token`` hears each token of a ``stream``
+        spec as it is chosen."""
         if key is None:
             peft = self.adapters.peft
             context = peft.disable_adapter() if peft is not None else contextlib.nullcontext()

@@ -59,6 +59,8 @@ class Scheduler:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dispatch")
         self._queues: dict[str, _ModelQueue] = {}
         self._events: dict[str, asyncio.Event] = {}
+        self._watchers: dict[str | None, set[asyncio.Event]] = {}  # model -> who waits for any of its results
+        self.cancelled = 0  # sampling requests their clients gave up (cancel_future)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._count_lock = threading.Lock()
         self.in_flight = 0  # dispatched to the worker and not yet finished
@@ -109,6 +111,7 @@ class Scheduler:
             "max_pending": self.limits.max_pending,
             "max_pending_per_model": self.limits.max_pending_per_model,
             "refused": self.refused,
+            "cancelled": self.cancelled,
         }
 
     def open_model(self, model_id: str, first_seq: int = 1) -> None:
@@ -249,12 +252,34 @@ class Scheduler:
             self.store.fail_future(request_id, error, category or "server")
         else:
             self.store.complete_future(request_id, payload or b"", media_type or "application/json")
+        model_id = self._pending.get(request_id)
         self._release(request_id)
         event = self._events.pop(request_id, None)
-        if event is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(event.set)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake, event, model_id)
+
+    def _wake(self, event: asyncio.Event | None, model_id: str | None) -> None:
+        if event is not None:
+            event.set()
+        for watcher in self._watchers.pop(model_id, ()):
+            watcher.set()
 
     # ---- polling --------------------------------------------------------------------------
+
+    @contextmanager
+    def watch(self, model_id: str) -> Iterator[asyncio.Event]:
+        """An event set when any future of ``model_id`` next finishes. Enter before reading the
+        store, so that a result written in between still wakes the reader."""
+        event = asyncio.Event()
+        self._watchers.setdefault(model_id, set()).add(event)
+        try:
+            yield event
+        finally:
+            watchers = self._watchers.get(model_id)
+            if watchers is not None:
+                watchers.discard(event)
+                if not watchers:
+                    del self._watchers[model_id]
 
     async def wait(self, request_id: str, timeout: float) -> FutureRecord | None:
         """The future's record once finished, or still pending after ``timeout`` seconds."""

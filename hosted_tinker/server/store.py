@@ -56,7 +56,8 @@ CREATE TABLE IF NOT EXISTS futures (
     error TEXT,
     category TEXT,
     created_at REAL NOT NULL,
-    completed_at REAL
+    completed_at REAL,
+    completion_seq INTEGER
 );
 CREATE UNIQUE INDEX IF NOT EXISTS futures_by_seq ON futures(model_id, seq_id) WHERE seq_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS futures_by_completion ON futures(completed_at);
@@ -87,7 +88,8 @@ CREATE TABLE IF NOT EXISTS samplers (
     model_id TEXT,
     snapshot TEXT,
     created_at REAL NOT NULL,
-    kind TEXT NOT NULL DEFAULT 'snapshot'
+    kind TEXT NOT NULL DEFAULT 'snapshot',
+    clients INTEGER NOT NULL DEFAULT 0
 );
 """
 
@@ -109,6 +111,8 @@ class Store:
         self._db = connect(path, _SCHEMA)
         self._migrate()
         self._lock = threading.Lock()
+        # Futures are numbered in the order they finish (``completions``), across restarts.
+        self._completion_seq = self._db.execute("SELECT COALESCE(MAX(completion_seq), 0) FROM futures").fetchone()[0]
 
     @classmethod
     def in_data_dir(cls, data_dir: Path) -> Store:
@@ -117,13 +121,20 @@ class Store:
 
     def _migrate(self) -> None:
         """Columns added since a data dir was created (sessions made before keys belong to no key,
-        samplers made before inflight ones are snapshots)."""
+        samplers made before inflight ones are snapshots, futures finished before completion
+        numbers have none)."""
         for table, column, declared in [
             ("sessions", "owner", "TEXT NOT NULL DEFAULT ''"),
             ("samplers", "kind", "TEXT NOT NULL DEFAULT 'snapshot'"),
+            ("samplers", "clients", "INTEGER NOT NULL DEFAULT 0"),
+            ("futures", "completion_seq", "INTEGER"),
         ]:
             if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declared}")
+        self._db.execute(
+            "CREATE INDEX IF NOT EXISTS futures_by_finish_order ON futures(model_id, completion_seq) "
+            "WHERE completion_seq IS NOT NULL"
+        )
 
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self._lock:
@@ -135,13 +146,10 @@ class Store:
 
     def recover_after_restart(self) -> tuple[int, int]:
         """Fail futures that were in flight and mark live models lost; return both counts."""
-        now = time.time()
-        failed = self._exec(
-            "UPDATE futures SET status='failed', category='server', completed_at=?, "
-            "error='the server restarted while this request was in flight; resubmit it' "
-            "WHERE status='pending'",
-            (now,),
-        ).rowcount
+        pending = [row[0] for row in self._exec("SELECT request_id FROM futures WHERE status='pending'")]
+        for request_id in pending:
+            self.fail_future(request_id, "the server restarted while this request was in flight; resubmit it", "server")
+        failed = len(pending)
         lost = self._exec("UPDATE models SET status='lost' WHERE status='active'").rowcount
         return failed, lost
 
@@ -255,16 +263,40 @@ class Store:
         return row[0] if row else None
 
     def complete_future(self, request_id: str, payload: bytes, media_type: str) -> None:
-        self._exec(
-            "UPDATE futures SET status='done', payload=?, media_type=?, completed_at=? WHERE request_id=?",
-            (payload, media_type, time.time(), request_id),
-        )
+        self._finish_future(request_id, "status='done', payload=?, media_type=?", (payload, media_type))
 
     def fail_future(self, request_id: str, error: str, category: str) -> None:
-        self._exec(
-            "UPDATE futures SET status='failed', error=?, category=?, completed_at=? WHERE request_id=?",
-            (error, category, time.time(), request_id),
-        )
+        self._finish_future(request_id, "status='failed', error=?, category=?", (error, category))
+
+    def _finish_future(self, request_id: str, assignments: str, values: tuple) -> None:
+        # Numbered and written under one lock, so that numbers are committed in their order and
+        # a reader of ``completions`` never sees a later number before an earlier one.
+        with self._lock:
+            self._completion_seq += 1
+            self._db.execute(
+                f"UPDATE futures SET {assignments}, completed_at=?, completion_seq=? WHERE request_id=?",
+                (*values, time.time(), self._completion_seq, request_id),
+            )
+
+    def completions(self, model_id: str, seq_range: tuple[int, int], after: int, limit: int = 1000) -> list[tuple]:
+        """``(completion_seq, request_id, status, payload bytes)`` of ``model_id``'s futures with
+        ``seq_id`` in ``[lo, hi)`` that finished after number ``after``, in finishing order."""
+        return self._exec(
+            "SELECT completion_seq, request_id, status, length(payload) FROM futures "
+            "WHERE model_id=? AND completion_seq > ? AND seq_id >= ? AND seq_id < ? ORDER BY completion_seq LIMIT ?",
+            (model_id, after, *seq_range, limit),
+        ).fetchall()
+
+    def delete_finished(self, model_id: str, seq_range: tuple[int, int], request_ids: list[str]) -> int:
+        """Forget finished futures of ``model_id`` (in ``seq_range``) whose results were retrieved."""
+        deleted = 0
+        for request_id in request_ids:
+            deleted += self._exec(
+                "DELETE FROM futures WHERE request_id=? AND model_id=? AND seq_id >= ? AND seq_id < ? "
+                "AND status != 'pending'",
+                (request_id, model_id, *seq_range),
+            ).rowcount
+        return deleted
 
     def delete_futures_finished_before(self, cutoff: float, batch: int = 1000) -> int:
         """Forget results finished before ``cutoff`` (a pending future is never deleted), ``batch``
@@ -456,6 +488,13 @@ class Store:
 
     def delete_sampler(self, sampler_id: str) -> None:
         self._exec("DELETE FROM samplers WHERE sampler_id=?", (sampler_id,))
+
+    def join_sampler(self, sampler_id: str) -> int:
+        """The next client number of a sampling session (its first client is 0, joiners 1, 2, …)."""
+        row = self._exec(
+            "UPDATE samplers SET clients = clients + 1 WHERE sampler_id=? RETURNING clients", (sampler_id,)
+        ).fetchone()
+        return int(row[0])
 
     def get_sampler(self, sampler_id: str) -> SamplerRecord | None:
         row = self._exec(

@@ -26,6 +26,7 @@ from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.downloads import DownloadLinks
+from hosted_tinker.server.serving.futures import FuturesService
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.server.serving.recovery import ModelRecovery
@@ -56,6 +57,7 @@ class ServerState:
     training: TrainingService
     checkpoints: CheckpointService
     copies: CopyService
+    futures: FuturesService
     sampling: SamplingService
     openai: OpenAIService
     vllm: VllmEngine | None = None
@@ -138,6 +140,7 @@ def build_state(config: ServerConfig) -> ServerState:
         training=training,
         checkpoints=checkpoints,
         copies=CopyService(store, files, tenancy),
+        futures=FuturesService(store, scheduler, config.poll_timeout_s),
         sampling=sampling,
         openai=openai,
         vllm=vllm,

@@ -16,6 +16,7 @@ from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.ordering import head_limit
 from hosted_tinker.server.protocol.proto_codec import decode_forward_backward, decompress
+from hosted_tinker.server.serving.futures import check_cancellable
 
 router = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
 
@@ -41,12 +42,15 @@ async def client_config(req: wire.ClientConfigRequest, request: Request) -> dict
         "pjwt_auth_enabled": False,
         "proto_compress_fwdbwd": config.proto_compress,
         "use_pyqwest_transport": config.sdk_transport == "pyqwest",
+        # Served here: one completions long-poll per sampling client, and clone numbers.
+        "sample_use_retrieve_futures": True,
+        "sample_join_sampling_session": True,
     }
 
 
 @router.post("/client/dynamic_config", **rsp.as_built(rsp.ClientDynamicConfigResponse))
 async def client_dynamic_config(req: wire.ClientConfigRequest) -> dict:
-    return {}
+    return {"sample_cancel_enabled": True}  # an abandoned sample is cancelled (cancel_future)
 
 
 @router.post("/create_session")
@@ -184,6 +188,18 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, reques
     return state.checkpoints.create_sampling_session(req)
 
 
+@router.post("/join_sampling_session", **rsp.as_built(rsp.JoinSamplingSessionResponse))
+async def join_sampling_session(req: wire.JoinSamplingSessionRequest, request: Request) -> dict:
+    """A number for another client of the session (an unpickled SamplingClient), so that the
+    clients' seq_ids never collide: its own block of 10⁹."""
+    state = server_state(request)
+    state.tenancy.sampler(tenant_of(request), req.sampling_session_id)
+    if state.store.get_sampler(req.sampling_session_id) is None:
+        raise not_found(f"sampling_session_id {req.sampling_session_id!r} does not exist")
+    counter = state.store.join_sampler(req.sampling_session_id)
+    return {"type": "join_sampling_session", "client_counter": counter}
+
+
 @router.post("/asample", response_model=rsp.SampleFuture)
 async def asample(req: wire.SampleRequest, request: Request) -> rsp.SampleFuture:
     state = server_state(request)
@@ -222,3 +238,21 @@ async def retrieve_future(req: wire.RetrieveFutureRequest, request: Request) -> 
         body = {"error": record.error, "category": record.category, "request_id": record.request_id}
         return Response(json.dumps(body), media_type="application/json")
     return Response(record.payload, media_type=record.media_type)
+
+
+@router.post("/retrieve_futures", **rsp.as_built(rsp.FuturesRetrieveResponse))
+async def retrieve_futures(req: wire.FuturesRetrieveRequest, request: Request) -> dict:
+    state = server_state(request)
+    state.tenancy.sampler(tenant_of(request), req.target.sampling_session_id, "target.sampling_session_id")
+    return await state.futures.completions(req)
+
+
+@router.post("/cancel_future", **rsp.as_built(rsp.CancelFutureResponse))
+async def cancel_future(req: wire.CancelFutureRequest, request: Request) -> dict:
+    state = server_state(request)
+    state.tenancy.future(tenant_of(request), req.request_id)
+    record = state.store.get_future(req.request_id)
+    if record is None:
+        raise not_found(f"request_id {req.request_id!r} does not exist")
+    check_cancellable(record)
+    return {"type": "cancel_future", "request_id": req.request_id, "cancelled": state.sampling.cancel(req.request_id)}

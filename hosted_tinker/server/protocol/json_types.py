@@ -295,6 +295,30 @@ class RetrieveFutureRequest(Request):
     allow_metadata_only: bool = False
 
 
+class CancelFutureRequest(Request):
+    request_id: str
+
+
+class SamplingSessionFuturesTarget(Request):
+    type: Literal["sampling_session"] = "sampling_session"
+    sampling_session_id: str
+    # A sampling client's number (0: the one that created the session; ``join_sampling_session``
+    # numbers the others): its requests' seq_ids lie in [n·10⁹, (n+1)·10⁹).
+    cloned_sampler_id: int = Field(0, ge=0, le=9_000_000_000)
+
+
+class FuturesRetrieveRequest(Request):
+    target: SamplingSessionFuturesTarget
+    prev_cursor: int = Field(0, ge=0, lt=2**63)
+    timeout: float | None = Field(None, ge=0, allow_inf_nan=False)  # None: the server's long-poll
+    retrieved_request_ids: list[str] = Field(default_factory=list, max_length=10_000)
+
+
+class JoinSamplingSessionRequest(Request):
+    sampling_session_id: str
+    type: Literal["join_sampling_session"] = "join_sampling_session"
+
+
 class UntypedFuture(Response):
     request_id: str
     model_id: str | None = None

@@ -166,6 +166,28 @@ class RequestFailedResponse(Response):
     request_id: str | None = None
 
 
+class FutureCompletion(Response):
+    state: Literal["finished", "failed"]
+    request_id: str
+    response_payload_uncompressed_size: int | None = None
+
+
+class FuturesRetrieveResponse(Response):
+    completions: list[FutureCompletion]
+    cursor: int
+
+
+class CancelFutureResponse(Response):
+    type: Literal["cancel_future"] = "cancel_future"
+    request_id: str
+    cancelled: bool  # false: it had already finished
+
+
+class JoinSamplingSessionResponse(Response):
+    type: Literal["join_sampling_session"] = "join_sampling_session"
+    client_counter: int
+
+
 class CreateModelResponse(Response):
     model_id: str
     type: Literal["create_model"] | None = None

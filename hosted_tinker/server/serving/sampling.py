@@ -91,7 +91,8 @@ class SamplingService:
         self.embedded = embedded
         self.sequences = sequences  # stability info, for samplers that record it
         self.vllm = vllm
-        self._tasks: set[asyncio.Task] = set()
+        self._running: dict[str, asyncio.Task] = {}  # request id -> its sampling, until it ends
+        self._cancelled: set[str] = set()
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -266,9 +267,20 @@ class SamplingService:
         task = asyncio.get_running_loop().create_task(
             self._sample_into(request_id, self.weights_of(sampler), spec, record, target_layout)
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._running[request_id] = task
+        task.add_done_callback(lambda _: self._running.pop(request_id, None))
         return request_id, sequence_ids
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a sampling request its client gave up (``cancel_future``): its future fails with
+        ``category: user``, and the engine drops its rows (vLLM: the request is aborted). False
+        if it had already finished."""
+        task = self._running.get(request_id)
+        if task is None or task.done():
+            return False
+        self._cancelled.add(request_id)
+        task.cancel()
+        return True
 
     async def _sample_into(
         self,
@@ -289,7 +301,13 @@ class SamplingService:
                 )
         except Exception as e:
             self.scheduler.fail_with(request_id, e)
-        except asyncio.CancelledError:  # the server is shutting down: the future must still end
+        except asyncio.CancelledError:
+            if request_id in self._cancelled:
+                self._cancelled.discard(request_id)
+                self.scheduler.cancelled += 1
+                self.scheduler.fail(request_id, "cancelled by its client (cancel_future)", "user")
+                return
+            # The server is shutting down: the future must still end.
             self.scheduler.fail(request_id, "the server stopped while sampling; retry", "server")
             raise
         else:

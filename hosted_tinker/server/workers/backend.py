@@ -27,7 +27,7 @@ import torch
 from hosted_tinker.core.calls import call_spec
 from hosted_tinker.core.errors import RolledBack, WorkerCrashed, WorkerDied
 from hosted_tinker.core.messages import Listener
-from hosted_tinker.core.sampling import SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.core.sharding import merge_results, shard_batch, shard_by_tokens
 from hosted_tinker.core.types import (
     AdamParams,
@@ -259,7 +259,7 @@ class SamplerClient:
         self,
         key: str | None,
         specs: list[SampleSpec],
-        admit: Callable[[], list[SampleSpec]] | None = None,
+        admit: Callable[[], Admission] | None = None,
         on_token: TokenListener | None = None,
     ) -> list[SampleOutput]:
         listener = Listener(on_token) if on_token is not None else None
