@@ -123,6 +123,7 @@ def _backends(args: argparse.Namespace) -> int:
         info[name] = {
             "losses": list(LOSSES),
             "optimizers": list(OPTIMIZERS),
+            "custom_losses": True,  # create_custom_loss graphs, run by core.custom_loss on the ranks
             "topk_targets": True,
             "sampling": True,  # the embedded sampler on rank 0
             "devices": plan.DEVICES,

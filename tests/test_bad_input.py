@@ -227,6 +227,10 @@ def fb_raw(make_body: Callable[[bytes], bytes], headers: dict[str, str] | None =
     return send
 
 
+def _unknown_loss_id(req: pb.ForwardBackwardRequest) -> None:
+    req.loss_fn_config_v2["loss_id"].text = "loss-nope"
+
+
 def set_input(key: str, tensor: pb.Tensor) -> Callable[[pb.ForwardBackwardRequest], None]:
     def mutate(req: pb.ForwardBackwardRequest) -> None:
         req.data[0].loss_fn_inputs[key].CopyFrom(tensor)
@@ -413,6 +417,49 @@ CASES: list[Case] = [
         "advantages",
     ),
     Case("fb NaN loss_fn_config", fb(_nan_config, "ppo"), 400, "loss_fn_config.clip_low_threshold"),
+    Case("fb custom without loss_id", fb(lambda r: None, "custom"), 400, "loss_id"),
+    Case(
+        "fb custom unknown loss_id",
+        fb(_unknown_loss_id, "custom"),
+        404,
+        "loss_id",
+    ),
+    Case(
+        "create_custom_loss forbidden call",
+        post(
+            "create_custom_loss",
+            lambda w: {
+                "session_id": w.session_id,
+                "custom_loss_seq_id": 1,
+                "name": "evil",
+                "inputs": [{"name": "logprobs", "rank": 1}],
+                "graph": {
+                    "nodes": [
+                        {"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+                        {"op": "call_function", "name": "x", "target": "builtins.exec", "args": ["1"]},
+                        {"op": "output", "name": "output", "target": "output", "args": [{"ref": "x"}]},
+                    ]
+                },
+            },
+        ),
+        400,
+        "'builtins.exec' is not allowed",
+    ),
+    Case(
+        "create_custom_loss input rank 3",
+        post(
+            "create_custom_loss",
+            lambda w: {
+                "session_id": w.session_id,
+                "custom_loss_seq_id": 2,
+                "name": "x",
+                "inputs": [{"name": "logprobs", "rank": 3}],
+                "graph": {"nodes": []},
+            },
+        ),
+        422,
+        "rank",
+    ),
     Case("fb +inf loss_fn_config_v2", fb(_inf_config_v2, "cispo"), 400, "loss_fn_config.clip_high_threshold"),
     # forward_backward: empty and oversized batches
     Case("fb empty batch", fb(lambda r: r.ClearField("data")), 400, "data"),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hosted_tinker.core.losses import LOSSES, UNSUPPORTED_LOSSES
+from hosted_tinker.core.losses import LOSSES
 
 pytestmark = pytest.mark.fast
 
@@ -172,12 +172,6 @@ def test_required_inputs_and_topk():
     assert sr.required_inputs == ("advantages",) and sr.optional_inputs == ("logprobs",)
     assert sr.needs_provenance and set(sr.recorded_inputs) == {"logprobs", "sampled_mask"}
     assert not any(LOSSES[name].needs_provenance for name in LOSSES if name != "stable_reinforce")
-
-
-def test_unsupported_losses():
-    assert "custom" in UNSUPPORTED_LOSSES
-    assert not set(UNSUPPORTED_LOSSES) & set(LOSSES)
-    assert all(isinstance(v, str) and v for v in UNSUPPORTED_LOSSES.values())
 
 
 # ---- cross_entropy ------------------------------------------------------------------------------

@@ -167,11 +167,6 @@ LOSSES: dict[str, LossSpec] = {
     ),
 }
 
-# Names the SDK can send that this server does not implement: a clear 400, never a wrong answer.
-UNSUPPORTED_LOSSES: dict[str, str] = {
-    "custom": "server-side custom losses are not enabled; the SDK's client-side forward_backward_custom works",
-}
-
 
 def sampler_gap(data: Sequence[DatumInput], logprobs: Sequence[np.ndarray]) -> dict[str, float]:
     """How far the learner's log-probs are from the sampler's, ``|lp - q|`` over the tokens that

@@ -28,11 +28,15 @@ def shard_batch(batch: ForwardBackwardBatch, shards: list[list[int]]) -> list[Fo
 
 
 def merge_results(results: list[ForwardBackwardResult], shards: list[list[int]]) -> ForwardBackwardResult:
-    """The ranks' results as one: per-datum arrays back in batch order, losses summed."""
+    """The ranks' results as one: per-datum arrays back in batch order, losses and metric sums summed."""
     n = sum(len(s) for s in shards)
     logprobs: list[np.ndarray | None] = [None] * n
     elementwise: list[np.ndarray | None] = [None] * n
     for result, shard in zip(results, shards, strict=True):
         for i, lp, terms in zip(shard, result.logprobs, result.elementwise_loss, strict=True):
             logprobs[i], elementwise[i] = lp, terms
-    return ForwardBackwardResult(logprobs, sum(r.loss_sum for r in results), elementwise)
+    metrics: dict[str, float] = {}
+    for result in results:
+        for key, value in result.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    return ForwardBackwardResult(logprobs, sum(r.loss_sum for r in results), elementwise, metrics)

@@ -16,6 +16,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from hosted_tinker.core.custom_loss import CustomLossDef
+
 # The optimizer families a model can be created with, as the SDK's ``optimizer_config`` names
 # them (and as get_info / weights_info report them).
 OPTIMIZER_CONFIGS: dict[str, dict] = {"adamw": {"type": "adamw"}, "dimuon": {"type": "dimuon", "version": 1}}
@@ -59,16 +61,19 @@ class ForwardBackwardBatch:
     loss_fn: str
     loss_config: Mapping[str, float]
     forward_only: bool
+    custom_loss: CustomLossDef | None = None  # loss_fn "custom": the session's stored loss
 
 
 @dataclass
 class ForwardBackwardResult:
     """Per datum: learner log-probs (float32 ``(N,)`` or ``(N, K)``) and the loss's per-token
-    terms (same shape, ``elementwise_loss``); and the summed loss."""
+    terms (same shape, ``elementwise_loss``; None for a custom loss, which has no per-token
+    terms); the summed loss, and a custom loss's metrics summed over the datums."""
 
     logprobs: list[np.ndarray]
     loss_sum: float
-    elementwise_loss: list[np.ndarray] = field(default_factory=list)
+    elementwise_loss: list[np.ndarray | None] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

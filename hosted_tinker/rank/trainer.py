@@ -133,26 +133,34 @@ class Trainer:
         return result
 
     def _run_batch(self, handle: AdapterHandle, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        spec = losses.LOSSES[batch.loss_fn]
+        spec = losses.LOSSES.get(batch.loss_fn)
+        custom = batch.custom_loss.compile() if batch.custom_loss is not None else None
         logprobs: list[np.ndarray | None] = [None] * len(batch.data)
         elementwise: list[np.ndarray | None] = [None] * len(batch.data)
+        metrics: dict[str, float] = {}
         loss_sum = 0.0
         for indices in microbatches(batch.data, self.microbatch_tokens):
             data = [batch.data[i] for i in indices]
             with torch.set_grad_enabled(not batch.forward_only):
                 lps = self.model.logprobs(handle, data)
-                terms = [
-                    spec.fn(lp, {k: v.to(lp.device) for k, v in d.inputs.items()}, batch.loss_config)
-                    for lp, d in zip(lps, data, strict=True)
-                ]
-                loss = sum(t.sum() for t in terms)
-                if not batch.forward_only:
+                inputs = [{k: v.to(lp.device) for k, v in d.inputs.items()} for lp, d in zip(lps, data, strict=True)]
+                if custom is None:
+                    terms = [spec.fn(lp, x, batch.loss_config) for lp, x in zip(lps, inputs, strict=True)]
+                    loss = sum(t.sum() for t in terms)
+                else:  # one scalar per datum, and its metrics: no per-token terms
+                    terms, loss = [None] * len(data), torch.zeros((), device=lps[0].device)
+                    for lp, x in zip(lps, inputs, strict=True):
+                        value, datum_metrics = custom(lp, x)
+                        loss = loss + value
+                        for key, m in datum_metrics.items():
+                            metrics[key] = metrics.get(key, 0.0) + float(m.detach())
+                if not batch.forward_only and loss.requires_grad:  # a loss free of lp has no gradient
                     loss.backward()
             loss_sum += float(loss.detach())
             for i, lp, t in zip(indices, lps, terms, strict=True):
                 logprobs[i] = lp.detach().float().cpu().numpy()
-                elementwise[i] = t.detach().float().cpu().numpy()
-        return ForwardBackwardResult(logprobs=logprobs, loss_sum=loss_sum, elementwise_loss=elementwise)
+                elementwise[i] = None if t is None else t.detach().float().cpu().numpy()
+        return ForwardBackwardResult(logprobs, loss_sum, elementwise, metrics)
 
     # ---- optimizer ----------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from hosted_tinker.server.scheduler import QueueLimits, Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
+from hosted_tinker.server.serving.custom_losses import CustomLossService
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.futures import FuturesService
 from hosted_tinker.server.serving.openai import OpenAIService
@@ -57,6 +58,7 @@ class ServerState:
     training: TrainingService
     checkpoints: CheckpointService
     copies: CopyService
+    custom_losses: CustomLossService
     futures: FuturesService
     sampling: SamplingService
     openai: OpenAIService
@@ -94,6 +96,7 @@ def build_state(config: ServerConfig) -> ServerState:
     pids = backend.status()["pids"]
     log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))
     vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
+    custom_losses = CustomLossService(store, scheduler)
     training = TrainingService(
         backend,
         scheduler,
@@ -101,6 +104,7 @@ def build_state(config: ServerConfig) -> ServerState:
         config.served_names(),
         tokenizer_id=config.tokenizer_id or model_path,
         sequences=sequences,
+        custom_losses=custom_losses,
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
     )
@@ -140,6 +144,7 @@ def build_state(config: ServerConfig) -> ServerState:
         training=training,
         checkpoints=checkpoints,
         copies=CopyService(store, files, tenancy),
+        custom_losses=custom_losses,
         futures=FuturesService(store, scheduler, config.poll_timeout_s),
         sampling=sampling,
         openai=openai,

@@ -45,6 +45,7 @@ async def client_config(req: wire.ClientConfigRequest, request: Request) -> dict
         # Served here: one completions long-poll per sampling client, and clone numbers.
         "sample_use_retrieve_futures": True,
         "sample_join_sampling_session": True,
+        "custom_loss_server_side": True,  # create_custom_loss stores it; forward_backward_custom runs it here
     }
 
 
@@ -92,6 +93,13 @@ async def get_server_capabilities(request: Request) -> dict:
 
 
 # ---- training --------------------------------------------------------------------------------
+
+
+@router.post("/create_custom_loss")
+async def create_custom_loss(req: wire.CreateCustomLossRequest, request: Request) -> wire.UntypedFuture:
+    state = server_state(request)
+    state.tenancy.session(tenant_of(request), req.session_id)
+    return _future(state.custom_losses.create(req))
 
 
 @router.post("/create_model")

@@ -133,6 +133,27 @@ class CreateModelRequest(Request):
     type: Literal["create_model"] = "create_model"
 
 
+class CustomLossInput(Request):
+    name: str
+    rank: Literal[0, 1, 2]
+
+
+class CustomLossGraph(Request):
+    format: Literal[1] = 1
+    # Nodes as torch.fx records them; their ops, targets and arguments are checked by
+    # ``core.custom_loss`` against what it allows (a 400 naming the node).
+    nodes: list[dict[str, Any]] = Field(max_length=512)
+
+
+class CreateCustomLossRequest(Request):
+    session_id: str
+    custom_loss_seq_id: int = Field(ge=0, lt=2**63)
+    name: str = Field(min_length=1, max_length=128)
+    inputs: list[CustomLossInput] = Field(min_length=1, max_length=16)
+    graph: CustomLossGraph
+    type: Literal["create_custom_loss"] = "create_custom_loss"
+
+
 class GetInfoRequest(Request):
     model_id: str
     type: Literal["get_info"] = "get_info"

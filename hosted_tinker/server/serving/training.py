@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hosted_tinker.core import losses
+from hosted_tinker.core.custom_loss import CustomLossDef, reduce_metrics
 from hosted_tinker.core.errors import (
     ApiError,
     RolledBack,
@@ -31,6 +32,7 @@ from hosted_tinker.server.records import ModelRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving import optimizers, provenance
+from hosted_tinker.server.serving.custom_losses import CustomLossService, datum_inputs
 from hosted_tinker.server.store import Store
 
 JSON = "application/json"
@@ -53,6 +55,7 @@ class TrainingService:
         served_names: list[str],
         tokenizer_id: str,
         sequences: SequenceRecords,
+        custom_losses: CustomLossService,
         *,
         live: LiveAdapters | None = None,
         max_lora_rank: int | None = None,
@@ -61,6 +64,7 @@ class TrainingService:
         self.scheduler = scheduler
         self.store = store
         self.sequences = sequences  # what samplers recorded, for provenance spans
+        self.custom_losses = custom_losses  # what sessions uploaded (loss_fn "custom")
         self.served_names = served_names
         self.tokenizer_id = tokenizer_id
         self.live = live  # with vLLM: each run's adapter synced after every change
@@ -255,10 +259,14 @@ class TrainingService:
             def job() -> tuple[bytes, str]:
                 result = self.backend.forward_backward(req.model_id, batch)
                 outputs = [
-                    {"logprobs": lp, "elementwise_loss": terms}
+                    {"logprobs": lp} if terms is None else {"logprobs": lp, "elementwise_loss": terms}
                     for lp, terms in zip(result.logprobs, result.elementwise_loss, strict=True)
                 ]
-                metrics = {"loss:sum": result.loss_sum, **losses.sampler_gap(batch.data, result.logprobs)}
+                metrics = {
+                    "loss:sum": result.loss_sum,
+                    **losses.sampler_gap(batch.data, result.logprobs),
+                    **reduce_metrics(result.metrics, len(batch.data)),
+                }
                 return encode_forward_backward_output(outputs, metrics), PROTOBUF
 
             return job
@@ -268,11 +276,12 @@ class TrainingService:
 
     def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
         caps = self.backend.capabilities
-        if req.loss_fn in losses.UNSUPPORTED_LOSSES:
-            raise bad_request(f"loss_fn {req.loss_fn!r} is not supported: {losses.UNSUPPORTED_LOSSES[req.loss_fn]}")
+        if req.loss_fn == "custom":
+            return self._validate_custom_batch(req)
         spec = losses.LOSSES.get(req.loss_fn)
         if spec is None or req.loss_fn not in caps.losses:
-            raise bad_request(f"loss_fn {req.loss_fn!r} is not supported; supported: {sorted(caps.losses)}")
+            supported = sorted([*caps.losses, "custom"])
+            raise bad_request(f"loss_fn {req.loss_fn!r} is not supported; supported: {supported}")
         config = dict(spec.config_defaults)
         for key, value in req.loss_fn_config.items():
             if key not in spec.config_defaults:
@@ -283,6 +292,25 @@ class TrainingService:
             if not isinstance(value, float) or not math.isfinite(value):
                 raise bad_request(f"loss_fn_config.{key} must be a finite number, got {value!r}")
             config[key] = value
+        wire_data = self._wire_data(req)
+        data = [self._validate_datum(d, i, spec) for i, d in enumerate(wire_data)]
+        self._resolve_provenance(req.model_id, wire_data, data, spec)
+        return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
+
+    def _validate_custom_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
+        """``loss_fn="custom"``: the session's stored loss (``serving.custom_losses``) by id."""
+        if set(req.loss_fn_config) != {"loss_id"}:
+            raise bad_request(
+                "loss_fn 'custom' takes loss_fn_config {'loss_id': …}, the id create_custom_loss returned; "
+                f"got keys {sorted(req.loss_fn_config)}"
+            )
+        loss = self.custom_losses.get(self.live_model(req.model_id).session_id, req.loss_fn_config["loss_id"])
+        wire_data = self._wire_data(req)
+        data = [self._validate_datum(d, i, None, loss) for i, d in enumerate(wire_data)]
+        self._resolve_provenance(req.model_id, wire_data, data, None)
+        return ForwardBackwardBatch(data, "custom", {}, req.forward_only, custom_loss=loss)
+
+    def _wire_data(self, req: WireForwardBackward) -> list[WireDatum]:
         try:
             wire_data = req.datums()
         except WireError as e:
@@ -290,13 +318,15 @@ class TrainingService:
         if not wire_data:
             raise bad_request("data is empty: forward_backward needs at least one datum")
         total = sum(len(d.tokens) for d in wire_data)
-        if total > caps.max_tokens_per_batch:
-            raise bad_request(f"data holds {total} tokens, over the limit of {caps.max_tokens_per_batch} per request")
-        data = [self._validate_datum(d, i, spec) for i, d in enumerate(wire_data)]
-        self._resolve_provenance(req.model_id, wire_data, data, spec)
-        return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
+        limit = self.backend.capabilities.max_tokens_per_batch
+        if total > limit:
+            raise bad_request(f"data holds {total} tokens, over the limit of {limit} per request")
+        return wire_data
 
-    def _validate_datum(self, d: WireDatum, index: int, spec: losses.LossSpec) -> DatumInput:
+    def _validate_datum(
+        self, d: WireDatum, index: int, spec: losses.LossSpec | None, custom: CustomLossDef | None = None
+    ) -> DatumInput:
+        """One datum, checked for ``spec``'s inputs (or a custom loss's declared ones)."""
         caps = self.backend.capabilities
         where = f"data[{index}]"
         n = len(d.tokens)
@@ -311,7 +341,8 @@ class TrainingService:
             raise bad_request(f"{where}.loss_fn_inputs.target_tokens is required")
         if targets.dtype.kind not in "iu":
             raise bad_request(f"{where}.loss_fn_inputs.target_tokens must be int64, got {targets.dtype}")
-        if targets.ndim == 2 and not (spec.allows_topk_targets and caps.topk_targets):
+        topk_allowed = custom is not None or spec.allows_topk_targets
+        if targets.ndim == 2 and not (topk_allowed and caps.topk_targets):
             raise bad_request(f"{where}.loss_fn_inputs.target_tokens: (N, K) targets are only valid for cross_entropy")
         if targets.shape[:1] != (n,) or targets.ndim > 2:
             raise bad_request(
@@ -319,6 +350,12 @@ class TrainingService:
                 f"(or [{n}, K]) to match model_input length {n}"
             )
         _check_token_ids(targets, caps.vocab_size, f"{where}.loss_fn_inputs.target_tokens")
+        if custom is not None:
+            return DatumInput(
+                tokens=torch.from_numpy(d.tokens.astype(np.int64)),
+                target_tokens=torch.from_numpy(targets.astype(np.int64)),
+                inputs=datum_inputs(custom, d, where, targets),
+            )
         tensors: dict[str, torch.Tensor] = {}
         for key in spec.required_inputs:
             if key not in inputs:
@@ -345,15 +382,16 @@ class TrainingService:
         )
 
     def _resolve_provenance(
-        self, model_id: str, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec
+        self, model_id: str, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec | None
     ) -> None:
         """Check every datum's provenance spans against the sampler's records (restarting their
         day), and give a loss that reads the record (``recorded_inputs``) its inputs. Only such a
-        loss needs every named sequence to have a record."""
+        loss needs every named sequence to have a record (a custom loss, ``spec`` None, does not)."""
+        needs_records = spec is not None and spec.needs_provenance
         for i, d in enumerate(wire_data):
             if d.model_input_spans:
                 provenance.check_tiling(d, f"data[{i}]")
-            elif spec.needs_provenance:
+            elif needs_records:
                 raise bad_request(
                     f"data[{i}] has no provenance: this loss reads what the sampler recorded, so every datum "
                     "must name its sampled sequences (Datum.with_provenance, after sampling with "
@@ -367,8 +405,8 @@ class TrainingService:
             where = f"data[{i}]"
             if not d.model_input_spans:
                 continue
-            resolved = provenance.resolve(d, where, records, require_records=spec.needs_provenance)
-            if spec.needs_provenance:
+            resolved = provenance.resolve(d, where, records, require_records=needs_records)
+            if needs_records:
                 if "logprobs" in datum.inputs:
                     provenance.check_client_logprobs(datum.inputs["logprobs"].numpy(), resolved, where)
                 recorded = resolved.inputs()

@@ -1,0 +1,300 @@
+"""Server-side custom losses: the SDK's traced ``torch.fx`` graph, rebuilt from plain data and
+run by a small interpreter over an explicit list of allowed operations. Nothing is ``eval``ed
+or imported by name: a node's target is looked up in ``FUNCTIONS``, ``METHODS`` or
+``ATTRIBUTES``, and anything else is refused when the loss is created.
+
+A loss runs once per datum on ``(logprobs, *inputs)`` (each a tensor; ``logprobs`` shaped like
+the datum's ``target_tokens``) and returns ``(loss, metrics)``: a scalar tensor, and scalar
+tensors keyed ``custom/<name>:sum`` or ``custom/<name>:mean``. The batch's loss is the sum of
+the datums' (as for the built-in losses); ``:sum`` metrics add over datums, ``:mean`` ones are
+averaged over them (as the SDK's client-side runner does).
+
+No allowed operation allocates more than its operands already hold (there is no ``torch.zeros``
+of a given size, no ``expand`` or ``repeat``), and a graph has at most ``MAX_NODES`` nodes, so a
+loss costs at most a bounded number of passes over its datum's tensors.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import operator
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.fx.node import _get_qualified_name  # the SDK names targets with it
+from torch.nn import functional as F
+
+from hosted_tinker.core.errors import UserError
+
+MAX_NODES = 512
+MAX_INPUTS = 16
+_INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
+_METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
+
+# Functions a node may call, by the qualified name the SDK sends.
+_TORCH = """abs exp expm1 exp2 log log1p log2 sqrt rsqrt square sigmoid tanh sign relu neg reciprocal pow
+    clamp clip minimum maximum min max where sum mean prod logsumexp softmax log_softmax amax amin cumsum
+    stack cat zeros_like ones_like full_like isfinite isnan nan_to_num logical_and logical_or logical_not
+    gather squeeze unsqueeze flatten numel detach lerp erf atan sin cos floor ceil round trunc fmod
+    remainder lt le gt ge eq ne add sub mul div true_divide"""
+_FUNCTIONAL = "relu softplus logsigmoid log_softmax softmax silu gelu mse_loss"
+_OPERATOR = "add sub mul truediv floordiv mod pow neg pos abs getitem lt le gt ge eq ne and_ or_ xor invert not_"
+_MATH = "exp log sqrt log1p expm1 tanh fabs"
+
+
+def _wire_name(fn: Callable[..., Any]) -> str:
+    """A function's name as the SDK sends it: torch.fx's qualified name (``torch._C._nn.softplus``
+    for some ``torch.nn.functional`` builtins), Python operators under ``operator``."""
+    name = _get_qualified_name(fn)
+    return "operator." + name.removeprefix("_operator.") if name.startswith("_operator.") else name
+
+
+FUNCTIONS: dict[str, Callable[..., Any]] = {
+    _wire_name(fn): fn
+    for fn in (
+        *(getattr(torch, n) for n in _TORCH.split()),
+        *(getattr(F, n) for n in _FUNCTIONAL.split()),
+        *(getattr(operator, n) for n in _OPERATOR.split()),
+        *(getattr(math, n) for n in _MATH.split()),
+        builtins.getattr,  # of the tensor attributes in ``ATTRIBUTES`` only
+    )
+}
+# Tensor methods a node may call (``call_method``), and attributes ``getattr`` may read.
+METHODS = frozenset(
+    """abs exp expm1 log log1p log2 sqrt rsqrt square sigmoid tanh sign relu neg reciprocal pow clamp clip
+    clamp_min clamp_max minimum maximum min max sum mean prod logsumexp softmax log_softmax amax amin cumsum
+    where masked_fill gather squeeze unsqueeze flatten view reshape view_as reshape_as size numel dim
+    detach float double to type_as t transpose isfinite isnan nan_to_num lt le gt ge eq ne add sub mul div
+    logical_and logical_or logical_not floor ceil round""".split()
+)
+ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "T", "mT"})
+_DTYPES = {n: getattr(torch, n) for n in "float32 float64 float16 bfloat16 int64 int32 bool".split()}
+
+
+class CustomLossError(UserError):
+    """A graph that cannot be run, or a run that failed: the client's to fix."""
+
+
+@dataclass(frozen=True)
+class CustomLossDef:
+    """A loss as stored and sent to the ranks: plain data, checked again where it is compiled."""
+
+    name: str
+    inputs: tuple[tuple[str, int], ...]  # (name, rank), ``logprobs`` first
+    nodes: tuple[dict, ...]  # ``CustomLossGraph.nodes`` as the SDK sent them
+
+    def compile(self) -> CustomLoss:
+        return compile_loss(self.name, list(self.inputs), list(self.nodes))
+
+
+@dataclass(frozen=True)
+class CustomLossInput:
+    name: str
+    rank: int  # 0: a scalar, 1: (N,), 2: (N, K)
+
+
+@dataclass(frozen=True)
+class _Node:
+    op: str
+    name: str
+    target: Any  # the callable, method name or output
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class CustomLoss:
+    """A checked graph, ready to run (``__call__``)."""
+
+    name: str
+    inputs: tuple[CustomLossInput, ...]  # ``logprobs`` first
+    nodes: tuple[_Node, ...]
+
+    def __call__(self, logprobs: Tensor, inputs: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        values = [logprobs, *(inputs[i.name] for i in self.inputs[1:])]
+        budget = max(MIN_ELEMENTS, ELEMENTS_PER_INPUT * max(v.numel() for v in values))
+        env: dict[str, Any] = {}
+        args = iter(values)
+        for node in self.nodes:
+            try:
+                if node.op == "placeholder":
+                    env[node.name] = next(args)
+                    continue
+                a, kw = _resolve(node.args, env), _resolve(node.kwargs, env)
+                if node.op != "output":
+                    env[node.name] = _bounded(_apply(node, a, kw), budget)
+                    continue
+            except Exception as e:  # shapes, dtypes, arguments, bounds: the loss's own mistake
+                raise CustomLossError(f"custom loss {self.name!r} failed at node {node.name!r}: {e}") from None
+            return _check_result(self.name, a[0])
+        raise CustomLossError(f"custom loss {self.name!r} has no output node")
+
+
+# What one datum's loss may hold: no value over this many elements (nor a Python integer over
+# 64 bits), so that a small graph cannot grow a value by repeated doubling or outer products.
+ELEMENTS_PER_INPUT = 64
+MIN_ELEMENTS = 1 << 20
+_NUMBERS = (Tensor, int, float, bool)
+_ARITHMETIC = {getattr(operator, n) for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")}
+
+
+def _apply(node: _Node, a: list, kw: dict) -> Any:
+    if node.op == "call_method":
+        if not isinstance(a[0], Tensor):
+            raise CustomLossError(f"method {node.target!r} is called on a {type(a[0]).__name__}, not a tensor")
+        if node.target == "to" and any(isinstance(x, str) for x in (*a[1:], *kw.values())):
+            raise CustomLossError("to() takes a dtype or a device object here, not a string")
+        return getattr(a[0], node.target)(*a[1:], **kw)
+    fn = node.target
+    if fn is builtins.getattr and not (len(a) == 2 and isinstance(a[0], Tensor) and a[1] in ATTRIBUTES):
+        raise CustomLossError(f"only these tensor attributes may be read: {sorted(ATTRIBUTES)}")
+    if fn in _ARITHMETIC:
+        if not all(isinstance(x, _NUMBERS) for x in a):
+            raise CustomLossError("arithmetic is on tensors and numbers only")
+        if fn is operator.pow and not isinstance(a[0], Tensor) and isinstance(a[1], int) and abs(a[1]) > 64:
+            raise CustomLossError(f"an integer power of {a[1]} is too large")
+    return fn(*a, **kw)
+
+
+def _bounded(value: Any, budget: int) -> Any:
+    if isinstance(value, Tensor) and value.numel() > budget:
+        raise CustomLossError(f"a value of {value.numel()} elements is over this datum's bound of {budget}")
+    if isinstance(value, int) and abs(value) >= 2**63:
+        raise CustomLossError("an integer over 64 bits")
+    return value
+
+
+def compile_loss(name: str, inputs: list[tuple[str, int]], nodes: list[dict]) -> CustomLoss:
+    """Check a graph the SDK sent (``CustomLossGraph.nodes`` as dicts) against the allowed
+    operations; ``CustomLossError`` names the first node that is not allowed."""
+    if not inputs or inputs[0] != ("logprobs", inputs[0][1]) or inputs[0][1] not in (1, 2):
+        raise CustomLossError("inputs: the first input is logprobs, of rank 1 or 2")
+    if len(inputs) > MAX_INPUTS:
+        raise CustomLossError(f"inputs: at most {MAX_INPUTS}, logprobs included")
+    for input_name, rank in inputs:
+        if not _INPUT_NAME.fullmatch(input_name) or rank not in (0, 1, 2):
+            raise CustomLossError(f"inputs: {input_name!r} of rank {rank} (lowercase names, ranks 0, 1 or 2)")
+    if len({n for n, _ in inputs}) != len(inputs):
+        raise CustomLossError("inputs: names repeat")
+    if len(nodes) > MAX_NODES:
+        raise CustomLossError(f"graph: {len(nodes)} nodes, over the limit of {MAX_NODES}")
+    placeholders = [n.get("name") for n in nodes if n.get("op") == "placeholder"]
+    if placeholders != [n for n, _ in inputs]:
+        raise CustomLossError(f"graph: its placeholders {placeholders} are not the inputs {[n for n, _ in inputs]}")
+    known: set[str] = set()
+    built = []
+    for i, raw in enumerate(nodes):
+        node = _node(raw, i, known)
+        known.add(node.name)
+        built.append(node)
+    if not built or built[-1].op != "output":
+        raise CustomLossError("graph: the last node must be its output")
+    return CustomLoss(name, tuple(CustomLossInput(n, r) for n, r in inputs), tuple(built))
+
+
+def _node(raw: dict, index: int, known: set[str]) -> _Node:
+    where = f"graph.nodes[{index}]"
+    op, name, target = raw.get("op"), raw.get("name"), raw.get("target")
+    if not isinstance(name, str) or not name or name in known:
+        raise CustomLossError(f"{where}: a node needs a name of its own, got {name!r}")
+    args = _decode(raw.get("args", []), known, f"{where}.args")
+    kwargs = _decode({"dict": raw.get("kwargs", {})}, known, f"{where}.kwargs")
+    if op == "placeholder" or op == "output":
+        return _Node(op, name, target, tuple(args), kwargs)
+    if op == "call_function":
+        fn = FUNCTIONS.get(target) if isinstance(target, str) else None
+        if fn is None:
+            raise CustomLossError(f"{where} ({name}): calling {target!r} is not allowed in a custom loss")
+        return _Node(op, name, fn, tuple(args), kwargs)
+    if op == "call_method":
+        if target not in METHODS:
+            raise CustomLossError(f"{where} ({name}): method {target!r} is not allowed in a custom loss")
+        if not args:
+            raise CustomLossError(f"{where} ({name}): a method call needs its tensor")
+        return _Node(op, name, target, tuple(args), kwargs)
+    raise CustomLossError(f"{where} ({name}): {op!r} nodes are not allowed (no modules, no captured tensors)")
+
+
+def _decode(value: Any, known: set[str], where: str) -> Any:
+    """The SDK's argument encoding (``CustomLossNode.args``) back to values; a ``ref`` becomes
+    ``_Ref`` (resolved when the graph runs) and must name an earlier node."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list):
+        return [_decode(v, known, where) for v in value]
+    if not isinstance(value, dict) or len(value) != 1:
+        raise CustomLossError(f"{where}: cannot decode {value!r}")
+    ((kind, inner),) = value.items()
+    if kind == "ref":
+        if inner not in known:
+            raise CustomLossError(f"{where}: refers to {inner!r}, which is not an earlier node")
+        return _Ref(inner)
+    if kind == "tuple" and isinstance(inner, list):
+        return tuple(_decode(v, known, where) for v in inner)
+    if kind == "dict" and isinstance(inner, dict):
+        return {str(k): _decode(v, known, where) for k, v in inner.items()}
+    if kind == "slice" and isinstance(inner, list) and len(inner) == 3:
+        return slice(*(_decode(v, known, where) for v in inner))
+    if kind == "ellipsis":
+        return Ellipsis
+    if kind == "float" and inner in ("inf", "-inf", "nan"):
+        return float(inner)
+    if kind == "dtype" and inner in _DTYPES:
+        return _DTYPES[inner]
+    if kind == "device" and isinstance(inner, str):
+        return _SameDevice()  # a loss runs where its datum is, whatever device it was traced on
+    if kind == "layout" and inner == "strided":
+        return torch.strided
+    if kind == "memory_format" and inner in ("contiguous_format", "preserve_format"):
+        return getattr(torch, inner)
+    raise CustomLossError(f"{where}: cannot decode {value!r}")
+
+
+@dataclass(frozen=True)
+class _Ref:
+    name: str
+
+
+class _SameDevice:
+    pass
+
+
+def _resolve(value: Any, env: dict[str, Any]) -> Any:
+    if isinstance(value, _Ref):
+        return env[value.name]
+    if isinstance(value, list):
+        return [_resolve(v, env) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_resolve(v, env) for v in value)
+    if isinstance(value, dict):
+        return {k: _resolve(v, env) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_resolve(value.start, env), _resolve(value.stop, env), _resolve(value.step, env))
+    if isinstance(value, _SameDevice):
+        return next((v.device for v in env.values() if isinstance(v, Tensor)), torch.device("cpu"))
+    return value
+
+
+def _check_result(name: str, result: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    if not (isinstance(result, tuple | list) and len(result) == 2 and isinstance(result[1], dict)):
+        raise CustomLossError(f"custom loss {name!r} must return (loss, metrics)")
+    loss, metrics = result
+    if not isinstance(loss, Tensor) or loss.ndim != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise CustomLossError(f"custom loss {name!r} must return a scalar loss, got {shape}")
+    for key, value in metrics.items():
+        if not _METRIC_KEY.fullmatch(key) or not isinstance(value, Tensor) or value.numel() != 1:
+            raise CustomLossError(
+                f"custom loss {name!r}: metric {key!r} must be a scalar tensor named custom/<name>:sum or :mean"
+            )
+    return loss, metrics
+
+
+def reduce_metrics(sums: Mapping[str, float], datums: int) -> dict[str, float]:
+    """Per-datum metric sums as the client sees them: ``:mean`` ones divided by the datums."""
+    return {key: value / datums if key.endswith(":mean") else value for key, value in sums.items()}

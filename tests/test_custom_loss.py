@@ -1,0 +1,138 @@
+"""``core.custom_loss``: graphs the real SDK traces and encodes (``trace_loss``, ``encode_graph``)
+run by our interpreter exactly as the SDK's own ``torch.fx`` module runs them (values and
+gradients), and every kind of node it must refuse refused, at creation or when run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+
+from hosted_tinker.core.custom_loss import CustomLossDef, CustomLossError, compile_loss, reduce_metrics
+
+pytestmark = pytest.mark.fast
+
+
+def ppo_like(logprobs, advantages, old):
+    ratio = torch.exp(logprobs - old)
+    clipped = torch.clamp(ratio, 0.8, 1.2)
+    loss = -torch.minimum(ratio * advantages, clipped * advantages).sum()
+    return loss, {"custom/ratio:mean": ratio.mean(), "custom/tokens:sum": (logprobs * 0 + 1).sum()}
+
+
+def topk_distill(logprobs, target_distribution, beta):
+    head = logprobs[..., 0:2].float().to(torch.float32)
+    smooth = torch.nn.functional.softplus(head).pow(2).mean(dim=-1).sum()
+    return -(target_distribution * logprobs).sum() + beta * smooth, {}
+
+
+def shaped(logprobs, weights):
+    n = logprobs.shape[0]
+    scale = 1.0 / (n + 1)
+    masked = torch.where(weights > 0, logprobs, torch.zeros_like(logprobs))
+    return -(masked.sum() * scale) + logprobs.logsumexp(dim=0) * 0.0, {"custom/len:sum": logprobs.sum() * 0 + n}
+
+
+def _ours(fn, ranks):
+    handle = trace_loss(fn, ranks, "sess")
+    nodes = [node.model_dump() for node in encode_graph(handle).nodes]
+    loss = CustomLossDef(handle.name, tuple((i.name, i.rank) for i in handle.inputs), tuple(nodes)).compile()
+    return handle, loss
+
+
+@pytest.mark.parametrize(
+    "fn, ranks, shapes",
+    [
+        (ppo_like, {"logprobs": 1, "advantages": 1, "old": 1}, {"advantages": (7,), "old": (7,)}),
+        (
+            topk_distill,
+            {"logprobs": 2, "target_distribution": 2, "beta": 0},
+            {"target_distribution": (7, 3), "beta": ()},
+        ),
+        (shaped, {"logprobs": 1, "weights": 1}, {"weights": (7,)}),
+    ],
+)
+def test_runs_as_the_sdk_traced_graph_does(fn, ranks, shapes):
+    handle, loss = _ours(fn, ranks)
+    gen = torch.Generator().manual_seed(0)
+    lp_shape = (7,) if ranks["logprobs"] == 1 else (7, 3)
+    lp = -torch.rand(lp_shape, generator=gen, dtype=torch.float64)
+    inputs = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in shapes.items()}
+    mine, theirs = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+    got_loss, got_metrics = loss(mine, inputs)
+    want_loss, want_metrics = handle.graph(theirs, *(inputs[n] for n in handle.input_names))
+    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
+    assert got_metrics.keys() == want_metrics.keys()
+    for key in got_metrics:
+        torch.testing.assert_close(got_metrics[key], want_metrics[key], rtol=0, atol=0)
+    got_loss.backward(), want_loss.backward()
+    torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0)
+
+
+def test_metrics_reduce_as_the_sdk_does():
+    assert reduce_metrics({"custom/a:sum": 6.0, "custom/b:mean": 6.0}, 3) == {"custom/a:sum": 6.0, "custom/b:mean": 2.0}
+
+
+def _graph(*middle: dict, output: object = None) -> list[dict]:
+    nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs"}, *middle]
+    out = output if output is not None else {"tuple": [{"ref": nodes[-1]["name"]}, {"dict": {}}]}
+    return [*nodes, {"op": "output", "name": "output", "target": "output", "args": [out]}]
+
+
+def _call(name: str, target: str, *args, op: str = "call_function", **kwargs) -> dict:
+    return {"op": op, "name": name, "target": target, "args": list(args), "kwargs": kwargs}
+
+
+LP = {"ref": "logprobs"}
+
+
+@pytest.mark.parametrize(
+    "nodes, needle",
+    [
+        (_graph(_call("x", "os.system", "true")), "calling 'os.system' is not allowed"),
+        (_graph(_call("x", "builtins.eval", "1")), "calling 'builtins.eval' is not allowed"),
+        (_graph(_call("x", "torch.zeros", 10**9)), "calling 'torch.zeros' is not allowed"),
+        (_graph(_call("x", "torch.load", "f")), "calling 'torch.load' is not allowed"),
+        (_graph(_call("x", "backward", LP, op="call_method")), "method 'backward' is not allowed"),
+        (_graph(_call("x", "item", LP, op="call_method")), "method 'item' is not allowed"),
+        (_graph(_call("x", "__reduce__", LP, op="call_method")), "method '__reduce__' is not allowed"),
+        (_graph({"op": "get_attr", "name": "w", "target": "weight"}), "'get_attr' nodes are not allowed"),
+        (_graph({"op": "call_module", "name": "m", "target": "linear"}), "'call_module' nodes are not allowed"),
+        (_graph(_call("x", "torch.exp", {"ref": "later"})), "refers to 'later', which is not an earlier node"),
+        (_graph(_call("x", "torch.exp", {"code": "import os"})), "cannot decode"),
+        ([{"op": "placeholder", "name": "other", "target": "other"}], "placeholders"),
+        (_graph(*[_call(f"n{i}", "torch.exp", LP) for i in range(600)]), "over the limit of 512"),
+    ],
+)
+def test_nodes_outside_the_allowed_operations_are_refused_at_creation(nodes, needle):
+    with pytest.raises(CustomLossError, match=needle):
+        compile_loss("evil", [("logprobs", 1)], nodes)
+
+
+@pytest.mark.parametrize(
+    "middle, needle",
+    [
+        ((_call("x", "getattr", LP, "__class__"),), "only these tensor attributes"),
+        ((_call("s", "getattr", LP, "shape"), _call("x", "sum", {"ref": "s"}, op="call_method")), "not a tensor"),
+        ((_call("x", "operator.mul", [0], 10**9),), "tensors and numbers only"),
+        ((_call("x", "operator.pow", 10, 10**6),), "too large"),
+        ((_call("x", "to", LP, "meta", op="call_method"),), "not a string"),
+        (
+            (
+                _call("a", "unsqueeze", LP, 0, op="call_method"),
+                _call("b", "unsqueeze", LP, 1, op="call_method"),
+                _call("x", "operator.mul", {"ref": "a"}, {"ref": "b"}),
+                _call("y", "unsqueeze", {"ref": "x"}, 0, op="call_method"),
+                _call("w", "unsqueeze", {"ref": "x"}, 2, op="call_method"),
+                _call("z", "operator.mul", {"ref": "y"}, {"ref": "w"}),
+            ),
+            "over this datum's bound",
+        ),
+        ((_call("x", "torch.exp", LP),), "must return a scalar loss"),
+    ],
+)
+def test_runs_that_break_the_rules_fail_as_user_errors(middle, needle):
+    loss = compile_loss("evil", [("logprobs", 1)], _graph(*middle))
+    with pytest.raises(CustomLossError, match=needle) as info:
+        loss(torch.zeros(200), {})
+    assert info.value.category == "user"
