@@ -214,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample-batch-window-ms", type=float, default=10.0, help="how long an idle sampler gathers a batch"
     )
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--request-log",
+        default=None,
+        help="one JSON line per request: a file (default: requests.jsonl in --data-dir, rotated) or - for stderr",
+    )
     serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
     serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")
     serve.add_argument(

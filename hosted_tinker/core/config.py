@@ -94,6 +94,12 @@ class ServerConfig(BaseModel):
     # API keys besides those `hosted-tinker keys create` stores (see keys.py).
     api_keys_file: Path | None = None
     dev_any_key: bool = False  # development only: any tml- key is accepted, each its own tenant
+    # One JSON line per request (``server.api.request_log``): a file, "-" for stderr; None: the
+    # data directory's requests.jsonl.
+    request_log: str | None = None
+
+    def request_log_target(self) -> str:
+        return self.request_log if self.request_log is not None else str(self.data_dir / "requests.jsonl")
 
     @field_validator("max_lora_rank")
     @classmethod

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request, Response
 from hosted_tinker.core.errors import ApiError, UserError, not_found
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.errors import ordered, refuse_unparsed
+from hosted_tinker.server.api.request_log import note
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
@@ -28,8 +29,13 @@ def _owner_of_model(request: Request, model_id: str) -> ServerState:
     return state
 
 
-def _future(request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
+def _future(request: Request, request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
+    note(request, request_id=request_id)
     return wire.UntypedFuture(request_id=request_id, model_id=model_id)
+
+
+def _optimizer_sent(req: wire.OptimStepRequest) -> str | None:
+    return "adamw" if req.optimizer_params is None else str(req.optimizer_params.get("type"))
 
 
 # ---- client configuration, sessions, telemetry -----------------------------------------------
@@ -98,15 +104,23 @@ async def get_server_capabilities(request: Request) -> dict:
 @router.post("/create_custom_loss")
 async def create_custom_loss(req: wire.CreateCustomLossRequest, request: Request) -> wire.UntypedFuture:
     state = server_state(request)
+    note(request, session_id=req.session_id, custom_loss=req.name)
     state.tenancy.session(tenant_of(request), req.session_id)
-    return _future(state.custom_losses.create(req))
+    return _future(request, state.custom_losses.create(req))
 
 
 @router.post("/create_model")
 async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.UntypedFuture:
     state = server_state(request)
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    note(
+        request,
+        model_id=model_id,
+        optimizer=req.optimizer_config.type,
+        lora_rank=req.lora_config and req.lora_config.rank,
+    )
     state.tenancy.session(tenant_of(request), req.session_id)
-    return _future(state.training.create_model(req))
+    return _future(request, state.training.create_model(req))
 
 
 @router.post("/get_info", **rsp.as_built(rsp.GetInfoResponse))
@@ -133,20 +147,23 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
     except UserError as e:  # unreadable: the seq_id its head names is still used up
         refused = ApiError(e.status, str(e), headers=e.headers, code=e.code)
         raise refuse_unparsed(request, body[: head_limit(encoding)], refused) from None
+    note(request, model_id=req.model_id, seq_id=req.seq_id, loss_fn=req.loss_fn, datums=len(req.raw_data))
     state.tenancy.model(tenant_of(request), req.model_id)
-    return _future(state.training.forward_backward(req), req.model_id)
+    return _future(request, state.training.forward_backward(req), req.model_id)
 
 
 @router.post("/optim_step", **ordered("optim_step"))
 async def optim_step(req: wire.OptimStepRequest, request: Request) -> wire.UntypedFuture:
+    note(request, model_id=req.model_id, seq_id=req.seq_id, optimizer=_optimizer_sent(req))
     state = _owner_of_model(request, req.model_id)
-    return _future(state.training.optim_step(req), req.model_id)
+    return _future(request, state.training.optim_step(req), req.model_id)
 
 
 @router.post("/unload_model")
 async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.UntypedFuture:
+    note(request, model_id=req.model_id)
     state = _owner_of_model(request, req.model_id)
-    return _future(state.training.unload_model(req.model_id), req.model_id)
+    return _future(request, state.training.unload_model(req.model_id), req.model_id)
 
 
 # ---- checkpoints and sampling sessions -------------------------------------------------------
@@ -154,25 +171,29 @@ async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.U
 
 @router.post("/save_weights", **ordered("save_weights"))
 async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.UntypedFuture:
+    note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
-    return _future(state.checkpoints.save_weights(req), req.model_id)
+    return _future(request, state.checkpoints.save_weights(req), req.model_id)
 
 
 @router.post("/save_weights_for_sampler", **ordered("save_weights_for_sampler"))
 async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, request: Request) -> wire.UntypedFuture:
+    note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
-    return _future(state.checkpoints.save_weights_for_sampler(req), req.model_id)
+    return _future(request, state.checkpoints.save_weights_for_sampler(req), req.model_id)
 
 
 @router.post("/save_weights_external", **ordered("save_weights_external"))
 async def save_weights_external(req: wire.SaveWeightsExternalRequest, request: Request) -> wire.UntypedFuture:
+    note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
-    return _future(state.checkpoints.save_weights_external(req), req.model_id)
+    return _future(request, state.checkpoints.save_weights_external(req), req.model_id)
 
 
 @router.post("/load_weights", **ordered("load_weights"))
 async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.UntypedFuture:
     state, tenant = server_state(request), tenant_of(request)
+    note(request, model_id=req.model_id, seq_id=req.seq_id, session_id=req.session_id, path=req.path)
     if req.model_id is not None:
         state.tenancy.model(tenant, req.model_id)
     elif req.session_id is not None:  # creates a model in this session
@@ -184,7 +205,7 @@ async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.U
             raise
         # The caller's own model: a checkpoint it may not read still uses up the seq_id.
         state.training.refuse_ordered("load_weights", req.model_id, req.seq_id, e)
-    return _future(state.checkpoints.load_weights(req), req.model_id)
+    return _future(request, state.checkpoints.load_weights(req), req.model_id)
 
 
 @router.post("/create_sampling_session", **rsp.as_built(rsp.CreateSamplingSessionResponse))
@@ -211,9 +232,11 @@ async def join_sampling_session(req: wire.JoinSamplingSessionRequest, request: R
 @router.post("/asample", response_model=rsp.SampleFuture)
 async def asample(req: wire.SampleRequest, request: Request) -> rsp.SampleFuture:
     state = server_state(request)
+    note(request, sampling_session_id=req.sampling_session_id, seq_id=req.seq_id, num_samples=req.num_samples)
     if req.sampling_session_id is not None:
         state.tenancy.sampler(tenant_of(request), req.sampling_session_id)
     request_id, sequence_ids = state.sampling.asample(req)
+    note(request, request_id=request_id)
     return rsp.SampleFuture(request_id=request_id, sample_sequence_ids=sequence_ids)
 
 
@@ -234,6 +257,7 @@ async def asample(req: wire.SampleRequest, request: Request) -> rsp.SampleFuture
 )
 async def retrieve_future(req: wire.RetrieveFutureRequest, request: Request) -> Response:
     state = server_state(request)
+    note(request, request_id=req.request_id)
     state.tenancy.future(tenant_of(request), req.request_id)
     record = await state.scheduler.wait(req.request_id, state.config.poll_timeout_s)
     if record is None:
@@ -258,6 +282,7 @@ async def retrieve_futures(req: wire.FuturesRetrieveRequest, request: Request) -
 @router.post("/cancel_future", **rsp.as_built(rsp.CancelFutureResponse))
 async def cancel_future(req: wire.CancelFutureRequest, request: Request) -> dict:
     state = server_state(request)
+    note(request, request_id=req.request_id)
     state.tenancy.future(tenant_of(request), req.request_id)
     record = state.store.get_future(req.request_id)
     if record is None:
