@@ -187,7 +187,7 @@ def test_health_answers_during_a_long_step(api: Api, base_url: str):
 
 
 def test_session_lifecycle_and_strict_json(api: Api):
-    assert api.post("client/dynamic_config", json={"sdk_version": "0.38.0"}).json() == {}
+    assert api.post("client/dynamic_config", json={"sdk_version": "0.38.0"}).json() == {"sample_cancel_enabled": True}
     telemetry = {"events": [], "platform": "Linux", "sdk_version": "0.38.0", "session_id": "x", "process_uuid": "y"}
     assert api.post("telemetry", json=telemetry).json() == {"status": "accepted"}
     session = api.post("create_session", json={"tags": ["a"], "sdk_version": "0.38.0"}).json()["session_id"]
@@ -213,8 +213,8 @@ def test_session_lifecycle_and_strict_json(api: Api):
 def test_create_model_refusals(api: Api):
     session = api.post("create_session", json={"tags": []}).json()["session_id"]
     body = {"session_id": session, "model_seq_id": 0, "base_model": ALIAS, "lora_config": {"rank": 4}}
-    r = api.post("create_model", json={**body, "optimizer_config": {"type": "dimuon", "version": 1}})
-    assert r.status_code == 400 and "dimuon" in r.json()["detail"]
+    r = api.post("create_model", json={**body, "optimizer_config": {"type": "lion"}})
+    assert r.status_code == 400 and "lion" in r.json()["detail"]
     flags = {"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}
     r = api.post("create_model", json={**body, "model_seq_id": 1, "lora_config": flags})
     assert r.status_code == 400 and "train_attn" in r.json()["detail"]

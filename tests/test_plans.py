@@ -5,7 +5,7 @@ ranks where it accepts two (else one). The reference is the single plan in float
 process, started from the plan's own initial weights. Every loss, datums of unequal lengths,
 gradients accumulated over two calls before each step, full AdamParams: per-datum logprobs,
 ``loss:sum``, ``grad_norm`` and the weights after the steps agree to float32 precision; and
-three Dimuon steps, whose update needs whole matrices where a plan shards them.
+three Dimuon steps, whose update needs whole matrices where a plan shards them; and a custom loss.
 
 A new plan is checked by registering it: nothing here names one.
 """
@@ -21,6 +21,7 @@ import pytest
 
 from hosted_tinker.core import losses
 from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.custom_loss import CustomLossDef
 from hosted_tinker.core.types import AdamParams, AdapterState, DimuonParams, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.rank.plans import PLANS, backend_options, plan_module
 from hosted_tinker.rank.serve import local_rank
@@ -106,11 +107,33 @@ def test_plan_trains_like_the_float64_reference(
         for key, tensor in got_state.weights.items():
             np.testing.assert_allclose(tensor.double(), want_state.weights[key], rtol=1e-3, atol=1e-5, err_msg=key)
         check_dimuon(plan, reference, f"{model_id}-dimuon", rng)
+        check_custom_loss(plan, reference, model_id, rng)
     finally:
         for name in (model_id, f"{model_id}-dimuon"):
             if reference.has_adapter(name):
                 reference.delete_adapter(name)
         plan.close()
+
+
+def _weighted_nll(logprobs, weights):
+    loss = -(logprobs * weights).sum()
+    return loss, {"custom/nll:sum": loss, "custom/weight:mean": weights.mean()}
+
+
+def check_custom_loss(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
+    """A session's custom loss runs on every rank that holds a shard; its metrics add up."""
+    from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+
+    handle = trace_loss(_weighted_nll, {"logprobs": 1, "weights": 1}, "s")
+    nodes = tuple(node.model_dump() for node in encode_graph(handle).nodes)
+    loss = CustomLossDef(handle.name, (("logprobs", 1), ("weights", 1)), nodes)
+    b = dataclasses.replace(batch(rng, 5, "cross_entropy"), loss_fn="custom", loss_config={}, custom_loss=loss)
+    got, want = plan.forward_backward(model_id, b), reference.forward_backward(model_id, b)
+    assert got.loss_sum == pytest.approx(want.loss_sum, rel=RTOL)
+    assert got.metrics.keys() == want.metrics.keys() == {"custom/nll:sum", "custom/weight:mean"}
+    assert got.metrics["custom/nll:sum"] == pytest.approx(want.loss_sum, rel=RTOL)
+    for g, w in zip(got.logprobs, want.logprobs, strict=True):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4)
 
 
 def check_dimuon(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:

@@ -7,8 +7,10 @@ A's key is not a 404 (so the 404 is about ownership, not a malformed probe).
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -89,6 +91,42 @@ def test_requests_without_a_valid_key_get_401_with_a_body(keyed):
             client.models.list()
     with openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=key_a, max_retries=0) as client:  # Bearer
         assert client.completions.create(model=ALIAS, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def _rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+def test_an_anonymous_request_costs_its_headers_only(keyed):
+    """Authentication comes first, from the headers: no body is read or parsed for a request
+    without a valid key (a malformed one is a 401, not a 422), and a 50 MiB upload is refused
+    before its first byte is sent, its connection closed."""
+    srv, _, _ = keyed
+    with http(srv, None) as c:
+        r = c.post("/api/v1/create_session", content=b"{bad", headers={"Content-Type": "application/json"})
+        assert r.status_code == 401 and "API key" in r.json()["detail"]
+    host, port = srv.base_url.removeprefix("http://").split(":")
+    rss_before = _rss_kib(srv.proc.pid)
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(
+            b"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+            + f"Content-Length: {50 << 20}\r\n\r\n".encode()
+        )
+        conn.sendall(b"\0" * 65536)  # the start of the body; the rest is never sent
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    assert time.monotonic() - started < 0.5
+    assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
+    assert _rss_kib(srv.proc.pid) - rss_before < 50 * 1024
+    health_started = time.monotonic()
+    assert httpx.get(f"{srv.base_url}/healthz").status_code == 200
+    assert time.monotonic() - health_started < 0.1
 
 
 def test_a_revoked_key_is_refused_at_once(keyed):

@@ -15,6 +15,7 @@ from hosted_tinker.server.api import openai_proxy_routes, openai_routes, ops_rou
 from hosted_tinker.server.api.auth import authenticate
 from hosted_tinker.server.api.body_limit import BodyLimit
 from hosted_tinker.server.api.errors import install_error_handlers
+from hosted_tinker.server.api.key_check import KeyCheck
 from hosted_tinker.server.api.request_log import RequestLog, open_request_log
 from hosted_tinker.server.api.state import ServerState
 
@@ -50,6 +51,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(rest_routes.downloads)
     app.include_router(ops_routes.router)
     app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(KeyCheck, keys=state.keys)  # before anything reads a body
     # Outermost: its line covers every answer, the body limit's 413 included.
     app.add_middleware(RequestLog, logger=open_request_log(state.config.request_log_target()))
     install_error_handlers(app)

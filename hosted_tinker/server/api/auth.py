@@ -1,7 +1,8 @@
-"""API keys at the edge: every router but health and signed downloads requires one (see app.py).
+"""API keys at the edge: every route but health and signed downloads requires one.
 
 The Tinker SDK sends its key as ``X-API-Key``; the OpenAI SDK as ``Authorization: Bearer``. Both
-are accepted everywhere. The tenant the key stands for is kept on the request for the routes.
+are accepted everywhere. ``key_check.KeyCheck`` decides from the headers alone, before anything
+reads the body. The tenant the key stands for is kept on the request for the routes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from hosted_tinker.server.api.state import server_state
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="hosted-tinker"'}
 
 
+def refusal(key: str | None) -> str:
+    if key is None:
+        return "missing API key: send it as X-API-Key (the Tinker SDK's TINKER_API_KEY) or Authorization: Bearer"
+    return "invalid or revoked API key"
+
+
 def presented_key(request: Request) -> str | None:
     key = request.headers.get("x-api-key")
     if key:
@@ -23,16 +30,14 @@ def presented_key(request: Request) -> str | None:
 
 
 def authenticate(request: Request) -> None:
-    """A router dependency: 401 unless the request carries a key valid here."""
+    """A router dependency, behind ``KeyCheck``: 401 unless the request carries a key valid here
+    (it declares the routes' security in /openapi.json, and guards a route ``needs_key`` missed)."""
+    if getattr(request.state, "tenant", None) is not None:
+        return
     key = presented_key(request)
     tenant = server_state(request).keys.tenant_of(key)
     if tenant is None:
-        detail = (
-            "missing API key: send it as X-API-Key (the Tinker SDK's TINKER_API_KEY) or Authorization: Bearer"
-            if key is None
-            else "invalid or revoked API key"
-        )
-        raise ApiError(401, detail, headers=CHALLENGE, code="invalid_api_key")
+        raise ApiError(401, refusal(key), headers=CHALLENGE, code="invalid_api_key")
     request.state.tenant = tenant
 
 

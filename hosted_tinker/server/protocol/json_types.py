@@ -9,11 +9,43 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        # JSON may escape a lone surrogate ("\ud800"), which no string here could be stored or
+        # encoded with: refused as the client's mistake, never met later as an encoding error.
+        where = _unpaired_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'}: a string holds an unpaired surrogate, which is not Unicode text")
+        return data
+
+
+def _unpaired_surrogate(value: Any, where: str = "") -> str | None:
+    """The path of the first string (or key) in ``value`` that cannot be encoded as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _unpaired_surrogate(key, where) if isinstance(key, str) else None
+            found = found if found is not None else _unpaired_surrogate(item, f"{where}.{key}".lstrip("."))
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _unpaired_surrogate(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 class Response(BaseModel):
