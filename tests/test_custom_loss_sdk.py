@@ -106,17 +106,17 @@ def test_a_loss_survives_a_restart(tmp_path, tiny_model_dir):
 
     server = start_server(tmp_path, "--model", str(tiny_model_dir))
     try:
-        sc = tinker.ServiceClient(base_url=server.base_url)
-        handle = sc.create_custom_loss(custom_ce, input_ranks={"logprobs": 1, "weights": 1}).result()
-        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
-        before = tc.forward_backward_custom(DATA, handle).result().metrics["loss:sum"]
-        path = tc.save_state("custom").result().path
-        port = int(server.base_url.rsplit(":", 1)[1])
-        server.stop()
-        server = start_server(tmp_path, "--model", str(tiny_model_dir), port=port)
-        resumed = sc.create_training_client_from_state(path).result()
-        after = resumed.forward_backward_custom(DATA, handle).result().metrics["loss:sum"]
-        assert after == pytest.approx(before, rel=1e-6)
-        assert torch.isfinite(torch.tensor(after))
+        with tinker.ServiceClient(base_url=server.base_url) as sc:
+            handle = sc.create_custom_loss(custom_ce, input_ranks={"logprobs": 1, "weights": 1}).result()
+            tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
+            before = tc.forward_backward_custom(DATA, handle).result().metrics["loss:sum"]
+            path = tc.save_state("custom").result().path
+            port = int(server.base_url.rsplit(":", 1)[1])
+            server.stop()
+            server = start_server(tmp_path, "--model", str(tiny_model_dir), port=port)
+            resumed = sc.create_training_client_from_state(path).result()
+            after = resumed.forward_backward_custom(DATA, handle).result().metrics["loss:sum"]
+            assert after == pytest.approx(before, rel=1e-6)
+            assert torch.isfinite(torch.tensor(after))
     finally:
         server.stop()
