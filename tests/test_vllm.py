@@ -122,6 +122,30 @@ def test_sampled_tokens_come_from_vllm(base_url, trained):
         sampler.sample(types.ModelInput.from_ints(trained["prompt"]), 1, GREEDY).result()
 
 
+def _vllm_running(url: str) -> float:
+    """Requests vLLM is decoding now, from its own Prometheus metrics."""
+    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running"))
+
+
+def test_a_cancelled_sample_is_aborted_in_vllm(base_url):
+    from tests.test_sampling_futures import LONG, _asample, _sampler
+
+    url = inference(base_url)["url"]
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        doomed = _asample(http, _sampler(http), 1, LONG, num_samples=4)
+        deadline = time.monotonic() + 60
+        while _vllm_running(url) == 0:
+            assert time.monotonic() < deadline, "the sample never reached vLLM"
+            time.sleep(0.05)
+        assert http.post("/api/v1/cancel_future", json={"request_id": doomed}).json()["cancelled"] is True
+        assert "cancelled" in http.post("/api/v1/retrieve_future", json={"request_id": doomed}).json()["error"]
+        deadline = time.monotonic() + 10  # 4 × 4000 tokens would take minutes
+        while _vllm_running(url) > 0:
+            assert time.monotonic() < deadline, "vLLM is still decoding the cancelled request"
+            time.sleep(0.05)
+
+
 def test_rank_above_the_engine_limit_is_refused(base_url):
     with tinker.ServiceClient(base_url=base_url) as sc:
         with pytest.raises(tinker.BadRequestError, match="max-lora-rank"):

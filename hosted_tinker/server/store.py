@@ -20,96 +20,14 @@ from hosted_tinker.server.records import (
     SamplerRecord,
     SessionRow,
 )
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    session_id TEXT PRIMARY KEY,
-    created_at REAL NOT NULL,
-    last_heartbeat REAL NOT NULL,
-    status TEXT NOT NULL DEFAULT 'active',
-    tags TEXT NOT NULL DEFAULT '[]',
-    user_metadata TEXT NOT NULL DEFAULT '{}',
-    project_id TEXT,
-    display_name TEXT,
-    sdk_version TEXT,
-    owner TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS models (
-    model_id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL,
-    model_seq_id INTEGER NOT NULL,
-    base_model TEXT NOT NULL,
-    lora TEXT NOT NULL,
-    user_metadata TEXT NOT NULL DEFAULT '{}',
-    status TEXT NOT NULL DEFAULT 'active',
-    created_at REAL NOT NULL,
-    last_request_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS futures (
-    request_id TEXT PRIMARY KEY,
-    model_id TEXT,
-    seq_id INTEGER,
-    kind TEXT NOT NULL,
-    status TEXT NOT NULL DEFAULT 'pending',
-    media_type TEXT,
-    payload BLOB,
-    error TEXT,
-    category TEXT,
-    created_at REAL NOT NULL,
-    completed_at REAL,
-    completion_seq INTEGER
-);
-CREATE UNIQUE INDEX IF NOT EXISTS futures_by_seq ON futures(model_id, seq_id) WHERE seq_id IS NOT NULL;
-CREATE INDEX IF NOT EXISTS futures_by_completion ON futures(completed_at);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    model_id TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    name TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    size_bytes INTEGER NOT NULL,
-    expires_at REAL,
-    public INTEGER NOT NULL DEFAULT 0,
-    user_metadata TEXT NOT NULL DEFAULT '{}',
-    PRIMARY KEY (model_id, kind, name)
-);
-CREATE TABLE IF NOT EXISTS api_keys (
-    key_id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    sha256 TEXT NOT NULL UNIQUE,
-    prefix TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    revoked_at REAL
-);
-CREATE TABLE IF NOT EXISTS samplers (
-    sampler_id TEXT PRIMARY KEY,
-    session_id TEXT NOT NULL,
-    base_model TEXT NOT NULL,
-    model_path TEXT,
-    model_id TEXT,
-    snapshot TEXT,
-    created_at REAL NOT NULL,
-    kind TEXT NOT NULL DEFAULT 'snapshot',
-    clients INTEGER NOT NULL DEFAULT 0
-);
-"""
-
-
-def connect(path: str | Path, schema: str) -> sqlite3.Connection:
-    """A connection to the server's database as every part of it opens one: shared between
-    threads (each user guards it with its own lock), autocommit, WAL, ``schema`` applied."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=NORMAL")
-    db.executescript(schema)
-    return db
+from hosted_tinker.server.schema import SCHEMA, connect, migrate
 
 
 class Store:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._db = connect(path, _SCHEMA)
-        self._migrate()
+        self._db = connect(path, SCHEMA)
+        migrate(self._db)
         self._lock = threading.Lock()
         # Futures are numbered in the order they finish (``completions``), across restarts.
         self._completion_seq = self._db.execute("SELECT COALESCE(MAX(completion_seq), 0) FROM futures").fetchone()[0]
@@ -118,23 +36,6 @@ class Store:
     def in_data_dir(cls, data_dir: Path) -> Store:
         """The server's database in ``data_dir`` (the server and ``hosted-tinker keys`` share it)."""
         return cls(Path(data_dir) / "hosted_tinker.sqlite")
-
-    def _migrate(self) -> None:
-        """Columns added since a data dir was created (sessions made before keys belong to no key,
-        samplers made before inflight ones are snapshots, futures finished before completion
-        numbers have none)."""
-        for table, column, declared in [
-            ("sessions", "owner", "TEXT NOT NULL DEFAULT ''"),
-            ("samplers", "kind", "TEXT NOT NULL DEFAULT 'snapshot'"),
-            ("samplers", "clients", "INTEGER NOT NULL DEFAULT 0"),
-            ("futures", "completion_seq", "INTEGER"),
-        ]:
-            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declared}")
-        self._db.execute(
-            "CREATE INDEX IF NOT EXISTS futures_by_finish_order ON futures(model_id, completion_seq) "
-            "WHERE completion_seq IS NOT NULL"
-        )
 
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self._lock:

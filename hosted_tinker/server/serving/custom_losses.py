@@ -22,7 +22,8 @@ from hosted_tinker.core.errors import bad_request, not_found
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import WireDatum
 from hosted_tinker.server.scheduler import Scheduler
-from hosted_tinker.server.store import Store, connect
+from hosted_tinker.server.schema import connect
+from hosted_tinker.server.store import Store
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS custom_losses (
