@@ -74,8 +74,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _keys(args: argparse.Namespace) -> int:
     from hosted_tinker.server.keys import create_key
+    from hosted_tinker.server.schema import DATABASE, DatabaseDamaged, check
     from hosted_tinker.server.store import Store
 
+    try:
+        check(Path(args.data_dir) / DATABASE)
+    except DatabaseDamaged as e:
+        raise SystemExit(str(e)) from None
     store = Store.in_data_dir(Path(args.data_dir))
     if args.action == "create":
         key_id, key = create_key(store, args.name)

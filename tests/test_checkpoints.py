@@ -238,8 +238,13 @@ def test_restart_after_sigkill_keeps_every_checkpoint_loadable(tmp_path, tiny_mo
         tc.forward_backward(long, "cross_entropy")
     finally:
         srv.stop(signal.SIGKILL)
+    # What a write interrupted by the kill leaves in the staging directory is cleared at start.
+    leftover = tmp_path / "checkpoints" / ".tmp" / "tmpkilled"
+    leftover.mkdir(parents=True, exist_ok=True)
+    (leftover / "adapter_model.safetensors").write_bytes(b"half")
 
     srv = start_server(tmp_path, "--model", str(tiny_model_dir))
+    assert not leftover.exists()
     try:
         with tinker.ServiceClient(base_url=srv.base_url) as sc2:
             rest = sc2.create_rest_client()

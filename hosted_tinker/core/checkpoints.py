@@ -100,6 +100,18 @@ class CheckpointFiles:
         self._tmp = root / ".tmp"
         self._tmp.mkdir(parents=True, exist_ok=True)
 
+    def clear_staging(self) -> int:
+        """Delete what a killed server left half-written or half-deleted in the staging
+        directory (nothing there is a checkpoint: those are renamed into place whole). Only at
+        start-up, before anything writes. Returns how many entries were removed."""
+        leftovers = list(self._tmp.iterdir())
+        for entry in leftovers:
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        return len(leftovers)
+
     def directory(self, path: TinkerPath) -> Path:
         return self.root / path.run_id / path.kind / path.name
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+DATABASE = "hosted_tinker.sqlite"  # in the data directory
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,
@@ -78,6 +80,28 @@ CREATE TABLE IF NOT EXISTS samplers (
     clients INTEGER NOT NULL DEFAULT 0
 );
 """
+
+
+class DatabaseDamaged(RuntimeError):
+    """The server's database file cannot be used as it is: said once, clearly, at start-up."""
+
+
+def check(path: Path) -> None:
+    """``PRAGMA quick_check`` of the whole file, so that a damaged page is found at start-up and
+    not by whichever request first reads it; ``DatabaseDamaged`` says what to do."""
+    if not path.exists():
+        return
+    advice = "restore it from a backup, or move it aside to start with an empty one"
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check(5)")]
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as e:  # not a database at all (garbled, truncated header)
+        raise DatabaseDamaged(f"the database {path} cannot be read ({e}): {advice}") from None
+    if problems != ["ok"]:
+        raise DatabaseDamaged(f"the database {path} is damaged ({'; '.join(problems)}): {advice}")
 
 
 def connect(path: str | Path, schema: str) -> sqlite3.Connection:

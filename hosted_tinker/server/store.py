@@ -20,7 +20,7 @@ from hosted_tinker.server.records import (
     SamplerRecord,
     SessionRow,
 )
-from hosted_tinker.server.schema import SCHEMA, connect, migrate
+from hosted_tinker.server.schema import DATABASE, SCHEMA, connect, migrate
 
 
 class Store:
@@ -35,7 +35,7 @@ class Store:
     @classmethod
     def in_data_dir(cls, data_dir: Path) -> Store:
         """The server's database in ``data_dir`` (the server and ``hosted-tinker keys`` share it)."""
-        return cls(Path(data_dir) / "hosted_tinker.sqlite")
+        return cls(Path(data_dir) / DATABASE)
 
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self._lock:

@@ -22,6 +22,8 @@ from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmS
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
+from hosted_tinker.server.schema import DATABASE, DatabaseDamaged
+from hosted_tinker.server.schema import check as check_database
 from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
@@ -77,6 +79,10 @@ def build_state(config: ServerConfig) -> ServerState:
     torch.set_num_threads(1)
     config.data_dir.mkdir(parents=True, exist_ok=True)
     model_path = config.model_path()
+    try:
+        check_database(config.data_dir / DATABASE)
+    except DatabaseDamaged as e:
+        raise SystemExit(str(e)) from None
     store = Store.in_data_dir(config.data_dir)
     sequences = SequenceRecords(store.path)
     try:
@@ -91,6 +97,9 @@ def build_state(config: ServerConfig) -> ServerState:
     scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
+    for staging in (files, ephemeral):
+        if removed := staging.clear_staging():
+            log.info("removed %d unfinished writes left in %s by an earlier run", removed, staging.root)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     caps = backend.capabilities
     pids = backend.status()["pids"]
