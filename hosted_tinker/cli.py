@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     auth.add_argument(
         "--dev-any-key", action="store_true", help="development only: accept any tml- key, each its own tenant"
     )
+    auth.add_argument(
+        "--public-docs", action="store_true", help="serve /docs and /openapi.json without a key when keys are on"
+    )
     engine = serve.add_argument_group("inference engine")
     engine.add_argument(
         "--inference", default="embedded", choices=["embedded", "vllm"], help="who samples (default: embedded)"

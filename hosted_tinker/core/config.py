@@ -94,6 +94,7 @@ class ServerConfig(BaseModel):
     # API keys besides those `hosted-tinker keys create` stores (see keys.py).
     api_keys_file: Path | None = None
     dev_any_key: bool = False  # development only: any tml- key is accepted, each its own tenant
+    public_docs: bool = False  # /docs and /openapi.json without a key (with keys on; open servers show them anyway)
     # One JSON line per request (``server.api.request_log``): a file, "-" for stderr; None: the
     # data directory's requests.jsonl.
     request_log: str | None = None

@@ -51,7 +51,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(rest_routes.downloads)
     app.include_router(ops_routes.router)
     app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
-    app.add_middleware(KeyCheck, keys=state.keys)  # before anything reads a body
+    app.add_middleware(KeyCheck, keys=state.keys, public_docs=state.config.public_docs)  # before any body is read
     # Outermost: its line covers every answer, the body limit's 413 included.
     app.add_middleware(RequestLog, logger=open_request_log(state.config.request_log_target()))
     install_error_handlers(app)

@@ -13,11 +13,15 @@ from hosted_tinker.server.api.auth import CHALLENGE, presented_key, refusal
 from hosted_tinker.server.api.errors import error_response
 from hosted_tinker.server.keys import KeyRing
 
-KEYLESS = frozenset({"/api/v1/healthz"})  # besides everything outside /api/v1 and /v1
+KEYLESS = frozenset({"/api/v1/healthz"})  # besides everything outside /api/v1, /v1 and the docs
 KEYLESS_PREFIXES = ("/api/v1/files/",)  # signed download links: the signature is the key
+# The API's description: on a server with keys, for key holders only, unless --public-docs.
+DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
-def needs_key(path: str) -> bool:
+def needs_key(path: str, *, public_docs: bool = False) -> bool:
+    if path in DOCS:
+        return not public_docs
     keyed = path.startswith("/api/v1/") or path == "/v1" or path.startswith("/v1/")
     return keyed and path not in KEYLESS and not path.startswith(KEYLESS_PREFIXES)
 
@@ -27,12 +31,13 @@ class KeyCheck:
     valid key is a 401 from its headers alone; its body is never read and its connection is
     closed, so an anonymous 200 MiB upload costs what its headers do."""
 
-    def __init__(self, app: ASGIApp, keys: KeyRing) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing, public_docs: bool = False) -> None:
         self.app = app
         self.keys = keys
+        self.public_docs = public_docs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and needs_key(scope["path"]):
+        if scope["type"] == "http" and needs_key(scope["path"], public_docs=self.public_docs):
             key = presented_key(Request(scope))
             tenant = self.keys.tenant_of(key)
             if tenant is None:
