@@ -995,6 +995,18 @@ CASES: list[Case] = [
         "cannot change the optimizer",
     ),
     Case(
+        "save_weights_external model_id a lone surrogate",
+        post("save_weights_external", lambda w: {"model_id": "\ud800", "seq_id": 1, "path": "x"}),
+        422,
+        "unpaired surrogate",
+    ),
+    Case(
+        "create_session tag a lone surrogate",
+        post("create_session", lambda w: {"tags": ["ok", "\udfff"]}),
+        422,
+        "tags[1]",
+    ),
+    Case(
         "cancel_future unknown request_id",
         post("cancel_future", lambda w: {"request_id": "req-nope"}),
         404,

@@ -99,7 +99,7 @@ def result(client: httpx.Client, request_id: str, deadline_s: float = 120.0) -> 
 
 
 def ordered_operations(base_url: str) -> dict[str, str]:
-    spec = httpx.get(f"{base_url}/openapi.json", timeout=10).json()
+    spec = httpx.get(f"{base_url}/openapi.json", headers={"X-API-Key": OWNER}, timeout=10).json()
     return {path: op["x-ordered"] for path, item in spec["paths"].items() for op in item.values() if "x-ordered" in op}
 
 
@@ -176,7 +176,7 @@ def assert_used_up(env: Env, path: str, kind: str, seq: int, refused: httpx.Resp
 def test_ordered_routes_are_declared(env):
     """Every operation whose JSON body names a model_id and a seq_id is declared ordered, and
     the declared set is what the server serves."""
-    spec = httpx.get(f"{env.base_url}/openapi.json", timeout=10).json()
+    spec = httpx.get(f"{env.base_url}/openapi.json", headers={"X-API-Key": OWNER}, timeout=10).json()
     schemas = spec["components"]["schemas"]
     ordered = ordered_operations(env.base_url)
     for path, item in spec["paths"].items():
@@ -298,10 +298,11 @@ def test_unreadable_forward_backward_uses_the_seq_id_up(env, spoil, status, says
 
 def test_stranger_413_touches_nothing(env):
     """A stranger's or an anonymous oversized body naming the owner's model and seq_id: the
-    owner's request with that seq_id then runs."""
+    owner's request with that seq_id then runs. (The anonymous one is a 401 from its headers:
+    keys are checked before bodies.)"""
     path = "/api/v1/forward_backward"
     seq = env.next()
-    for client, status in ((env.stranger, 413), (env.anonymous, 413)):
+    for client, status in ((env.stranger, 413), (env.anonymous, 401)):
         r = send(env, client, path, "forward_backward", big_fb_body(env.model, seq, MAX_BODY))
         assert r.status_code == status, r.text
     out = runs(env, path, "forward_backward", seq)

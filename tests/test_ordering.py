@@ -98,6 +98,7 @@ def test_json_heads_that_name_no_order():
         b'{"model_id": "m", "seq_id": 3',  # cut inside the number: 3 might be 31
         b'[{"model_id": "m", "seq_id": 3}]',
         b'{"inner": {"model_id": "m", "seq_id": 3}}',  # not at the top level
+        b'{"model_id": "m\\ud800", "seq_id": 3}',  # a lone surrogate: no model is named so
         b"not json",
         b"",
     ]:

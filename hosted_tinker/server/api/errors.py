@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hosted_tinker.core.errors import ApiError, ServerError, bad_request
 from hosted_tinker.server.api.auth import presented_key
 from hosted_tinker.server.api.state import server_state
-from hosted_tinker.server.protocol.ordering import order_of
+from hosted_tinker.server.protocol.ordering import is_text, order_of
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _consume_refused_seq(request: Request, body: Any, errors: list[dict]) -> Api
     order = None
     if isinstance(body, dict):
         model_id, seq_id = body.get("model_id"), body.get("seq_id")
-        if isinstance(model_id, str) and type(seq_id) is int:
+        if isinstance(model_id, str) and is_text(model_id) and type(seq_id) is int:
             order = model_id, seq_id
     elif isinstance(body, bytes | str):  # not JSON: its leading members may still be readable
         order = order_of(body.encode() if isinstance(body, str) else body, "application/json")

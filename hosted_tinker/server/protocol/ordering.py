@@ -40,9 +40,19 @@ def order_of(head: bytes, content_type: str, content_encoding: str | None = None
         except zstandard.ZstdError:
             return None
     head = head[:HEAD_BYTES]
-    if "protobuf" in content_type:
-        return _protobuf_order(head)
-    return _json_order(head)
+    order = _protobuf_order(head) if "protobuf" in content_type else _json_order(head)
+    if order is not None and not is_text(order[0]):
+        return None  # a lone surrogate escaped in JSON names no model, and no query may carry it
+    return order
+
+
+def is_text(s: str) -> bool:
+    """Whether ``s`` is Unicode text (JSON can escape a lone surrogate, which no id holds)."""
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_zstd(content_encoding: str | None) -> bool:

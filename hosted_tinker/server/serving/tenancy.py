@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import not_found
+from hosted_tinker.server.protocol.ordering import is_text
 from hosted_tinker.server.store import Store
 
 
@@ -24,6 +25,8 @@ class Tenancy:
         """Whether ``tenant`` opened the session that ``object_id`` (a session, model, run or
         sampler id) starts with. Ids name their session, so no other row is needed: an unknown
         id in one's own session passes here and is answered by the service's own 404."""
+        if not is_text(object_id):  # no id holds a lone surrogate (and SQLite cannot be asked)
+            return False
         return self.store.session_owner(object_id.partition(":")[0]) == tenant
 
     def session(self, tenant: str, session_id: str, field: str = "session_id") -> None:
