@@ -1001,6 +1001,16 @@ CASES: list[Case] = [
         "unpaired surrogate",
     ),
     Case(
+        "save_weights_external body not UTF-8",
+        lambda w: w.post(
+            "/api/v1/save_weights_external",
+            content=b'{"model_id": "\xed\xa0\x80", "seq_id": 1',
+            headers={"Content-Type": "application/json"},
+        ),
+        422,
+        "JSON decode error",
+    ),
+    Case(
         "create_session tag a lone surrogate",
         post("create_session", lambda w: {"tags": ["ok", "\udfff"]}),
         422,

@@ -12,7 +12,7 @@ The recipe's defaults stay, ``loss_fn="stable_reinforce"`` among them: it sample
 * ``datasets.load_dataset("openai/gsm8k", "main")`` returns GSM8K-shaped rows (a question, an
   answer ending ``#### N``) held in memory.
 * ``rl_loop.get_reward`` gives a dense reward a tiny random model can climb in a few steps: the
-  share of the response's characters that are ASCII. GSM8K's own reward (a correct boxed
+  share of the response's characters that are ASCII (with a small tie-breaker). GSM8K's own reward (a correct boxed
   answer) is always 0 for such a model, so every advantage would be 0 and the recipe would skip
   every training step.
 """
@@ -43,7 +43,12 @@ def fake_load_dataset(path: str, name: str | None = None, *args: Any, **kwargs: 
 
 
 def ascii_share(response: str, answer: str) -> float:
-    return sum(c.isascii() for c in response) / len(response) if response else 0.0
+    """The share of ASCII characters, and a tie-breaker a thousand times smaller (distinct
+    characters): once a group's samples are all ASCII their rewards would tie, every advantage
+    would be 0, and the recipe would skip the step."""
+    if not response:
+        return 0.0
+    return sum(c.isascii() for c in response) / len(response) + 1e-4 * len(set(response))
 
 
 def run(config: rl_loop.Config) -> None:

@@ -151,7 +151,8 @@ def _consume_refused_seq(request: Request, body: Any, errors: list[dict]) -> Api
         if isinstance(model_id, str) and is_text(model_id) and type(seq_id) is int:
             order = model_id, seq_id
     elif isinstance(body, bytes | str):  # not JSON: its leading members may still be readable
-        order = order_of(body.encode() if isinstance(body, str) else body, "application/json")
+        raw = body.encode(errors="surrogatepass") if isinstance(body, str) else body  # a lone surrogate may be in it
+        order = order_of(raw, "application/json")
     where = ".".join(str(p) for p in errors[0]["loc"][1:]) or "body"
     tenant = getattr(request.state, "tenant", None)
     return _use_up(request, kind, tenant, order, bad_request(f"{where}: {errors[0]['msg']}"))
