@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
+from hosted_tinker.server.protocol.ordering import is_text
+
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -29,11 +31,7 @@ class Request(BaseModel):
 def _unpaired_surrogate(value: Any, where: str = "") -> str | None:
     """The path of the first string (or key) in ``value`` that cannot be encoded as UTF-8."""
     if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return where
-        return None
+        return None if is_text(value) else where
     if isinstance(value, dict):
         for key, item in value.items():
             found = _unpaired_surrogate(key, where) if isinstance(key, str) else None
