@@ -330,6 +330,48 @@ def test_a_published_checkpoint_is_readable_by_others_but_theirs_to_change(keyed
         assert path in {c.tinker_path for c in rest_a.list_checkpoints(tc.get_info().model_id).result().checkpoints}
 
 
+def test_unpublishing_or_deleting_ends_other_keys_sampling_at_once(keyed):
+    """B samples A's published weights (SDK and /v1); A unpublishes: B's next call is a 404, on
+    both doors; published again, B samples again; A deletes: B's and A's own samplers 404."""
+    srv, key_a, key_b = keyed
+    prompt, params = types.ModelInput.from_ints([5, 6, 7]), types.SamplingParams(max_tokens=2, stop=[])
+    with (
+        tinker.ServiceClient(base_url=srv.base_url, api_key=key_a) as sa,
+        tinker.ServiceClient(base_url=srv.base_url, api_key=key_b) as sb,
+    ):
+        tc = sa.create_lora_training_client(base_model=ALIAS, rank=4, seed=2).result()
+        path = tc.save_weights_for_sampler("to-share").result().path
+        rest_a = sa.create_rest_client()
+        rest_a.publish_checkpoint_from_tinker_path(path).result()
+        own = sa.create_sampling_client(model_path=path).result()
+        theirs = sb.create_sampling_client(model_path=path).result()
+        assert theirs.sample(prompt, 1, params).result().sequences
+        b_openai = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=key_b)
+
+        def b_completion() -> int:
+            try:
+                b_openai.completions.create(model=theirs._sampling_session_id, prompt="hi", max_tokens=2)
+                return 200
+            except openai.NotFoundError:
+                return 404
+
+        assert b_completion() == 200
+
+        rest_a.unpublish_checkpoint_from_tinker_path(path).result()
+        with pytest.raises(tinker.NotFoundError, match="unpublished or deleted"):
+            theirs.sample(prompt, 1, params).result()
+        assert b_completion() == 404
+        assert own.sample(prompt, 1, params).result().sequences  # the owner's is untouched
+
+        rest_a.publish_checkpoint_from_tinker_path(path).result()
+        assert theirs.sample(prompt, 1, params).result().sequences
+        rest_a.delete_checkpoint_from_tinker_path(path).result()
+        for sampler in (theirs, own):
+            with pytest.raises(tinker.NotFoundError):
+                sampler.sample(prompt, 1, params).result()
+        assert b_completion() == 404
+
+
 def test_dev_mode_accepts_any_tml_key_and_isolates_each(tmp_path: Path, tiny_model_dir: Path):
     srv = start_server(tmp_path, "--model", str(tiny_model_dir), "--dev-any-key")
     try:

@@ -98,7 +98,7 @@ class OpenAIService:
                 raise model_not_found(name)
             return WeightsRef(name, self.sampling.files, path)
         sampler = self.store.get_sampler(name)
-        if sampler is not None and self.tenancy.owns(tenant, name):
+        if sampler is not None and self.tenancy.owns(tenant, name) and self.tenancy.may_sample(tenant, sampler):
             return self.sampling.weights_of(sampler)
         model = self.store.get_model(name)
         if self.live_runs and model is not None and model.status == "active" and self.tenancy.owns(tenant, name):

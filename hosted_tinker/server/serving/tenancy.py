@@ -6,7 +6,9 @@ model or sampler. A session belongs to the tenant (API key) that opened it. Anot
 the same 404 as for an id that does not exist, so ids of others cannot even be confirmed.
 
 A published checkpoint (``RestClient.publish_checkpoint_from_tinker_path``) can be read (loaded,
-sampled, described) by every tenant; only its owner can change or delete it.
+sampled, described) by every tenant; only its owner can change or delete it. Reading is checked
+at every call, not once: a sampling session opened on it by another tenant ends (404) at its next
+call once the owner unpublishes or deletes it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import not_found
 from hosted_tinker.server.protocol.ordering import is_text
+from hosted_tinker.server.records import SamplerRecord
 from hosted_tinker.server.store import Store
 
 
@@ -40,6 +43,20 @@ class Tenancy:
     def sampler(self, tenant: str, sampler_id: str, field: str = "sampling_session_id") -> None:
         if not self.owns(tenant, sampler_id):
             raise not_found(f"{field} {sampler_id!r} does not exist")
+        record = self.store.get_sampler(sampler_id)
+        if record is not None and not self.may_sample(tenant, record):
+            raise not_found(
+                f"{field} {sampler_id!r} samples {record.model_path}, which was unpublished or deleted by its owner"
+            )
+
+    def may_sample(self, tenant: str, sampler: SamplerRecord) -> bool:
+        """Whether the checkpoint ``sampler`` was opened on (if any) still exists and ``tenant``
+        may still read it."""
+        if sampler.model_path is None:
+            return True
+        path = TinkerPath.parse(sampler.model_path)
+        record = self.store.get_checkpoint(path.run_id, path.kind, path.name)
+        return record is not None and (record.public or self.owns(tenant, path.run_id))
 
     def future(self, tenant: str, request_id: str) -> None:
         # Through the id of the future's model or sampler, not that object's row: a retired
