@@ -372,6 +372,32 @@ def test_unpublishing_or_deleting_ends_other_keys_sampling_at_once(keyed):
         assert b_completion() == 404
 
 
+def test_a_download_link_serves_only_the_version_it_was_made_for(keyed):
+    """An export deleted and made again under the same name is a new version: links to the old
+    one answer 404 (without a key, as links are used), links to the new one serve it."""
+    srv, key_a, _ = keyed
+    with http(srv, key_a) as c, httpx.Client(timeout=30) as anonymous:
+        session = c.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+        body = {"session_id": session, "model_seq_id": 0, "base_model": ALIAS, "lora_config": {"rank": 4}}
+        model = result(c, c.post("/api/v1/create_model", json=body).json()["request_id"])["model_id"]
+
+        def export(seq_id: int) -> dict[str, str]:
+            r = c.post("/api/v1/save_weights_external", json={"model_id": model, "seq_id": seq_id, "path": "again"})
+            run, checkpoint = result(c, r.json()["request_id"])["path"].removeprefix("tinker://").split("/", 1)
+            return c.get(f"/api/v1/training_runs/{run}/checkpoints/{checkpoint}/external_weights_urls").json()["urls"]
+
+        old = export(1)
+        assert all(anonymous.get(url).status_code == 200 for url in old.values())
+        assert c.delete(f"/api/v1/training_runs/{model}/checkpoints/external_weights/again").status_code == 204
+        assert {anonymous.get(url).status_code for url in old.values()} == {404}
+        new = export(2)
+        assert set(new) == set(old) and new != old
+        for name, url in old.items():
+            stale = anonymous.get(url)
+            assert stale.status_code == 404 and "no such download" in stale.text
+            assert anonymous.get(new[name]).status_code == 200
+
+
 def test_dev_mode_accepts_any_tml_key_and_isolates_each(tmp_path: Path, tiny_model_dir: Path):
     srv = start_server(tmp_path, "--model", str(tiny_model_dir), "--dev-any-key")
     try:

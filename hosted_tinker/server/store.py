@@ -11,6 +11,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hosted_tinker.server.records import (
     ApiKeyRecord,
@@ -21,6 +22,9 @@ from hosted_tinker.server.records import (
     SessionRow,
 )
 from hosted_tinker.server.schema import DATABASE, SCHEMA, connect, migrate
+
+if TYPE_CHECKING:
+    from hosted_tinker.core.checkpoints import TinkerPath
 
 
 class Store:
@@ -253,6 +257,11 @@ class Store:
                 json.dumps(user_metadata),
             ),
         )
+
+    def checkpoint_created_at(self, path: TinkerPath) -> float | None:
+        """When the checkpoint at ``path`` was made (its version), or None if there is none."""
+        record = self.get_checkpoint(path.run_id, path.kind, path.name)
+        return record.created_at if record is not None else None
 
     def get_checkpoint(self, model_id: str, kind: str, name: str) -> CheckpointRecord | None:
         row = self._exec(

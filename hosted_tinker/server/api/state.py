@@ -133,7 +133,7 @@ def build_state(config: ServerConfig) -> ServerState:
         training,
         files,
         ephemeral,
-        links=DownloadLinks(files, _server_secret(config.data_dir)),
+        links=DownloadLinks(files, _server_secret(config.data_dir), version=store.checkpoint_created_at),
         on_sampler_saved=vllm.prefetch_threadsafe if vllm is not None else None,
     )
     # The one link made after construction: the backend restores models through the training
