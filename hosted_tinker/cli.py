@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hosted_tinker.core.config import CLUSTER_KEY_ENV, ServerConfig, read_cluster_key
 from hosted_tinker.rank.plans import BACKENDS, backend_options
+from hosted_tinker.server.quotas import Limits, parse_limits
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
@@ -31,6 +32,7 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         backend_options=options,
         sample_batch_window_s=args.sample_batch_window_ms / 1000,
         vllm_args=[a for arg in args.vllm_arg for a in shlex.split(arg)],
+        key_limits=parse_limits(args.key_limit, "--key-limit"),
     )
     backend_options(config)
     return config
@@ -54,6 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hosted_tinker.server.api.app import create_app
+    from hosted_tinker.server.api.connections import ConnectionLimits, http_protocol
     from hosted_tinker.server.api.state import build_state
 
     state = build_state(config)
@@ -68,7 +71,13 @@ def _serve(args: argparse.Namespace) -> int:
             config.data_dir,
         )
     log.info("serving %s on http://%s:%d", config.served_names(), config.host, config.port)
-    uvicorn.run(create_app(state), host=config.host, port=config.port, log_level=args.log_level)
+    uvicorn.run(
+        create_app(state),
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        http=http_protocol(ConnectionLimits.from_config(config)),
+    )
     return 0
 
 
@@ -82,10 +91,22 @@ def _keys(args: argparse.Namespace) -> int:
     except DatabaseDamaged as e:
         raise SystemExit(str(e)) from None
     store = Store.in_data_dir(Path(args.data_dir))
+    try:
+        own = parse_limits([s for s in getattr(args, "limit", []) if not s.endswith("=default")], "--limit")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if args.action == "create":
         key_id, key = create_key(store, args.name)
+        store.set_api_key_limits(key_id, own)
         print(key)
         print(f"created {key_id} ({args.name}); the key is shown only now", file=sys.stderr)
+    elif args.action == "limit":
+        key_id = _key_id(store, args.key)
+        kept = {k: v for k, v in store.api_key_limits(key_id).items() if f"{k}=default" not in args.limit}
+        store.set_api_key_limits(key_id, {**kept, **own})
+        _show_limits(store, key_id)
+    elif args.action == "show":
+        _show_limits(store, _key_id(store, args.key))
     elif args.action == "list":
         for k in store.list_api_keys():
             created = dt.datetime.fromtimestamp(k.created_at).isoformat(timespec="seconds")
@@ -96,6 +117,27 @@ def _keys(args: argparse.Namespace) -> int:
             raise SystemExit(f"no active key with id or name {args.key!r}")
         print(f"revoked {args.key}", file=sys.stderr)
     return 0
+
+
+def _key_id(store, key: str) -> str:
+    matches = [k.key_id for k in store.list_api_keys() if key in (k.key_id, k.name) and k.revoked_at is None]
+    if not matches:
+        raise SystemExit(f"no active key has the id or name {key!r} (keys list shows them)")
+    if len(matches) > 1:
+        raise SystemExit(f"{len(matches)} active keys are named {key!r}: name one by its id (keys list)")
+    return matches[0]
+
+
+def _show_limits(store, key_id: str) -> None:
+    """A key's limits: its own, or the server's default (which `serve --key-limit` may change)."""
+    own = store.api_key_limits(key_id)
+    print(key_id)
+    for name, field in Limits.model_fields.items():
+        if name in own:
+            print(f"  {name:18} {own[name]}  (this key's own)")
+        else:
+            shown = "--max-lora-rank" if name == "lora_rank" else field.default
+            print(f"  {name:18} {shown}  (the server's default, unless serve --key-limit {name}=... sets another)")
 
 
 def _setup_vllm(args: argparse.Namespace) -> int:
@@ -227,7 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
     serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")
     serve.add_argument(
-        "--max-body-bytes", type=int, default=256 << 20, help="largest request body, after zstd (413 above)"
+        "--max-body-bytes",
+        type=int,
+        default=256 << 20,
+        help="largest body of forward_backward, sampling and completions, after zstd (413 above)",
+    )
+    serve.add_argument(
+        "--max-control-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest body of every other call: sessions, models, saves, heartbeats (413 above)",
     )
     serve.add_argument(
         "--worker-timeout",
@@ -243,6 +294,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=7 * 86400.0,
         help="seconds a finished request's result stays retrievable (default: 7 days)",
     )
+    slow = serve.add_argument_group("slow and oversized clients")
+    slow.add_argument(
+        "--header-timeout",
+        dest="header_timeout_s",
+        type=float,
+        default=10.0,
+        help="seconds a request's line and headers may take, from its first byte (408 after)",
+    )
+    slow.add_argument(
+        "--body-timeout",
+        dest="body_timeout_s",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take from the end of its headers, plus --min-body-rate's (408 after)",
+    )
+    slow.add_argument(
+        "--min-body-rate",
+        type=int,
+        default=16 << 10,
+        help="bytes/s: each this many body bytes received adds 1 s to --body-timeout (0: none)",
+    )
+    slow.add_argument(
+        "--max-header-bytes", type=int, default=64 << 10, help="largest request line and headers (431 above)"
+    )
     _cluster_flags(serve.add_argument_group("several machines (ddp, megatron): this server is node 0"))
     auth = serve.add_argument_group("API keys (besides `hosted-tinker keys create`)")
     auth.add_argument("--api-keys-file", type=Path, default=None, help="file with one tml- key per line")
@@ -251,6 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     auth.add_argument(
         "--public-docs", action="store_true", help="serve /docs and /openapi.json without a key when keys are on"
+    )
+    auth.add_argument(
+        "--key-limit",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"a limit every key is held to unless it has its own (repeatable): {', '.join(Limits.model_fields)}",
     )
     engine = serve.add_argument_group("inference engine")
     engine.add_argument(
@@ -279,15 +361,26 @@ def build_parser() -> argparse.ArgumentParser:
     _cluster_flags(node)
     node.set_defaults(func=_node)
 
-    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys = sub.add_parser("keys", help="create, list, limit and revoke API keys")
     keys_sub = keys.add_subparsers(dest="action", required=True)
-    for action, text in (("create", "print a new key"), ("list", "list keys"), ("revoke", "revoke a key")):
+    actions = (
+        ("create", "print a new key"),
+        ("list", "list keys"),
+        ("show", "show a key's limits"),
+        ("limit", "set a key's own limits (NAME=default: back to the server's)"),
+        ("revoke", "revoke a key"),
+    )
+    for action, text in actions:
         p = keys_sub.add_parser(action, help=text)
         p.add_argument("--data-dir", default="./hosted-tinker-data")
         if action == "create":
             p.add_argument("--name", default="default", help="a label for the key")
-        if action == "revoke":
+        if action in ("show", "limit", "revoke"):
             p.add_argument("key", help="the key's id (key-...) or name")
+        if action == "create":
+            p.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE", help="a limit of its own")
+        if action == "limit":
+            p.add_argument("limit", nargs="+", metavar="NAME=VALUE", help=", ".join(Limits.model_fields))
     keys.set_defaults(func=_keys)
 
     setup = sub.add_parser("setup-vllm", help="create a virtual environment with vLLM; prints its python")

@@ -283,17 +283,19 @@ def openai(path: str, **body: Any) -> Callable[[World], Reply]:
     return lambda w: w.post(f"/v1/{path}", json_body={k: v for k, v in {**base, **body}.items() if v is not ...})
 
 
-def declared_oversize(path: str, content_type: str) -> Callable[[World], Reply]:
-    """Headers that announce a body over the limit, and only its first bytes: the server must
-    answer 413 rather than wait for (and buffer) the rest. (An ordered route waits a moment,
-    ``body_limit.HEAD_WAIT_S``, for a head that names its seq_id; this one never comes.)"""
+def declared_oversize(path: str, content_type: str, size: int | None = None) -> Callable[[World], Reply]:
+    """Headers that announce a body over the limit (``size`` bytes; default: one over the large
+    limit), and only its first bytes: the server must answer 413 rather than wait for (and
+    buffer) the rest. (An ordered route waits a moment, ``body_limit.HEAD_WAIT_S``, for a head
+    that names its seq_id; this one never comes.)"""
 
     def send(w: World) -> Reply:
         url = urlsplit(w.server.base_url)
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
         try:
             conn.putrequest("POST", f"/api/v1/{path}")
-            for k, v in {**HEADERS, "Content-Type": content_type, "Content-Length": str(w.body_limit + 1)}.items():
+            length = size if size is not None else w.body_limit + 1
+            for k, v in {**HEADERS, "Content-Type": content_type, "Content-Length": str(length)}.items():
                 conn.putheader(k, v)
             conn.endheaders(b"{" if "json" in content_type else b"\n\x00")
             resp = conn.getresponse()
@@ -1063,6 +1065,19 @@ CASES: list[Case] = [
         "model_seq_id",
     ),
     Case("create_session unknown key", post("create_session", lambda w: {"tags": [], "colour": "blue"}), 422, "colour"),
+    # A control call is held to --max-control-body-bytes (1 MiB), declared or sent.
+    Case(
+        "control call declaring a body over its limit",
+        declared_oversize("create_session", "application/json", size=(1 << 20) + 1),
+        413,
+        "--max-control-body-bytes",
+    ),
+    Case(
+        "control call sending a body over its limit",
+        post("create_session", lambda w: {"tags": [], "user_metadata": {"x": "y" * (1 << 20)}}),
+        413,
+        "--max-control-body-bytes",
+    ),
     Case("create_session tags not a list", post("create_session", lambda w: {"tags": "a,b"}), 422, "tags"),
     Case(
         "retrieve_future unknown id", post("retrieve_future", lambda w: {"request_id": "req-nope"}), 404, "request_id"
@@ -1362,11 +1377,13 @@ def test_server_is_healthy_and_still_trains(world: World):
 @pytest.mark.fast
 def test_body_limit_cuts_off_a_body_without_content_length():
     """A chunked body has no Content-Length to refuse up front: it is cut off with a 413 as soon
-    as it passes the limit (here a unit test with a 100-byte limit, not 256 MiB over loopback)."""
+    as it passes the limit (here a unit test with 100- and 1000-byte limits, not MiBs over
+    loopback). A route declared ``large_body`` gets the large limit, every other the small one."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
     from hosted_tinker.server.api.body_limit import BodyLimit
+    from hosted_tinker.server.api.errors import large_body
 
     app = FastAPI()
 
@@ -1378,11 +1395,20 @@ def test_body_limit_cuts_off_a_body_without_content_length():
     async def raw(request: Request) -> dict:
         return {"bytes": len(await request.body())}
 
-    app.add_middleware(BodyLimit, max_bytes=100)
+    @app.post("/api/v1/batch/{name}", **large_body())
+    async def batch(name: str, request: Request) -> dict:
+        return {"bytes": len(await request.body())}
+
+    app.add_middleware(BodyLimit, max_bytes=1000, max_control_bytes=100)
     client = TestClient(app)
     headers = {"Content-Type": "application/json"}
     for path in ("echo", "raw"):
         r = client.post(f"/api/v1/{path}", content=iter([b'{"a": "', b"x" * 200, b'"}']), headers=headers)
         assert r.status_code == 413 and "exceeds the limit of 100 bytes" in r.json()["detail"], r.text
+        assert "--max-control-body-bytes" in r.json()["detail"]
     assert client.post("/api/v1/echo", content=iter([b'{"a": ', b"1}"]), headers=headers).json() == {"a": 1}
     assert client.post("/api/v1/raw", content=b"x" * 101).status_code == 413  # declared
+    assert client.post("/api/v1/batch/b", content=iter([b"x" * 500, b"x" * 500])).json() == {"bytes": 1000}
+    over = client.post("/api/v1/batch/b", content=iter([b"x" * 600, b"x" * 600]))
+    assert over.status_code == 413 and "1000 bytes (--max-body-bytes)" in over.json()["detail"], over.text
+    assert client.post("/api/v1/batch/b", content=b"x" * 1001).status_code == 413  # declared

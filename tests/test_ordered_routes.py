@@ -193,6 +193,16 @@ def test_ordered_routes_are_declared(env):
         "save_weights_external",
         "load_weights",
     }
+    # And only the routes that carry data take bodies past the control-call limit.
+    large = {
+        (path, method) for path, item in spec["paths"].items() for method, op in item.items() if op.get("x-large-body")
+    }
+    assert large == {
+        ("/api/v1/forward_backward", "post"),
+        ("/api/v1/asample", "post"),
+        ("/v1/completions", "post"),
+        ("/v1/chat/completions", "post"),
+    }
 
 
 def test_owner_refusals_use_the_seq_id_up(env):

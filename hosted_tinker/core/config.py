@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -75,8 +75,14 @@ class ServerConfig(BaseModel):
     # httpx answers a call ~5 ms sooner than pyqwest (benchmarks/overhead.py).
     sdk_transport: Literal["httpx", "pyqwest"] = "httpx"
     max_body_bytes: int = Field(256 << 20, ge=1024)  # a request body, also once inflated (413 above)
+    # The body of a control call (every route not declared large_body): sessions, saves, heartbeats.
+    max_control_body_bytes: int = Field(1 << 20, ge=1024)
     max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
     max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
+    header_timeout_s: float = Field(10.0, gt=0)  # a request's line and headers, from its first byte (408 after)
+    body_timeout_s: float = Field(30.0, gt=0)  # a request body, from the end of its headers (408 after) ...
+    min_body_rate: int = Field(16 << 10, ge=0)  # ... plus 1 s per this many bytes received; 0: no extension
+    max_header_bytes: int = Field(64 << 10, ge=1024)  # a request's line and headers (431 above)
     # A worker call with no sign of life for this long has hung: the worker is killed and replaced.
     worker_timeout_s: float = Field(3600.0, gt=0)
     # Finished futures (and their payloads) are deleted this long after they finished.
@@ -95,6 +101,8 @@ class ServerConfig(BaseModel):
     api_keys_file: Path | None = None
     dev_any_key: bool = False  # development only: any tml- key is accepted, each its own tenant
     public_docs: bool = False  # /docs and /openapi.json without a key (with keys on; open servers show them anyway)
+    # The limits every key is held to unless it has its own (``server.quotas.Limits``; --key-limit).
+    key_limits: dict[str, Any] = Field(default_factory=dict)
     # One JSON line per request (``server.api.request_log``): a file, "-" for stderr; None: the
     # data directory's requests.jsonl.
     request_log: str | None = None

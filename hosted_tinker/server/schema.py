@@ -66,7 +66,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     sha256 TEXT NOT NULL UNIQUE,
     prefix TEXT NOT NULL,
     created_at REAL NOT NULL,
-    revoked_at REAL
+    revoked_at REAL,
+    limits TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS samplers (
     sampler_id TEXT PRIMARY KEY,
@@ -118,12 +119,13 @@ def connect(path: str | Path, schema: str) -> sqlite3.Connection:
 def migrate(db: sqlite3.Connection) -> None:
     """Columns added since a data dir was created (sessions made before keys belong to no key,
     samplers made before inflight ones are snapshots, futures finished before completion
-    numbers have none)."""
+    numbers have none, keys made before per-key limits have none of their own)."""
     for table, column, declared in [
         ("sessions", "owner", "TEXT NOT NULL DEFAULT ''"),
         ("samplers", "kind", "TEXT NOT NULL DEFAULT 'snapshot'"),
         ("samplers", "clients", "INTEGER NOT NULL DEFAULT 0"),
         ("futures", "completion_seq", "INTEGER"),
+        ("api_keys", "limits", "TEXT NOT NULL DEFAULT '{}'"),
     ]:
         if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declared}")

@@ -149,6 +149,21 @@ class Store:
     def set_model_status(self, model_id: str, status: str) -> None:
         self._exec("UPDATE models SET status=? WHERE model_id=?", (status, model_id))
 
+    def usage(self, owner: str, live_since: float) -> dict[str, int]:
+        """What ``owner`` holds, for its limits: sessions heard from since ``live_since``, loaded
+        models in those sessions, and bytes of stored checkpoints."""
+        live = "SELECT session_id FROM sessions WHERE owner=? AND status='active' AND last_heartbeat >= ?"
+        sessions = self._exec(f"SELECT COUNT(*) FROM ({live})", (owner, live_since)).fetchone()[0]
+        models = self._exec(
+            f"SELECT COUNT(*) FROM models WHERE status='active' AND session_id IN ({live})", (owner, live_since)
+        ).fetchone()[0]
+        stored = self._exec(
+            "SELECT COALESCE(SUM(c.size_bytes), 0) FROM checkpoints c JOIN models m ON m.model_id = c.model_id "
+            "JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=?",
+            (owner,),
+        ).fetchone()[0]
+        return {"sessions": sessions, "models": models, "checkpoint_bytes": stored}
+
     def count_active(self) -> dict[str, int]:
         """Live sessions and loaded models, for /healthz."""
         sessions = self._exec("SELECT COUNT(*) FROM sessions WHERE status='active'").fetchone()[0]
@@ -426,6 +441,19 @@ class Store:
         """The id of the unrevoked key with this hash, if any."""
         row = self._exec("SELECT key_id FROM api_keys WHERE sha256=? AND revoked_at IS NULL", (sha256,)).fetchone()
         return row[0] if row else None
+
+    def api_key_limits(self, key_id: str) -> dict:
+        """The limits this key has of its own (the rest are the server's); {} for any other tenant."""
+        row = self._exec("SELECT limits FROM api_keys WHERE key_id=?", (key_id,)).fetchone()
+        return json.loads(row[0]) if row else {}
+
+    def set_api_key_limits(self, key_id_or_name: str, limits: dict) -> int:
+        """Replace the own limits of the key with this id, or of every key with this name."""
+        cur = self._exec(
+            "UPDATE api_keys SET limits=? WHERE (key_id=? OR name=?) AND revoked_at IS NULL",
+            (json.dumps(limits), key_id_or_name, key_id_or_name),
+        )
+        return cur.rowcount
 
     def has_api_keys(self) -> bool:
         """Whether a key was ever created here (revoked ones count: revoking the last key must not

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from torch import Tensor, nn
 
 from hosted_tinker.core.config import ServerConfig
-from hosted_tinker.rank.model import LoraModel
+
+if TYPE_CHECKING:  # the CLI imports this module for BACKENDS: no torch for `hosted-tinker keys`
+    from torch import Tensor, nn
+
+    from hosted_tinker.rank.model import LoraModel
 
 # --backend NAME -> the module that defines its plan (imported only when that backend is used).
 PLANS: dict[str, str] = {

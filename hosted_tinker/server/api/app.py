@@ -45,13 +45,18 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="hosted-tinker", lifespan=lifespan)
     app.state.server = state
     keyed = [Depends(authenticate)]  # every route but health checks and signed downloads needs a key
-    app.include_router(tinker_routes.router, dependencies=keyed)
-    app.include_router(rest_routes.router, dependencies=keyed)
-    app.include_router(openai_routes.router if state.vllm is None else openai_proxy_routes.router, dependencies=keyed)
-    app.include_router(rest_routes.downloads)
-    app.include_router(ops_routes.router)
-    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
-    app.add_middleware(KeyCheck, keys=state.keys, public_docs=state.config.public_docs)  # before any body is read
+    openai = openai_routes.router if state.vllm is None else openai_proxy_routes.router
+    routers = [(tinker_routes.router, keyed), (rest_routes.router, keyed), (openai, keyed)]
+    routers += [(rest_routes.downloads, []), (ops_routes.router, [])]
+    for router, dependencies in routers:
+        app.include_router(router, dependencies=dependencies)
+    # What each route declares (errors.route_mark), for the middleware that runs before routing.
+    app.state.declared_routes = [route for router, _ in routers for route in router.routes]
+    app.add_middleware(
+        BodyLimit, max_bytes=state.config.max_body_bytes, max_control_bytes=state.config.max_control_body_bytes
+    )
+    # Before any body is read: the key, and its rate (quotas.admit).
+    app.add_middleware(KeyCheck, keys=state.keys, quotas=state.quotas, public_docs=state.config.public_docs)
     # Outermost: its line covers every answer, the body limit's 413 included.
     app.add_middleware(RequestLog, logger=open_request_log(state.config.request_log_target()))
     install_error_handlers(app)

@@ -1,4 +1,5 @@
-"""``BodyLimit``: the bound on a request body's size, enforced before any route buffers it."""
+"""``BodyLimit``: the bound on a request body's size, enforced before any route buffers it: the
+large one for routes declared ``large_body`` (batches, prompts), a small one for control calls."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hosted_tinker.core.errors import ApiError
 from hosted_tinker.server.api.auth import presented_key
-from hosted_tinker.server.api.errors import error_response, ordered_kind, refuse_unparsed
+from hosted_tinker.server.api.errors import LARGE_BODY, error_response, ordered_kind, refuse_unparsed, route_mark
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol.ordering import head_limit, order_of
 
@@ -22,9 +23,12 @@ class _BodyTooLarge(Exception):
 
 
 class BodyLimit:
-    """Every route buffers its whole body, so its size is bounded before that happens: a declared
-    Content-Length over ``max_bytes`` is a 413 at once, without reading the body; a body without
-    one (chunked) is cut off with a 413 as soon as it passes the limit. A Content-Encoding other
+    """Every route buffers its whole body, so its size is bounded before that happens. The bound
+    is ``max_bytes`` on a route declared ``large_body`` and ``max_control_bytes`` (at most
+    ``max_bytes``) on every other, so that a session, a heartbeat or a save cannot make the
+    server buffer hundreds of MiB. A declared Content-Length over it is a 413 at once, without
+    reading the body; a body without one (chunked) is cut off with a 413 as soon as it passes
+    the limit. A Content-Encoding other
     than zstd (which forward_backward inflates itself, under the same limit) is a 415: nothing
     here could decode it, and a JSON parser would only report garbage.
 
@@ -35,9 +39,16 @@ class BodyLimit:
 
     ENCODINGS = ("identity", "zstd")
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_control_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_control_bytes = min(max_bytes, max_control_bytes or max_bytes)
+
+    def limit_of(self, scope: Scope) -> tuple[int, str]:
+        """The bound on this request's body, and the setting that gives it."""
+        if route_mark(Request(scope), LARGE_BODY):
+            return self.max_bytes, "--max-body-bytes"
+        return self.max_control_bytes, "--max-control-body-bytes, for a control call"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,10 +61,11 @@ class BodyLimit:
             await error_response(scope["path"], 415, detail)(scope, receive, send)
             return
         keep = head_limit(encoding)
+        max_bytes, setting = self.limit_of(scope)
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
+        if declared.isdigit() and int(declared) > max_bytes:
             head = await _read_head(scope, receive, keep) if _names_an_order(scope) else b""
-            detail = f"body of {declared} bytes exceeds the limit of {self.max_bytes} bytes (Content-Length)"
+            detail = f"body of {declared} bytes exceeds the limit of {max_bytes} bytes ({setting}; Content-Length)"
             await self._too_large(scope, head, detail)(scope, receive, send)
             return
         head, received, over, answered = bytearray(), 0, False, False
@@ -66,7 +78,7 @@ class BodyLimit:
                 received += len(chunk)
                 if len(head) < keep:
                     head.extend(chunk[: keep - len(head)])
-                if received > self.max_bytes:
+                if received > max_bytes:
                     over = True
                     raise _BodyTooLarge
             return message
@@ -75,7 +87,7 @@ class BodyLimit:
             nonlocal answered
             if not answered:
                 answered = True
-                detail = f"body exceeds the limit of {self.max_bytes} bytes"
+                detail = f"body exceeds the limit of {max_bytes} bytes ({setting})"
                 await self._too_large(scope, bytes(head), detail)(scope, receive, send)
 
         async def guarded_send(message: Message) -> None:

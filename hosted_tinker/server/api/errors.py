@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from hosted_tinker.core.errors import ApiError, ServerError, bad_request
 from hosted_tinker.server.api.auth import presented_key
@@ -81,25 +82,42 @@ def openai_error(
 
 
 ORDERED = "x-ordered"
+LARGE_BODY = "x-large-body"
 
 
-def ordered(kind: str) -> dict[str, Any]:
+def ordered(kind: str, *, large_body: bool = False) -> dict[str, Any]:
     """Route options that declare a request ordered by ``seq_id`` within its model, as the
     training service's request ``kind``. A body that names the caller's model and a seq_id uses
     it up even when it is refused before it runs: it fails validation (``_consume_refused_seq``)
     or is too large or unreadable (``refuse_unparsed``). The mark is on the route itself, and
     shows in ``/openapi.json`` as the operation's ``x-ordered``."""
-    return {"openapi_extra": {ORDERED: kind}}
+    extra: dict[str, Any] = {ORDERED: kind}
+    if large_body:
+        extra[LARGE_BODY] = True
+    return {"openapi_extra": extra}
+
+
+def large_body() -> dict[str, Any]:
+    """Route options that declare a route carrying data (a batch, a prompt), whose body may be
+    as large as ``--max-body-bytes``; every other route is a control call, held to the much
+    smaller ``--max-control-body-bytes`` (``BodyLimit``). Shows as ``x-large-body``."""
+    return {"openapi_extra": {LARGE_BODY: True}}
+
+
+def route_mark(request: Request, mark: str) -> Any:
+    """What the route serving ``request`` declared as ``mark`` in its ``openapi_extra``, else None.
+    Before routing (in a middleware) the route is found among ``app.state.declared_routes`` (the
+    routers' own routes, which ``create_app`` lists) as the router will find it."""
+    route = request.scope.get("route")
+    if route is None:
+        declared = getattr(request.app.state, "declared_routes", request.app.routes)
+        route = next((r for r in declared if r.matches(request.scope)[0] is Match.FULL), None)
+    return (getattr(route, "openapi_extra", None) or {}).get(mark)
 
 
 def ordered_kind(request: Request) -> str | None:
-    """The request kind the route serving ``request`` was declared ``ordered`` as, else None.
-    Before routing (in a middleware) it is read from the app's published declarations."""
-    route = request.scope.get("route")
-    if route is not None:
-        return (getattr(route, "openapi_extra", None) or {}).get(ORDERED)
-    operation = request.app.openapi()["paths"].get(request.url.path, {}).get(request.method.lower(), {})
-    return operation.get(ORDERED)
+    """The request kind the route serving ``request`` was declared ``ordered`` as, else None."""
+    return route_mark(request, ORDERED)
 
 
 def refuse_unparsed(request: Request, head: bytes, error: ApiError) -> ApiError:

@@ -1,7 +1,8 @@
 """``KeyCheck``: a request to a keyed route without a valid key is refused from its headers alone.
 
 It runs outside everything that reads a body (``BodyLimit``, the routes), so an anonymous
-request costs no more than its headers: a 401, its body never read, its connection closed.
+request costs no more than its headers: a 401, its body never read, its connection closed. A
+key past its ``requests_per_s`` (``server.quotas``) is answered 429 here too, as cheaply.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hosted_tinker.server.api.auth import CHALLENGE, presented_key, refusal
 from hosted_tinker.server.api.errors import error_response
 from hosted_tinker.server.keys import KeyRing
+from hosted_tinker.server.quotas import Quotas
 
 KEYLESS = frozenset({"/api/v1/healthz"})  # besides everything outside /api/v1, /v1 and the docs
 KEYLESS_PREFIXES = ("/api/v1/files/",)  # signed download links: the signature is the key
+# Heartbeats are not rated: a busy key's sessions must not lapse (sessions are counted instead).
+UNRATED = frozenset({"/api/v1/session_heartbeat"})
 # The API's description: on a server with keys, for key holders only, unless --public-docs.
 DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
@@ -31,9 +35,10 @@ class KeyCheck:
     valid key is a 401 from its headers alone; its body is never read and its connection is
     closed, so an anonymous 200 MiB upload costs what its headers do."""
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, public_docs: bool = False) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing, quotas: Quotas | None = None, public_docs: bool = False) -> None:
         self.app = app
         self.keys = keys
+        self.quotas = quotas
         self.public_docs = public_docs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,5 +50,12 @@ class KeyCheck:
                 response = error_response(scope["path"], 401, refusal(key), code="invalid_api_key", headers=headers)
                 await response(scope, receive, send)
                 return
+            if self.quotas is not None and scope["path"] not in UNRATED:
+                over = self.quotas.admit(tenant)
+                if over is not None:
+                    headers = {**over.headers, "Connection": "close"}  # its body is not read either
+                    response = error_response(scope["path"], 429, over.detail, headers=headers)
+                    await response(scope, receive, send)
+                    return
             scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from hosted_tinker.server.api.auth import tenant_of
+from hosted_tinker.server.api.errors import large_body
 from hosted_tinker.server.api.openai_routes import list_models
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol import responses as rsp
@@ -21,6 +22,7 @@ router.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(rsp
     response_model=None,
     # vLLM's answer, passed through as it sent it: JSON or server-sent events.
     responses={200: {"content": {"application/json": {"schema": {"type": "object"}}, **rsp.SSE}}},
+    **large_body(),  # prompts
 )
 async def forward(path: str, request: Request) -> Response:
     """Completions, chat completions, and vLLM's other OpenAI-style routes."""

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from hosted_tinker.server.api.auth import tenant_of
+from hosted_tinker.server.api.errors import large_body
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
@@ -22,7 +23,7 @@ async def list_models(request: Request) -> dict:
     return server_state(request).openai.list_models(tenant_of(request))
 
 
-@router.post("/completions", **rsp.as_built(rsp.Completion), responses=_OR_STREAM)
+@router.post("/completions", **rsp.as_built(rsp.Completion), responses=_OR_STREAM, **large_body())
 async def completions(req: CompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:
@@ -30,7 +31,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     return await service.respond(req, tenant_of(request))
 
 
-@router.post("/chat/completions", **rsp.as_built(rsp.ChatCompletion), responses=_OR_STREAM)
+@router.post("/chat/completions", **rsp.as_built(rsp.ChatCompletion), responses=_OR_STREAM, **large_body())
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:

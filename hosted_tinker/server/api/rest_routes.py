@@ -130,6 +130,8 @@ async def copy_weights(
     idempotency_key: str | None = Header(None, alias="X-Idempotency-Key"),
 ) -> dict:
     state = server_state(request)
+    if (over := state.quotas.new_checkpoint(tenant_of(request), None)) is not None:
+        raise over
     return await asyncio.to_thread(state.copies.copy, req, tenant_of(request), idempotency_key)
 
 

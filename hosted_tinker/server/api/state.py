@@ -21,6 +21,7 @@ from hosted_tinker.inference.vllm_engine import VllmEngine
 from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
+from hosted_tinker.server.quotas import Limits, Quotas
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
 from hosted_tinker.server.schema import DATABASE, DatabaseDamaged
 from hosted_tinker.server.schema import check as check_database
@@ -64,6 +65,7 @@ class ServerState:
     futures: FuturesService
     sampling: SamplingService
     openai: OpenAIService
+    quotas: Quotas
     vllm: VllmEngine | None = None
     openai_proxy: OpenAIProxy | None = None
 
@@ -157,6 +159,7 @@ def build_state(config: ServerConfig) -> ServerState:
         futures=FuturesService(store, scheduler, config.poll_timeout_s),
         sampling=sampling,
         openai=openai,
+        quotas=Quotas(store, Limits(**config.key_limits), config.max_lora_rank),
         vllm=vllm,
         openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,
     )

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request, Response
 
 from hosted_tinker.core.errors import ApiError, UserError, not_found
 from hosted_tinker.server.api.auth import tenant_of
-from hosted_tinker.server.api.errors import ordered, refuse_unparsed
+from hosted_tinker.server.api.errors import large_body, ordered, refuse_unparsed
 from hosted_tinker.server.api.request_log import note
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
@@ -62,7 +62,9 @@ async def client_dynamic_config(req: wire.ClientConfigRequest) -> dict:
 
 @router.post("/create_session")
 async def create_session(req: wire.CreateSessionRequest, request: Request) -> wire.CreateSessionResponse:
-    return server_state(request).sessions.create(req, owner=tenant_of(request))
+    state, tenant = server_state(request), tenant_of(request)
+    state.quotas.new_session(tenant, req.user_metadata)
+    return state.sessions.create(req, owner=tenant)
 
 
 @router.post("/session_heartbeat", **rsp.as_built(rsp.SessionHeartbeatResponse))
@@ -120,6 +122,8 @@ async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.U
         lora_rank=req.lora_config and req.lora_config.rank,
     )
     state.tenancy.session(tenant_of(request), req.session_id)
+    rank = req.lora_config.rank if req.lora_config is not None else None
+    state.quotas.new_model(tenant_of(request), rank, req.user_metadata)
     return _future(request, state.training.create_model(req))
 
 
@@ -129,7 +133,7 @@ async def get_info(req: wire.GetInfoRequest, request: Request) -> dict:
     return state.training.get_info(req)
 
 
-@router.post("/forward_backward", **ordered("forward_backward"))
+@router.post("/forward_backward", **ordered("forward_backward", large_body=True))
 async def forward_backward(request: Request) -> wire.UntypedFuture:
     state = server_state(request)
     content_type = request.headers.get("content-type", "")
@@ -173,6 +177,8 @@ async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.U
 async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.UntypedFuture:
     note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
+    if (over := state.quotas.new_checkpoint(tenant_of(request), req.user_metadata)) is not None:
+        return _future(request, state.training.refuse_ordered("save_weights", req.model_id, req.seq_id, over))
     return _future(request, state.checkpoints.save_weights(req), req.model_id)
 
 
@@ -180,6 +186,10 @@ async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.U
 async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, request: Request) -> wire.UntypedFuture:
     note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
+    if req.path is not None:  # a named save is stored; an unnamed one is a sampler's snapshot
+        if (over := state.quotas.new_checkpoint(tenant_of(request), req.user_metadata)) is not None:
+            refused = state.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, over)
+            return _future(request, refused)
     return _future(request, state.checkpoints.save_weights_for_sampler(req), req.model_id)
 
 
@@ -187,6 +197,8 @@ async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, reque
 async def save_weights_external(req: wire.SaveWeightsExternalRequest, request: Request) -> wire.UntypedFuture:
     note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
+    if (over := state.quotas.new_checkpoint(tenant_of(request), None)) is not None:
+        return _future(request, state.training.refuse_ordered("save_weights_external", req.model_id, req.seq_id, over))
     return _future(request, state.checkpoints.save_weights_external(req), req.model_id)
 
 
@@ -198,6 +210,7 @@ async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.U
         state.tenancy.model(tenant, req.model_id)
     elif req.session_id is not None:  # creates a model in this session
         state.tenancy.session(tenant, req.session_id)
+        state.quotas.new_model(tenant, None, req.user_metadata)  # its rank is the checkpoint's
     try:
         state.tenancy.readable(tenant, req.path)
     except ApiError as e:
@@ -229,7 +242,7 @@ async def join_sampling_session(req: wire.JoinSamplingSessionRequest, request: R
     return {"type": "join_sampling_session", "client_counter": counter}
 
 
-@router.post("/asample", response_model=rsp.SampleFuture)
+@router.post("/asample", response_model=rsp.SampleFuture, **large_body())
 async def asample(req: wire.SampleRequest, request: Request) -> rsp.SampleFuture:
     state = server_state(request)
     note(request, sampling_session_id=req.sampling_session_id, seq_id=req.seq_id, num_samples=req.num_samples)

@@ -1,0 +1,158 @@
+"""Per-key limits: what one API key may hold at once and how fast it may call.
+
+The operator sets the defaults (``serve --key-limit NAME=VALUE``) and may give one key its own
+(``keys create --limit``, ``keys limit``; shown by ``keys show``). A request over a limit is
+refused before anything is created, with a body that names the limit and its value:
+
+===================  =====================================================  ======
+limit                what it bounds                                         refusal
+===================  =====================================================  ======
+``sessions``         live sessions (active, heard from within ``LIVE_S``)   403
+``models``           live training models (loaded, in a live session)       403
+``lora_rank``        the rank of a new LoRA (default: ``--max-lora-rank``)  400
+``metadata_bytes``   a ``user_metadata`` object, as JSON                    400
+``checkpoint_bytes`` the key's stored checkpoints (a save past it: 403)     403
+``requests_per_s``   calls per second, in bursts of ``BURST_S`` seconds'    429
+===================  =====================================================  ======
+
+A server without keys (open, for one user on loopback) has no per-key limits. Sessions and
+models of a client that stopped heartbeating do not count: they are not live.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hosted_tinker.core.errors import ApiError
+from hosted_tinker.server.keys import OPEN
+from hosted_tinker.server.store import Store
+
+LIVE_S = 120.0  # the SDK heartbeats every 10 s and warns after 2 min without one
+BURST_S = 10.0  # a key may spend this many seconds' worth of requests at once
+CACHE_S = 5.0  # a key's own limits are re-read this often (``keys limit`` from another process)
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sessions: int = Field(64, ge=0)
+    models: int = Field(16, ge=0)
+    lora_rank: int | None = Field(None, ge=1)  # None: the server's --max-lora-rank
+    metadata_bytes: int = Field(64 << 10, ge=0)
+    checkpoint_bytes: int = Field(1 << 40, ge=0)
+    requests_per_s: float = Field(100.0, ge=0)  # 0: unlimited
+
+
+def parse_limits(items: list[str], where: str) -> dict[str, Any]:
+    """``NAME=VALUE`` settings, checked against ``Limits`` (a ValueError names the bad one)."""
+    settings: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in Limits.model_fields:
+            raise ValueError(f"{where} {item!r}: expected NAME=VALUE with NAME one of {', '.join(Limits.model_fields)}")
+        settings[name.strip()] = value.strip()
+    try:
+        return Limits(**settings).model_dump(include=set(settings))
+    except ValidationError as e:
+        raise ValueError(f"{where}: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+
+
+class Quotas:
+    """The limits of each key, checked by the routes (counts and sizes) and by ``KeyCheck``
+    (rate). Runs on the event loop; its reads are single-row SQLite queries."""
+
+    def __init__(self, store: Store, defaults: Limits, max_lora_rank: int, clock=time.monotonic) -> None:
+        self.store = store
+        self.defaults = defaults
+        self.max_lora_rank = max_lora_rank
+        self._clock = clock
+        self._own: dict[str, tuple[float, Limits]] = {}  # tenant -> (read at, limits)
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def of(self, tenant: str) -> Limits | None:
+        """The limits ``tenant`` is held to (None on an open server)."""
+        if tenant == OPEN:
+            return None
+        now = self._clock()
+        cached = self._own.get(tenant)
+        if cached is None or now - cached[0] > CACHE_S:
+            own = self.store.api_key_limits(tenant)  # {} for keys from a file or --dev-any-key
+            cached = (now, self.defaults.model_copy(update=own) if own else self.defaults)
+            self._own[tenant] = cached
+        return cached[1]
+
+    # ---- rate (KeyCheck) --------------------------------------------------------------------
+
+    def admit(self, tenant: str) -> ApiError | None:
+        """Take one request from ``tenant``'s bucket; a 429 (with Retry-After) when it is empty."""
+        limits = self.of(tenant)
+        if limits is None or limits.requests_per_s == 0:
+            return None
+        rate, now = limits.requests_per_s, self._clock()
+        with self._lock:
+            tokens, at = self._buckets.get(tenant, (rate * BURST_S, now))
+            tokens = min(rate * BURST_S, tokens + (now - at) * rate)
+            if tokens < 1:
+                self._buckets[tenant] = (tokens, now)
+                wait = (1 - tokens) / rate
+                over = _over("requests_per_s", rate, f"requests per second for this key; retry in {wait:.2f} s", 429)
+                over.headers["Retry-After"] = str(max(1, round(wait)))
+                return over
+            self._buckets[tenant] = (tokens - 1, now)
+        return None
+
+    # ---- counts and sizes (routes) ----------------------------------------------------------
+
+    def new_session(self, tenant: str, user_metadata: dict | None) -> None:
+        limits = self.of(tenant)
+        if limits is None:
+            return
+        self._metadata(limits, user_metadata, "user_metadata")
+        live = self.store.usage(tenant, live_since=time.time() - LIVE_S)["sessions"]
+        if live >= limits.sessions:
+            raise _over("sessions", limits.sessions, f"live sessions for this key ({live} open)", 403)
+
+    def new_model(self, tenant: str, rank: int | None, user_metadata: dict | None) -> None:
+        limits = self.of(tenant)
+        if limits is None:
+            return
+        max_rank = limits.lora_rank if limits.lora_rank is not None else self.max_lora_rank
+        if rank is not None and rank > max_rank:
+            raise _over("lora_rank", max_rank, "for this key's LoRA (lora_config.rank)", 400)
+        self._metadata(limits, user_metadata, "user_metadata")
+        live = self.store.usage(tenant, live_since=time.time() - LIVE_S)["models"]
+        if live >= limits.models:
+            detail = f"live training models for this key ({live} loaded; unload one or close its client)"
+            raise _over("models", limits.models, detail, 403)
+
+    def new_checkpoint(self, tenant: str, user_metadata: dict | None) -> ApiError | None:
+        """The refusal of a save (returned: an ordered save still uses up its seq_id)."""
+        limits = self.of(tenant)
+        if limits is None:
+            return None
+        try:
+            self._metadata(limits, user_metadata, "user_metadata")
+        except ApiError as e:
+            return e
+        stored = self.store.usage(tenant, live_since=time.time() - LIVE_S)["checkpoint_bytes"]
+        if stored >= limits.checkpoint_bytes:
+            detail = f"bytes of stored checkpoints for this key ({stored} stored; delete some to save more)"
+            return _over("checkpoint_bytes", limits.checkpoint_bytes, detail, 403)
+        return None
+
+    @staticmethod
+    def _metadata(limits: Limits, user_metadata: dict | None, field: str) -> None:
+        size = len(json.dumps(user_metadata or {}, separators=(",", ":")).encode())
+        if size > limits.metadata_bytes:
+            raise _over("metadata_bytes", limits.metadata_bytes, f"bytes of {field} as JSON ({size} sent)", 400)
+
+
+def _over(limit: str, value: float, what: str, status: int) -> ApiError:
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    return ApiError(status, f"limit {limit} reached: at most {shown} {what}", code="quota_exceeded")

@@ -1,0 +1,129 @@
+"""Per-key limits (``server.quotas``), end to end: set by the operator with ``serve --key-limit``
+and ``keys create --limit`` / ``keys limit``, shown by ``keys show``, and enforced on the real
+SDK and raw HTTP with a body that names the limit and its value, nothing half-created."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import ALIAS, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hosted_tinker", *args], capture_output=True, text=True, timeout=120, check=check
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    data = tmp_path_factory.mktemp("quotas")
+
+    def key(name: str, *limits: str) -> str:
+        return cli("keys", "create", "--data-dir", str(data), "--name", name, *[f"--limit={x}" for x in limits]).stdout
+
+    keys = {
+        "plain": key("plain").strip(),
+        "tight": key("tight", "models=1", "lora_rank=8", "metadata_bytes=200", "checkpoint_bytes=1").strip(),
+        "slow": key("slow", "requests_per_s=1").strip(),
+    }
+    srv = start_server(data, "--model", str(tiny_model_dir), "--key-limit", "sessions=2")
+    yield srv, keys, data
+    srv.stop()
+
+
+def datum() -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+    )
+
+
+def test_keys_show_and_limit_say_each_limit_and_where_it_comes_from(server):
+    _, _, data = server
+    shown = cli("keys", "show", "tight", "--data-dir", str(data)).stdout
+    assert "models             1  (this key's own)" in shown
+    assert "sessions           64  (the server's default" in shown
+    changed = cli("keys", "limit", "tight", "sessions=5", "models=default", "--data-dir", str(data)).stdout
+    assert "sessions           5  (this key's own)" in changed and "models             16  (the server's" in changed
+    cli("keys", "limit", "tight", "sessions=default", "models=1", "--data-dir", str(data))
+    bad = cli("keys", "limit", "tight", "colour=3", "--data-dir", str(data), check=False)
+    assert bad.returncode != 0 and "NAME one of sessions, models" in bad.stderr
+    negative = cli("keys", "create", "--limit", "models=-1", "--data-dir", str(data), check=False)
+    assert negative.returncode != 0 and "models" in negative.stderr
+    wrong = cli("serve", "--key-limit", "models=many", "--data-dir", str(data), check=False)
+    assert wrong.returncode != 0 and "--key-limit: models" in wrong.stderr
+
+
+def test_live_sessions_are_limited_and_a_finished_one_frees_its_place(server):
+    """--key-limit sessions=2 holds every key without its own: the third is a 403 naming it,
+    through raw HTTP and the SDK; finishing one frees its place."""
+    srv, keys, _ = server
+    with httpx.Client(base_url=srv.base_url, headers={"X-API-Key": keys["plain"]}) as c:
+        opened = [c.post("/api/v1/create_session", json={"tags": []}).json()["session_id"] for _ in range(2)]
+        r = c.post("/api/v1/create_session", json={"tags": []})
+        assert r.status_code == 403, r.text
+        assert "limit sessions reached: at most 2 live sessions for this key" in r.json()["detail"]
+        with pytest.raises(tinker.PermissionDeniedError, match="limit sessions"):
+            with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["plain"]) as sc:
+                sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        finished = c.post(f"/api/v1/sessions/{opened[0]}/finish", json={"reason": {"type": "success"}})
+        assert finished.status_code == 200, finished.text
+        with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["plain"]) as sc:
+            sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        c.post(f"/api/v1/sessions/{opened[1]}/finish", json={"reason": {"type": "success"}})
+
+
+def test_models_rank_and_metadata_are_limited_with_nothing_half_created(server):
+    srv, keys, _ = server
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["tight"]) as sc:
+        with pytest.raises(tinker.BadRequestError, match="limit lora_rank reached: at most 8"):
+            sc.create_lora_training_client(base_model=ALIAS, rank=16).result()
+        with pytest.raises(tinker.BadRequestError, match="limit metadata_bytes reached: at most 200"):
+            sc.create_lora_training_client(base_model=ALIAS, rank=4, user_metadata={"note": "x" * 300}).result()
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=8).result()
+        with pytest.raises(tinker.PermissionDeniedError, match="limit models reached: at most 1 live training"):
+            sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        assert tc.forward_backward([datum()], "cross_entropy").result().metrics["loss:sum"] > 0
+        runs = sc.create_rest_client().list_training_runs().result().training_runs
+        assert [r.training_run_id for r in runs] == [tc.get_info().model_id]  # the refused ones left nothing
+
+
+def test_stored_checkpoint_bytes_are_limited_and_the_refused_save_keeps_the_order(server):
+    """checkpoint_bytes=1: the first save fits (nothing stored yet), the second is refused;
+    its seq_id is used up, so the model's next calls run, and deleting frees the space."""
+    srv, keys, _ = server
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["tight"]) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        path = tc.save_state("first").result().path
+        with pytest.raises(tinker.PermissionDeniedError, match="limit checkpoint_bytes reached: at most 1 bytes"):
+            tc.save_state("second").result()
+        with pytest.raises(tinker.PermissionDeniedError, match="checkpoint_bytes"):
+            tc.save_weights_for_sampler("third").result()
+        assert tc.forward_backward([datum()], "cross_entropy").result().metrics["loss:sum"] > 0
+        tc.save_weights_and_get_sampling_client().result()  # a sampler's snapshot is not stored
+        sc.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
+        assert tc.save_state("second").result().path.endswith("/second")
+
+
+def test_requests_per_second_are_limited_by_a_429_the_sdk_waits_out(server):
+    srv, keys, _ = server
+    with httpx.Client(base_url=srv.base_url, headers={"X-API-Key": keys["slow"]}) as c:
+        answers = [c.get("/api/v1/training_runs") for _ in range(15)]  # the burst is 10 s' worth: 10
+        refused = [r for r in answers if r.status_code == 429]
+        assert refused and all(r.status_code == 200 for r in answers[:10])
+        assert "limit requests_per_s reached" in refused[0].json()["detail"] and refused[0].headers["retry-after"]
+        assert httpx.get(f"{srv.base_url}/healthz").status_code == 200  # others are not held up
+        other = httpx.get(f"{srv.base_url}/api/v1/training_runs", headers={"X-API-Key": keys["plain"]})
+        assert other.status_code == 200
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["slow"]) as sc:  # retried past the 429s
+        sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
