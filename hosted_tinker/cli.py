@@ -18,22 +18,23 @@ from hosted_tinker.server.quotas import Limits, parse_limits
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
-    """Flags are named after the config's fields (``dest=``); only three need converting.
+    """Flags are named after the config's fields (``dest=``); the few below need converting.
     The backend's options are checked here too, so that a wrong one stops the start."""
-    given = {name: value for name, value in vars(args).items() if name in ServerConfig.model_fields}
     options = {}
     for item in args.backend_option:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--backend-option {item!r}: expected KEY=VALUE")
         options[key.strip()] = value.strip()
-    config = ServerConfig(
-        **given,
-        backend_options=options,
-        sample_batch_window_s=args.sample_batch_window_ms / 1000,
-        vllm_args=[a for arg in args.vllm_arg for a in shlex.split(arg)],
-        key_limits=parse_limits(args.key_limit, "--key-limit"),
-    )
+    converted = {
+        "backend_options": options,
+        "sample_batch_window_s": args.sample_batch_window_ms / 1000,
+        "vllm_args": [a for arg in args.vllm_arg for a in shlex.split(arg)],
+        "key_limits": parse_limits(args.key_limit, "--key-limit"),
+        "max_resident_models": args.max_resident_models or None,  # 0: no limit
+    }
+    given = {name: v for name, v in vars(args).items() if name in ServerConfig.model_fields and name not in converted}
+    config = ServerConfig(**given, **converted)
     backend_options(config)
     return config
 
@@ -293,6 +294,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=7 * 86400.0,
         help="seconds a finished request's result stays retrievable (default: 7 days)",
+    )
+    resident = serve.add_argument_group("training models on the workers")
+    resident.add_argument(
+        "--session-timeout",
+        dest="session_timeout_s",
+        type=float,
+        default=900.0,
+        help="seconds without a heartbeat after which a session's models are parked (saved whole, freed)",
+    )
+    resident.add_argument(
+        "--max-resident-models",
+        type=int,
+        default=64,
+        help="models on the workers at once; past it the least recently used is parked (0: no limit)",
+    )
+    resident.add_argument(
+        "--shutdown-timeout",
+        dest="shutdown_timeout_s",
+        type=float,
+        default=25.0,
+        help="seconds the server may take at SIGTERM to park every model, so the next start serves them",
     )
     slow = serve.add_argument_group("slow and oversized clients")
     slow.add_argument(

@@ -85,6 +85,12 @@ class ServerConfig(BaseModel):
     max_header_bytes: int = Field(64 << 10, ge=1024)  # a request's line and headers (431 above)
     # A worker call with no sign of life for this long has hung: the worker is killed and replaced.
     worker_timeout_s: float = Field(3600.0, gt=0)
+    # Training models on the workers: a silent session's are parked (saved whole, freed) after
+    # session_timeout_s; past max_resident_models the least recently used is parked; all are at
+    # shutdown, within shutdown_timeout_s. A parked model comes back at its next request.
+    session_timeout_s: float = Field(900.0, gt=0)
+    max_resident_models: int | None = Field(64, ge=1)
+    shutdown_timeout_s: float = Field(25.0, ge=0)
     # Finished futures (and their payloads) are deleted this long after they finished.
     result_retention_s: float = Field(7 * 86400.0, gt=0)
     # Inference: the training backend's own sampler, or vLLM (launched here, or at inference_url).

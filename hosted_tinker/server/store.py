@@ -165,10 +165,28 @@ class Store:
         return {"sessions": sessions, "models": models, "checkpoint_bytes": stored}
 
     def count_active(self) -> dict[str, int]:
-        """Live sessions and loaded models, for /healthz."""
+        """Live sessions, loaded models and parked ones (saved off the workers), for /healthz."""
         sessions = self._exec("SELECT COUNT(*) FROM sessions WHERE status='active'").fetchone()[0]
         models = self._exec("SELECT COUNT(*) FROM models WHERE status='active'").fetchone()[0]
-        return {"sessions": sessions, "models": models}
+        parked = self._exec("SELECT COUNT(*) FROM models WHERE status='parked'").fetchone()[0]
+        return {"sessions": sessions, "models": models, "parked_models": parked}
+
+    def parked_models(self) -> list[tuple[str, int]]:
+        """Each parked model and the seq_id its next request must carry (one past its last)."""
+        rows = self._exec(
+            "SELECT m.model_id, COALESCE(MAX(f.seq_id), 0) + 1 FROM models m "
+            "LEFT JOIN futures f ON f.model_id = m.model_id WHERE m.status='parked' GROUP BY m.model_id"
+        )
+        return [(r[0], r[1]) for r in rows.fetchall()]
+
+    def silent_models(self, before: float) -> list[str]:
+        """Loaded models of sessions not heard from since ``before``."""
+        rows = self._exec(
+            "SELECT m.model_id FROM models m JOIN sessions s ON s.session_id = m.session_id "
+            "WHERE m.status='active' AND s.last_heartbeat < ?",
+            (before,),
+        )
+        return [r[0] for r in rows.fetchall()]
 
     # ---- futures --------------------------------------------------------------------------
 

@@ -28,11 +28,14 @@ def create_app(state: ServerState) -> FastAPI:
         state.scheduler.bind_loop(asyncio.get_running_loop())
         sweeper = asyncio.create_task(_sweep(state))
         watchdog = asyncio.create_task(_watch_worker(state))
+        parker = asyncio.create_task(_park_silent(state))
         if state.vllm is not None:  # training is served while vLLM loads
             state.vllm.start()
         yield
         sweeper.cancel()
         watchdog.cancel()
+        parker.cancel()
+        await _park_all(state)  # the next start serves the same models from where they are now
         state.scheduler.shutdown()  # first: a step finishing now may still publish to vLLM
         state.backend.close()
         if state.openai_proxy is not None:
@@ -83,6 +86,48 @@ async def _sweep(state: ServerState) -> None:
         except Exception:
             log.exception("sweep failed")
         await asyncio.sleep(every_s)
+
+
+async def _park_silent(state: ServerState) -> None:
+    """Park the models of sessions silent for ``--session-timeout`` (their clients died, or
+    sleep): saved whole and freed, they come back at their next request."""
+    timeout = state.config.session_timeout_s
+    every_s = min(60.0, max(0.25, timeout / 4))
+    residency = state.training.residency
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            silent = await asyncio.to_thread(state.store.silent_models, time.time() - timeout)
+            if silent:
+
+                def park(model_ids: list[str] = silent) -> None:
+                    residency.park_idle(model_ids, timeout)
+
+                state.scheduler.run_on_worker(park)
+        except Exception:
+            log.exception("parking the models of silent sessions failed")
+
+
+async def _park_all(state: ServerState) -> None:
+    """At shutdown: once the jobs already handed to the worker have run, park every resident
+    model within ``--shutdown-timeout``. A job that reaches the worker after that fails, saying
+    to send it again (``ServerStopping``), rather than bring a model back that would be lost."""
+    deadline = time.monotonic() + state.config.shutdown_timeout_s
+    residency, done = state.training.residency, threading.Event()
+    outcome: list[tuple[int, int]] = []
+
+    def park() -> None:
+        try:
+            outcome.append(residency.park_all(deadline))
+        finally:
+            done.set()
+
+    residency.closing = True
+    state.scheduler.run_on_worker(park)
+    if not await asyncio.to_thread(done.wait, max(0.0, deadline - time.monotonic())):
+        log.warning("shutdown: the worker was still busy after --shutdown-timeout; resident models are lost")
+    elif outcome:
+        log.info("shutdown: parked %d models (%d could not be)", *outcome[0])
 
 
 async def _watch_worker(state: ServerState, every_s: float = 1.0, max_wait_s: float = 60.0) -> None:

@@ -27,6 +27,7 @@ async def healthz(request: Request) -> dict:
         "worker": state.backend.status(),
         "inference": state.vllm.status() if state.vllm is not None else state.sampling.embedded.status(),
         "active": state.store.count_active(),
+        "residency": state.training.residency.status(),
         "auth": state.keys.describe(),
     }
 

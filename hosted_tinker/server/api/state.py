@@ -34,6 +34,7 @@ from hosted_tinker.server.serving.futures import FuturesService
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.server.serving.recovery import ModelRecovery
+from hosted_tinker.server.serving.residency import Residency
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.sessions import SessionService
 from hosted_tinker.server.serving.tenancy import Tenancy
@@ -99,7 +100,8 @@ def build_state(config: ServerConfig) -> ServerState:
     scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
-    for staging in (files, ephemeral):
+    parked = CheckpointFiles(config.data_dir / "parked")  # models saved whole off the workers (Residency)
+    for staging in (files, ephemeral, parked):
         if removed := staging.clear_staging():
             log.info("removed %d unfinished writes left in %s by an earlier run", removed, staging.root)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -116,6 +118,7 @@ def build_state(config: ServerConfig) -> ServerState:
         tokenizer_id=config.tokenizer_id or model_path,
         sequences=sequences,
         custom_losses=custom_losses,
+        residency=Residency(backend, store, parked, max_resident=config.max_resident_models),
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
     )
@@ -141,6 +144,8 @@ def build_state(config: ServerConfig) -> ServerState:
     # The one link made after construction: the backend restores models through the training
     # service, which itself calls the backend.
     backend.recovery = ModelRecovery(training, files)
+    for model_id, next_seq in store.parked_models():  # saved whole when the server last stopped
+        scheduler.open_model(model_id, first_seq=next_seq)
     tenancy = Tenancy(store)
     openai = OpenAIService(sampling, store, tenancy, config.served_names(), live_runs=vllm is not None)
     return ServerState(

@@ -117,6 +117,7 @@ class ServerHealthResponse(Response):
     worker: dict[str, Any]
     inference: dict[str, Any] | None = None
     active: dict[str, Any]
+    residency: dict[str, Any]
     auth: dict[str, Any]
 
 

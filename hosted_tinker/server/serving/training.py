@@ -33,6 +33,7 @@ from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving import optimizers, provenance
 from hosted_tinker.server.serving.custom_losses import CustomLossService, datum_inputs
+from hosted_tinker.server.serving.residency import PARKED, Residency
 from hosted_tinker.server.store import Store
 
 JSON = "application/json"
@@ -56,6 +57,7 @@ class TrainingService:
         tokenizer_id: str,
         sequences: SequenceRecords,
         custom_losses: CustomLossService,
+        residency: Residency,
         *,
         live: LiveAdapters | None = None,
         max_lora_rank: int | None = None,
@@ -69,6 +71,8 @@ class TrainingService:
         self.tokenizer_id = tokenizer_id
         self.live = live  # with vLLM: each run's adapter synced after every change
         self.max_lora_rank = max_lora_rank  # the inference engine's limit, if it has one
+        # Which models are on the workers; a parked one comes back before its next job runs.
+        self.residency = residency
 
     def weights_changed(self, model_id: str) -> None:
         """On the worker, after a job that set a model's weights (create, load, optim_step)."""
@@ -88,6 +92,8 @@ class TrainingService:
         model = self.store.get_model(model_id)
         if model is None:
             raise not_found(f"model_id {model_id!r} does not exist")
+        if model.status == PARKED:  # on disk, not on the workers: its next job brings it back
+            return model
         if model.status == "unloaded":
             raise bad_request(f"model {model_id} was unloaded")
         if model.status == "lost":
@@ -169,12 +175,14 @@ class TrainingService:
 
         def job() -> tuple[bytes, str]:
             try:
+                self.residency.admit(model_id)
                 self.backend.create_adapter(model_id, lora)
                 if after_create is not None:
                     after_create(model_id)
                 self.weights_changed(model_id)
             except BaseException:
                 self.store.set_model_status(model_id, "failed")
+                self.residency.forget(model_id)
                 if self.backend.has_adapter(model_id):
                     self.backend.delete_adapter(model_id)
                 raise
@@ -209,7 +217,9 @@ class TrainingService:
             self.live.drop(model_id)
 
         def job() -> tuple[bytes, str]:
-            self.backend.delete_adapter(model_id)
+            if self.residency.is_resident(model_id):  # else parked: only its files are left
+                self.backend.delete_adapter(model_id)
+            self.residency.forget(model_id)
             return json_result({"model_id": model_id, "type": "unload_model"})
 
         return self.scheduler.submit("unload_model", job, model_id=model_id)
@@ -240,7 +250,7 @@ class TrainingService:
         except ApiError as e:
             self.scheduler.submit(kind, _failing(e.detail), model_id=model_id, seq_id=seq_id)
             raise
-        return self.scheduler.submit(kind, job, model_id=model_id, seq_id=seq_id)
+        return self.scheduler.submit(kind, self.residency.around(model_id, job), model_id=model_id, seq_id=seq_id)
 
     def refuse_ordered(self, kind: str, model_id: str, seq_id: int, error: ApiError) -> str:
         """Refuse one of a model's requests that failed before its ``prepare`` (a body that did not

@@ -1,0 +1,124 @@
+"""Parked models (``serving.residency``), end to end with the real SDK: a silent session's model,
+the least recently used one past ``--max-resident-models``, and every model at SIGTERM are saved
+whole and freed, and each comes back at its next request with exactly the losses it would have
+had if it had never left (compared with the same run on the suite's shared server)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import ALIAS, ServerProcess, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def datum(k: int) -> types.Datum:
+    tokens = [(7 * k + i) % 50 + 5 for i in range(6)]
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 5},
+    )
+
+
+def step(tc: tinker.TrainingClient, k: int) -> float:
+    loss = tc.forward_backward([datum(k)], "cross_entropy").result().metrics["loss:sum"]
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return loss
+
+
+def reference(base_url: str, seed: int, steps: int) -> list[float]:
+    """The same run, never interrupted, on the shared server."""
+    with tinker.ServiceClient(base_url=base_url) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=seed).result()
+        return [step(tc, k) for k in range(steps)]
+
+
+def health(srv: ServerProcess) -> dict:
+    return httpx.get(f"{srv.base_url}/healthz", timeout=10).json()
+
+
+def wait_for(srv: ServerProcess, ready: Callable[[dict], bool], what: str, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not ready(status := health(srv)):
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout} s: {status}"
+        time.sleep(0.1)
+    return status
+
+
+@pytest.fixture(scope="module")
+def parking(tmp_path_factory: pytest.TempPathFactory, shared_data_dir: Path):
+    """Sessions count as silent after 2 s (the SDK heartbeats every 10 s); two models resident."""
+    srv = start_server(tmp_path_factory.mktemp("residency"), "--session-timeout", "2", "--max-resident-models", "2")
+    yield srv
+    srv.stop()
+
+
+def test_a_silent_sessions_model_is_parked_and_comes_back_exactly(parking, base_url):
+    expected = reference(base_url, seed=11, steps=4)
+    with tinker.ServiceClient(base_url=parking.base_url) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=11).result()
+        losses = [step(tc, 0), step(tc, 1)]
+        before = health(parking)["residency"]["parked_since_start"]
+        status = wait_for(
+            parking, lambda h: h["residency"]["parked_since_start"] > before, "parking the silent session's model"
+        )
+        assert status["active"]["parked_models"] >= 1
+        restored = status["residency"]["restored_since_start"]
+        losses += [step(tc, 2), step(tc, 3)]
+        assert health(parking)["residency"]["restored_since_start"] > restored
+    assert losses == expected
+
+
+def test_past_the_budget_the_least_recently_used_is_parked_and_all_continue_exactly(parking, base_url):
+    """Three tenants on a budget of two: each step of one parks another; every curve is exact."""
+    seeds = (21, 22, 23)
+    expected = {seed: reference(base_url, seed, steps=3) for seed in seeds}
+    clients = [tinker.ServiceClient(base_url=parking.base_url) for _ in seeds]
+    try:
+        trainers = {
+            seed: sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=seed).result()
+            for seed, sc in zip(seeds, clients, strict=True)
+        }
+        losses: dict[int, list[float]] = {seed: [] for seed in seeds}
+        for k in range(3):
+            for seed, tc in trainers.items():
+                losses[seed].append(step(tc, k))
+                assert health(parking)["residency"]["resident"] <= 2
+        assert losses == expected
+        assert health(parking)["residency"]["parked_since_start"] >= 3
+    finally:
+        for sc in clients:
+            sc.__exit__(None, None, None)
+
+
+def test_sigterm_parks_every_model_and_the_next_start_serves_them_under_the_same_ids(tmp_path: Path, base_url: str):
+    """An SDK client trains 3 steps, the server gets SIGTERM and is started again on the same
+    data directory and port; the same client goes on: 6 steps, exactly the uninterrupted curve."""
+    expected = reference(base_url, seed=31, steps=6)
+    srv = start_server(tmp_path)
+    try:
+        sc = tinker.ServiceClient(base_url=srv.base_url)
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=31).result()
+        model_id = tc.get_info().model_id
+        losses = [step(tc, k) for k in range(3)]
+        srv.stop(signal.SIGTERM)
+        assert srv.proc.returncode == -signal.SIGTERM  # uvicorn ends as the signal asked, once shut down
+        assert "shutdown: parked 1 models" in srv.log_path.read_text()
+        srv = start_server(tmp_path, port=urlsplit(srv.base_url).port)
+        assert health(srv)["active"]["parked_models"] == 1
+        losses += [step(tc, k) for k in range(3, 6)]
+        assert tc.get_info().model_id == model_id
+        assert health(srv)["residency"]["restored_since_start"] == 1
+        sc.__exit__(None, None, None)
+    finally:
+        srv.stop()
+    assert losses == expected
