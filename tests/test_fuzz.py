@@ -22,7 +22,7 @@ from tests.conftest import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-MAX_EXAMPLES = 40
+MAX_EXAMPLES = 25
 
 
 @pytest.fixture(scope="module")
