@@ -350,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--public-docs", action="store_true", help="serve /docs and /openapi.json without a key when keys are on"
     )
     auth.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without a key when keys are on (it names every tenant's models)",
+    )
+    auth.add_argument(
         "--key-limit",
         action="append",
         default=[],

@@ -85,8 +85,10 @@ def test_requests_without_a_valid_key_get_401_with_a_body(keyed):
         assert health["status"] == "ok" and health["auth"] == {"mode": "api-keys"}
         # The API's description is for key holders (--public-docs opens it).
         assert c.get("/openapi.json").status_code == 401 and c.get("/docs").status_code == 401
+        assert c.get("/metrics").status_code == 401  # it names every tenant's models (--public-metrics opens it)
     with http(srv, key_a) as c:
         assert c.get("/openapi.json").json()["info"]["title"] == "hosted-tinker"
+        assert "hosted_tinker_requests_total" in c.get("/metrics").text
     with pytest.raises(tinker.AuthenticationError):
         with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-wrong") as sc:
             sc.create_lora_training_client(base_model=ALIAS, rank=4).result()

@@ -78,6 +78,7 @@ class LiveAdapters:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._latencies: deque[float] = deque(maxlen=256)
         self.synced = 0
+        self.latency_total = 0.0  # seconds, over every sync (a Prometheus summary's sum)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -131,6 +132,7 @@ class LiveAdapters:
         if previous is not None and not self.adapters.retire(previous[0]):
             shutil.rmtree(previous[1], ignore_errors=True)
         self._latencies.append(time.monotonic() - snapshot.taken_at)
+        self.latency_total += self._latencies[-1]
         self.synced += 1
 
     async def current(self, model_id: str) -> tuple[str, Path]:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from hosted_tinker.core.errors import ApiError, ServerError, too_many
+from hosted_tinker.server.metrics import ServerMetrics
 from hosted_tinker.server.records import FutureRecord
 from hosted_tinker.server.store import Store
 
@@ -50,9 +51,10 @@ class _ModelQueue:
 
 
 class Scheduler:
-    def __init__(self, store: Store, limits: QueueLimits = QueueLimits()) -> None:
+    def __init__(self, store: Store, limits: QueueLimits = QueueLimits(), metrics: ServerMetrics | None = None) -> None:
         self.store = store
         self.limits = limits
+        self.metrics = metrics or ServerMetrics()  # the server's counters, for every service that has the scheduler
         self._pending: dict[str, str | None] = {}  # request id -> its model, until it finishes
         self._pending_per_model: dict[str | None, int] = {}
         self.refused = 0  # submits answered 429
@@ -140,6 +142,7 @@ class Scheduler:
             if existing is not None:
                 return existing
         request_id = self.register(kind, model_id=model_id, seq_id=seq_id)
+        job = self._timed(kind, job)
         queue = self._queues.get(model_id) if model_id is not None else None
         if queue is None or seq_id is None:
             self._dispatch(request_id, job)
@@ -152,6 +155,20 @@ class Scheduler:
                 queue.next_seq += 1
                 self._dispatch(rid, next_job)
         return request_id
+
+    def _timed(self, kind: str, job: Job) -> Job:
+        seconds = self.metrics.job_seconds.labels(kind)
+
+        def run() -> tuple[bytes, str]:
+            with seconds.time():
+                return job()
+
+        return run
+
+    def pending_per_model(self) -> dict[str, int]:
+        """Accepted, unfinished requests of each model or sampler (for /metrics)."""
+        with self._count_lock:
+            return {model: n for model, n in self._pending_per_model.items() if model is not None}
 
     def register(self, kind: str, *, model_id: str | None = None, seq_id: int | None = None) -> str:
         """A new pending future whose outcome someone will report with ``complete``/``fail``."""

@@ -59,9 +59,17 @@ def create_app(state: ServerState) -> FastAPI:
         BodyLimit, max_bytes=state.config.max_body_bytes, max_control_bytes=state.config.max_control_body_bytes
     )
     # Before any body is read: the key, and its rate (quotas.admit).
-    app.add_middleware(KeyCheck, keys=state.keys, quotas=state.quotas, public_docs=state.config.public_docs)
+    app.add_middleware(
+        KeyCheck,
+        keys=state.keys,
+        quotas=state.quotas,
+        public_docs=state.config.public_docs,
+        public_metrics=state.config.public_metrics,
+    )
     # Outermost: its line covers every answer, the body limit's 413 included.
-    app.add_middleware(RequestLog, logger=open_request_log(state.config.request_log_target()))
+    app.add_middleware(
+        RequestLog, logger=open_request_log(state.config.request_log_target()), metrics=state.scheduler.metrics
+    )
     install_error_handlers(app)
     return app
 

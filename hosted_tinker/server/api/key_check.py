@@ -23,9 +23,14 @@ UNRATED = frozenset({"/api/v1/session_heartbeat"})
 DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
-def needs_key(path: str, *, public_docs: bool = False) -> bool:
+METRICS = "/metrics"  # names every tenant's model ids: for key holders only, unless --public-metrics
+
+
+def needs_key(path: str, *, public_docs: bool = False, public_metrics: bool = False) -> bool:
     if path in DOCS:
         return not public_docs
+    if path == METRICS:
+        return not public_metrics
     keyed = path.startswith("/api/v1/") or path == "/v1" or path.startswith("/v1/")
     return keyed and path not in KEYLESS and not path.startswith(KEYLESS_PREFIXES)
 
@@ -35,14 +40,23 @@ class KeyCheck:
     valid key is a 401 from its headers alone; its body is never read and its connection is
     closed, so an anonymous 200 MiB upload costs what its headers do."""
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, quotas: Quotas | None = None, public_docs: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: KeyRing,
+        quotas: Quotas | None = None,
+        public_docs: bool = False,
+        public_metrics: bool = False,
+    ) -> None:
         self.app = app
         self.keys = keys
         self.quotas = quotas
         self.public_docs = public_docs
+        self.public_metrics = public_metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and needs_key(scope["path"], public_docs=self.public_docs):
+        public = {"public_docs": self.public_docs, "public_metrics": self.public_metrics}
+        if scope["type"] == "http" and needs_key(scope["path"], **public):
             key = presented_key(Request(scope))
             tenant = self.keys.tenant_of(key)
             if tenant is None:

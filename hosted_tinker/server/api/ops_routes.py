@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hosted_tinker.rank.plans import backend_options
 from hosted_tinker.server.api.state import server_state
@@ -30,6 +31,14 @@ async def healthz(request: Request) -> dict:
         "residency": state.training.residency.status(),
         "auth": state.keys.describe(),
     }
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+async def metrics(request: Request) -> Response:
+    """Prometheus' text format (``server.metrics``). It names every tenant's model ids: with keys
+    on it needs one, unless ``--public-metrics`` (for a scraper on a private network)."""
+    registry = server_state(request).scheduler.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/api/v1/healthz", **rsp.as_built(rsp.HealthResponse))

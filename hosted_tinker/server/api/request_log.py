@@ -22,6 +22,8 @@ from typing import Any
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from hosted_tinker.server.metrics import ServerMetrics
+
 LOGGER = "hosted_tinker.requests"
 ROTATE_BYTES = 64 << 20
 ROTATED_FILES = 4
@@ -54,9 +56,10 @@ def open_request_log(target: str) -> logging.Logger:
 class RequestLog:
     """ASGI middleware: counts a request's bytes both ways and writes its line when it ends."""
 
-    def __init__(self, app: ASGIApp, logger: logging.Logger) -> None:
+    def __init__(self, app: ASGIApp, logger: logging.Logger, metrics: ServerMetrics | None = None) -> None:
         self.app = app
         self.logger = logger
+        self.metrics = metrics  # the same facts, counted for /metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -99,6 +102,8 @@ class RequestLog:
             "client": (scope.get("client") or (None,))[0],
             **state.get("log", {}),
         }
+        if self.metrics is not None:
+            self.metrics.observe_request(line["route"], line["method"], line["status"], seconds)
         try:
             self.logger.info(json.dumps({k: v for k, v in line.items() if v is not None}))
         except Exception:  # a full disk must not fail the request that was served

@@ -21,6 +21,7 @@ from hosted_tinker.inference.vllm_engine import VllmEngine
 from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
+from hosted_tinker.server.metrics import ServerMetrics
 from hosted_tinker.server.quotas import Limits, Quotas
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
 from hosted_tinker.server.schema import DATABASE, DatabaseDamaged
@@ -97,7 +98,7 @@ def build_state(config: ServerConfig) -> ServerState:
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s, _cluster(config))
-    scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model))
+    scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model), ServerMetrics())
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     parked = CheckpointFiles(config.data_dir / "parked")  # models saved whole off the workers (Residency)
@@ -148,7 +149,7 @@ def build_state(config: ServerConfig) -> ServerState:
         scheduler.open_model(model_id, first_seq=next_seq)
     tenancy = Tenancy(store)
     openai = OpenAIService(sampling, store, tenancy, config.served_names(), live_runs=vllm is not None)
-    return ServerState(
+    state = ServerState(
         config=config,
         store=store,
         sequences=sequences,
@@ -168,6 +169,22 @@ def build_state(config: ServerConfig) -> ServerState:
         vllm=vllm,
         openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,
     )
+    scheduler.metrics.watch(lambda: _metrics_state(state))
+    return state
+
+
+def _metrics_state(state: ServerState) -> dict:
+    """What /metrics reads from the server's parts at each scrape (``metrics.StateCollector``)."""
+    vllm = state.vllm
+    return {
+        "queue": state.scheduler.pending_per_model(),
+        "in_flight": state.scheduler.in_flight,
+        "resident_models": state.training.residency.status()["resident"],
+        "parked_models": state.store.count_active()["parked_models"],
+        "worker_restarts": state.backend.restarts,
+        "vllm_restarts": vllm.status().get("restarts", 0) if vllm is not None else None,
+        "lora_sync": {"count": vllm.live.synced, "seconds_total": vllm.live.latency_total} if vllm else None,
+    }
 
 
 def _cluster(config: ServerConfig) -> Cluster | None:

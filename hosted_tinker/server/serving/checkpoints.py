@@ -109,6 +109,7 @@ class CheckpointService:
             def job() -> tuple[bytes, str]:
                 files = self._export(kind, model)
                 size = self.files.write(path, files, overwrite=overwrite)
+                self.scheduler.metrics.checkpoint_bytes.labels(kind).inc(size)
                 self.store.put_checkpoint(
                     model_id, kind, name, size_bytes=size, ttl_seconds=ttl_seconds, user_metadata=user_metadata or {}
                 )

@@ -325,5 +325,8 @@ class SamplingService:
     async def run(self, weights: WeightsRef, spec: SampleSpec, on_token: SampleListener | None = None) -> SampleOutput:
         """Sample on the engine that serves ``spec`` (for the Tinker and the OpenAI routes)."""
         if self.uses_vllm(spec):
-            return await self.vllm.sample(weights, spec, on_token)
-        return await self.embedded.sample(weights, spec, on_token)
+            output = await self.vllm.sample(weights, spec, on_token)
+        else:
+            output = await self.embedded.sample(weights, spec, on_token)
+        self.scheduler.metrics.tokens_sampled.inc(sum(len(s.tokens) for s in output.sequences))
+        return output

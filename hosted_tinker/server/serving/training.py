@@ -268,6 +268,7 @@ class TrainingService:
 
             def job() -> tuple[bytes, str]:
                 result = self.backend.forward_backward(req.model_id, batch)
+                self.scheduler.metrics.tokens_trained.labels(kind).inc(sum(d.num_tokens for d in batch.data))
                 outputs = [
                     {"logprobs": lp} if terms is None else {"logprobs": lp, "elementwise_loss": terms}
                     for lp, terms in zip(result.logprobs, result.elementwise_loss, strict=True)
