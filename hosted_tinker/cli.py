@@ -15,6 +15,7 @@ from pathlib import Path
 from hosted_tinker.core.config import CLUSTER_KEY_ENV, ServerConfig, read_cluster_key
 from hosted_tinker.rank.plans import BACKENDS, backend_options
 from hosted_tinker.server.quotas import Limits, parse_limits
+from hosted_tinker.settings import CONFIG_ENV, layered_defaults
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
@@ -53,6 +54,9 @@ def _serve(args: argparse.Namespace) -> int:
         config = _config(args)
     except ValueError as e:  # pydantic's ValidationError among them
         raise SystemExit(f"invalid options: {e}") from None
+    if args.print_config:
+        print(config.model_dump_json(indent=2))
+        return 0
 
     import uvicorn
 
@@ -226,16 +230,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hosted-tinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the Tinker-compatible server")
+    serve = sub.add_parser(
+        "serve",
+        help="run the Tinker-compatible server",
+        description="Each setting is a flag, or $HOSTED_TINKER_<NAME>, or NAME in the --config file (in that order).",
+    )
+    serve.add_argument(
+        "--config", default=None, help=f"a TOML file of settings, named as the flags are (default: ${CONFIG_ENV})"
+    )
+    serve.add_argument("--print-config", action="store_true", help="print the settings in effect and exit")
     serve.add_argument("--model", default=None, help="HF id or local dir (default: the built-in tiny model)")
     serve.add_argument(
         "--model-name", dest="model_names", action="append", default=[], help="another name the model answers to"
     )
     serve.add_argument("--tokenizer-id", default=None, help="tokenizer name get_info reports (default: --model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--data-dir", default="./hosted-tinker-data")
-    serve.add_argument("--backend", default="peft", choices=BACKENDS, help="peft: one process; ddp: data parallel")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (a public one needs keys)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--data-dir", default="./hosted-tinker-data", help="SQLite, checkpoints, parked models, request log"
+    )
+    serve.add_argument(
+        "--backend",
+        default="peft",
+        choices=BACKENDS,
+        help="peft: one process; ddp: data parallel; megatron: tensor parallel",
+    )
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the peft backend's device)")
     serve.add_argument(
         "--train-devices", default=None, help="a device per rank, on every node: cpu:N or cuda:0,1,... (ddp, megatron)"
@@ -248,9 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a backend option (repeatable; `hosted-tinker backends` lists them)",
     )
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    serve.add_argument("--lora-alpha", type=float, default=32.0)
-    serve.add_argument("--max-seq-len", type=int, default=None)
+    serve.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the base model's dtype"
+    )
+    serve.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA's alpha (its scale is alpha / rank)")
+    serve.add_argument("--max-seq-len", type=int, default=None, help="longest sequence (default: the model's)")
     serve.add_argument("--proto-compress", action="store_true", help="have the SDK zstd-compress fwd/bwd bodies")
     serve.add_argument(
         "--sdk-transport", default="httpx", choices=["httpx", "pyqwest"], help="HTTP stack the SDK should use"
@@ -261,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--sample-batch-window-ms", type=float, default=10.0, help="how long an idle sampler gathers a batch"
     )
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", help="the server log's level (debug, info, warning)")
     serve.add_argument(
         "--request-log",
         default=None,
@@ -373,7 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--vllm-port", type=int, default=0, help="vLLM's port on 127.0.0.1 (default: any free)")
     engine.add_argument("--vllm-max-loras", type=int, default=4, help="adapters vLLM runs in one batch")
-    engine.add_argument("--vllm-gpu-memory-utilization", type=float, default=None)
+    engine.add_argument(
+        "--vllm-gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's share of its GPUs (default: 0.45 when sharing the training GPU, else vLLM's)",
+    )
     engine.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank vLLM must serve")
     serve.set_defaults(func=_serve)
 
@@ -429,9 +455,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``serve`` subcommand's parser (of ``parser``, or of a new one)."""
+    parser = parser or build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":  # the environment and the config file under the flags (settings.py)
+        serve = serve_parser(parser)
+        try:
+            serve.set_defaults(**layered_defaults(serve, os.environ, args.config or os.environ.get(CONFIG_ENV)))
+        except ValueError as e:
+            raise SystemExit(f"invalid settings: {e}") from None
+        args = parser.parse_args(argv)
     return args.func(args)
 
 

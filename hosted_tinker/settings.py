@@ -1,0 +1,125 @@
+"""Where ``hosted-tinker serve`` takes its settings from; the first that has one wins:
+
+1. a flag (``--max-body-bytes 1048576``);
+2. an environment variable ``HOSTED_TINKER_<NAME>`` (``HOSTED_TINKER_MAX_BODY_BYTES=1048576``);
+3. the TOML file of ``--config FILE`` or ``$HOSTED_TINKER_CONFIG`` (``max_body_bytes = 1048576``);
+4. the built-in default.
+
+A setting's name is its flag's, with underscores. A repeatable flag takes a list in the file and
+comma-separated values in the environment; a switch takes true/false (1/0, yes/no, on/off).
+``serve --print-config`` prints the result. Used by the CLI only, before anything is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "HOSTED_TINKER_"
+CONFIG_ENV = "HOSTED_TINKER_CONFIG"
+NOT_SETTINGS = frozenset({"help", "config", "print_config"})
+TRUE, FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off", ""})
+
+
+def settings(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The settings of ``parser`` (its options), by name."""
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in NOT_SETTINGS}
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def layered_defaults(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str], config_file: str | Path | None
+) -> dict[str, Any]:
+    """What the environment and the config file set, as defaults for ``parser`` (the flags
+    given on the command line still win). A ValueError names the variable or file at fault."""
+    known = settings(parser)
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            table = tomllib.loads(Path(config_file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"config file {config_file}: {e}") from None
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ValueError(f"config file {config_file}: {key!r} is not a setting of serve (see serve --help)")
+            values[name] = _converted(known[name], value, f"{key} in {config_file}")
+    for name, action in known.items():
+        if (raw := environ.get(env_name(name))) is not None:
+            values[name] = _converted(action, _from_env(action, raw, f"${env_name(name)}"), f"${env_name(name)}")
+    return values
+
+
+def _from_env(action: argparse.Action, raw: str, where: str) -> Any:
+    if isinstance(action, argparse._StoreTrueAction):
+        if raw.strip().lower() not in TRUE | FALSE:
+            raise ValueError(f"{where}={raw!r}: expected true or false")
+        return raw.strip().lower() in TRUE
+    if isinstance(action, argparse._AppendAction):
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    return raw
+
+
+def _converted(action: argparse.Action, value: Any, where: str) -> Any:
+    """``value`` as the flag would have given it: its type applied, its choices checked."""
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        items = value if isinstance(value, list) else [value]
+        return [_one(action, item, where) for item in items]
+    return _one(action, value, where)
+
+
+def _one(action: argparse.Action, value: Any, where: str) -> Any:
+    if action.type is not None and not isinstance(value, bool):
+        try:
+            value = action.type(str(value) if action.type is not float else value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: {value!r} is not a valid {getattr(action.type, '__name__', 'value')}") from None
+    elif not isinstance(value, str | int | float):
+        raise ValueError(f"{where}: expected a single value, got {value!r}")
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def env_example(parser: argparse.ArgumentParser) -> str:
+    """Every setting of ``parser`` as a commented environment file, grouped as ``--help`` shows
+    them (``deploy/hosted-tinker.env.example``: ``python -m hosted_tinker.settings`` writes it)."""
+    lines = [
+        "# Every setting of `hosted-tinker serve`, as an environment file (systemd EnvironmentFile=,",
+        "# docker --env-file, compose env_file:). Uncomment what you change. A flag wins over the",
+        "# variable, the variable over the --config file, that over the default. Repeatable",
+        "# settings take comma-separated values; switches take true or false.",
+        "# Written by `python -m hosted_tinker.settings`; tests/test_settings.py keeps it current.",
+        "",
+        f"# {CONFIG_ENV}=/etc/hosted-tinker/config.toml",
+    ]
+    known = settings(parser)
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.dest in known]
+        if actions:
+            lines += ["", f"# ---- {group.title if group.title != 'options' else 'server'}"]
+        for action in actions:
+            if isinstance(action, argparse._StoreTrueAction):
+                default = "false"
+            elif isinstance(action, argparse._AppendAction) or action.default is None:
+                default = ""
+            else:
+                default = str(action.default)
+            lines += [f"# {action.help}", f"# {env_name(action.dest)}={default}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    from hosted_tinker.cli import serve_parser
+
+    print(env_example(serve_parser()), end="")
