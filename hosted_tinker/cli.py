@@ -11,11 +11,15 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hosted_tinker.core.config import CLUSTER_KEY_ENV, ServerConfig, read_cluster_key
 from hosted_tinker.rank.plans import BACKENDS, backend_options
 from hosted_tinker.server.quotas import Limits, parse_limits
-from hosted_tinker.settings import CONFIG_ENV, layered_defaults
+from hosted_tinker.settings import CONFIG_ENV, env_example, layered_defaults
+
+if TYPE_CHECKING:
+    from hosted_tinker.server.store import Store
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
@@ -96,8 +100,12 @@ def _keys(args: argparse.Namespace) -> int:
     except DatabaseDamaged as e:
         raise SystemExit(str(e)) from None
     store = Store.in_data_dir(Path(args.data_dir))
+    settings: list[str] = getattr(args, "limit", [])
+    reset = {s.removesuffix("=default") for s in settings if s.endswith("=default") and args.action == "limit"}
     try:
-        own = parse_limits([s for s in getattr(args, "limit", []) if not s.endswith("=default")], "--limit")
+        if unknown := reset - set(Limits.model_fields):
+            raise ValueError(f"--limit {sorted(unknown)[0]}=default: not a limit ({', '.join(Limits.model_fields)})")
+        own = parse_limits([s for s in settings if s.removesuffix("=default") not in reset], "--limit")
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if args.action == "create":
@@ -107,7 +115,7 @@ def _keys(args: argparse.Namespace) -> int:
         print(f"created {key_id} ({args.name}); the key is shown only now", file=sys.stderr)
     elif args.action == "limit":
         key_id = _key_id(store, args.key)
-        kept = {k: v for k, v in store.api_key_limits(key_id).items() if f"{k}=default" not in args.limit}
+        kept = {k: v for k, v in store.api_key_limits(key_id).items() if k not in reset}
         store.set_api_key_limits(key_id, {**kept, **own})
         _show_limits(store, key_id)
     elif args.action == "show":
@@ -124,7 +132,7 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _key_id(store, key: str) -> str:
+def _key_id(store: Store, key: str) -> str:
     matches = [k.key_id for k in store.list_api_keys() if key in (k.key_id, k.name) and k.revoked_at is None]
     if not matches:
         raise SystemExit(f"no active key has the id or name {key!r} (keys list shows them)")
@@ -133,7 +141,7 @@ def _key_id(store, key: str) -> str:
     return matches[0]
 
 
-def _show_limits(store, key_id: str) -> None:
+def _show_limits(store: Store, key_id: str) -> None:
     """A key's limits: its own, or the server's default (which `serve --key-limit` may change)."""
     own = store.api_key_limits(key_id)
     print(key_id)
@@ -238,7 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--config", default=None, help=f"a TOML file of settings, named as the flags are (default: ${CONFIG_ENV})"
     )
-    serve.add_argument("--print-config", action="store_true", help="print the settings in effect and exit")
+    serve.add_argument(
+        "--print-config",
+        nargs="?",
+        const="json",
+        choices=["json", "env"],
+        help="print the settings in effect (json), or every setting as an environment file (env), and exit",
+    )
     serve.add_argument("--model", default=None, help="HF id or local dir (default: the built-in tiny model)")
     serve.add_argument(
         "--model-name", dest="model_names", action="append", default=[], help="another name the model answers to"
@@ -465,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.print_config == "env":  # the defaults, not what is set here
+        print(env_example(serve_parser()), end="")
+        return 0
     if args.command == "serve":  # the environment and the config file under the flags (settings.py)
         serve = serve_parser(parser)
         try:

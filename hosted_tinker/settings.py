@@ -7,7 +7,8 @@
 
 A setting's name is its flag's, with underscores. A repeatable flag takes a list in the file and
 comma-separated values in the environment; a switch takes true/false (1/0, yes/no, on/off).
-``serve --print-config`` prints the result. Used by the CLI only, before anything is started.
+``serve --print-config`` prints the result (``--print-config env``: every setting, as an
+environment file). Used by the CLI only, before anything is started.
 """
 
 from __future__ import annotations
@@ -93,13 +94,13 @@ def _one(action: argparse.Action, value: Any, where: str) -> Any:
 
 def env_example(parser: argparse.ArgumentParser) -> str:
     """Every setting of ``parser`` as a commented environment file, grouped as ``--help`` shows
-    them (``deploy/hosted-tinker.env.example``: ``python -m hosted_tinker.settings`` writes it)."""
+    them (``deploy/hosted-tinker.env.example``: ``serve --print-config env`` writes it)."""
     lines = [
         "# Every setting of `hosted-tinker serve`, as an environment file (systemd EnvironmentFile=,",
         "# docker --env-file, compose env_file:). Uncomment what you change. A flag wins over the",
         "# variable, the variable over the --config file, that over the default. Repeatable",
         "# settings take comma-separated values; switches take true or false.",
-        "# Written by `python -m hosted_tinker.settings`; tests/test_settings.py keeps it current.",
+        "# Written by `hosted-tinker serve --print-config env`; tests/test_settings.py keeps it current.",
         "",
         f"# {CONFIG_ENV}=/etc/hosted-tinker/config.toml",
     ]
@@ -117,9 +118,3 @@ def env_example(parser: argparse.ArgumentParser) -> str:
                 default = str(action.default)
             lines += [f"# {action.help}", f"# {env_name(action.dest)}={default}"]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    from hosted_tinker.cli import serve_parser
-
-    print(env_example(serve_parser()), end="")

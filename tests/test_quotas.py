@@ -90,6 +90,11 @@ def test_models_rank_and_metadata_are_limited_with_nothing_half_created(server):
             sc.create_lora_training_client(base_model=ALIAS, rank=16).result()
         with pytest.raises(tinker.BadRequestError, match="limit metadata_bytes reached: at most 200"):
             sc.create_lora_training_client(base_model=ALIAS, rank=4, user_metadata={"note": "x" * 300}).result()
+        with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["plain"]) as other:  # rank 16, published
+            big = other.create_lora_training_client(base_model=ALIAS, rank=16).result().save_state("big").result()
+            other.create_rest_client().publish_checkpoint_from_tinker_path(big.path).result()
+        with pytest.raises(tinker.BadRequestError, match="limit lora_rank reached: at most 8"):
+            sc.create_training_client_from_state(big.path).result()  # its rank is the checkpoint's
         tc = sc.create_lora_training_client(base_model=ALIAS, rank=8).result()
         with pytest.raises(tinker.PermissionDeniedError, match="limit models reached: at most 1 live training"):
             sc.create_lora_training_client(base_model=ALIAS, rank=4).result()

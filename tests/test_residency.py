@@ -95,9 +95,19 @@ def test_past_the_budget_the_least_recently_used_is_parked_and_all_continue_exac
                 assert health(parking)["residency"]["resident"] <= 2
         assert losses == expected
         assert health(parking)["residency"]["parked_since_start"] >= 3
+        # Unloading a parked model deletes its saved state.
+        parked_dir = parking.data_dir / "parked"
+        parked = [d.name for d in parked_dir.iterdir() if not d.name.startswith(".")]
+        assert parked
+        unloaded = httpx.post(f"{parking.base_url}/api/v1/unload_model", json={"model_id": parked[0]}, timeout=30)
+        assert unloaded.status_code == 200, unloaded.text
+        wait_for(parking, lambda _: not (parked_dir / parked[0]).exists(), "deleting an unloaded model's state")
     finally:
         for sc in clients:
             sc.__exit__(None, None, None)
+    # Finishing the sessions unloads their models, parked ones too: nothing is left on disk.
+    wait_for(parking, lambda h: h["active"]["parked_models"] == 0, "unloading the finished sessions' models")
+    assert not [d for d in (parking.data_dir / "parked").iterdir() if not d.name.startswith(".")]
 
 
 def test_sigterm_parks_every_model_and_the_next_start_serves_them_under_the_same_ids(tmp_path: Path, base_url: str):

@@ -63,7 +63,9 @@ def test_a_wrong_setting_stops_the_start_naming_where_it_came_from(tmp_path, mon
     assert said in str(stopped.value)
 
 
-def test_the_environment_file_example_lists_every_setting():
-    assert EXAMPLE.read_text() == env_example(serve_parser()), "run: python -m hosted_tinker.settings > " + str(
-        EXAMPLE.relative_to(EXAMPLE.parent.parent)
+def test_the_environment_file_example_lists_every_setting(capsys):
+    assert main(["serve", "--print-config", "env"]) == 0
+    assert capsys.readouterr().out == env_example(serve_parser())
+    assert EXAMPLE.read_text() == env_example(serve_parser()), (
+        "run: hosted-tinker serve --print-config env > deploy/hosted-tinker.env.example"
     )

@@ -148,6 +148,13 @@ class RolledBack(ServerError):
             "Training goes on from that state from your next request"
         )
 
+    @classmethod
+    def said(cls, message: str) -> RolledBack:
+        """The notice again, from its message (a parked model carries it on disk)."""
+        notice = cls.__new__(cls)
+        ServerError.__init__(notice, message)
+        return notice
+
 
 def worker_restarted(reason: str) -> str:
     """The one wording of "the worker died": how, and that a new one took its place."""

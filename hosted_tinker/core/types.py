@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from hosted_tinker.core.custom_loss import CustomLossDef
+from hosted_tinker.core.errors import RolledBack
 
 # The optimizer families a model can be created with, as the SDK's ``optimizer_config`` names
 # them (and as get_info / weights_info report them).
@@ -161,6 +162,11 @@ class TrainingBackend(Protocol):
     def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None: ...
 
     def peft_config(self, model_id: str) -> dict: ...
+
+    def take_notice(self, model_id: str) -> RolledBack | None:
+        """The notice a model restored after a worker death is owed, no longer owed."""
+
+    def owe_notice(self, model_id: str, notice: RolledBack) -> None: ...
 
     def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
         """(optimizer steps, a copy of the adapter's whole tensors), for LoRA sync."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -35,6 +36,7 @@ from hosted_tinker.server.store import Store
 LIVE_S = 120.0  # the SDK heartbeats every 10 s and warns after 2 min without one
 BURST_S = 10.0  # a key may spend this many seconds' worth of requests at once
 CACHE_S = 5.0  # a key's own limits are re-read this often (``keys limit`` from another process)
+MAX_TENANTS = 1 << 16  # remembered at once (limits and rate buckets); past it, all are forgotten
 
 
 class Limits(BaseModel):
@@ -66,7 +68,9 @@ class Quotas:
     """The limits of each key, checked by the routes (counts and sizes) and by ``KeyCheck``
     (rate). Runs on the event loop; its reads are single-row SQLite queries."""
 
-    def __init__(self, store: Store, defaults: Limits, max_lora_rank: int, clock=time.monotonic) -> None:
+    def __init__(
+        self, store: Store, defaults: Limits, max_lora_rank: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.store = store
         self.defaults = defaults
         self.max_lora_rank = max_lora_rank
@@ -84,6 +88,10 @@ class Quotas:
         if cached is None or now - cached[0] > CACHE_S:
             own = self.store.api_key_limits(tenant)  # {} for keys from a file or --dev-any-key
             cached = (now, self.defaults.model_copy(update=own) if own else self.defaults)
+            if len(self._own) >= MAX_TENANTS:  # --dev-any-key makes a tenant of every key: bound both maps
+                with self._lock:
+                    self._own.clear()
+                    self._buckets.clear()
             self._own[tenant] = cached
         return cached[1]
 

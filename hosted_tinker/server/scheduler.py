@@ -165,6 +165,11 @@ class Scheduler:
 
         return run
 
+    def next_seq(self, model_id: str) -> int | None:
+        """The seq_id a model's queue waits for next (read from the dispatch thread: an int)."""
+        queue = self._queues.get(model_id)
+        return queue.next_seq if queue is not None else None
+
     def pending_per_model(self) -> dict[str, int]:
         """Accepted, unfinished requests of each model or sampler (for /metrics)."""
         with self._count_lock:

@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS models (
     user_metadata TEXT NOT NULL DEFAULT '{}',
     status TEXT NOT NULL DEFAULT 'active',
     created_at REAL NOT NULL,
-    last_request_at REAL NOT NULL
+    last_request_at REAL NOT NULL,
+    next_seq INTEGER
 );
 CREATE TABLE IF NOT EXISTS futures (
     request_id TEXT PRIMARY KEY,
@@ -126,6 +127,7 @@ def migrate(db: sqlite3.Connection) -> None:
         ("samplers", "clients", "INTEGER NOT NULL DEFAULT 0"),
         ("futures", "completion_seq", "INTEGER"),
         ("api_keys", "limits", "TEXT NOT NULL DEFAULT '{}'"),
+        ("models", "next_seq", "INTEGER"),
     ]:
         if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declared}")

@@ -135,13 +135,15 @@ class Store:
         return ModelRecord(row[0], row[1], row[2], row[3], json.loads(row[4]), json.loads(row[5]), row[6])
 
     def live_models_of_session(self, session_id: str) -> list[str]:
-        rows = self._exec("SELECT model_id FROM models WHERE session_id=? AND status='active'", (session_id,))
+        rows = self._exec(
+            "SELECT model_id FROM models WHERE session_id=? AND status IN ('active', 'parked')", (session_id,)
+        )
         return [r[0] for r in rows.fetchall()]
 
     def live_model_ids(self, owner: str) -> list[str]:
         rows = self._exec(
             "SELECT m.model_id FROM models m JOIN sessions s ON s.session_id = m.session_id "
-            "WHERE m.status='active' AND s.owner=? ORDER BY m.created_at",
+            "WHERE m.status IN ('active', 'parked') AND s.owner=? ORDER BY m.created_at",
             (owner,),
         )
         return [r[0] for r in rows.fetchall()]
@@ -149,13 +151,25 @@ class Store:
     def set_model_status(self, model_id: str, status: str) -> None:
         self._exec("UPDATE models SET status=? WHERE model_id=?", (status, model_id))
 
+    def set_model_status_if(self, model_id: str, status: str, expected: str, next_seq: int | None = None) -> bool:
+        """Set ``status`` only if the model is still ``expected`` (another thread may have unloaded
+        it meanwhile); ``next_seq``: where its requests resume after a restart. Whether it was set."""
+        cur = self._exec(
+            "UPDATE models SET status=?, next_seq=COALESCE(?, next_seq) WHERE model_id=? AND status=?",
+            (status, next_seq, model_id, expected),
+        )
+        return cur.rowcount == 1
+
     def usage(self, owner: str, live_since: float) -> dict[str, int]:
-        """What ``owner`` holds, for its limits: sessions heard from since ``live_since``, loaded
-        models in those sessions, and bytes of stored checkpoints."""
+        """What ``owner`` holds, for its limits: sessions heard from since ``live_since``, models
+        loaded or parked in its unfinished sessions (heard from or not: a client that never
+        heartbeats must not get around the count), and bytes of stored checkpoints."""
         live = "SELECT session_id FROM sessions WHERE owner=? AND status='active' AND last_heartbeat >= ?"
         sessions = self._exec(f"SELECT COUNT(*) FROM ({live})", (owner, live_since)).fetchone()[0]
         models = self._exec(
-            f"SELECT COUNT(*) FROM models WHERE status='active' AND session_id IN ({live})", (owner, live_since)
+            "SELECT COUNT(*) FROM models WHERE status IN ('active', 'parked') AND session_id IN "
+            "(SELECT session_id FROM sessions WHERE owner=? AND status='active')",
+            (owner,),
         ).fetchone()[0]
         stored = self._exec(
             "SELECT COALESCE(SUM(c.size_bytes), 0) FROM checkpoints c JOIN models m ON m.model_id = c.model_id "
@@ -174,10 +188,15 @@ class Store:
     def parked_models(self) -> list[tuple[str, int]]:
         """Each parked model and the seq_id its next request must carry (one past its last)."""
         rows = self._exec(
-            "SELECT m.model_id, COALESCE(MAX(f.seq_id), 0) + 1 FROM models m "
+            "SELECT m.model_id, COALESCE(m.next_seq, MAX(f.seq_id) + 1, 1) FROM models m "
             "LEFT JOIN futures f ON f.model_id = m.model_id WHERE m.status='parked' GROUP BY m.model_id"
         )
         return [(r[0], r[1]) for r in rows.fetchall()]
+
+    def silent_sessions(self, before: float) -> list[str]:
+        """Unfinished sessions not heard from since ``before``."""
+        rows = self._exec("SELECT session_id FROM sessions WHERE status='active' AND last_heartbeat < ?", (before,))
+        return [r[0] for r in rows.fetchall()]
 
     def silent_models(self, before: float) -> list[str]:
         """Loaded models of sessions not heard from since ``before``."""
@@ -460,18 +479,14 @@ class Store:
         row = self._exec("SELECT key_id FROM api_keys WHERE sha256=? AND revoked_at IS NULL", (sha256,)).fetchone()
         return row[0] if row else None
 
-    def api_key_limits(self, key_id: str) -> dict:
+    def api_key_limits(self, key_id: str) -> dict[str, int | float]:
         """The limits this key has of its own (the rest are the server's); {} for any other tenant."""
         row = self._exec("SELECT limits FROM api_keys WHERE key_id=?", (key_id,)).fetchone()
         return json.loads(row[0]) if row else {}
 
-    def set_api_key_limits(self, key_id_or_name: str, limits: dict) -> int:
-        """Replace the own limits of the key with this id, or of every key with this name."""
-        cur = self._exec(
-            "UPDATE api_keys SET limits=? WHERE (key_id=? OR name=?) AND revoked_at IS NULL",
-            (json.dumps(limits), key_id_or_name, key_id_or_name),
-        )
-        return cur.rowcount
+    def set_api_key_limits(self, key_id: str, limits: dict) -> None:
+        """Replace the limits of its own that the key ``key_id`` has."""
+        self._exec("UPDATE api_keys SET limits=? WHERE key_id=?", (json.dumps(limits), key_id))
 
     def has_api_keys(self) -> bool:
         """Whether a key was ever created here (revoked ones count: revoking the last key must not

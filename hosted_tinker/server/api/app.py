@@ -76,7 +76,8 @@ def create_app(state: ServerState) -> FastAPI:
 
 async def _sweep(state: ServerState) -> None:
     """At start-up and periodically: delete checkpoints past their TTL, results past retention and
-    sampling records past their day, so that neither the disk nor the database grows without bound."""
+    sampling records past their day, and end sessions silent for longer than retention (their
+    models, parked ones too, go), so that neither the disk nor the database grows without bound."""
     retention = state.config.result_retention_s
     every_s = min(600.0, max(1.0, retention / 4))
     while True:
@@ -84,6 +85,8 @@ async def _sweep(state: ServerState) -> None:
             checkpoints = await asyncio.to_thread(state.checkpoints.delete_expired)
             results = await asyncio.to_thread(state.store.delete_futures_finished_before, time.time() - retention)
             sequences = await asyncio.to_thread(state.sequences.delete_expired)
+            for session_id in await asyncio.to_thread(state.store.silent_sessions, time.time() - retention):
+                state.sessions.expire(session_id)
             if checkpoints or results or sequences:
                 log.info(
                     "deleted %d expired checkpoints, %d old results and %d expired sampling records",
@@ -130,7 +133,9 @@ async def _park_all(state: ServerState) -> None:
         finally:
             done.set()
 
-    residency.closing = True
+    if not state.backend.status()["alive"]:  # parking would first start a new worker group
+        log.warning("shutdown: the training worker is not alive; resident models are lost")
+        return
     state.scheduler.run_on_worker(park)
     if not await asyncio.to_thread(done.wait, max(0.0, deadline - time.monotonic())):
         log.warning("shutdown: the worker was still busy after --shutdown-timeout; resident models are lost")

@@ -129,10 +129,13 @@ async def copy_weights(
     request: Request,
     idempotency_key: str | None = Header(None, alias="X-Idempotency-Key"),
 ) -> dict:
-    state = server_state(request)
-    if (over := state.quotas.new_checkpoint(tenant_of(request), None)) is not None:
-        raise over
-    return await asyncio.to_thread(state.copies.copy, req, tenant_of(request), idempotency_key)
+    state, tenant = server_state(request), tenant_of(request)
+
+    def admit() -> None:  # a new copy: not a retry of one already made
+        if (over := state.quotas.new_checkpoint(tenant, None)) is not None:
+            raise over
+
+    return await asyncio.to_thread(state.copies.copy, req, tenant, idempotency_key, admit)
 
 
 @router.post("/sessions/search", **rsp.as_built(rsp.SessionSearchResponse))

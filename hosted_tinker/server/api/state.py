@@ -119,7 +119,7 @@ def build_state(config: ServerConfig) -> ServerState:
         tokenizer_id=config.tokenizer_id or model_path,
         sequences=sequences,
         custom_losses=custom_losses,
-        residency=Residency(backend, store, parked, max_resident=config.max_resident_models),
+        residency=Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models),
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
     )
@@ -145,6 +145,8 @@ def build_state(config: ServerConfig) -> ServerState:
     # The one link made after construction: the backend restores models through the training
     # service, which itself calls the backend.
     backend.recovery = ModelRecovery(training, files)
+    if orphans := training.residency.clear_orphans():
+        log.info("removed %d saved states of models that were not parked", orphans)
     for model_id, next_seq in store.parked_models():  # saved whole when the server last stopped
         scheduler.open_model(model_id, first_seq=next_seq)
     tenancy = Tenancy(store)

@@ -18,6 +18,7 @@ from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.ordering import head_limit
 from hosted_tinker.server.protocol.proto_codec import decode_forward_backward, decompress
 from hosted_tinker.server.serving.futures import check_cancellable
+from hosted_tinker.server.serving.training import Admit
 
 router = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
 
@@ -32,6 +33,16 @@ def _owner_of_model(request: Request, model_id: str) -> ServerState:
 def _future(request: Request, request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
     note(request, request_id=request_id)
     return wire.UntypedFuture(request_id=request_id, model_id=model_id)
+
+
+def _new_model(state: ServerState, tenant: str, user_metadata: dict | None) -> Admit:
+    """The caller's limits on a model it creates, for the service to check with its LoRA rank
+    once the request is known not to be a resend (``server.quotas``)."""
+
+    def admit(rank: int) -> None:
+        state.quotas.new_model(tenant, rank, user_metadata)
+
+    return admit
 
 
 def _optimizer_sent(req: wire.OptimStepRequest) -> str | None:
@@ -121,10 +132,9 @@ async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.U
         optimizer=req.optimizer_config.type,
         lora_rank=req.lora_config and req.lora_config.rank,
     )
-    state.tenancy.session(tenant_of(request), req.session_id)
-    rank = req.lora_config.rank if req.lora_config is not None else None
-    state.quotas.new_model(tenant_of(request), rank, req.user_metadata)
-    return _future(request, state.training.create_model(req))
+    tenant = tenant_of(request)
+    state.tenancy.session(tenant, req.session_id)
+    return _future(request, state.training.create_model(req, admit=_new_model(state, tenant, req.user_metadata)))
 
 
 @router.post("/get_info", **rsp.as_built(rsp.GetInfoResponse))
@@ -210,7 +220,6 @@ async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.U
         state.tenancy.model(tenant, req.model_id)
     elif req.session_id is not None:  # creates a model in this session
         state.tenancy.session(tenant, req.session_id)
-        state.quotas.new_model(tenant, None, req.user_metadata)  # its rank is the checkpoint's
     try:
         state.tenancy.readable(tenant, req.path)
     except ApiError as e:
@@ -218,7 +227,8 @@ async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.U
             raise
         # The caller's own model: a checkpoint it may not read still uses up the seq_id.
         state.training.refuse_ordered("load_weights", req.model_id, req.seq_id, e)
-    return _future(request, state.checkpoints.load_weights(req), req.model_id)
+    admit = _new_model(state, tenant, req.user_metadata)  # if it creates one: with the checkpoint's rank
+    return _future(request, state.checkpoints.load_weights(req, admit=admit), req.model_id)
 
 
 @router.post("/create_sampling_session", **rsp.as_built(rsp.CreateSamplingSessionResponse))

@@ -33,7 +33,7 @@ from hosted_tinker.server.records import CheckpointRecord, ModelRecord, SamplerR
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers
 from hosted_tinker.server.serving.downloads import DownloadLinks
-from hosted_tinker.server.serving.training import TrainingService, json_result, model_optimizer
+from hosted_tinker.server.serving.training import Admit, TrainingService, json_result, model_optimizer
 from hosted_tinker.server.store import Store
 
 # Ephemeral sampler snapshots kept per training model; older ones are deleted (asking for one
@@ -261,9 +261,11 @@ class CheckpointService:
             )
         return optimizers.family(req.optimizer_config)
 
-    def load_weights(self, req: wire.LoadWeightsRequest) -> str:
+    def load_weights(self, req: wire.LoadWeightsRequest, admit: Admit | None = None) -> str:
+        """Load a checkpoint into a model, or create one from it (``admit``: the caller's limits,
+        checked with the checkpoint's rank once the request is known not to be a resend)."""
         if req.model_id is None:
-            return self._create_via_load(req)
+            return self._create_via_load(req, admit)
         if req.seq_id is None:
             raise bad_request("load_weights on an existing model needs seq_id")
 
@@ -312,7 +314,7 @@ class CheckpointService:
 
         return self.training.submit_ordered("load_weights", req.model_id, req.seq_id, prepare)
 
-    def _create_via_load(self, req: wire.LoadWeightsRequest) -> str:
+    def _create_via_load(self, req: wire.LoadWeightsRequest, admit: Admit | None) -> str:
         """``create_training_client_from_state*``: a new model named ``{session}:train:{seq}``,
         with the checkpoint's optimizer when its state is loaded, else ``optimizer_config``'s."""
         named = self._check_load_options(req)
@@ -346,6 +348,7 @@ class CheckpointService:
             user_metadata=req.user_metadata or {},
             after_create=load,
             result={"path": str(path), "model_id": model_id, "type": "load_weights"},
+            admit=admit,
         )
 
     # ---- sampling sessions ------------------------------------------------------------------

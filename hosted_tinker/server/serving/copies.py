@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
+from collections.abc import Callable
 
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request, not_found
@@ -34,13 +35,22 @@ class CopyService:
         self.tenancy = tenancy
         self._lock = threading.Lock()  # one copy at a time: a retry racing its original finds it
 
-    def copy(self, req: wire.CopyWeightsRequest, owner: str, idempotency_key: str | None) -> dict:
-        """The copy's ``tinker_path`` (made now, or found: a retry of the same request). Reads
-        and links files: call it off the event loop."""
+    def copy(
+        self,
+        req: wire.CopyWeightsRequest,
+        owner: str,
+        idempotency_key: str | None,
+        admit: Callable[[], None] | None = None,
+    ) -> dict:
+        """The copy's ``tinker_path`` (made now, or found: a retry of the same request; ``admit``
+        checks the owner's limits before a new one is made). Reads and links files: call it
+        off the event loop."""
         with self._lock:
-            return self._copy(req, owner, idempotency_key)
+            return self._copy(req, owner, idempotency_key, admit)
 
-    def _copy(self, req: wire.CopyWeightsRequest, owner: str, idempotency_key: str | None) -> dict:
+    def _copy(
+        self, req: wire.CopyWeightsRequest, owner: str, idempotency_key: str | None, admit: Callable[[], None] | None
+    ) -> dict:
         if req.weights_access_token is not None:
             raise bad_request("weights_access_token is not supported: checkpoints here have no access tokens")
         check_ttl(req.ttl_seconds)
@@ -63,6 +73,8 @@ class CopyService:
             if existing.status == COPY_STATUS and self.store.get_checkpoint(run_id, source.kind, source.name):
                 return {"tinker_path": str(target)}  # the same copy, asked for again
             raise ApiError(409, f"training run {run_id} already exists; copy into another model_seq_id")
+        if admit is not None:
+            admit()
         self.files.delete(target)  # a copy that a crash left without its rows, if any
         try:
             size = self.files.link(source, target)

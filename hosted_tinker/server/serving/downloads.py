@@ -51,7 +51,8 @@ class DownloadLinks:
             run_id, kind, name, version, file_name, expires = json.loads(payload)
         except (ValueError, TypeError):  # not hex, not JSON, not a list of six
             raise not_found("no such download") from None
-        if not hmac.compare_digest(self._sign(payload), signature) or time.time() > expires:
+        # As bytes: compare_digest refuses a str with non-ASCII characters (a TypeError, a 500).
+        if not hmac.compare_digest(self._sign(payload).encode(), signature.encode()) or time.time() > expires:
             raise ApiError(403, "this download link is invalid or has expired")
         path = TinkerPath(run_id, kind, name)
         file_path = self.files.directory(path) / file_name

@@ -101,7 +101,12 @@ class OpenAIService:
         if sampler is not None and self.tenancy.owns(tenant, name) and self.tenancy.may_sample(tenant, sampler):
             return self.sampling.weights_of(sampler)
         model = self.store.get_model(name)
-        if self.live_runs and model is not None and model.status == "active" and self.tenancy.owns(tenant, name):
+        if (
+            self.live_runs
+            and model is not None
+            and model.status in ("active", "parked")
+            and self.tenancy.owns(tenant, name)
+        ):
             return WeightsRef(None, live=name)  # the run's adapter as of its latest step
         raise model_not_found(name)
 

@@ -58,6 +58,7 @@ class ModelRecovery:
     def lose(self, model_id: str, why: str) -> str:
         """Mark ``model_id`` lost: its waiting requests fail, and so will its next ones."""
         self.training.store.set_model_status(model_id, "lost")
+        self.training.residency.forget(model_id)
         self.training.scheduler.close_model_threadsafe(model_id, "was lost when its worker died", "server")
         if self.training.live is not None:
             self.training.live.drop(model_id)

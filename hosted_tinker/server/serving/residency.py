@@ -18,17 +18,26 @@ Everything here that touches a model runs on the dispatch thread, between the mo
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 
-from hosted_tinker.core.checkpoints import CheckpointFiles, TinkerPath, state_from_files, state_to_files
-from hosted_tinker.core.errors import ServerError
+from hosted_tinker.core.checkpoints import (
+    CheckpointError,
+    CheckpointFiles,
+    TinkerPath,
+    state_from_files,
+    state_to_files,
+)
+from hosted_tinker.core.errors import RolledBack, ServerError, UserError, WorkerCrashed, WorkerDied
 from hosted_tinker.core.types import TrainingBackend
-from hosted_tinker.server.scheduler import Job
+from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.store import Store
 
 log = logging.getLogger(__name__)
 
 PARKED = "parked"
+NOTICE = "rolled_back.txt"  # in a parked state: the RolledBack notice its model is still owed
+RECREATE = "create it again (or load a checkpoint)"
 
 
 class ServerStopping(ServerError):
@@ -37,16 +46,23 @@ class ServerStopping(ServerError):
 
 class Residency:
     def __init__(
-        self, backend: TrainingBackend, store: Store, files: CheckpointFiles, *, max_resident: int | None = None
+        self,
+        backend: TrainingBackend,
+        store: Store,
+        scheduler: Scheduler,
+        files: CheckpointFiles,
+        *,
+        max_resident: int | None = None,
     ) -> None:
         self.backend = backend
         self.store = store
+        self.scheduler = scheduler
         self.files = files  # <data-dir>/parked: one private checkpoint per parked model
         self.max_resident = max_resident
         self._used: dict[str, float] = {}  # resident model -> when it last ran a job (monotonic)
         self.parked_total = 0  # since start, for /healthz
         self.restored_total = 0
-        self.closing = False  # at shutdown: models are being parked, no job may bring one back
+        self.closing = False  # set by the shutdown's park_all: no later job may bring a model back
 
     @staticmethod
     def _path(model_id: str) -> TinkerPath:
@@ -60,6 +76,16 @@ class Residency:
             "parked_since_start": self.parked_total,
             "restored_since_start": self.restored_total,
         }
+
+    def clear_orphans(self) -> int:
+        """At start-up: delete saved states whose model is not parked (a kill between writing
+        one and recording it, or between bringing a model back and deleting it)."""
+        parked = {model_id for model_id, _ in self.store.parked_models()}
+        orphans = [d.name for d in self.files.root.iterdir() if d.is_dir() and not d.name.startswith(".")]
+        orphans = [run_id for run_id in orphans if run_id not in parked]
+        for run_id in orphans:
+            shutil.rmtree(self.files.root / run_id, ignore_errors=True)
+        return len(orphans)
 
     # ---- around a model's jobs ------------------------------------------------------------
 
@@ -83,43 +109,79 @@ class Residency:
         self._check_open()
         model = self.store.get_model(model_id)
         if model is not None and model.status == PARKED:
-            self._make_room(model_id)
-            path = self._path(model_id)
-            loaded = state_from_files(path, self.files.read(path))
-            self.backend.create_adapter(model_id, loaded.state.lora)
-            try:
-                self.backend.load_state(model_id, loaded.state, with_optimizer=True)
-            except BaseException:
-                self.backend.delete_adapter(model_id)
-                raise
-            self.store.set_model_status(model_id, "active")
-            self.files.delete(path)
-            self.restored_total += 1
-            log.info("restored parked model %s (optimizer step %d)", model_id, loaded.state.steps)
+            self._restore(model_id)
         if model is not None and model.status in ("active", PARKED):
             self._used[model_id] = time.monotonic()
+
+    def _restore(self, model_id: str) -> None:
+        self._make_room(model_id)
+        path = self._path(model_id)
+        try:
+            files = self.files.read(path)
+            loaded = state_from_files(path, files)
+        except CheckpointError as e:  # nothing to come back from: say so once, and for good
+            self.store.set_model_status_if(model_id, "lost", PARKED)
+            raise ServerError(
+                f"model {model_id} was parked, and its saved state cannot be read ({e}); {RECREATE}"
+            ) from None
+        self.backend.create_adapter(model_id, loaded.state.lora)
+        try:
+            self.backend.load_state(model_id, loaded.state, with_optimizer=True)
+        except BaseException:
+            self._free(model_id)
+            raise
+        if not self.store.set_model_status_if(model_id, "active", PARKED):  # unloaded meanwhile
+            self._free(model_id)
+            self._drop_state(model_id)
+            raise UserError(f"model {model_id} was unloaded")
+        self._drop_state(model_id)
+        if NOTICE in files:  # rolled back by a worker death before it was parked, and not yet told
+            self.backend.owe_notice(model_id, RolledBack.said(files[NOTICE].decode()))
+        self.restored_total += 1
+        log.info("restored parked model %s (optimizer step %d)", model_id, loaded.state.steps)
+
+    def _free(self, model_id: str) -> None:
+        """Delete the adapter if the workers hold it (a new group, after a death, does not)."""
+        try:
+            if self.backend.has_adapter(model_id):
+                self.backend.delete_adapter(model_id)
+        except Exception:
+            log.exception("could not free the adapter of %s", model_id)
+
+    def _drop_state(self, model_id: str) -> None:
+        """Delete a parked state, and the model's folder with it."""
+        self.files.delete(self._path(model_id))
+        shutil.rmtree(self.files.root / model_id, ignore_errors=True)
 
     def forget(self, model_id: str) -> None:
         """``model_id`` is gone (unloaded, failed, lost): its parked state too, if any."""
         self._used.pop(model_id, None)
-        self.files.delete(self._path(model_id))
-
-    def is_resident(self, model_id: str) -> bool:
-        return model_id in self._used
+        self._drop_state(model_id)
 
     # ---- parking --------------------------------------------------------------------------
 
     def park(self, model_id: str) -> bool:
         """Write ``model_id``'s full state to disk and free its adapter; whether it was parked.
-        The status changes only once the state is on disk, and the adapter is freed after it,
-        so that a kill at any point leaves the model whole somewhere."""
+        The status changes only once the state is on disk, and only from ``active`` (an unload
+        queued meanwhile wins: its job frees the adapter), and the adapter is freed after it, so
+        that a kill at any point leaves the model whole somewhere."""
         model = self.store.get_model(model_id)
         if model is None or model.status != "active" or model_id not in self._used:
             return False
-        state = self.backend.export_state(model_id, with_optimizer=True)
-        config = self.backend.peft_config(model_id)
-        self.files.write(self._path(model_id), state_to_files(state, config, model.base_model), overwrite=True)
-        self.store.set_model_status(model_id, PARKED)
+        notice = self.backend.take_notice(model_id)  # exporting must not use it up: it is the client's
+        try:
+            state = self.backend.export_state(model_id, with_optimizer=True)
+            files = state_to_files(state, self.backend.peft_config(model_id), model.base_model)
+        except BaseException:
+            if notice is not None:
+                self.backend.owe_notice(model_id, notice)
+            raise
+        if notice is not None:
+            files[NOTICE] = str(notice).encode()
+        self.files.write(self._path(model_id), files, overwrite=True)
+        if not self.store.set_model_status_if(model_id, PARKED, "active", next_seq=self.scheduler.next_seq(model_id)):
+            self._drop_state(model_id)
+            return False
         del self._used[model_id]
         self.backend.delete_adapter(model_id)
         self.parked_total += 1
@@ -133,8 +195,10 @@ class Residency:
         return sum(self.park(m) for m in idle)
 
     def park_all(self, deadline: float) -> tuple[int, int]:
-        """Park every resident model, least recently used first, until ``deadline`` (monotonic);
-        returns (parked, left resident)."""
+        """At shutdown, on the dispatch thread: from now on no job brings a model back, and every
+        resident model is parked, least recently used first, until ``deadline`` (monotonic).
+        Returns (parked, left resident)."""
+        self.closing = True
         parked = 0
         for model_id in sorted(self._used, key=self._used.__getitem__):
             if time.monotonic() >= deadline:
@@ -147,12 +211,24 @@ class Residency:
 
     def _check_open(self) -> None:
         if self.closing:
-            raise ServerStopping("the server is stopping and did not run this request; send it again")
+            raise ServerStopping("the server was stopping and did not run this request")
 
     def _make_room(self, model_id: str) -> None:
-        if self.max_resident is None:
-            return
-        while len([m for m in self._used if m != model_id]) >= self.max_resident:
-            victim = min((m for m in self._used if m != model_id), key=self._used.__getitem__)
-            if not self.park(victim):  # not active any more (unloaded meanwhile): not resident
-                self._used.pop(victim, None)
+        """Park least recently used models until ``model_id`` fits. A victim that cannot be
+        parked stays resident, and its error is logged, never reported to this request's client
+        (it is about another tenant's model); a worker's death is, as for any call."""
+        tried: set[str] = set()
+        while self.max_resident is not None:
+            others = [m for m in self._used if m != model_id]
+            candidates = [m for m in others if m not in tried]
+            if len(others) < self.max_resident or not candidates:
+                return
+            victim = min(candidates, key=self._used.__getitem__)
+            tried.add(victim)
+            try:
+                if not self.park(victim):  # not active any more (unloaded, lost): not resident
+                    self._used.pop(victim, None)
+            except (WorkerDied, WorkerCrashed):
+                raise
+            except Exception:
+                log.exception("could not park %s to make room for %s", victim, model_id)

@@ -43,14 +43,24 @@ class SessionService:
         return {"type": "session_heartbeat"}
 
     def finish(self, session_id: str, req: wire.FinishSessionRequest) -> dict:
-        if not self.store.finish_session(session_id, f"finished:{req.reason.type}"):
+        if not self._end(session_id, f"finished:{req.reason.type}"):
             raise not_found(f"session_id {session_id!r} does not exist")
+        return {}
+
+    def expire(self, session_id: str) -> None:
+        """End a session silent for longer than results are kept (its client is gone): as if
+        it had finished, interrupted. Its checkpoints stay; its models, parked ones too, go."""
+        self._end(session_id, "finished:interrupted")
+
+    def _end(self, session_id: str, status: str) -> bool:
+        if not self.store.finish_session(session_id, status):
+            return False
         # The SDK never unloads models itself: a closed client's adapters would otherwise
-        # stay in memory for the life of the server.
+        # stay in memory (or parked on disk) for the life of the server.
         self.training.unload_session(session_id)
         if self.on_finish is not None:
             self.on_finish(session_id)
-        return {}
+        return True
 
     # ---- search (RestClient.search_sessions) -----------------------------------------------
 

@@ -43,6 +43,10 @@ PROTOBUF = "application/x-protobuf"
 log = logging.getLogger(__name__)
 
 
+# The caller's limits on a new model (``server.quotas``), given its LoRA rank: raises if over one.
+Admit = Callable[[int], None]
+
+
 def json_result(obj: dict) -> tuple[bytes, str]:
     return json.dumps(obj).encode(), JSON
 
@@ -109,9 +113,9 @@ class TrainingService:
             raise bad_request(f"model {model_id} could not be created; its create_model future says why")
         return model
 
-    def create_model(self, req: wire.CreateModelRequest) -> str:
+    def create_model(self, req: wire.CreateModelRequest, admit: Admit | None = None) -> str:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
-        if (existing := self.scheduler.find(model_id, 0)) is not None:  # a resend
+        if (existing := self.scheduler.find(model_id, 0)) is not None:  # a resend: admitted before
             return existing
         if req.base_model not in self.served_names:
             raise bad_request(f"base_model {req.base_model!r} is not served here; served names: {self.served_names}")
@@ -138,6 +142,7 @@ class TrainingService:
             lora=spec,
             user_metadata=req.user_metadata or {},
             result={"model_id": model_id, "type": "create_model"},
+            admit=admit,
         )
 
     def create_model_with(
@@ -151,8 +156,12 @@ class TrainingService:
         user_metadata: dict,
         result: dict,
         after_create: Callable[[str], None] | None = None,
+        admit: Admit | None = None,
     ) -> str:
-        """Register a model and queue its creation as its request 0 (``after_create`` may load state)."""
+        """Register a model and queue its creation as its request 0 (``after_create`` may load
+        state; ``admit`` checks the caller's limits against its LoRA rank first)."""
+        if admit is not None:
+            admit(lora.rank)
         if self.max_lora_rank is not None and lora.rank > self.max_lora_rank:
             raise bad_request(
                 f"lora_config.rank {lora.rank} is above the inference engine's limit of {self.max_lora_rank} "
@@ -217,7 +226,7 @@ class TrainingService:
             self.live.drop(model_id)
 
         def job() -> tuple[bytes, str]:
-            if self.residency.is_resident(model_id):  # else parked: only its files are left
+            if self.backend.has_adapter(model_id):  # else parked: only its saved state is left
                 self.backend.delete_adapter(model_id)
             self.residency.forget(model_id)
             return json_result({"model_id": model_id, "type": "unload_model"})

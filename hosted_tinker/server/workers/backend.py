@@ -207,6 +207,14 @@ class ProcessBackend:
                 self._rolled_back[model_id] = RolledBack(reason, model_id, how)
         return outcome
 
+    def take_notice(self, model_id: str) -> RolledBack | None:
+        """The ``RolledBack`` notice ``model_id`` is owed, if any, no longer owed here (a model
+        being parked carries it to disk, and owes it again when it comes back)."""
+        return self._rolled_back.pop(model_id, None)
+
+    def owe_notice(self, model_id: str, notice: RolledBack) -> None:
+        self._rolled_back[model_id] = notice
+
     # ---- the training calls (``core.types.TrainingBackend``) -----------------------------------------
 
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
