@@ -805,6 +805,12 @@ CASES: list[Case] = [
     ),
     Case("download token that is not a link", rest("GET", lambda w: "files/31/00/x"), 404, "no such download"),
     Case(
+        "download signature not ASCII",
+        rest("GET", lambda w: f"files/{json.dumps(['r', 'weights', 'n', 1.0, 'f', 2**40]).encode().hex()}/%C3%A9/f"),
+        403,
+        "invalid or has expired",
+    ),
+    Case(
         "save_weights negative ttl",
         post(
             "save_weights", lambda w: {"model_id": w.model_id, "seq_id": w.next_seq(), "path": "t", "ttl_seconds": -5}
