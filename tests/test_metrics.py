@@ -3,6 +3,10 @@ every counter moved by exactly what the run did, read with prometheus-client's o
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import httpx
 import pytest
 import tinker
@@ -62,3 +66,18 @@ def test_counters_move_by_what_a_short_run_did(base_url: str):
     assert ("hosted_tinker_worker_restarts_total", ()) in after
     assert after[("hosted_tinker_resident_models", ())] >= 0
     assert ("hosted_tinker_vllm_restarts_total", ()) not in after  # the embedded engine has none
+
+
+def test_the_grafana_dashboard_plots_only_metrics_the_server_has(base_url: str):
+    """``deploy/grafana-dashboard.json``: every series its queries name is one /metrics serves
+    (those of vLLM and LoRA syncs are served with vLLM only)."""
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy" / "grafana-dashboard.json").read_text())
+    queried = {
+        re.sub(r"_(bucket|count|sum|total)$", "", name)
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"hosted_tinker_\w+", target["expr"])
+    }
+    r = httpx.get(f"{base_url}/metrics", timeout=10)
+    served = {family.name for family in text_string_to_metric_families(r.text)}
+    assert queried - served == {"hosted_tinker_vllm_restarts", "hosted_tinker_lora_sync_seconds"}

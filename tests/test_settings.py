@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,13 @@ def test_the_environment_file_example_lists_every_setting(capsys):
     assert EXAMPLE.read_text() == env_example(serve_parser()), (
         "run: hosted-tinker serve --print-config env > deploy/hosted-tinker.env.example"
     )
+
+
+def test_the_deploy_files_name_only_real_settings():
+    """The variables ``deploy/`` sets (Dockerfiles, startup.sh) are settings serve reads."""
+    known = set(re.findall(r"HOSTED_TINKER_[A-Z_]+", env_example(serve_parser())))
+    known |= {"HOSTED_TINKER_CLUSTER_KEY", "HOSTED_TINKER_API_KEYS"}  # read by keys.py and config.py
+    deploy = EXAMPLE.parent
+    for path in [deploy / "Dockerfile", deploy / "Dockerfile.cuda", deploy / "startup.sh"]:
+        named = set(re.findall(r"HOSTED_TINKER_[A-Z_]+", path.read_text()))
+        assert named and named <= known, f"{path.name}: {sorted(named - known)}"

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# The VM's startup script: launch.sh makes it the instance's startup-script, and GCP runs it as
+# root at every boot. It installs hosted-tinker (again only when its source changed), creates the
+# API key on the first boot, and runs the server as the systemd service `hosted-tinker`, whose
+# data lives on the persistent boot disk: restarted on failure and at every boot, so a preempted
+# VM that is started again serves the same runs (the service parks every model at SIGTERM).
+#
+#   startup.sh                on a VM: its settings from the instance's metadata attributes
+#   startup.sh --local ROOT   anywhere (CI): settings from the environment, every path under
+#                             ROOT, and a supervising loop instead of systemd if it is not running
+#
+# Settings (metadata attribute / environment variable in --local mode):
+#   hosted-tinker-source       HT_SOURCE       pip requirement to install, e.g.
+#                                              "hosted-tinker @ git+https://github.com/O/R@REF", or a path
+#   hosted-tinker-serve-args   HT_SERVE_ARGS   arguments of `hosted-tinker serve` (or of `node`)
+#   hosted-tinker-port         HT_PORT         the API's port (default 8000)
+#   hosted-tinker-role         HT_ROLE         server (default) or node: `hosted-tinker node`
+#   hosted-tinker-cluster-key  HT_CLUSTER_KEY  the secret every node shares (--nodes N)
+# --local only: HT_PIP_ARGS (extra pip arguments), HT_DEPS_SITE (a site-packages whose packages
+# the new environment may use, so that CI does not download torch again).
+set -euo pipefail
+
+LOCAL=""
+if [ "${1:-}" = "--local" ]; then
+  LOCAL="${2:?usage: startup.sh --local ROOT}"
+fi
+
+if [ -n "$LOCAL" ]; then
+  mkdir -p "$LOCAL"
+  LOCAL="$(cd "$LOCAL" && pwd)"
+  PREFIX="$LOCAL/opt/hosted-tinker"
+  DATA="$LOCAL/var/lib/hosted-tinker"
+  ENV_FILE="$LOCAL/etc/hosted-tinker.env"
+else
+  PREFIX=/opt/hosted-tinker
+  DATA=/var/lib/hosted-tinker
+  ENV_FILE=/etc/hosted-tinker.env
+fi
+VENV="$PREFIX/venv"
+HT="$VENV/bin/hosted-tinker"
+
+setting() { # setting ATTRIBUTE VARIABLE DEFAULT: from the metadata server, or the environment
+  local value=""
+  if [ -n "$LOCAL" ]; then
+    value="${!2:-}"
+  else
+    value="$(curl -fs -H "Metadata-Flavor: Google" \
+      "http://metadata.google.internal/computeMetadata/v1/instance/attributes/$1" || true)"
+  fi
+  printf '%s' "${value:-$3}"
+}
+
+SOURCE="$(setting hosted-tinker-source HT_SOURCE hosted-tinker)"
+SERVE_ARGS="$(setting hosted-tinker-serve-args HT_SERVE_ARGS "")"
+PORT="$(setting hosted-tinker-port HT_PORT 8000)"
+ROLE="$(setting hosted-tinker-role HT_ROLE server)"
+CLUSTER_KEY="$(setting hosted-tinker-cluster-key HT_CLUSTER_KEY "")"
+
+install() { # once per source: a venv of its own, torch first (CUDA wheels on a GPU VM)
+  if [ -x "$HT" ] && [ "$(cat "$PREFIX/installed-source" 2>/dev/null)" = "$SOURCE" ]; then
+    return
+  fi
+  mkdir -p "$PREFIX"
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  if [ -n "${HT_DEPS_SITE:-}" ]; then
+    local site
+    site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "$HT_DEPS_SITE" >"$site/hosted_tinker_deps.pth"
+  fi
+  # shellcheck disable=SC2086  # HT_PIP_ARGS is a list of arguments
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${HT_PIP_ARGS:-} "$SOURCE"
+  echo "$SOURCE" >"$PREFIX/installed-source"
+}
+
+first_boot_key() { # the API key, made once and kept with the data (mode 0600)
+  if [ "$ROLE" != server ] || [ -s "$DATA/launch-key" ]; then
+    return
+  fi
+  (umask 077 && "$HT" keys create --data-dir "$DATA" --name launch >"$DATA/launch-key.new")
+  mv "$DATA/launch-key.new" "$DATA/launch-key"
+}
+
+write_env() { # what the service reads (EnvironmentFile=): the settings of serve, by variable
+  case "$SERVE_ARGS" in *'"'*) echo "startup.sh: serve args must not hold double quotes" >&2 && exit 1 ;; esac
+  mkdir -p "$(dirname "$ENV_FILE")"
+  local args="serve $SERVE_ARGS"
+  [ "$ROLE" = node ] && args="node $SERVE_ARGS"
+  (
+    umask 077
+    {
+      # Double-quoted: read alike by systemd and by the supervising loop's shell.
+      echo "HT_ARGS=\"$args\""
+      echo "HOSTED_TINKER_DATA_DIR=\"$DATA\""
+      echo "HOSTED_TINKER_PORT=\"$PORT\""
+      if [ -n "$CLUSTER_KEY" ]; then echo "HOSTED_TINKER_CLUSTER_KEY=\"$CLUSTER_KEY\""; fi
+    } >"$ENV_FILE"
+  )
+}
+
+run_with_systemd() {
+  cat >/etc/systemd/system/hosted-tinker.service <<EOF
+[Unit]
+Description=hosted-tinker: a Tinker-compatible LoRA training server
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+EnvironmentFile=$ENV_FILE
+ExecStart=$HT \$HT_ARGS
+Restart=on-failure
+RestartSec=5
+# SIGTERM parks every model within --shutdown-timeout (25 s); GCP gives a preempted VM 30 s.
+KillSignal=SIGTERM
+TimeoutStopSec=40
+
+[Install]
+WantedBy=multi-user.target
+EOF
+  systemctl daemon-reload
+  systemctl enable hosted-tinker
+  systemctl restart hosted-tinker
+}
+
+run_supervised() { # without systemd: the same command in a loop that restarts it on failure
+  local pidfile="$PREFIX/supervisor.pid"
+  if [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+    return # already running (this boot's script ran before)
+  fi
+  # shellcheck disable=SC2016  # the loop's own variables, expanded when it runs
+  setsid bash -c '
+    set -a; . "$1"; set +a
+    trap "kill -TERM \$child 2>/dev/null; wait \$child; exit 0" TERM
+    while true; do
+      "$2" $HT_ARGS & child=$!
+      wait $child && exit 0  # a clean stop is not restarted
+      sleep 5
+    done' supervise "$ENV_FILE" "$HT" >>"$DATA/server.log" 2>&1 </dev/null &
+  echo $! >"$pidfile"
+}
+
+mkdir -p "$DATA"
+install
+first_boot_key
+write_env
+if [ -z "$LOCAL" ] && [ -d /run/systemd/system ]; then
+  run_with_systemd
+else
+  run_supervised
+fi
+echo "hosted-tinker: $ROLE on port $PORT, data in $DATA"

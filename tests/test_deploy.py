@@ -1,0 +1,101 @@
+"""``deploy/startup.sh`` in its local mode, as a VM's boots would run it: installed from this
+checkout, the key made on the first boot, the server supervised and answering; a second boot
+keeps the key, the install and the data (a checkpoint saved before it is still listed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import ALIAS, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def boot(root: Path, env: dict[str, str]) -> None:
+    subprocess.run(
+        ["bash", str(REPO / "deploy" / "startup.sh"), "--local", str(root)], env=env, check=True, timeout=300
+    )
+
+
+def healthy(port: int, timeout: float = 180.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json()
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    raise AssertionError(f"the server did not answer /healthz on port {port} in {timeout} s")
+
+
+def shut_down(root: Path, port: int) -> None:
+    """What stopping the VM does to the service: SIGTERM, and wait until it is gone."""
+    supervisor = int((root / "opt/hosted-tinker/supervisor.pid").read_text())
+    os.killpg(supervisor, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(supervisor, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.killpg(supervisor, signal.SIGKILL)
+    raise AssertionError(f"the service on port {port} did not stop within 60 s")
+
+
+def test_first_and_second_boot(tmp_path: Path, tiny_model_dir: Path):
+    root, port = tmp_path / "vm", free_port()
+    env = {
+        **os.environ,
+        "HT_SOURCE": str(REPO),
+        "HT_SERVE_ARGS": f"--model {tiny_model_dir} --model-name {ALIAS}",
+        "HT_PORT": str(port),
+        # CI's hook: the new environment uses this one's packages instead of downloading torch.
+        "HT_PIP_ARGS": "--no-deps",
+        "HT_DEPS_SITE": sysconfig.get_paths()["purelib"],
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    data = root / "var/lib/hosted-tinker"
+    boot(root, env)
+    try:
+        key = (data / "launch-key").read_text().strip()
+        assert key.startswith("tml-") and (data / "launch-key").stat().st_mode & 0o777 == 0o600
+        assert healthy(port)["auth"] == {"mode": "api-keys"}  # never open: the key was made first
+        assert (root / "opt/hosted-tinker/venv/bin/hosted-tinker").exists()
+        with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key) as sc:
+            tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints([5, 6, 7]),
+                loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3},
+            )
+            tc.forward_backward([datum], "cross_entropy").result()
+            saved = tc.save_state("before-reboot").result().path
+    finally:
+        shut_down(root, port)
+
+    installed = (root / "opt/hosted-tinker/installed-source").stat().st_mtime
+    boot(root, env)
+    try:
+        assert (data / "launch-key").read_text().strip() == key
+        assert (root / "opt/hosted-tinker/installed-source").stat().st_mtime == installed  # not installed again
+        healthy(port)
+        rest = tinker.RestClient(base_url=f"http://127.0.0.1:{port}", api_key=key)
+        runs = rest.list_training_runs().result().training_runs
+        checkpoints = [
+            c.tinker_path for r in runs for c in rest.list_checkpoints(r.training_run_id).result().checkpoints
+        ]
+        assert saved in checkpoints
+    finally:
+        shut_down(root, port)
