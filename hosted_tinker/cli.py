@@ -351,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=25.0,
         help="seconds the server may take at SIGTERM to park every model, so the next start serves them",
     )
+    resident.add_argument(
+        "--checkpoint-mirror",
+        default=None,
+        metavar="URL",
+        help="copy every saved checkpoint to this fsspec URL (gs://bucket/prefix, file:///path) and restore from it",
+    )
     slow = serve.add_argument_group("slow and oversized clients")
     slow.add_argument(
         "--header-timeout",

@@ -91,6 +91,9 @@ class ServerConfig(BaseModel):
     session_timeout_s: float = Field(900.0, gt=0)
     max_resident_models: int | None = Field(64, ge=1)
     shutdown_timeout_s: float = Field(25.0, ge=0)
+    # An fsspec URL (gs://bucket/prefix, file:///path) that every saved checkpoint is copied to,
+    # and restored from on a disk that lacks it (server.mirror).
+    checkpoint_mirror: str | None = None
     # Finished futures (and their payloads) are deleted this long after they finished.
     result_retention_s: float = Field(7 * 86400.0, gt=0)
     # Inference: the training backend's own sampler, or vLLM (launched here, or at inference_url).

@@ -342,7 +342,7 @@ class Store:
         self._exec("DELETE FROM checkpoints WHERE model_id=? AND kind=? AND name=?", (model_id, kind, name))
 
     def update_checkpoint(self, model_id: str, kind: str, name: str, **fields: object) -> None:
-        assert set(fields) <= {"public", "expires_at"}
+        assert set(fields) <= {"public", "expires_at", "created_at"}  # created_at: a restored copy's
         for column, value in fields.items():
             self._exec(
                 f"UPDATE checkpoints SET {column}=? WHERE model_id=? AND kind=? AND name=?",

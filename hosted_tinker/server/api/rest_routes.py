@@ -110,7 +110,7 @@ async def weights_info(req: wire.WeightsInfoRequest, request: Request) -> dict:
 async def get_sampler(sampler_id: str, request: Request) -> dict:
     state = server_state(request)
     state.tenancy.sampler(tenant_of(request), sampler_id, field="sampler")
-    return state.checkpoints.get_sampler(sampler_id)
+    return state.sampling.get_sampler(sampler_id)
 
 
 @router.get("/sessions", **rsp.as_built(rsp.ListSessionsResponse))
@@ -147,4 +147,4 @@ async def search_sessions(req: wire.SessionSearchRequest, request: Request) -> d
 async def get_session(session_id: str, request: Request, access_scope: str = "owned") -> dict:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id, field="session")
-    return state.checkpoints.get_session(session_id)
+    return state.sessions.get_session(session_id)

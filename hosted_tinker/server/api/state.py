@@ -22,6 +22,7 @@ from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmS
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.server.metrics import ServerMetrics
+from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.quotas import Limits, Quotas
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
 from hosted_tinker.server.schema import DATABASE, DatabaseDamaged
@@ -134,13 +135,19 @@ def build_state(config: ServerConfig) -> ServerState:
         EmbeddedEngine(SamplerClient(backend), scheduler.run_on_worker, config.sample_batch_window_s),
         sequences,
         vllm,
+        served_names=config.served_names(),
     )
+    mirror = CheckpointMirror(config.checkpoint_mirror, files, store) if config.checkpoint_mirror else None
+    if mirror is not None:
+        restored, queued = mirror.sync()
+        log.info("checkpoint mirror %s: %d checkpoints restored, %d to copy up", mirror.url, restored, queued)
     checkpoints = CheckpointService(
         training,
         files,
         ephemeral,
         links=DownloadLinks(files, _server_secret(config.data_dir), version=store.checkpoint_created_at),
         on_sampler_saved=vllm.prefetch_threadsafe if vllm is not None else None,
+        mirror=mirror,
     )
     # The one link made after construction: the backend restores models through the training
     # service, which itself calls the backend.

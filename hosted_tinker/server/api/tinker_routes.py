@@ -237,7 +237,7 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, reques
     state.tenancy.session(tenant, req.session_id)
     if req.model_path is not None:
         state.tenancy.readable(tenant, req.model_path, field="model_path")
-    return state.checkpoints.create_sampling_session(req)
+    return state.sampling.create_sampling_session(req)
 
 
 @router.post("/join_sampling_session", **rsp.as_built(rsp.JoinSamplingSessionResponse))

@@ -27,6 +27,7 @@ from hosted_tinker.core.checkpoints import describe as describe_checkpoint
 from hosted_tinker.core.errors import bad_request, not_found
 from hosted_tinker.core.types import TrainingBackend
 from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.records import CheckpointRecord, ModelRecord, SamplerRecord
@@ -61,6 +62,7 @@ class CheckpointService:
         links: DownloadLinks,
         *,
         on_sampler_saved: Callable[[WeightsRef], None] | None = None,
+        mirror: CheckpointMirror | None = None,
     ) -> None:
         self.training = training
         self.backend: TrainingBackend = training.backend
@@ -71,6 +73,7 @@ class CheckpointService:
         self.links = links  # signed download links of external weights
         # Called on the worker with each new sampler adapter (vLLM loads it before it is asked for).
         self.on_sampler_saved = on_sampler_saved
+        self.mirror = mirror  # --checkpoint-mirror: told of every save and deletion
 
     def _sampler_saved(self, files: CheckpointFiles, path: TinkerPath) -> None:
         if self.on_sampler_saved is not None:
@@ -113,6 +116,8 @@ class CheckpointService:
                 self.store.put_checkpoint(
                     model_id, kind, name, size_bytes=size, ttl_seconds=ttl_seconds, user_metadata=user_metadata or {}
                 )
+                if self.mirror is not None:
+                    self.mirror.saved(path)
                 result = {"path": str(path), "type": request_kind, **(extra or {})}
                 if kind == "sampler_weights":
                     self._sampler_saved(self.files, path)
@@ -353,39 +358,6 @@ class CheckpointService:
 
     # ---- sampling sessions ------------------------------------------------------------------
 
-    def create_sampling_session(self, req: wire.CreateSamplingSessionRequest) -> dict:
-        """Register a sampler on the base model or on a saved adapter (sampling itself: issue #4)."""
-        status = self.store.session_status(req.session_id)
-        if status is None:
-            raise not_found(f"session_id {req.session_id!r} does not exist")
-        if (req.base_model is None) == (req.model_path is None):
-            raise bad_request("create_sampling_session needs exactly one of base_model and model_path")
-        sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
-        existing = self.store.get_sampler(sampler_id)
-        if existing is not None:
-            if (existing.base_model if req.base_model else existing.model_path) in (req.base_model, req.model_path):
-                return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}  # a resend
-            raise bad_request(f"sampling_session_seq_id {req.sampling_session_seq_id} is already used")
-        if req.base_model is not None:
-            if req.base_model not in self.training.served_names:
-                raise bad_request(f"base_model {req.base_model!r} is not served; served: {self.training.served_names}")
-            base_model = req.base_model
-        else:
-            try:
-                path = TinkerPath.parse(req.model_path, "model_path")
-            except CheckpointError as e:
-                raise bad_request(str(e)) from None
-            if path.kind == "external_weights":
-                raise bad_request(f"model_path {path} is an export; sample from a sampler_weights/ or weights/ path")
-            model = self.store.get_model(path.run_id)
-            if model is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
-                raise not_found(f"model_path: checkpoint {req.model_path} does not exist")
-            base_model = model.base_model
-        self.store.add_sampler(
-            sampler_id, session_id=req.session_id, base_model=base_model, model_path=req.model_path, model_id=None
-        )
-        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
-
     # ---- REST views -------------------------------------------------------------------------
 
     def _checkpoint_json(self, record: CheckpointRecord) -> dict:
@@ -459,6 +431,8 @@ class CheckpointService:
         path, _ = self._record(run_id, checkpoint_id)
         self.store.delete_checkpoint(path.run_id, path.kind, path.name)
         self.files.delete(path)
+        if self.mirror is not None:
+            self.mirror.deleted(path)
 
     def set_public(self, run_id: str, checkpoint_id: str, public: bool) -> None:
         path, _ = self._record(run_id, checkpoint_id)
@@ -477,19 +451,6 @@ class CheckpointService:
         except CheckpointError as e:
             raise bad_request(str(e)) from None
 
-    def get_sampler(self, sampler_id: str) -> dict:
-        sampler = self.store.get_sampler(sampler_id)
-        if sampler is None:
-            raise not_found(f"sampler {sampler_id!r} does not exist")
-        return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
-
-    def get_session(self, session_id: str) -> dict:
-        session = self.store.get_session(session_id)
-        if session is None:
-            raise not_found(f"session {session_id!r} does not exist")
-        session["user_metadata"] = {k: str(v) for k, v in session["user_metadata"].items()}
-        return session
-
     # ---- downloads --------------------------------------------------------------------------
 
     def download_urls(self, run_id: str, checkpoint_id: str, base_url: str) -> dict:
@@ -507,4 +468,6 @@ class CheckpointService:
             path = TinkerPath(record.model_id, record.kind, record.name)
             self.store.delete_checkpoint(path.run_id, path.kind, path.name)
             self.files.delete(path)
+            if self.mirror is not None:
+                self.mirror.deleted(path)
         return len(expired)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from pydantic import ValidationError
 from tinker.proto import tinker_public_pb2 as pb
 
-from hosted_tinker.core.checkpoints import CheckpointFiles, TinkerPath
+from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import EngineUnavailable, WireError, bad_request, not_found, unavailable
 from hosted_tinker.core.sampling import SampleOutput, SampleSpec
 from hosted_tinker.inference.embedded import EmbeddedEngine
@@ -80,6 +81,8 @@ class SamplingService:
         embedded: EmbeddedEngine,
         sequences: SequenceRecords,
         vllm: VllmEngine | None = None,
+        *,
+        served_names: Sequence[str] = (),
     ) -> None:
         self.backend = backend
         self.scheduler = scheduler
@@ -91,6 +94,7 @@ class SamplingService:
         self.embedded = embedded
         self.sequences = sequences  # stability info, for samplers that record it
         self.vllm = vllm
+        self.served_names = served_names  # what a sampling session on the base model may name
         self._running: dict[str, asyncio.Task] = {}  # request id -> its sampling, until it ends
         self._cancelled: set[str] = set()
 
@@ -220,6 +224,47 @@ class SamplingService:
             raise bad_request(f"{where} names no token id (every cell is -1)")
         if distinct.size > MAX_TOPK:
             raise bad_request(f"{where} names {distinct.size} distinct token ids; at most {MAX_TOPK}")
+
+    # ---- sampling sessions ------------------------------------------------------------------
+
+    def create_sampling_session(self, req: wire.CreateSamplingSessionRequest) -> dict:
+        """Register a sampler on the base model or on a saved adapter (sampling itself: issue #4)."""
+        status = self.store.session_status(req.session_id)
+        if status is None:
+            raise not_found(f"session_id {req.session_id!r} does not exist")
+        if (req.base_model is None) == (req.model_path is None):
+            raise bad_request("create_sampling_session needs exactly one of base_model and model_path")
+        sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+        existing = self.store.get_sampler(sampler_id)
+        if existing is not None:
+            if (existing.base_model if req.base_model else existing.model_path) in (req.base_model, req.model_path):
+                return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}  # a resend
+            raise bad_request(f"sampling_session_seq_id {req.sampling_session_seq_id} is already used")
+        if req.base_model is not None:
+            if req.base_model not in self.served_names:
+                raise bad_request(f"base_model {req.base_model!r} is not served; served: {self.served_names}")
+            base_model = req.base_model
+        else:
+            try:
+                path = TinkerPath.parse(req.model_path, "model_path")
+            except CheckpointError as e:
+                raise bad_request(str(e)) from None
+            if path.kind == "external_weights":
+                raise bad_request(f"model_path {path} is an export; sample from a sampler_weights/ or weights/ path")
+            model = self.store.get_model(path.run_id)
+            if model is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
+                raise not_found(f"model_path: checkpoint {req.model_path} does not exist")
+            base_model = model.base_model
+        self.store.add_sampler(
+            sampler_id, session_id=req.session_id, base_model=base_model, model_path=req.model_path, model_id=None
+        )
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+    def get_sampler(self, sampler_id: str) -> dict:
+        sampler = self.store.get_sampler(sampler_id)
+        if sampler is None:
+            raise not_found(f"sampler {sampler_id!r} does not exist")
+        return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
 
     # ---- the Tinker endpoint ----------------------------------------------------------------
 

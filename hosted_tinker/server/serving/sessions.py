@@ -62,6 +62,13 @@ class SessionService:
             self.on_finish(session_id)
         return True
 
+    def get_session(self, session_id: str) -> dict:
+        session = self.store.get_session(session_id)
+        if session is None:
+            raise not_found(f"session {session_id!r} does not exist")
+        session["user_metadata"] = {k: str(v) for k, v in session["user_metadata"].items()}
+        return session
+
     # ---- search (RestClient.search_sessions) -----------------------------------------------
 
     def search(self, req: wire.SessionSearchRequest, owner: str) -> dict:

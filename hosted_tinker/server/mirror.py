@@ -1,0 +1,193 @@
+"""An object-storage mirror of saved checkpoints (``--checkpoint-mirror URL``): runs outlive the
+VM. Any fsspec URL: ``gs://bucket/prefix`` (with gcsfs), ``s3://...``, ``file:///path``.
+
+- Every training-state and sampler checkpoint saved here is copied there, its files, its
+  SHA-256 manifest, and last ``record.json`` (its run, session owner and checkpoint row), whose
+  presence marks a complete copy. A checkpoint deleted here (or past its TTL) is deleted there.
+- At start, a server restores every checkpoint the mirror holds and its disk lacks (a new VM):
+  each file checked against the manifest, the rows made again under the same ids and owner
+  (the run as ``unloaded``: load it with ``create_training_client_from_state``). It also copies
+  up what the mirror lacks (a failed upload, or a mirror turned on later).
+
+Transfers run in order on a thread of their own, so that no save waits for the network; one
+that fails is logged and done again at the next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles, TinkerPath
+from hosted_tinker.server.store import Store
+
+log = logging.getLogger(__name__)
+
+RECORD = "record.json"
+MIRRORED = ("weights", "sampler_weights")  # exports (external_weights) are made for one download
+
+
+class CheckpointMirror:
+    def __init__(self, url: str, files: CheckpointFiles, store: Store) -> None:
+        import fsspec  # a dependency; gcsfs or s3fs only for their URLs
+
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.files = files
+        self.store = store
+        self.uploaded = self.deleted_total = self.failed = 0
+        self._queue: queue.Queue[Callable[[], None]] = queue.Queue()
+        threading.Thread(target=self._run, name="checkpoint-mirror", daemon=True).start()
+
+    def status(self) -> dict:
+        return {"url": self.url, "uploaded": self.uploaded, "deleted": self.deleted_total, "failed": self.failed}
+
+    def _dir(self, path: TinkerPath) -> str:
+        return f"{self.root}/{path.run_id}/{path.kind}/{path.name}"
+
+    # ---- what the server tells it ---------------------------------------------------------
+
+    def saved(self, path: TinkerPath) -> None:
+        if path.kind in MIRRORED:
+            self._queue.put(lambda: self._upload(path))
+
+    def deleted(self, path: TinkerPath) -> None:
+        if path.kind in MIRRORED:
+            self._queue.put(lambda: self._delete(path))
+
+    def wait(self) -> None:
+        """Until everything asked so far is done (tests, shutdown)."""
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            try:
+                task()
+            except Exception:
+                self.failed += 1
+                log.exception("checkpoint mirror %s: a transfer failed (done again at the next start)", self.url)
+            finally:
+                self._queue.task_done()
+
+    # ---- transfers --------------------------------------------------------------------------
+
+    def _upload(self, path: TinkerPath) -> None:
+        record = self._record(path)
+        if record is None:  # deleted before its turn came
+            return
+        directory, target = self.files.directory(path), self._dir(path)
+        names = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST)
+        self.fs.makedirs(target, exist_ok=True)  # a no-op on object stores; needed on a filesystem
+        for name in [*names, MANIFEST]:
+            self.fs.put_file(str(directory / name), f"{target}/{name}")
+        self.fs.pipe_file(f"{target}/{RECORD}", json.dumps(record).encode())
+        self.uploaded += 1
+
+    def _delete(self, path: TinkerPath) -> None:
+        target = self._dir(path)
+        if self.fs.exists(f"{target}/{RECORD}"):
+            self.fs.rm_file(f"{target}/{RECORD}")  # first: a half-deleted copy is never restored
+        if self.fs.exists(target):
+            self.fs.rm(target, recursive=True)
+        self.deleted_total += 1
+
+    def _record(self, path: TinkerPath) -> dict | None:
+        checkpoint = self.store.get_checkpoint(path.run_id, path.kind, path.name)
+        model = self.store.get_model(path.run_id)
+        if checkpoint is None or model is None:
+            return None
+        return {
+            "session_id": model.session_id,
+            "owner": self.store.session_owner(model.session_id),
+            "model": {
+                "model_id": model.model_id,
+                "model_seq_id": model.model_seq_id,
+                "base_model": model.base_model,
+                "lora": model.lora,
+                "user_metadata": model.user_metadata,
+            },
+            "checkpoint": {
+                "kind": path.kind,
+                "name": path.name,
+                "created_at": checkpoint.created_at,
+                "expires_at": checkpoint.expires_at,
+                "public": checkpoint.public,
+                "user_metadata": checkpoint.user_metadata,
+            },
+        }
+
+    # ---- at start ---------------------------------------------------------------------------
+
+    def sync(self) -> tuple[int, int]:
+        """Restore what only the mirror has, and queue the upload of what only the disk has;
+        returns (restored, queued). Runs before the server takes requests."""
+        restored, mirrored = 0, set()
+        for record_path in self.fs.glob(f"{self.root}/*/*/*/{RECORD}"):
+            record = json.loads(self.fs.cat_file(record_path))
+            path = TinkerPath(record["model"]["model_id"], record["checkpoint"]["kind"], record["checkpoint"]["name"])
+            mirrored.add(str(path))
+            if self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
+                restored += self._restore(path, record)
+        queued = 0
+        for checkpoint in self.store.list_checkpoints():
+            path = TinkerPath(checkpoint.model_id, checkpoint.kind, checkpoint.name)
+            if path.kind in MIRRORED and str(path) not in mirrored:
+                self.saved(path)
+                queued += 1
+        return restored, queued
+
+    def _restore(self, path: TinkerPath, record: dict) -> bool:
+        source = self._dir(path)
+        manifest = json.loads(self.fs.cat_file(f"{source}/{MANIFEST}"))["files"]
+        files = {}
+        for name, expected in manifest.items():
+            files[name] = data = self.fs.cat_file(f"{source}/{name}")
+            if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+                log.error("checkpoint mirror: %s/%s fails its SHA-256 check; %s is not restored", source, name, path)
+                return False
+        size = self.files.write(path, files, overwrite=True)
+        model, checkpoint = record["model"], record["checkpoint"]
+        if self.store.session_owner(record["session_id"]) is None:
+            self.store.add_session(
+                record["session_id"],
+                owner=record["owner"] or "",
+                tags=["restored"],
+                user_metadata={"restored_from": self.url},
+                project_id=None,
+                display_name=None,
+                sdk_version=None,
+            )
+            self.store.finish_session(record["session_id"], "finished:interrupted")
+        if self.store.get_model(path.run_id) is None:
+            self.store.add_model(
+                path.run_id,
+                session_id=record["session_id"],
+                model_seq_id=model["model_seq_id"],
+                base_model=model["base_model"],
+                lora=model["lora"],
+                user_metadata=model["user_metadata"],
+            )
+            self.store.set_model_status(path.run_id, "unloaded")
+        self.store.put_checkpoint(
+            path.run_id,
+            path.kind,
+            path.name,
+            size_bytes=size,
+            ttl_seconds=None,
+            user_metadata=checkpoint["user_metadata"],
+        )
+        self.store.update_checkpoint(
+            path.run_id,
+            path.kind,
+            path.name,
+            created_at=checkpoint["created_at"],
+            expires_at=checkpoint["expires_at"],
+            public=int(checkpoint["public"]),
+        )
+        log.info("checkpoint mirror: restored %s", path)
+        return True

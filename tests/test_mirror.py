@@ -1,0 +1,75 @@
+"""``--checkpoint-mirror`` (``server.mirror``) with fsspec's local filesystem standing in for the
+bucket: server A's checkpoints are copied up; server B, on an empty disk, restores them (the next
+step of a resumed run equals A's exactly), refuses a copy that fails its SHA-256 check, and a
+deletion on B deletes the mirror's copy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import ALIAS, ServerProcess, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DATUM = types.Datum(
+    model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+    loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+)
+
+
+def step(tc: tinker.TrainingClient) -> float:
+    loss = tc.forward_backward([DATUM], "cross_entropy").result().metrics["loss:sum"]
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return loss
+
+
+def until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout} s"
+        time.sleep(0.1)
+
+
+def mirror_status(srv: ServerProcess) -> dict:
+    return httpx.get(f"{srv.base_url}/healthz", timeout=10).json()["checkpoint_mirror"]
+
+
+def test_checkpoints_outlive_the_disk(tmp_path: Path, tiny_model_dir: Path):
+    bucket = tmp_path / "bucket"
+    mirror = ["--model", str(tiny_model_dir), "--checkpoint-mirror", f"file://{bucket}"]
+    a = start_server(tmp_path / "a", *mirror)
+    try:
+        with tinker.ServiceClient(base_url=a.base_url) as sc:
+            tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=3).result()
+            step(tc)
+            state = tc.save_state("kept").result().path
+            sampler = tc.save_weights_for_sampler("spoiled").result().path
+            expected = step(tc)  # what the step after the checkpoint gives
+        until(lambda: mirror_status(a)["uploaded"] == 2, "copying both checkpoints up")
+    finally:
+        a.stop()
+    run = state.removeprefix("tinker://").split("/")[0]
+    spoiled = bucket / run / "sampler_weights" / "spoiled" / "adapter_model.safetensors"
+    spoiled.write_bytes(spoiled.read_bytes()[:-1] + b"\0")
+
+    b = start_server(tmp_path / "b", *mirror)  # an empty disk: a new VM
+    try:
+        rest = tinker.RestClient(base_url=b.base_url)
+        listed = {c.tinker_path for c in rest.list_checkpoints(run).result().checkpoints}
+        assert listed == {state}  # the spoiled copy was not restored
+        assert "fails its SHA-256 check" in b.log_path.read_text()
+        with tinker.ServiceClient(base_url=b.base_url) as sc:
+            resumed = sc.create_training_client_from_state_with_optimizer(state).result()
+            assert step(resumed) == expected
+        rest.delete_checkpoint_from_tinker_path(state).result()
+        until(lambda: not (bucket / run / "weights" / "kept").exists(), "deleting the mirror's copy")
+    finally:
+        b.stop()
+    assert sampler  # saved on A; its copy is the spoiled one
