@@ -56,11 +56,13 @@ PORT="$(setting hosted-tinker-port HT_PORT 8000)"
 ROLE="$(setting hosted-tinker-role HT_ROLE server)"
 CLUSTER_KEY="$(setting hosted-tinker-cluster-key HT_CLUSTER_KEY "")"
 
-install() { # once per source: a venv of its own, torch first (CUDA wheels on a GPU VM)
+install() { # once per source: a venv of its own (torch's default wheels are CUDA builds on Linux)
   if [ -x "$HT" ] && [ "$(cat "$PREFIX/installed-source" 2>/dev/null)" = "$SOURCE" ]; then
     return
   fi
-  mkdir -p "$PREFIX"
+  if [ -z "$LOCAL" ] && ! python3 -c "import ensurepip" 2>/dev/null && command -v apt-get >/dev/null; then
+    apt-get install -y -q python3-venv # Debian and Ubuntu ship venv's pip separately
+  fi
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   if [ -n "${HT_DEPS_SITE:-}" ]; then
     local site
@@ -70,6 +72,16 @@ install() { # once per source: a venv of its own, torch first (CUDA wheels on a 
   # shellcheck disable=SC2086  # HT_PIP_ARGS is a list of arguments
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${HT_PIP_ARGS:-} "$SOURCE"
   echo "$SOURCE" >"$PREFIX/installed-source"
+}
+
+with_vllm() { # --inference vllm: vLLM in an environment of its own, made once
+  case " $SERVE_ARGS " in
+    *" --inference vllm "*) ;;
+    *) return ;;
+  esac
+  case " $SERVE_ARGS " in *" --vllm-python "*) return ;; esac
+  [ -x "$PREFIX/vllm/bin/python" ] || "$HT" setup-vllm "$PREFIX/vllm"
+  SERVE_ARGS="$SERVE_ARGS --vllm-python $PREFIX/vllm/bin/python"
 }
 
 first_boot_key() { # the API key, made once and kept with the data (mode 0600)
@@ -138,8 +150,17 @@ run_supervised() { # without systemd: the same command in a loop that restarts i
   echo $! >"$pidfile"
 }
 
-mkdir -p "$DATA"
+mkdir -p "$DATA" "$PREFIX"
+exec 9>"$PREFIX/startup.lock" # one run at a time (launch.sh --from-checkout runs it again)
+flock 9
+case "$SOURCE" in
+  /*) if [ ! -e "$SOURCE" ]; then
+    echo "hosted-tinker: $SOURCE is not there yet (launch.sh copies it up and runs this again)"
+    exit 0
+  fi ;;
+esac
 install
+with_vllm
 first_boot_key
 write_env
 if [ -z "$LOCAL" ] && [ -d /run/systemd/system ]; then

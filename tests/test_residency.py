@@ -132,3 +132,26 @@ def test_sigterm_parks_every_model_and_the_next_start_serves_them_under_the_same
     finally:
         srv.stop()
     assert losses == expected
+
+
+def test_after_a_kill_a_saved_model_comes_back_from_its_last_save_and_says_so(tmp_path: Path, base_url: str):
+    """SIGKILL gives no time to park: a model with a saved training state comes back from it
+    (its next request fails once, saying from where), and goes on as if the steps after the save
+    had never been taken; the documented loss is exactly those steps."""
+    expected = reference(base_url, seed=41, steps=4)
+    srv = start_server(tmp_path)
+    try:
+        sc = tinker.ServiceClient(base_url=srv.base_url)
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=41).result()
+        losses = [step(tc, 0), step(tc, 1)]
+        path = tc.save_state("last").result().path
+        step(tc, 2)  # learned after the save: lost with the kill
+        srv.stop(signal.SIGKILL)
+        srv = start_server(tmp_path, port=urlsplit(srv.base_url).port)
+        with pytest.raises(tinker.RequestFailedError, match=f"restored from {path} \\(optimizer step 2\\)"):
+            tc.forward_backward([datum(2)], "cross_entropy").result()
+        losses += [step(tc, 2), step(tc, 3)]
+        sc.__exit__(None, None, None)
+    finally:
+        srv.stop()
+    assert losses == expected

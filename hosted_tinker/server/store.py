@@ -148,6 +148,9 @@ class Store:
         )
         return [r[0] for r in rows.fetchall()]
 
+    def model_ids(self, status: str) -> list[str]:
+        return [r[0] for r in self._exec("SELECT model_id FROM models WHERE status=?", (status,)).fetchall()]
+
     def set_model_status(self, model_id: str, status: str) -> None:
         self._exec("UPDATE models SET status=? WHERE model_id=?", (status, model_id))
 

@@ -36,7 +36,7 @@ from hosted_tinker.server.serving.futures import FuturesService
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.server.serving.recovery import ModelRecovery
-from hosted_tinker.server.serving.residency import Residency
+from hosted_tinker.server.serving.residency import Residency, park_after_kill
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.sessions import SessionService
 from hosted_tinker.server.serving.tenancy import Tenancy
@@ -95,17 +95,19 @@ def build_state(config: ServerConfig) -> ServerState:
     except (ValueError, OSError) as e:
         raise SystemExit(f"API keys: {e}") from None
     keys = KeyRing(store, static_keys, allow_any=config.dev_any_key)
-    failed, lost = store.recover_after_restart()
-    if failed or lost:
-        log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
-    backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s, _cluster(config))
-    scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model), ServerMetrics())
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     parked = CheckpointFiles(config.data_dir / "parked")  # models saved whole off the workers (Residency)
     for staging in (files, ephemeral, parked):
         if removed := staging.clear_staging():
             log.info("removed %d unfinished writes left in %s by an earlier run", removed, staging.root)
+    if adopted := park_after_kill(store, files, parked):  # models loaded when the server was killed
+        log.warning("restart after a kill: %d models come back from their last saved state", len(adopted))
+    failed, lost = store.recover_after_restart()
+    if failed or lost:
+        log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
+    backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s, _cluster(config))
+    scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model), ServerMetrics())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     caps = backend.capabilities
     pids = backend.status()["pids"]

@@ -17,6 +17,7 @@ Everything here that touches a model runs on the dispatch thread, between the mo
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -232,3 +233,31 @@ class Residency:
                 raise
             except Exception:
                 log.exception("could not park %s to make room for %s", victim, model_id)
+
+
+def park_after_kill(store: Store, checkpoints: CheckpointFiles, parked: CheckpointFiles) -> list[str]:
+    """At start-up, before anything runs. After a kill (no SIGTERM: nothing was parked) each model
+    that was loaded and has a saved training state (``save_state``) is parked from the newest
+    one, owing its client the notice that what it learned after it is gone; a model with none
+    is lost (``Store.recover_after_restart``). Returns the models parked."""
+    adopted = []
+    for model_id in store.model_ids("active"):
+        saved = [c for c in store.list_checkpoints(model_id) if c.kind == "weights"]  # newest first
+        if not saved:
+            continue
+        source = TinkerPath(model_id, "weights", saved[0].name)
+        try:
+            files = checkpoints.read(source)
+            steps = json.loads(files["training_state.json"])["steps"]
+        except (CheckpointError, KeyError, ValueError):
+            log.exception("model %s cannot come back from %s", model_id, source)
+            continue
+        notice = (
+            f"the server was killed and started again, and model {model_id} was restored from {source} "
+            f"(optimizer step {steps}): training after that checkpoint was lost. Training goes on from "
+            "that state from your next request"
+        )
+        parked.write(TinkerPath(model_id, "weights", "parked"), {**files, NOTICE: notice.encode()}, overwrite=True)
+        store.set_model_status_if(model_id, PARKED, "active")
+        adopted.append(model_id)
+    return adopted
