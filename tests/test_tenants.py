@@ -360,7 +360,7 @@ def test_unpublishing_or_deleting_ends_other_keys_sampling_at_once(keyed):
         assert b_completion() == 200
 
         rest_a.unpublish_checkpoint_from_tinker_path(path).result()
-        with pytest.raises(tinker.NotFoundError, match="unpublished or deleted"):
+        with pytest.raises(tinker.NotFoundError, match="its owner no longer publishes"):
             theirs.sample(prompt, 1, params).result()
         assert b_completion() == 404
         assert own.sample(prompt, 1, params).result().sequences  # the owner's is untouched

@@ -156,9 +156,10 @@ class Store:
 
     def set_model_status_if(self, model_id: str, status: str, expected: str, next_seq: int | None = None) -> bool:
         """Set ``status`` only if the model is still ``expected`` (another thread may have unloaded
-        it meanwhile); ``next_seq``: where its requests resume after a restart. Whether it was set."""
+        it meanwhile), and ``next_seq``: the seq_id its requests resume at after a restart, if
+        parked (None: one past its last future's). Whether it was set."""
         cur = self._exec(
-            "UPDATE models SET status=?, next_seq=COALESCE(?, next_seq) WHERE model_id=? AND status=?",
+            "UPDATE models SET status=?, next_seq=? WHERE model_id=? AND status=?",
             (status, next_seq, model_id, expected),
         )
         return cur.rowcount == 1

@@ -44,19 +44,24 @@ class Tenancy:
         if not self.owns(tenant, sampler_id):
             raise not_found(f"{field} {sampler_id!r} does not exist")
         record = self.store.get_sampler(sampler_id)
-        if record is not None and not self.may_sample(tenant, record):
-            raise not_found(
-                f"{field} {sampler_id!r} samples {record.model_path}, which was unpublished or deleted by its owner"
-            )
+        if record is not None and (why := self.cannot_sample(tenant, record)) is not None:
+            raise not_found(f"{field} {sampler_id!r} samples {record.model_path}, which {why}")
 
     def may_sample(self, tenant: str, sampler: SamplerRecord) -> bool:
-        """Whether the checkpoint ``sampler`` was opened on (if any) still exists and ``tenant``
-        may still read it."""
+        return self.cannot_sample(tenant, sampler) is None
+
+    def cannot_sample(self, tenant: str, sampler: SamplerRecord) -> str | None:
+        """Why ``tenant`` may no longer sample the checkpoint ``sampler`` was opened on, if so:
+        it was deleted, or it is another tenant's and no longer published."""
         if sampler.model_path is None:
-            return True
+            return None
         path = TinkerPath.parse(sampler.model_path)
         record = self.store.get_checkpoint(path.run_id, path.kind, path.name)
-        return record is not None and (record.public or self.owns(tenant, path.run_id))
+        if record is None:
+            return "no longer exists (deleted, or past its TTL)"
+        if not record.public and not self.owns(tenant, path.run_id):
+            return "its owner no longer publishes"
+        return None
 
     def future(self, tenant: str, request_id: str) -> None:
         # Through the id of the future's model or sampler, not that object's row: a retired
