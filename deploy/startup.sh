@@ -44,13 +44,17 @@ setting() { # setting ATTRIBUTE VARIABLE DEFAULT: from the metadata server, or t
   if [ -n "$LOCAL" ]; then
     value="${!2:-}"
   else
-    value="$(curl -fs -H "Metadata-Flavor: Google" \
+    value="$(curl -fs --retry 10 --retry-connrefused -H "Metadata-Flavor: Google" \
       "http://metadata.google.internal/computeMetadata/v1/instance/attributes/$1" || true)"
   fi
   printf '%s' "${value:-$3}"
 }
 
-SOURCE="$(setting hosted-tinker-source HT_SOURCE hosted-tinker)"
+SOURCE="$(setting hosted-tinker-source HT_SOURCE "")"
+if [ -z "$SOURCE" ]; then # never a guess: that would install whatever PyPI has, as root
+  echo "startup.sh: no hosted-tinker-source (HT_SOURCE): nothing to install" >&2
+  exit 1
+fi
 SERVE_ARGS="$(setting hosted-tinker-serve-args HT_SERVE_ARGS "")"
 PORT="$(setting hosted-tinker-port HT_PORT 8000)"
 ROLE="$(setting hosted-tinker-role HT_ROLE server)"
@@ -61,7 +65,9 @@ install() { # once per source: a venv of its own (torch's default wheels are CUD
     return
   fi
   if [ -z "$LOCAL" ] && ! python3 -c "import ensurepip" 2>/dev/null && command -v apt-get >/dev/null; then
-    apt-get install -y -q python3-venv # Debian and Ubuntu ship venv's pip separately
+    # Debian and Ubuntu ship venv's pip apart; at first boot unattended-upgrades holds dpkg's lock.
+    apt-get -o DPkg::Lock::Timeout=600 update -q
+    apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv
   fi
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   if [ -n "${HT_DEPS_SITE:-}" ]; then
@@ -71,6 +77,10 @@ install() { # once per source: a venv of its own (torch's default wheels are CUD
   fi
   # shellcheck disable=SC2086  # HT_PIP_ARGS is a list of arguments
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check ${HT_PIP_ARGS:-} "$SOURCE"
+  case "$SERVE_ARGS" in # the filesystem of a --checkpoint-mirror URL
+    *gs://*) "$VENV/bin/python" -m pip install --quiet gcsfs ;;
+    *s3://*) "$VENV/bin/python" -m pip install --quiet s3fs ;;
+  esac
   echo "$SOURCE" >"$PREFIX/installed-source"
 }
 
@@ -109,8 +119,9 @@ write_env() { # what the service reads (EnvironmentFile=): the settings of serve
   )
 }
 
-run_with_systemd() {
-  cat >/etc/systemd/system/hosted-tinker.service <<EOF
+run_with_systemd() { # restarted only when what it runs changed: at boot systemd already started it
+  local unit=/etc/systemd/system/hosted-tinker.service
+  cat >"$unit.new" <<EOF
 [Unit]
 Description=hosted-tinker: a Tinker-compatible LoRA training server
 Wants=network-online.target
@@ -121,16 +132,26 @@ EnvironmentFile=$ENV_FILE
 ExecStart=$HT \$HT_ARGS
 Restart=on-failure
 RestartSec=5
-# SIGTERM parks every model within --shutdown-timeout (25 s); GCP gives a preempted VM 30 s.
+# SIGTERM, to the server only (mixed: its ranks must stay up while it parks every model within
+# --shutdown-timeout, 25 s; GCP gives a preempted VM 30 s); SIGKILL to what is left after 40 s.
 KillSignal=SIGTERM
+KillMode=mixed
 TimeoutStopSec=40
+LimitNOFILE=65536
 
 [Install]
 WantedBy=multi-user.target
 EOF
+  if cmp -s "$unit.new" "$unit" && [ "$(cat "$PREFIX/started-with" 2>/dev/null)" = "$(cat "$ENV_FILE" "$PREFIX/installed-source")" ]; then
+    rm "$unit.new"
+    systemctl enable --now hosted-tinker
+    return
+  fi
+  mv "$unit.new" "$unit"
   systemctl daemon-reload
   systemctl enable hosted-tinker
   systemctl restart hosted-tinker
+  cat "$ENV_FILE" "$PREFIX/installed-source" >"$PREFIX/started-with"
 }
 
 run_supervised() { # without systemd: the same command in a loop that restarts it on failure
@@ -146,7 +167,7 @@ run_supervised() { # without systemd: the same command in a loop that restarts i
       "$2" $HT_ARGS & child=$!
       wait $child && exit 0  # a clean stop is not restarted
       sleep 5
-    done' supervise "$ENV_FILE" "$HT" >>"$DATA/server.log" 2>&1 </dev/null &
+    done' supervise "$ENV_FILE" "$HT" >>"$DATA/server.log" 2>&1 </dev/null 9>&- &
   echo $! >"$pidfile"
 }
 

@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from hosted_tinker.server.api.app import create_app
+    from hosted_tinker.server.api.app import create_app, graceful_shutdown_s
     from hosted_tinker.server.api.connections import ConnectionLimits, http_protocol
     from hosted_tinker.server.api.state import build_state
 
@@ -86,6 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
         port=config.port,
         log_level=args.log_level,
         http=http_protocol(ConnectionLimits.from_config(config)),
+        # Open requests may delay the shutdown this long, so that parking fits --shutdown-timeout.
+        timeout_graceful_shutdown=graceful_shutdown_s(config),
     )
     return 0
 
@@ -491,10 +493,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":  # the environment and the config file under the flags (settings.py)
         serve = serve_parser(parser)
         try:
-            serve.set_defaults(**layered_defaults(serve, os.environ, args.config or os.environ.get(CONFIG_ENV)))
+            layered = layered_defaults(serve, os.environ, args.config or os.environ.get(CONFIG_ENV))
         except ValueError as e:
             raise SystemExit(f"invalid settings: {e}") from None
+        # A repeatable flag given on the command line replaces the list, rather than adding to it.
+        lists = {a.dest for a in serve._actions if isinstance(a, argparse._AppendAction)}
+        appended = {dest: layered.pop(dest) for dest in lists & set(layered)}
+        serve.set_defaults(**layered)
         args = parser.parse_args(argv)
+        for dest, values in appended.items():
+            if not getattr(args, dest):
+                setattr(args, dest, values)
     return args.func(args)
 
 

@@ -5,8 +5,10 @@
 3. the TOML file of ``--config FILE`` or ``$HOSTED_TINKER_CONFIG`` (``max_body_bytes = 1048576``);
 4. the built-in default.
 
-A setting's name is its flag's, with underscores. A repeatable flag takes a list in the file and
-comma-separated values in the environment; a switch takes true/false (1/0, yes/no, on/off).
+A setting's name is its flag's, with underscores (``--shutdown-timeout``: ``shutdown_timeout``,
+also ``shutdown-timeout`` in the file). A repeatable flag takes a list in the file and
+comma-separated values in the environment (flags given on the command line replace that list);
+a switch takes true/false (1/0, yes/no, on/off); an empty variable counts as unset.
 ``serve --print-config`` prints the result (``--print-config env``: every setting, as an
 environment file). Used by the CLI only, before anything is started.
 """
@@ -14,6 +16,7 @@ environment file). Used by the CLI only, before anything is started.
 from __future__ import annotations
 
 import argparse
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,12 +25,20 @@ from typing import Any
 ENV_PREFIX = "HOSTED_TINKER_"
 CONFIG_ENV = "HOSTED_TINKER_CONFIG"
 NOT_SETTINGS = frozenset({"help", "config", "print_config"})
+# Read elsewhere: the config file's own variable, and secrets that are not flags.
+OTHER_VARIABLES = frozenset(
+    {CONFIG_ENV, "HOSTED_TINKER_CLUSTER_KEY", "HOSTED_TINKER_API_KEYS", "HOSTED_TINKER_REQUIRE_VLLM"}  # last: tests'
+)
 TRUE, FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off", ""})
 
 
 def settings(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """The settings of ``parser`` (its options), by name."""
-    return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in NOT_SETTINGS}
+    """The settings of ``parser`` (its options), by name: the long flag's, with underscores."""
+    return {
+        a.option_strings[-1].lstrip("-").replace("-", "_"): a
+        for a in parser._actions
+        if a.option_strings and a.dest not in NOT_SETTINGS
+    }
 
 
 def env_name(name: str) -> str:
@@ -40,7 +51,7 @@ def layered_defaults(
     """What the environment and the config file set, as defaults for ``parser`` (the flags
     given on the command line still win). A ValueError names the variable or file at fault."""
     known = settings(parser)
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {}  # by the flag's dest, as parse_args would set it
     if config_file is not None:
         try:
             table = tomllib.loads(Path(config_file).read_text())
@@ -50,10 +61,13 @@ def layered_defaults(
             name = key.replace("-", "_")
             if name not in known:
                 raise ValueError(f"config file {config_file}: {key!r} is not a setting of serve (see serve --help)")
-            values[name] = _converted(known[name], value, f"{key} in {config_file}")
+            values[known[name].dest] = _converted(known[name], value, f"{key} in {config_file}")
     for name, action in known.items():
-        if (raw := environ.get(env_name(name))) is not None:
-            values[name] = _converted(action, _from_env(action, raw, f"${env_name(name)}"), f"${env_name(name)}")
+        if raw := environ.get(env_name(name)):
+            values[action.dest] = _converted(action, _from_env(action, raw, f"${env_name(name)}"), f"${env_name(name)}")
+    unknown = {v for v in environ if v.startswith(ENV_PREFIX)} - {env_name(n) for n in known} - OTHER_VARIABLES
+    for variable in sorted(unknown):
+        print(f"warning: ${variable} is not a setting of serve (see serve --print-config env)", file=sys.stderr)
     return values
 
 
@@ -106,7 +120,7 @@ def env_example(parser: argparse.ArgumentParser) -> str:
     ]
     known = settings(parser)
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a.dest in known]
+        actions = [a for a in group._group_actions if a in known.values()]
         if actions:
             lines += ["", f"# ---- {group.title if group.title != 'options' else 'server'}"]
         for action in actions:
@@ -116,5 +130,6 @@ def env_example(parser: argparse.ArgumentParser) -> str:
                 default = ""
             else:
                 default = str(action.default)
-            lines += [f"# {action.help}", f"# {env_name(action.dest)}={default}"]
+            name = action.option_strings[-1].lstrip("-").replace("-", "_")
+            lines += [f"# {action.help}", f"# {env_name(name)}={default}"]
     return "\n".join(lines) + "\n"

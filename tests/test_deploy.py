@@ -1,6 +1,8 @@
 """``deploy/startup.sh`` in its local mode, as a VM's boots would run it: installed from this
-checkout, the key made on the first boot, the server supervised and answering; a second boot
-keeps the key, the install and the data (a checkpoint saved before it is still listed)."""
+checkout, the key made on the first boot, the server supervised and answering. The stop between
+the boots is a SIGTERM to the whole process group (as a terminal, or systemd without
+KillMode=mixed, sends it): the server still parks its model, so the second boot keeps the key,
+the install, the data, and the live model, whose client goes on."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def healthy(port: int, timeout: float = 180.0) -> dict:
 
 
 def shut_down(root: Path, port: int) -> None:
-    """What stopping the VM does to the service: SIGTERM, and wait until it is gone."""
+    """SIGTERM to the service's whole process group, and wait until it is gone."""
     supervisor = int((root / "opt/hosted-tinker/supervisor.pid").read_text())
     os.killpg(supervisor, signal.SIGTERM)
     deadline = time.monotonic() + 60
@@ -74,16 +76,17 @@ def test_first_and_second_boot(tmp_path: Path, tiny_model_dir: Path):
         assert key.startswith("tml-") and (data / "launch-key").stat().st_mode & 0o777 == 0o600
         assert healthy(port)["auth"] == {"mode": "api-keys"}  # never open: the key was made first
         assert (root / "opt/hosted-tinker/venv/bin/hosted-tinker").exists()
-        with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key) as sc:
-            tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
-            datum = types.Datum(
-                model_input=types.ModelInput.from_ints([5, 6, 7]),
-                loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3},
-            )
-            tc.forward_backward([datum], "cross_entropy").result()
-            saved = tc.save_state("before-reboot").result().path
+        sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key)
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3},
+        )
+        tc.forward_backward([datum], "cross_entropy").result()
+        saved = tc.save_state("before-reboot").result().path
     finally:
         shut_down(root, port)
+    assert "shutdown: parked 1 models" in (data / "server.log").read_text()  # the ranks outlived the SIGTERM
 
     installed = (root / "opt/hosted-tinker/installed-source").stat().st_mtime
     boot(root, env)
@@ -97,5 +100,7 @@ def test_first_and_second_boot(tmp_path: Path, tiny_model_dir: Path):
             c.tinker_path for r in runs for c in rest.list_checkpoints(r.training_run_id).result().checkpoints
         ]
         assert saved in checkpoints
+        tc.forward_backward([datum], "cross_entropy").result()  # the parked model, back under its id
+        sc.__exit__(None, None, None)
     finally:
         shut_down(root, port)

@@ -1,10 +1,13 @@
 """``--checkpoint-mirror`` (``server.mirror``) with fsspec's local filesystem standing in for the
-bucket: server A's checkpoints are copied up; server B, on an empty disk, restores them (the next
-step of a resumed run equals A's exactly), refuses a copy that fails its SHA-256 check, and a
-deletion on B deletes the mirror's copy."""
+bucket: server A's checkpoints are copied up; server B, on an empty disk with a first-boot key of
+its own (a new VM), restores them with A's key, so that A's tenant goes on (the next step of a
+resumed run equals A's exactly) and B's key sees nothing of it; a copy that fails its SHA-256
+check is refused, and a deletion on B deletes the mirror's copy."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,31 +44,40 @@ def mirror_status(srv: ServerProcess) -> dict:
     return httpx.get(f"{srv.base_url}/healthz", timeout=10).json()["checkpoint_mirror"]
 
 
+def new_key(data_dir: Path) -> str:
+    command = [sys.executable, "-m", "hosted_tinker", "keys", "create", "--data-dir", str(data_dir)]
+    return subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+
 def test_checkpoints_outlive_the_disk(tmp_path: Path, tiny_model_dir: Path):
     bucket = tmp_path / "bucket"
     mirror = ["--model", str(tiny_model_dir), "--checkpoint-mirror", f"file://{bucket}"]
+    key = new_key(tmp_path / "a")
     a = start_server(tmp_path / "a", *mirror)
     try:
-        with tinker.ServiceClient(base_url=a.base_url) as sc:
+        with tinker.ServiceClient(base_url=a.base_url, api_key=key) as sc:
             tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=3).result()
             step(tc)
             state = tc.save_state("kept").result().path
             sampler = tc.save_weights_for_sampler("spoiled").result().path
             expected = step(tc)  # what the step after the checkpoint gives
-        until(lambda: mirror_status(a)["uploaded"] == 2, "copying both checkpoints up")
+        until(lambda: mirror_status(a)["uploaded"] == 2 and (bucket / "api_keys.json").exists(), "copying up")
     finally:
         a.stop()
     run = state.removeprefix("tinker://").split("/")[0]
     spoiled = bucket / run / "sampler_weights" / "spoiled" / "adapter_model.safetensors"
     spoiled.write_bytes(spoiled.read_bytes()[:-1] + b"\0")
 
-    b = start_server(tmp_path / "b", *mirror)  # an empty disk: a new VM
+    other_key = new_key(tmp_path / "b")  # an empty disk and a first-boot key of its own: a new VM
+    b = start_server(tmp_path / "b", *mirror)
     try:
-        rest = tinker.RestClient(base_url=b.base_url)
+        with pytest.raises(tinker.NotFoundError):  # the new VM's own tenant sees nothing of A's
+            tinker.RestClient(base_url=b.base_url, api_key=other_key).list_checkpoints(run).result()
+        rest = tinker.RestClient(base_url=b.base_url, api_key=key)
         listed = {c.tinker_path for c in rest.list_checkpoints(run).result().checkpoints}
         assert listed == {state}  # the spoiled copy was not restored
         assert "fails its SHA-256 check" in b.log_path.read_text()
-        with tinker.ServiceClient(base_url=b.base_url) as sc:
+        with tinker.ServiceClient(base_url=b.base_url, api_key=key) as sc:
             resumed = sc.create_training_client_from_state_with_optimizer(state).result()
             assert step(resumed) == expected
         rest.delete_checkpoint_from_tinker_path(state).result()

@@ -38,6 +38,17 @@ def test_a_flag_beats_the_environment_which_beats_the_file_which_beats_the_defau
     monkeypatch.setenv("HOSTED_TINKER_CONFIG", str(config))
     monkeypatch.delenv("HOSTED_TINKER_PORT")
     assert printed(capsys)["port"] == 9001  # the file named by the environment
+    # Names are the flags' (--shutdown-timeout, whatever its dest); an empty variable is unset;
+    # a repeatable flag on the command line replaces the list; an unknown variable is said.
+    monkeypatch.setenv("HOSTED_TINKER_SHUTDOWN_TIMEOUT", "7")
+    monkeypatch.setenv("HOSTED_TINKER_MAX_SEQ_LEN", "")
+    monkeypatch.setenv("HOSTED_TINKER_SHUTDOWN_TIMOUT", "8")
+    assert main(["serve", "--key-limit", "sessions=9", "--print-config"]) == 0
+    out, err = capsys.readouterr()
+    settings = json.loads(out)
+    assert settings["shutdown_timeout_s"] == 7 and settings["max_seq_len"] is None
+    assert settings["key_limits"] == {"sessions": 9}
+    assert "$HOSTED_TINKER_SHUTDOWN_TIMOUT is not a setting" in err
 
 
 @pytest.mark.parametrize(

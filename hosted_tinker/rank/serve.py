@@ -97,7 +97,11 @@ def serve_remote(
 
 def serve(conn: Connection, factory: Callable[[], Any]) -> None:
     """Entry point of the worker process; returns when told to stop or when the server is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it stops us
+    # Ctrl-C and SIGTERM are the server's to handle (a SIGTERM to the whole process group, as
+    # systemd or a terminal may send, must leave the ranks up while it parks every model); the
+    # server stops us with a message, or SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
     try:
         rank = factory()

@@ -20,6 +20,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles, TinkerPath
@@ -28,6 +29,7 @@ from hosted_tinker.server.store import Store
 log = logging.getLogger(__name__)
 
 RECORD = "record.json"
+KEYS = "api_keys.json"  # the keys' rows: a new VM's server restores the tenants with their runs
 MIRRORED = ("weights", "sampler_weights")  # exports (external_weights) are made for one download
 
 
@@ -54,14 +56,18 @@ class CheckpointMirror:
     def saved(self, path: TinkerPath) -> None:
         if path.kind in MIRRORED:
             self._queue.put(lambda: self._upload(path))
+            self._queue.put(self._upload_keys)  # its owner's key is there by the time its copy is
 
     def deleted(self, path: TinkerPath) -> None:
         if path.kind in MIRRORED:
             self._queue.put(lambda: self._delete(path))
 
-    def wait(self) -> None:
-        """Until everything asked so far is done (tests, shutdown)."""
-        self._queue.join()
+    def drain(self, deadline: float) -> bool:
+        """Wait until everything asked so far is done, or ``deadline`` (monotonic) passes (at
+        shutdown); whether it was all done."""
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self._queue.unfinished_tasks
 
     def _run(self) -> None:
         while True:
@@ -81,10 +87,19 @@ class CheckpointMirror:
         if record is None:  # deleted before its turn came
             return
         directory, target = self.files.directory(path), self._dir(path)
-        names = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST)
+        # The record goes first and comes back last: a copy half-made (or half-replaced by an
+        # overwrite) is never taken for a whole one.
+        if self.fs.exists(f"{target}/{RECORD}"):
+            self.fs.rm_file(f"{target}/{RECORD}")
+        files = self.files.read(path)  # checked against its manifest: one version, whole
         self.fs.makedirs(target, exist_ok=True)  # a no-op on object stores; needed on a filesystem
-        for name in [*names, MANIFEST]:
-            self.fs.put_file(str(directory / name), f"{target}/{name}")
+        for name, data in files.items():
+            self.fs.pipe_file(f"{target}/{name}", data)
+        manifest = (directory / MANIFEST).read_bytes()
+        if json.loads(manifest)["files"].keys() != files.keys():  # overwritten while read: next time
+            raise RuntimeError(f"{path} changed while it was copied")
+        self.fs.pipe_file(f"{target}/{MANIFEST}", manifest)
+        record["manifest_sha256"] = hashlib.sha256(manifest).hexdigest()
         self.fs.pipe_file(f"{target}/{RECORD}", json.dumps(record).encode())
         self.uploaded += 1
 
@@ -126,20 +141,57 @@ class CheckpointMirror:
     def sync(self) -> tuple[int, int]:
         """Restore what only the mirror has, and queue the upload of what only the disk has;
         returns (restored, queued). Runs before the server takes requests."""
-        restored, mirrored = 0, set()
+        restored, mirrored = 0, {}
+        self._restore_keys()
         for record_path in self.fs.glob(f"{self.root}/*/*/*/{RECORD}"):
-            record = json.loads(self.fs.cat_file(record_path))
-            path = TinkerPath(record["model"]["model_id"], record["checkpoint"]["kind"], record["checkpoint"]["name"])
-            mirrored.add(str(path))
-            if self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
-                restored += self._restore(path, record)
+            try:
+                record = json.loads(self.fs.cat_file(record_path))
+                checkpoint = record["checkpoint"]
+                path = TinkerPath(record["model"]["model_id"], checkpoint["kind"], checkpoint["name"])
+                mirrored[str(path)] = record.get("manifest_sha256")
+                if self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
+                    restored += self._restore(path, record)
+            except Exception:  # one bad copy must not keep the server from starting
+                log.exception("checkpoint mirror: %s cannot be restored", record_path)
         queued = 0
         for checkpoint in self.store.list_checkpoints():
             path = TinkerPath(checkpoint.model_id, checkpoint.kind, checkpoint.name)
-            if path.kind in MIRRORED and str(path) not in mirrored:
-                self.saved(path)
+            if path.kind in MIRRORED and mirrored.get(str(path), "") != self._manifest_sha256(path):
+                self.saved(path)  # missing there, or an older version (an overwrite not copied up)
                 queued += 1
         return restored, queued
+
+    def _manifest_sha256(self, path: TinkerPath) -> str | None:
+        try:
+            return hashlib.sha256((self.files.directory(path) / MANIFEST).read_bytes()).hexdigest()
+        except OSError:
+            return None
+
+    # ---- the keys, so that a new VM's server knows the tenants its restored runs belong to ------
+
+    def keys_saved(self) -> None:
+        """Copy the API keys' rows (hashes, never keys) up, after any change to them."""
+        self._queue.put(self._upload_keys)
+
+    def _upload_keys(self) -> None:
+        rows = [{**k.__dict__, "sha256": self.store.api_key_hash(k.key_id)} for k in self.store.list_api_keys()]
+        for row in rows:
+            row["limits"] = self.store.api_key_limits(row["key_id"])
+        self.fs.pipe_file(f"{self.root}/{KEYS}", json.dumps(rows).encode())
+
+    def _restore_keys(self) -> None:
+        if not self.fs.exists(f"{self.root}/{KEYS}"):
+            self.keys_saved()
+            return
+        known = {k.key_id for k in self.store.list_api_keys()}
+        for row in json.loads(self.fs.cat_file(f"{self.root}/{KEYS}")):
+            if row["key_id"] not in known:
+                self.store.add_api_key(row["key_id"], name=row["name"], sha256=row["sha256"], prefix=row["prefix"])
+                self.store.set_api_key_limits(row["key_id"], row["limits"])
+                if row["revoked_at"] is not None:
+                    self.store.revoke_api_key(row["key_id"])
+                log.info("checkpoint mirror: restored API key %s (%s)", row["key_id"], row["name"])
+        self.keys_saved()  # and this server's own, made before the mirror was read
 
     def _restore(self, path: TinkerPath, record: dict) -> bool:
         source = self._dir(path)

@@ -478,6 +478,10 @@ class Store:
             (key_id, name, sha256, prefix, time.time()),
         )
 
+    def api_key_hash(self, key_id: str) -> str | None:
+        row = self._exec("SELECT sha256 FROM api_keys WHERE key_id=?", (key_id,)).fetchone()
+        return row[0] if row else None
+
     def api_key_id(self, sha256: str) -> str | None:
         """The id of the unrevoked key with this hash, if any."""
         row = self._exec("SELECT key_id FROM api_keys WHERE sha256=? AND revoked_at IS NULL", (sha256,)).fetchone()

@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
+from hosted_tinker.core.config import ServerConfig
 from hosted_tinker.server.api import openai_proxy_routes, openai_routes, ops_routes, rest_routes, tinker_routes
 from hosted_tinker.server.api.auth import authenticate
 from hosted_tinker.server.api.body_limit import BodyLimit
@@ -35,7 +36,11 @@ def create_app(state: ServerState) -> FastAPI:
         sweeper.cancel()
         watchdog.cancel()
         parker.cancel()
-        await _park_all(state)  # the next start serves the same models from where they are now
+        deadline = await _park_all(state)  # the next start serves the same models from where they are now
+        if state.checkpoints.mirror is not None and not await asyncio.to_thread(
+            state.checkpoints.mirror.drain, deadline
+        ):
+            log.warning("shutdown: checkpoint copies still queued for the mirror are made at the next start")
         state.scheduler.shutdown()  # first: a step finishing now may still publish to vLLM
         state.backend.close()
         if state.openai_proxy is not None:
@@ -119,11 +124,20 @@ async def _park_silent(state: ServerState) -> None:
             log.exception("parking the models of silent sessions failed")
 
 
-async def _park_all(state: ServerState) -> None:
+GRACEFUL_S = 5.0  # at SIGTERM, how long open requests (a long-poll, a stream) may take to finish
+
+
+def graceful_shutdown_s(config: ServerConfig) -> float:
+    """uvicorn's ``timeout_graceful_shutdown``: its part of ``--shutdown-timeout``; parking has the rest."""
+    return min(GRACEFUL_S, config.shutdown_timeout_s / 4)
+
+
+async def _park_all(state: ServerState) -> float:
     """At shutdown: once the jobs already handed to the worker have run, park every resident
     model within ``--shutdown-timeout``. A job that reaches the worker after that fails, saying
-    to send it again (``ServerStopping``), rather than bring a model back that would be lost."""
-    deadline = time.monotonic() + state.config.shutdown_timeout_s
+    to send it again (``ServerStopping``), rather than bring a model back that would be lost.
+    Returns the deadline, which what else must be done at shutdown shares."""
+    deadline = time.monotonic() + state.config.shutdown_timeout_s - graceful_shutdown_s(state.config)
     residency, done = state.training.residency, threading.Event()
     outcome: list[tuple[int, int]] = []
 
@@ -135,12 +149,13 @@ async def _park_all(state: ServerState) -> None:
 
     if not state.backend.status()["alive"]:  # parking would first start a new worker group
         log.warning("shutdown: the training worker is not alive; resident models are lost")
-        return
+        return deadline
     state.scheduler.run_on_worker(park)
     if not await asyncio.to_thread(done.wait, max(0.0, deadline - time.monotonic())):
         log.warning("shutdown: the worker was still busy after --shutdown-timeout; resident models are lost")
     elif outcome:
         log.info("shutdown: parked %d models (%d could not be)", *outcome[0])
+    return deadline
 
 
 async def _watch_worker(state: ServerState, every_s: float = 1.0, max_wait_s: float = 60.0) -> None:
