@@ -37,3 +37,33 @@ def random_batch(
         data.append(DatumInput(tokens=tokens[:-1], target_tokens=tokens[1:], inputs=inputs))
     config = dict(losses.LOSSES[loss_fn].config_defaults)
     return ForwardBackwardBatch(data=data, loss_fn=loss_fn, loss_config=config, forward_only=False)
+
+
+def padded_logprobs(model, handle, data: list[DatumInput], **_) -> list[torch.Tensor]:
+    """The path packing replaced, for comparison: ``HfLoraModel``'s data right-padded into one
+    ``(count, longest)`` batch with an attention mask, through transformers' own sdpa attention,
+    logits of every position at once, log-softmax in float64. Takes the place of
+    ``HfLoraModel.logprobs``."""
+    model.adapters.activate(handle.name)
+    for p in handle.params:
+        p.requires_grad_(True)
+    lm = model.adapters.lm
+    longest = max(d.num_tokens for d in data)
+    ids = torch.zeros((len(data), longest), dtype=torch.long)
+    mask = torch.zeros((len(data), longest), dtype=torch.long)
+    for row, d in enumerate(data):
+        ids[row, : d.num_tokens] = d.tokens
+        mask[row, : d.num_tokens] = 1
+    packed_implementation = lm.config._attn_implementation
+    lm.set_attn_implementation("sdpa")
+    try:
+        logits = lm(input_ids=ids, attention_mask=mask).logits.double()
+    finally:
+        lm.set_attn_implementation(packed_implementation)
+    logprobs = logits.log_softmax(-1)
+    out = []
+    for row, d in enumerate(data):
+        targets = d.target_tokens.reshape(d.num_tokens, -1)
+        lp = logprobs[row, : d.num_tokens].gather(-1, targets)
+        out.append(lp if d.target_tokens.dim() == 2 else lp[:, 0])
+    return out

@@ -114,11 +114,11 @@ def test_a_failed_request_leaves_accumulated_gradients_untouched(backend: Traine
     calls = {"n": 0}
     real = backend.model.logprobs
 
-    def flaky(handle, data):
+    def flaky(handle, data, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated out-of-memory in the second micro-batch")
-        return real(handle, data)
+        return real(handle, data, **kwargs)
 
     monkeypatch.setattr(backend.model, "logprobs", flaky)
     monkeypatch.setattr(backend, "microbatch_tokens", 12)  # one datum per micro-batch

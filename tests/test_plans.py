@@ -2,7 +2,7 @@
 
 Each plan runs in worker processes through ``ProcessBackend``, as the server runs it, on two CPU
 ranks where it accepts two (else one). The reference is the single plan in float64 in this
-process, started from the plan's own initial weights. Every loss, datums of unequal lengths,
+process on the padded path, started from the plan's own initial weights. Every loss, datums of unequal lengths,
 gradients accumulated over two calls before each step, full AdamParams: per-datum logprobs,
 ``loss:sum``, ``grad_norm`` and the weights after the steps agree to float32 precision; and
 three Dimuon steps, whose update needs whole matrices where a plan shards them; and a custom loss.
@@ -28,7 +28,7 @@ from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.backend import ProcessBackend
 from hosted_tinker.server.workers.launch import rank_factories
-from tests.batches import random_batch
+from tests.batches import padded_logprobs, random_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -75,7 +75,12 @@ def as_float64(state: AdapterState) -> AdapterState:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> Trainer:
-    return local_rank(str(tiny_model_dir), dtype="float64").trainer
+    """The single plan in float64 on the padded, stored-activation path (what packing and
+    recomputation replaced): a plan that packs, recomputes or shards must still agree with it."""
+    trainer = local_rank(str(tiny_model_dir), dtype="float64").trainer
+    trainer.model.logprobs = functools.partial(padded_logprobs, trainer.model)
+    trainer.recompute_above_tokens = 10**9
+    return trainer
 
 
 @pytest.mark.parametrize("backend, devices, options", layouts())

@@ -21,7 +21,10 @@ from torch import Tensor, nn
 
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.logprobs import packed_targets, target_logprobs, unpacked
+from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
+from hosted_tinker.rank import attention
+from hosted_tinker.rank.activations import recomputed
 
 _ATTN_HINTS = ("attn", "attention")
 _MLP_HINTS = ("mlp", "feed_forward", "ffn")
@@ -54,9 +57,10 @@ class LoraModel(Protocol):
 
     def remove_adapter(self, handle: AdapterHandle) -> None: ...
 
-    def logprobs(self, handle: AdapterHandle, data: list[DatumInput]) -> list[Tensor]:
+    def logprobs(self, handle: AdapterHandle, data: list[DatumInput], *, recompute: bool = False) -> list[Tensor]:
         """Per datum ``(N,)`` (or ``(N, K)`` for top-K targets) log-probs of its targets, in
-        autograd when it is enabled."""
+        autograd when it is enabled; the data run packed (no padding). ``recompute``: checkpoint
+        each decoder layer's activations (``rank.activations``)."""
         ...
 
     def adapter_config(self, handle: AdapterHandle) -> dict:
@@ -176,12 +180,16 @@ class HfLoraModel:
         self.arch = type(self.base).__name__
         self.vocab_size = self.base.config.vocab_size
         self.max_positions = getattr(self.base.config, "max_position_embeddings", None) or 32768
-        self.pad_id = self.base.config.pad_token_id or 0
         self.lora_alpha = lora_alpha
         self.targets = target_modules(self.base)
         # A clean tree over the same weights, taken before any LoRA module is injected: what an
         # embedded sampler on this rank builds its own adapters on (``rank.sampler``).
         self.shareable_base = sharing_weights(self.base)
+        # The training tree runs packed sequences (``rank.attention``); the sampler's keeps sdpa.
+        self.base.set_attn_implementation(attention.implementation(self.device))
+        from transformers.modeling_layers import GradientCheckpointingLayer  # the decoder layers
+
+        self.layers = [m for m in self.base.modules() if isinstance(m, GradientCheckpointingLayer)]
         self.adapters = PeftAdapters(self.base)
 
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
@@ -212,19 +220,18 @@ class HfLoraModel:
         out_features, in_features = self.shareable_base.get_submodule(target).weight.shape  # the clean tree
         return zero_adapter(target, out_features, in_features, self.base.config.name_or_path)
 
-    def logprobs(self, handle: AdapterHandle, data: list[DatumInput]) -> list[Tensor]:
+    def logprobs(self, handle: AdapterHandle, data: list[DatumInput], *, recompute: bool = False) -> list[Tensor]:
         self.adapters.activate(handle.name)
         for p in handle.params:  # set_adapter may freeze: trainability is the trainer's
             p.requires_grad_(True)
         lm = self.adapters.lm
-        lengths = [d.num_tokens for d in data]
-        ids = torch.full((len(data), max(lengths)), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(data), max(lengths)), dtype=torch.long)
-        for row, d in enumerate(data):
-            ids[row, : d.num_tokens] = d.tokens
-            mask[row, : d.num_tokens] = 1
+        packed = pack(data)
         decoder = getattr(lm, lm.base_model_prefix)
-        hidden = decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
-        flat_hidden = hidden[mask.to(self.device).bool()]  # (ΣN, H), row-major = datum order
+        with recomputed(self.layers, recompute and torch.is_grad_enabled()):
+            hidden = decoder(
+                input_ids=packed.tokens[None].to(self.device),
+                position_ids=packed.positions[None].to(self.device),
+                **attention.packing_kwargs(packed.cu_seqlens.to(self.device), packed.max_len),
+            ).last_hidden_state[0]  # (ΣN, H), datum order
         targets = packed_targets(data).to(self.device)
-        return unpacked(target_logprobs(lm.get_output_embeddings(), flat_hidden, targets), data)
+        return unpacked(target_logprobs(lm.get_output_embeddings(), hidden, targets), data)

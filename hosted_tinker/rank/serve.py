@@ -58,7 +58,7 @@ class Rank:
 def build_rank(spec: RankSpec) -> Rank:
     plan = plan_module(spec.backend).Plan(spec.rank, list(spec.devices), spec.init_method, spec.options)
     model = plan.build_model(spec.model_path, dtype=spec.dtype, lora_alpha=spec.lora_alpha)
-    trainer = Trainer(model, plan, spec.options.microbatch_tokens)
+    trainer = Trainer(model, plan, spec.options.microbatch_tokens, spec.options.recompute_above_tokens)
     shared = getattr(model, "shareable_base", None)  # a tree over the trainer's own weights, if it has one
     sampler = EmbeddedSampler(shared, spec.model_path) if spec.rank == 0 and shared is not None else None
     max_seq_len = spec.max_seq_len or model.max_positions

@@ -5,7 +5,9 @@ What makes a step Tinker's lives here and nowhere else:
 - a request's gradients go to fresh buffers and join the accumulated ones only if it succeeded
   on every rank (``plan.all_succeeded``): a failed request leaves no partial gradient anywhere;
 - losses are the loss table's plain sums over tokens and datums (``core.losses``), evaluated
-  per micro-batch of at most ``microbatch_tokens`` padded tokens;
+  per micro-batch of at most ``microbatch_tokens`` tokens, packed (``core.packing``: no pad
+  token is computed), with each decoder layer's activations recomputed in the backward pass
+  when a micro-batch holds more than ``recompute_above_tokens``;
 - ``optim_step`` reduces gradients over the ranks (``plan.reduce_gradients``), refuses a
   non-finite norm, clips *to* ``grad_clip_norm`` exactly, and takes a step of the model's
   optimizer (AdamW or Dimuon, ``rank.optimizers``, fixed at creation) with the request's
@@ -29,9 +31,9 @@ from torch import nn
 from hosted_tinker.core import losses
 from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.errors import PeerFailed, UserError
+from hosted_tinker.core.packing import microbatches
 from hosted_tinker.core.types import (
     AdapterState,
-    DatumInput,
     ForwardBackwardBatch,
     ForwardBackwardResult,
     LoraSpec,
@@ -55,10 +57,13 @@ class _Adapter:
 class Trainer:
     SERVED_AS = "trainer"  # its name in calls to the worker (``rank.serve.Rank``)
 
-    def __init__(self, model: LoraModel, plan: ParallelPlan, microbatch_tokens: int = 16384) -> None:
+    def __init__(
+        self, model: LoraModel, plan: ParallelPlan, microbatch_tokens: int = 16384, recompute_above_tokens: int = 8192
+    ) -> None:
         self.model = model
         self.plan = plan
         self.microbatch_tokens = microbatch_tokens
+        self.recompute_above_tokens = recompute_above_tokens
         self.adapters: dict[str, _Adapter] = {}
 
     # ---- adapters ---------------------------------------------------------------------------
@@ -141,8 +146,9 @@ class Trainer:
         loss_sum = 0.0
         for indices in microbatches(batch.data, self.microbatch_tokens):
             data = [batch.data[i] for i in indices]
+            recompute = sum(d.num_tokens for d in data) > self.recompute_above_tokens
             with torch.set_grad_enabled(not batch.forward_only):
-                lps = self.model.logprobs(handle, data)
+                lps = self.model.logprobs(handle, data, recompute=recompute)
                 inputs = [{k: v.to(lp.device) for k, v in d.inputs.items()} for lp, d in zip(lps, data, strict=True)]
                 if custom is None:
                     terms = [spec.fn(lp, x, batch.loss_config) for lp, x in zip(lps, inputs, strict=True)]
@@ -270,20 +276,3 @@ class Trainer:
     def peft_config(self, model_id: str) -> dict:
         """The adapter's ``adapter_config.json`` contents, as PEFT writes it."""
         return self.model.adapter_config(self._adapter(model_id).handle)
-
-
-def microbatches(data: list[DatumInput], budget: int) -> list[list[int]]:
-    """Datum indices grouped so that (count × longest) padded tokens stay under ``budget``."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i, d in enumerate(data):
-        longest_if = max(longest, d.num_tokens)
-        if current and longest_if * (len(current) + 1) > budget:
-            batches.append(current)
-            current, longest_if = [], d.num_tokens
-        current.append(i)
-        longest = longest_if
-    if current:
-        batches.append(current)
-    return batches

@@ -224,9 +224,12 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    from hosted_tinker.rank.mcore.attention import PackedDotProductAttention
+
     layer = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     attention = layer.submodules.self_attention.submodules
     mlp = layer.submodules.mlp.submodules
+    attention.core_attention = PackedDotProductAttention  # packed sequences (thd) on PyTorch's kernels
     norm: Any = FrozenNorm
     if te:  # CUDA only: importing it needs transformer_engine
         from megatron.core.extensions.transformer_engine import (

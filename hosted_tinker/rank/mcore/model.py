@@ -14,7 +14,9 @@ from torch import Tensor
 
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.logprobs import packed_targets, unpacked
+from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
+from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, block_spec, transformer_config
 from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
@@ -68,7 +70,7 @@ class McoreLoraModel:
         self.arch = shape.arch
         self.vocab_size = shape.vocab
         self.max_positions = shape.max_positions
-        self.pad_id = 0  # right padding: under causal attention no real position sees it
+        self.pad_id = 0  # fills a sequence-parallel stream to a multiple of tp, as its own sequence
         self.lora_alpha = lora_alpha
         self.lora = TpLora(self.gpt, shape, tp, sequence_parallel)
         self.sequence_parallel = sequence_parallel
@@ -123,21 +125,29 @@ class McoreLoraModel:
 
     # ---- scoring -------------------------------------------------------------------------------
 
-    def logprobs(self, handle: AdapterHandle, data: list[DatumInput]) -> list[Tensor]:
+    def logprobs(self, handle: AdapterHandle, data: list[DatumInput], *, recompute: bool = False) -> list[Tensor]:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
         self.lora.active = handle.name
-        lengths = [d.num_tokens for d in data]
-        width = max(lengths)
-        if self.sequence_parallel:  # the sequence is split over the ranks: a whole share each
-            width = -(-width // self.tp) * self.tp
-        ids = torch.full((len(data), width), self.pad_id, dtype=torch.long)
-        real = torch.zeros((len(data), width), dtype=torch.bool)
-        for row, d in enumerate(data):
-            ids[row, : d.num_tokens] = d.tokens
-            real[row, : d.num_tokens] = True
-        positions = torch.arange(width).expand(len(data), width)
-        causal = torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)[None, None]  # True: hidden
-        logits = self.gpt(ids.to(self.device), positions.to(self.device), attention_mask=causal.to(self.device))
-        flat = logits[real.to(self.device)]  # (ΣN, V/tp), row-major = datum order
+        packed = pack(data)
+        tokens, positions, cu_seqlens = packed.tokens, packed.positions, packed.cu_seqlens
+        total = tokens.shape[0]
+        short = -total % self.tp if self.sequence_parallel else 0  # the stream is split over the ranks
+        if short:  # a whole share each: a last sequence of pad tokens, seen by nothing else
+            tokens = torch.cat([tokens, torch.full((short,), self.pad_id, dtype=torch.long)])
+            positions = torch.cat([positions, torch.arange(short)])
+            cu_seqlens = torch.cat([cu_seqlens, torch.tensor([total + short], dtype=torch.int32)])
+        on = {"device": self.device}
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens.to(**on),
+            cu_seqlens_kv=cu_seqlens.to(**on),
+            max_seqlen_q=packed.max_len,
+            max_seqlen_kv=packed.max_len,
+        )
+        with recomputed(self.gpt.decoder.layers, recompute and torch.is_grad_enabled()):
+            logits = self.gpt(tokens[None].to(**on), positions[None].to(**on), None, packed_seq_params=params)
+        flat = logits[0, :total]  # (ΣN, V/tp), datum order
         targets = packed_targets(data).to(self.device)
         return unpacked(vocab_parallel_logprobs(flat, targets, self.tp_rank * flat.shape[-1]), data)
 

@@ -43,7 +43,13 @@ class PlanOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    microbatch_tokens: int = Field(16384, ge=1, description="padded tokens per forward/backward micro-batch")
+    microbatch_tokens: int = Field(16384, ge=1, description="tokens per forward/backward micro-batch (packed)")
+    recompute_above_tokens: int = Field(
+        8192,
+        ge=0,
+        description="recompute each decoder layer's activations in the backward pass when a micro-batch holds more "
+        "tokens than this (0: always; at least microbatch_tokens: only for a longer single sequence)",
+    )
 
     def check(self, devices: list[str], worker_timeout_s: float) -> None:
         """Raise ``ValueError`` if these options cannot run on ``devices`` (checked at start-up)."""

@@ -28,8 +28,13 @@ from torch import Tensor
 from hosted_tinker.rank.plans import ddp
 
 DEVICES = "tp x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=N"
-# tests/test_plans.py: tensor-parallel alone, with sequence parallelism, and with two data-parallel replicas.
-CHECKED_LAYOUTS = [("cpu:2", {"tp": "2"}), ("cpu:2", {"tp": "2", "sequence_parallel": "true"}), ("cpu:4", {"tp": "2"})]
+# tests/test_plans.py: tensor-parallel alone, with sequence parallelism, and with two data-parallel
+# replicas that recompute every layer's activations.
+CHECKED_LAYOUTS = [
+    ("cpu:2", {"tp": "2"}),
+    ("cpu:2", {"tp": "2", "sequence_parallel": "true"}),
+    ("cpu:4", {"tp": "2", "recompute_above_tokens": "0"}),
+]
 
 
 class Options(ddp.Options):

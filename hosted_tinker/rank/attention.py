@@ -1,0 +1,103 @@
+"""Attention over packed sequences: many sequences in one token stream, none seeing another.
+
+A packed micro-batch is one row of ``T = ΣN`` tokens; ``cu_seqlens`` (``(S+1,)`` int32, from 0
+to T) marks where each sequence starts, and positions restart at 0 in each. No pad token is
+computed, and attention costs ``Σ N²`` rather than ``count × longest²``.
+
+Transformers runs a model's attention through a registry of implementations; this module adds
+one, ``packed_sdpa``, that the training tree of ``rank.model`` uses. It runs PyTorch's
+``scaled_dot_product_attention`` (causal) on each sequence's slice, which is exact on any device
+and keeps PyTorch's fused kernels (the CPU flash kernel, FlashAttention / memory-efficient on
+CUDA). Its mask function builds no mask: a ``T × T`` mask is what packing exists to avoid.
+
+On CUDA with ``flash_attn`` installed, transformers' own ``flash_attention_2`` is used instead
+(varlen kernels over the same ``cu_seq_lens`` keyword arguments: one launch for all
+sequences). No GPU has run that path here; ``packed_sdpa`` is its CPU twin and is what the
+equality tests pin.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PACKED_SDPA = "packed_sdpa"
+
+
+def packed_causal_attention(
+    query: Tensor, key: Tensor, value: Tensor, bounds: list[int], scale: float | None, dropout: float = 0.0
+) -> Tensor:
+    """Causal attention within each packed sequence.
+
+    query      ``(1, H, T, D)``; key, value ``(1, H_kv, T, D)`` (H a multiple of H_kv)
+    bounds     ``cu_seqlens`` as a list: sequence i is ``[bounds[i], bounds[i+1])``
+    returns    ``(1, H, T, D)``
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # expanded rather than enable_gqa: PyTorch's CPU flash kernel has no GQA
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    parts = [
+        F.scaled_dot_product_attention(
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scale,
+        )
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+        if end > start
+    ]
+    return torch.cat(parts, dim=2)
+
+
+def packed_sdpa_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention signature: query ``(1, H, T, D)`` -> ``(1, T, H, D)``. Without
+    ``cu_seq_lens_q`` the row is one sequence (a caller that did not pack)."""
+    if query.shape[0] != 1:
+        raise ValueError("packed attention takes one row of packed sequences")
+    bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
+    out = packed_causal_attention(query, key, value, bounds, scaling, dropout if module.training else 0.0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Packed attention confines itself to each sequence; no mask is built."""
+    return None
+
+
+def register() -> None:
+    """Make ``packed_sdpa`` an attention implementation transformers models can be set to."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_SDPA, _no_mask)
+
+
+def implementation(device: torch.device) -> str:
+    """The attention implementation packed training runs on ``device``."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    register()
+    return PACKED_SDPA
+
+
+def packing_kwargs(cu_seqlens: Tensor, max_len: int) -> dict:
+    """The keyword arguments a transformers model forwards to its attention for packed rows
+    (the names of transformers' ``FlashAttentionKwargs``)."""
+    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}
