@@ -24,7 +24,6 @@ adapters' ``6·P_lora``). Writes benchmarks/results/megatron_tp-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -37,74 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_scaling import LORA, devices_for, make_batch, measure, worker_backend, workload  # noqa: E402
 from benchmarks.report import add_common_args, print_table, result_header, setup, write_results  # noqa: E402
+from benchmarks.shapes import SHAPES, flops_per_token, random_model  # noqa: E402
 from hosted_tinker.core.types import AdamParams, TrainingBackend  # noqa: E402
-
-# Model shapes to benchmark with random weights (``--shape``), as their HF configs give them.
-SHAPES = {
-    "qwen3-8b": {
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
-        "rope_theta": 1_000_000.0,
-        "tie_word_embeddings": False,
-    },
-}
-
-
-MODEL_CACHE = Path.home() / ".cache" / "hosted-tinker" / "bench-models"
-
-
-def random_model(shape: str, dtype: str, root: Path = MODEL_CACHE) -> str:
-    """A model folder of ``SHAPES[shape]`` with random weights in ``dtype`` (and the tiny
-    tokenizer: the benchmark feeds token ids), written once and reused."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from hosted_tinker.core.tiny_model import build_tokenizer
-
-    out = root / f"{shape}-random-{dtype}"
-    if (out / "config.json").exists():
-        return str(out)
-    config = Qwen3Config(**SHAPES[shape], dtype=dtype)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = Qwen3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp)
-    build_tokenizer().save_pretrained(tmp)
-    tmp.rename(out)
-    return str(out)
-
-
-def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str, float]:
-    """Model FLOPs per trained token of the HF model at ``model`` (LoRA on attention and MLP)."""
-    c = json.loads((Path(model) / "config.json").read_text())
-    hidden, layers, ffn, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
-    heads = c["num_attention_heads"]
-    kv = c.get("num_key_value_heads") or heads
-    head_dim = c.get("head_dim") or hidden // heads
-    q, kv_out = heads * head_dim, kv * head_dim
-    per_layer = hidden * (q + 2 * kv_out) + q * hidden + 3 * hidden * ffn
-    params = layers * per_layer + vocab * hidden  # the output layer; embedding lookups are free
-    # A (r x in) and B (out x r) of q, k, v, o, gate, up, down
-    lora = layers * lora_rank * (3 * hidden + q + 2 * kv_out + q + hidden + 2 * (hidden + ffn) + ffn + hidden)
-    attention_fwd = 4 * layers * q * mean_context  # scores and values, a causal context of mean_context
-    return {
-        "matmul_params": params,
-        "lora_params": lora,
-        "model_flops_6p": 6 * params + 3 * attention_fwd,
-        "lora_step_flops": 4 * params + 6 * lora + 3 * attention_fwd,
-    }
 
 
 def main() -> None:

@@ -1,12 +1,17 @@
 """Random training batches for the trainer-level tests (plans, DDP): datums of unequal lengths
-with the inputs each loss needs."""
+with the inputs each loss needs; and the padded path packing replaced, to compare against."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from hosted_tinker.core import losses
+from hosted_tinker.core.logprobs import packed_targets, target_logprobs, unpacked
 from hosted_tinker.core.types import DatumInput, ForwardBackwardBatch
 
 
@@ -39,16 +44,18 @@ def random_batch(
     return ForwardBackwardBatch(data=data, loss_fn=loss_fn, loss_config=config, forward_only=False)
 
 
-def padded_logprobs(model, handle, data: list[DatumInput], **_) -> list[torch.Tensor]:
-    """The path packing replaced, for comparison: ``HfLoraModel``'s data right-padded into one
-    ``(count, longest)`` batch with an attention mask, through transformers' own sdpa attention,
-    logits of every position at once, log-softmax in float64. Takes the place of
+
+def padded_logprobs(model, handles, data: list[DatumInput], **_) -> list[torch.Tensor]:
+    """The path packing replaced, for comparison: ``HfLoraModel``'s data (of one model) right-
+    padded into one ``(count, longest)`` batch with an attention mask, through transformers' own
+    sdpa attention, then the real positions' target log-probs. Takes the place of
     ``HfLoraModel.logprobs``."""
-    model.adapters.activate(handle.name)
+    (handle,) = {h.name: h for h in handles}.values()
     for p in handle.params:
         p.requires_grad_(True)
     lm = model.adapters.lm
     longest = max(d.num_tokens for d in data)
+    model.adapters.routes.segments = [(0, longest, handle.name)]  # every row, whole
     ids = torch.zeros((len(data), longest), dtype=torch.long)
     mask = torch.zeros((len(data), longest), dtype=torch.long)
     for row, d in enumerate(data):
@@ -57,13 +64,44 @@ def padded_logprobs(model, handle, data: list[DatumInput], **_) -> list[torch.Te
     packed_implementation = lm.config._attn_implementation
     lm.set_attn_implementation("sdpa")
     try:
-        logits = lm(input_ids=ids, attention_mask=mask).logits.double()
+        decoder = getattr(lm, lm.base_model_prefix)
+        hidden = decoder(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state
     finally:
         lm.set_attn_implementation(packed_implementation)
-    logprobs = logits.log_softmax(-1)
-    out = []
-    for row, d in enumerate(data):
-        targets = d.target_tokens.reshape(d.num_tokens, -1)
-        lp = logprobs[row, : d.num_tokens].gather(-1, targets)
-        out.append(lp if d.target_tokens.dim() == 2 else lp[:, 0])
-    return out
+    flat_hidden = hidden[mask.to(model.device).bool()]  # (ΣN, H), datum order
+    targets = packed_targets(data).to(model.device)
+    head = model.adapters.routes.head(lm.get_output_embeddings(), handle.name)
+    return unpacked(target_logprobs(head, flat_hidden, targets), data)
+
+
+def padded_microbatches(data: list[DatumInput], budget: int) -> list[list[int]]:
+    """Datum indices grouped as the padded path grouped them: (count × longest) ≤ ``budget``."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, d in enumerate(data):
+        longest_if = max(longest, d.num_tokens)
+        if current and longest_if * (len(current) + 1) > budget:
+            batches.append(current)
+            current, longest_if = [], d.num_tokens
+        current.append(i)
+        longest = longest_if
+    if current:
+        batches.append(current)
+    return batches
+
+
+@contextmanager
+def padded_path(trainer) -> Iterator[None]:
+    """While inside, ``trainer`` (on an ``HfLoraModel``) runs the padded path: padded
+    micro-batches, padded forward, every activation stored."""
+    from hosted_tinker.rank import trainer as trainer_module
+
+    saved = trainer.model.logprobs, trainer.recompute_above_tokens, trainer_module.microbatches
+    trainer.model.logprobs = functools.partial(padded_logprobs, trainer.model)
+    trainer.recompute_above_tokens = 10**12
+    trainer_module.microbatches = padded_microbatches
+    try:
+        yield
+    finally:
+        trainer.model.logprobs, trainer.recompute_above_tokens, trainer_module.microbatches = saved

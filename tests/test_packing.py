@@ -1,5 +1,5 @@
 """Packed micro-batches (no padding) and per-layer activation recomputation, against the padded
-path they replaced (``tests.batches.padded_logprobs``), for every loss, on one in-process rank.
+path they replaced (``tests.batches.padded_path``), for every loss, on one in-process rank.
 The parallel plans (ddp, megatron) are held to the same padded path in float64 by
 ``tests/test_plans.py``, with recomputation on in one layout of each."""
 
@@ -14,7 +14,7 @@ from hosted_tinker.core.packing import microbatches, pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.serve import Rank, local_rank
 from hosted_tinker.rank.trainer import Trainer
-from tests.batches import padded_logprobs, random_batch
+from tests.batches import padded_path, random_batch
 
 pytestmark = pytest.mark.fast
 
@@ -70,9 +70,8 @@ def test_packed_equals_padded_and_recomputed_equals_stored(trainer: Trainer, los
     packed, packed_grads = run(trainer, batch)
     monkeypatch.setattr(trainer, "recompute_above_tokens", 0)
     recomputed, recomputed_grads = run(trainer, batch)
-    monkeypatch.setattr(trainer.model, "logprobs", lambda *a, **k: padded_logprobs(trainer.model, *a, **k))
-    monkeypatch.setattr(trainer, "recompute_above_tokens", 10**9)
-    padded, padded_grads = run(trainer, batch)
+    with padded_path(trainer):
+        padded, padded_grads = run(trainer, batch)
 
     assert packed.loss_sum == pytest.approx(padded.loss_sum, rel=1e-5, abs=1e-5)
     for got, want in zip(packed.logprobs, padded.logprobs, strict=True):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.backend import ProcessBackend
 from hosted_tinker.server.workers.launch import rank_factories
-from tests.batches import padded_logprobs, random_batch
+from tests.batches import padded_path, random_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -74,13 +75,12 @@ def as_float64(state: AdapterState) -> AdapterState:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> Trainer:
+def reference(tiny_model_dir: Path) -> Iterator[Trainer]:
     """The single plan in float64 on the padded, stored-activation path (what packing and
     recomputation replaced): a plan that packs, recomputes or shards must still agree with it."""
     trainer = local_rank(str(tiny_model_dir), dtype="float64").trainer
-    trainer.model.logprobs = functools.partial(padded_logprobs, trainer.model)
-    trainer.recompute_above_tokens = 10**9
-    return trainer
+    with padded_path(trainer):
+        yield trainer
 
 
 @pytest.mark.parametrize("backend, devices, options", layouts())

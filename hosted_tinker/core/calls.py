@@ -3,7 +3,8 @@ and the sampler's methods), and read by the server that sends it (``server.worke
 
 ranks   "every": each rank runs it (it changes or gathers what they all hold; rank 0 answers);
         "first": rank 0 alone (it reads what rank 0 holds);
-        "split": each data-parallel replica gets its shard of the batch (``core.sharding``)
+        "split": each data-parallel replica gets its shard of the batch (``core.sharding``);
+        "split_many": the same for each ``(model_id, batch)`` of a list of several models' requests
 model   what the call does to the training model named by its first argument: "uses" its state
         (the first such call after the model was rolled back to a checkpoint fails, once, to say
         so), or "replaces" it (which makes that rollback moot); None: neither
@@ -18,13 +19,17 @@ from typing import Literal, TypeVar
 F = TypeVar("F", bound=Callable)
 
 
+Ranks = Literal["every", "first", "split", "split_many"]
+ModelEffect = Literal["uses", "replaces"] | None
+
+
 @dataclass(frozen=True)
 class CallSpec:
-    ranks: Literal["every", "first", "split"]
-    model: Literal["uses", "replaces"] | None = None
+    ranks: Ranks
+    model: ModelEffect = None
 
 
-def rank_call(ranks: Literal["every", "first", "split"], model: Literal["uses", "replaces"] | None = None):
+def rank_call(ranks: Ranks, model: ModelEffect = None):
     """Declare a method as a worker call (see the module docstring)."""
 
     def mark(fn: F) -> F:

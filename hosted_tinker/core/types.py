@@ -77,6 +77,16 @@ class ForwardBackwardResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RequestFailed:
+    """One request of a joint ``forward_backward_many`` that failed where the others did not:
+    how a rank reports a failed call (``core.messages``: "user_error", "peer_failed", "error")
+    and its message."""
+
+    kind: str
+    message: str
+
+
 @dataclass
 class AdapterState:
     """Everything needed to continue training a model exactly where it stopped.

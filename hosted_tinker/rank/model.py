@@ -12,7 +12,6 @@ checkpoint is a PEFT checkpoint whichever plan wrote it.
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +24,7 @@ from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank import attention
 from hosted_tinker.rank.activations import recomputed
+from hosted_tinker.rank.adapters import PeftAdapters, segments
 
 _ATTN_HINTS = ("attn", "attention")
 _MLP_HINTS = ("mlp", "feed_forward", "ffn")
@@ -57,10 +57,13 @@ class LoraModel(Protocol):
 
     def remove_adapter(self, handle: AdapterHandle) -> None: ...
 
-    def logprobs(self, handle: AdapterHandle, data: list[DatumInput], *, recompute: bool = False) -> list[Tensor]:
-        """Per datum ``(N,)`` (or ``(N, K)`` for top-K targets) log-probs of its targets, in
-        autograd when it is enabled; the data run packed (no padding). ``recompute``: checkpoint
-        each decoder layer's activations (``rank.activations``)."""
+    def logprobs(
+        self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False
+    ) -> list[Tensor]:
+        """Per datum ``(N,)`` (or ``(N, K)`` for top-K targets) log-probs of its targets under its
+        own adapter (``handles[i]`` for ``data[i]``), in autograd when it is enabled; the data
+        run packed, in one pass over the base. ``recompute``: checkpoint each decoder layer's
+        activations (``rank.activations``)."""
         ...
 
     def adapter_config(self, handle: AdapterHandle) -> dict:
@@ -119,56 +122,6 @@ def sharing_weights(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-class PeftAdapters:
-    """PEFT adapters on one HF module tree: added, removed, switched. PEFT wraps the tree in
-    place with the first adapter and refuses to delete its last, so both ends live here."""
-
-    def __init__(self, base: nn.Module) -> None:
-        self.base = base
-        self.peft = None  # the PeftModel, from the first adapter on
-        self._next = 0
-
-    @property
-    def lm(self) -> nn.Module:
-        """The causal LM, with whatever adapters are in it."""
-        return self.peft.base_model.model if self.peft is not None else self.base
-
-    def add(self, config) -> str:
-        from peft import get_peft_model
-
-        name = f"a{self._next}"
-        self._next += 1
-        with warnings.catch_warnings():
-            # LoRA on a tied lm_head is what train_unembed means; the embedding stays untouched.
-            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
-            if self.peft is None:
-                self.peft = get_peft_model(self.base, config, adapter_name=name)
-            else:
-                self.peft.add_adapter(name, config)
-        return name
-
-    def params(self, name: str) -> list[tuple[str, nn.Parameter]]:
-        """The adapter's parameters under PEFT's state-dict keys, in module order."""
-        return [(n.replace(f".{name}.", "."), p) for n, p in self.peft.named_parameters() if f".{name}." in n]
-
-    def remove(self, name: str) -> None:
-        if len(self.peft.peft_config) > 1:
-            with warnings.catch_warnings():  # "adapter X was active": we activate per request anyway
-                warnings.simplefilter("ignore", UserWarning)
-                self.peft.delete_adapter(name)
-        else:  # its last adapter: unwrap back to the bare base model
-            self.base = self.peft.unload()
-            self.peft = None
-
-    def activate(self, name: str) -> None:
-        if self.peft.active_adapter != name:
-            self.peft.set_adapter(name)
-
-    def config(self, name: str) -> dict:
-        config = self.peft.peft_config[name].to_dict()
-        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-
-
 class HfLoraModel:
     """The HF base model on one device, with one PEFT LoRA adapter per training model."""
 
@@ -220,12 +173,16 @@ class HfLoraModel:
         out_features, in_features = self.shareable_base.get_submodule(target).weight.shape  # the clean tree
         return zero_adapter(target, out_features, in_features, self.base.config.name_or_path)
 
-    def logprobs(self, handle: AdapterHandle, data: list[DatumInput], *, recompute: bool = False) -> list[Tensor]:
-        self.adapters.activate(handle.name)
-        for p in handle.params:  # set_adapter may freeze: trainability is the trainer's
-            p.requires_grad_(True)
+    def logprobs(
+        self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False
+    ) -> list[Tensor]:
+        for handle in {h.name: h for h in handles}.values():  # trainability is the trainer's
+            for p in handle.params:
+                p.requires_grad_(True)
         lm = self.adapters.lm
         packed = pack(data)
+        routes = self.adapters.routes
+        routes.segments = segments([h.name for h in handles], [d.num_tokens for d in data])
         decoder = getattr(lm, lm.base_model_prefix)
         with recomputed(self.layers, recompute and torch.is_grad_enabled()):
             hidden = decoder(
@@ -234,4 +191,6 @@ class HfLoraModel:
                 **attention.packing_kwargs(packed.cu_seqlens.to(self.device), packed.max_len),
             ).last_hidden_state[0]  # (ΣN, H), datum order
         targets = packed_targets(data).to(self.device)
-        return unpacked(target_logprobs(lm.get_output_embeddings(), hidden, targets), data)
+        head = lm.get_output_embeddings()
+        parts = [target_logprobs(routes.head(head, name), hidden[s:e], targets[s:e]) for s, e, name in routes.segments]
+        return unpacked(torch.cat(parts), data)

@@ -8,7 +8,6 @@ adapters, this samples them the same way.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
@@ -19,8 +18,8 @@ from torch import nn
 from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.rank.adapters import PeftAdapters
 from hosted_tinker.rank.generate import generate
-from hosted_tinker.rank.model import PeftAdapters
 
 MAX_SAMPLER_ADAPTERS = 16
 
@@ -76,22 +75,16 @@ class EmbeddedSampler:
         """Sample ``specs``; between decode steps ``admit`` may hand over more requests on the
         same weights or drop abandoned ones, and ``on_token`` hears each token of a ``stream``
         spec as it is chosen."""
-        if key is None:
-            peft = self.adapters.peft
-            context = peft.disable_adapter() if peft is not None else contextlib.nullcontext()
-        else:
-            self.adapters.activate(self.loaded[key])
-            context = contextlib.nullcontext()
-        with context:
-            return generate(
-                self.adapters.lm,
-                specs,
-                pad_id=self.pad_id,
-                decode=self._decode,
-                default_seed=_seed,
-                admit=admit,
-                on_token=on_token,
-            )
+        self.adapters.routes.everything(None if key is None else self.loaded[key])
+        return generate(
+            self.adapters.lm,
+            specs,
+            pad_id=self.pad_id,
+            decode=self._decode,
+            default_seed=_seed,
+            admit=admit,
+            on_token=on_token,
+        )
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)

@@ -21,16 +21,16 @@ returns or raises; a failed call leaves the trainer as it was before it (``core.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from hosted_tinker.core import losses
 from hosted_tinker.core.calls import rank_call
-from hosted_tinker.core.errors import PeerFailed, UserError
+from hosted_tinker.core.errors import GroupBroken, PeerFailed, UserError
 from hosted_tinker.core.packing import microbatches
 from hosted_tinker.core.types import (
     AdapterState,
@@ -38,11 +38,51 @@ from hosted_tinker.core.types import (
     ForwardBackwardResult,
     LoraSpec,
     OptimParams,
+    RequestFailed,
     optimizer_family,
 )
 from hosted_tinker.rank import optimizers
 from hosted_tinker.rank.model import AdapterHandle, LoraModel
 from hosted_tinker.rank.plans import ParallelPlan
+
+log = logging.getLogger(__name__)
+
+
+class _Outcome:
+    """One request's results, gathered over the micro-batches that hold its datums."""
+
+    def __init__(self, batch: ForwardBackwardBatch) -> None:
+        self.batch = batch
+        self.spec = losses.LOSSES.get(batch.loss_fn)
+        self.custom = batch.custom_loss.compile() if batch.custom_loss is not None else None
+        self.logprobs: list[np.ndarray | None] = [None] * len(batch.data)
+        self.elementwise: list[np.ndarray | None] = [None] * len(batch.data)
+        self.metrics: dict[str, float] = {}
+        self.loss_sum = 0.0
+
+    def add(self, scored: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """The loss of some of the request's datums (``(index, log-probs)``), as a 0-d tensor in
+        autograd; their log-probs and per-token terms recorded."""
+        batch = self.batch
+        inputs = [{k: v.to(lp.device) for k, v in batch.data[i].inputs.items()} for i, lp in scored]
+        if self.custom is None:
+            terms = [self.spec.fn(lp, x, batch.loss_config) for (_, lp), x in zip(scored, inputs, strict=True)]
+            loss = sum(t.sum() for t in terms)
+        else:  # one scalar per datum, and its metrics: no per-token terms
+            terms, loss = [None] * len(scored), torch.zeros((), device=scored[0][1].device)
+            for (_, lp), x in zip(scored, inputs, strict=True):
+                value, datum_metrics = self.custom(lp, x)
+                loss = loss + value
+                for key, m in datum_metrics.items():
+                    self.metrics[key] = self.metrics.get(key, 0.0) + float(m.detach())
+        self.loss_sum += float(loss.detach())
+        for (i, lp), t in zip(scored, terms, strict=True):
+            self.logprobs[i] = lp.detach().float().cpu().numpy()
+            self.elementwise[i] = None if t is None else t.detach().float().cpu().numpy()
+        return loss
+
+    def result(self) -> ForwardBackwardResult:
+        return ForwardBackwardResult(self.logprobs, self.loss_sum, self.elementwise, self.metrics)
 
 
 @dataclass
@@ -116,57 +156,105 @@ class Trainer:
     def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
         # This request's gradients go to fresh buffers and join the accumulated ones only if
         # every micro-batch succeeded on every rank.
-        params: list[nn.Parameter] = []
-        accumulated: list[torch.Tensor | None] = []
+        stash: dict[str, list[torch.Tensor | None]] = {}
         failure: Exception | None = None
         try:
             adapter = self._adapter(model_id)
-            params, accumulated = adapter.handle.params, [p.grad for p in adapter.handle.params]
-            for p in params:
-                p.grad = None
-            result = self._run_batch(adapter.handle, batch)
+            stash = self._fresh_gradients([model_id])
+            result = self._run([(adapter.handle, batch)])[0]
         except Exception as e:
             failure = e
         error = self._failure_anywhere(failure)
         if error is not None:
-            for p, g in zip(params, accumulated, strict=True):
-                p.grad = g
+            self._restore_gradients(stash)
             raise error
-        for p, g in zip(params, accumulated, strict=True):
-            if g is not None:
-                p.grad = g if p.grad is None else g.add_(p.grad)
+        self._join_gradients(stash)
         return result
 
-    def _run_batch(self, handle: AdapterHandle, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        spec = losses.LOSSES.get(batch.loss_fn)
-        custom = batch.custom_loss.compile() if batch.custom_loss is not None else None
-        logprobs: list[np.ndarray | None] = [None] * len(batch.data)
-        elementwise: list[np.ndarray | None] = [None] * len(batch.data)
-        metrics: dict[str, float] = {}
-        loss_sum = 0.0
-        for indices in microbatches(batch.data, self.microbatch_tokens):
-            data = [batch.data[i] for i in indices]
-            recompute = sum(d.num_tokens for d in data) > self.recompute_above_tokens
-            with torch.set_grad_enabled(not batch.forward_only):
-                lps = self.model.logprobs(handle, data, recompute=recompute)
-                inputs = [{k: v.to(lp.device) for k, v in d.inputs.items()} for lp, d in zip(lps, data, strict=True)]
-                if custom is None:
-                    terms = [spec.fn(lp, x, batch.loss_config) for lp, x in zip(lps, inputs, strict=True)]
-                    loss = sum(t.sum() for t in terms)
-                else:  # one scalar per datum, and its metrics: no per-token terms
-                    terms, loss = [None] * len(data), torch.zeros((), device=lps[0].device)
-                    for lp, x in zip(lps, inputs, strict=True):
-                        value, datum_metrics = custom(lp, x)
-                        loss = loss + value
-                        for key, m in datum_metrics.items():
-                            metrics[key] = metrics.get(key, 0.0) + float(m.detach())
-                if not batch.forward_only and loss.requires_grad:  # a loss free of lp has no gradient
-                    loss.backward()
-            loss_sum += float(loss.detach())
-            for i, lp, t in zip(indices, lps, terms, strict=True):
-                logprobs[i] = lp.detach().float().cpu().numpy()
-                elementwise[i] = None if t is None else t.detach().float().cpu().numpy()
-        return ForwardBackwardResult(logprobs, loss_sum, elementwise, metrics)
+    @rank_call("split_many")
+    def forward_backward_many(
+        self, requests: list[tuple[str, ForwardBackwardBatch]]
+    ) -> list[ForwardBackwardResult | RequestFailed]:
+        """Several models' requests (forward_backward, or all forward-only) in one pass over the
+        base: each datum runs under its own model's adapter (``rank.adapters``), each model's
+        loss, gradients and metrics are its own, exactly as if it ran alone. If the joint pass
+        fails anywhere, nothing of it stays and each request runs alone instead, so that a
+        failure is only its own request's."""
+        stash: dict[str, list[torch.Tensor | None]] = {}
+        failure: Exception | None = None
+        try:
+            model_ids = [model_id for model_id, _ in requests]
+            if len(set(model_ids)) < len(model_ids) or len({b.forward_only for _, b in requests}) > 1:
+                raise UserError("a joint pass takes one request per model, all forward-only or none")
+            handles = [self._adapter(model_id).handle for model_id in model_ids]
+            stash = self._fresh_gradients(model_ids)
+            results: list[ForwardBackwardResult | RequestFailed] = list(
+                self._run(list(zip(handles, [b for _, b in requests], strict=True)))
+            )
+        except Exception as e:
+            failure = e
+        if self._failure_anywhere(failure) is None:
+            self._join_gradients(stash)
+            return results
+        self._restore_gradients(stash)
+        return [self._alone(model_id, batch) for model_id, batch in requests]
+
+    def _alone(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult | RequestFailed:
+        """One request of a failed joint pass, run by itself; its failure as a value."""
+        try:
+            return self.forward_backward(model_id, batch)
+        except (UserError, PeerFailed) as e:
+            return RequestFailed("user_error" if isinstance(e, UserError) else "peer_failed", str(e))
+        except GroupBroken:
+            raise
+        except Exception as e:
+            log.exception("forward_backward of %s failed", model_id)
+            return RequestFailed("error", f"{type(e).__name__}: {e}")
+
+    def _fresh_gradients(self, model_ids: list[str]) -> dict[str, list[torch.Tensor | None]]:
+        """Each model's accumulated gradients, set aside: the step computes into fresh buffers."""
+        stash = {}
+        for model_id in model_ids:
+            params = self.adapters[model_id].handle.params
+            stash[model_id] = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+        return stash
+
+    def _restore_gradients(self, stash: dict[str, list[torch.Tensor | None]]) -> None:
+        for model_id, grads in stash.items():
+            for p, g in zip(self.adapters[model_id].handle.params, grads, strict=True):
+                p.grad = g
+
+    def _join_gradients(self, stash: dict[str, list[torch.Tensor | None]]) -> None:
+        for model_id, grads in stash.items():
+            for p, g in zip(self.adapters[model_id].handle.params, grads, strict=True):
+                if g is not None:
+                    p.grad = g if p.grad is None else g.add_(p.grad)
+
+    def _run(self, requests: list[tuple[AdapterHandle, ForwardBackwardBatch]]) -> list[ForwardBackwardResult]:
+        """The requests' data, laid end to end, in micro-batches of packed tokens: each
+        micro-batch one pass over the base, one backward of the sum of its models' losses (a
+        model's loss reaches only its own adapter)."""
+        owner = [r for r, (_, batch) in enumerate(requests) for _ in batch.data]
+        data = [d for _, batch in requests for d in batch.data]
+        handles = [requests[r][0] for r in owner]
+        first = [sum(len(b.data) for _, b in requests[:r]) for r in range(len(requests))]
+        outs = [_Outcome(batch) for _, batch in requests]
+        forward_only = requests[0][1].forward_only
+        for indices in microbatches(data, self.microbatch_tokens):
+            recompute = sum(data[i].num_tokens for i in indices) > self.recompute_above_tokens
+            with torch.set_grad_enabled(not forward_only):
+                chosen = [handles[i] for i in indices], [data[i] for i in indices]
+                lps = self.model.logprobs(*chosen, recompute=recompute)
+                total = None
+                for r in sorted({owner[i] for i in indices}):
+                    mine = [(i - first[r], lp) for i, lp in zip(indices, lps, strict=True) if owner[i] == r]
+                    loss = outs[r].add(mine)
+                    total = loss if total is None else total + loss
+                if not forward_only and total.requires_grad:  # a loss free of lp has no gradient
+                    total.backward()
+        return [out.result() for out in outs]
 
     # ---- optimizer ----------------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ Each HF projection PEFT would wrap (``q_proj``, ..., ``down_proj``, ``lm_head``)
   ranks (``reduce_from``: all-reduce forward, identity backward) before ``B``.
 
 The fused layers take their deltas in megatron's layout (``convert``): q, k and v interleaved
-query group by query group; gate then up. Deltas are added by forward hooks, one per layer, for
-the adapter that is active; the base modules are never replaced.
+query group by query group; gate then up. Deltas are added by forward hooks, one per layer, each
+span of tokens under its own adapter (several models in one pass); the base modules are never
+replaced.
 
 Tensors are ``[sequence, batch, features]``, as megatron-core passes them.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from hosted_tinker.rank.adapters import Routes
 from hosted_tinker.rank.mcore.convert import HfShape
 
 COLUMN, ROW = "column", "row"
@@ -151,47 +153,55 @@ def row_delta(x: Tensor, p: Projection) -> Tensor:
 # layer's input arrives as this rank's positions, a row layer's output leaves as them. The LoRA
 # branch gathers its input whole (its gradient then comes back split, not summed: the branch's
 # own all-reduce has already made it whole on every rank) and scatters its output, so that every
-# LoRA gradient is the whole sequence's on every rank, as without sequence parallelism.
+# LoRA gradient is the whole sequence's on every rank, as without sequence parallelism. Adapters
+# are routed by span of the whole sequence (``rank.adapters.Routes``), between the two.
 
 
-def sp_column_delta(x: Tensor, p: Projection) -> Tensor:
+def _whole_sequence(x: Tensor) -> Tensor:
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    return column_delta(gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False), p)
+    return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
 
 
-def sp_row_delta(x: Tensor, p: Projection) -> Tensor:
+def _this_ranks_positions(x: Tensor) -> Tensor:
     from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
-    return scatter_to_sequence_parallel_region(row_delta(x, p))
+    return scatter_to_sequence_parallel_region(x)
 
 
 class TpLora:
-    """The adapters on one ``GPTModel``: one forward hook per site adds the active adapter's
-    deltas to the base layer's output."""
+    """The adapters on one ``GPTModel``: one forward hook per site adds to the base layer's
+    output each span's LoRA update under the adapter ``routes`` names for it (tokens are the
+    first dimension of megatron's ``[s, b, h]``)."""
 
     def __init__(self, gpt: nn.Module, shape: HfShape, tp: int, sequence_parallel: bool = False) -> None:
         self.sites = sites(gpt, shape, tp)
         self.adapters: dict[str, Adapter] = {}
-        self.active: str | None = None
+        self.routes = Routes()
         self.sequence_parallel = sequence_parallel
         for name, site in self.sites.items():
             site.layer.register_forward_hook(self._hook(name, site))
 
     def _hook(self, name: str, site: Site):
-        if self.sequence_parallel:
-            delta = sp_column_delta if site.kind == COLUMN else sp_row_delta
-        else:
-            delta = column_delta if site.kind == COLUMN else row_delta
+        delta = column_delta if site.kind == COLUMN else row_delta
+        gather = self.sequence_parallel and site.kind == COLUMN
+        scatter = self.sequence_parallel and site.kind != COLUMN
 
-        def add_delta(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor | None]):
-            adapter = self.adapters.get(self.active) if self.active is not None else None
-            projections = adapter.projections.get(name) if adapter is not None else None
-            if not projections:
-                return output
+        def add_updates(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor | None]):
             out, bias = output
-            x = args[0].to(projections[0].A.dtype)
-            fused = site.fuse([delta(x, p) for p in projections])
-            return out + (adapter.scale * fused).to(out.dtype), bias
+            spans = [(s, e, self.adapters.get(a)) for s, e, a in self.routes.segments]
+            if not any(adapter is not None and adapter.projections.get(name) for _, _, adapter in spans):
+                return output
+            x = _whole_sequence(args[0]) if gather else args[0]
+            updates = []
+            for start, end, adapter in spans:
+                projections = adapter.projections.get(name) if adapter is not None else None
+                if not projections:
+                    updates.append(x.new_zeros((end - start, *x.shape[1:-1], out.shape[-1]), dtype=out.dtype))
+                    continue
+                xs = x[start:end].to(projections[0].A.dtype)
+                updates.append(adapter.scale * site.fuse([delta(xs, p) for p in projections]))
+            update = torch.cat([u.to(out.dtype) for u in updates])
+            return out + (_this_ranks_positions(update) if scatter else update), bias
 
-        return add_delta
+        return add_updates

@@ -17,6 +17,7 @@ from hosted_tinker.core.logprobs import packed_targets, unpacked
 from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.activations import recomputed
+from hosted_tinker.rank.adapters import segments
 from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, block_spec, transformer_config
 from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
@@ -100,8 +101,6 @@ class McoreLoraModel:
 
     def remove_adapter(self, handle: AdapterHandle) -> None:
         self.lora.adapters.pop(handle.name, None)
-        if self.lora.active == handle.name:
-            self.lora.active = None
 
     def adapter_config(self, handle: AdapterHandle) -> dict:
         """PEFT's ``adapter_config.json`` for the same modules on the HF model."""
@@ -125,10 +124,11 @@ class McoreLoraModel:
 
     # ---- scoring -------------------------------------------------------------------------------
 
-    def logprobs(self, handle: AdapterHandle, data: list[DatumInput], *, recompute: bool = False) -> list[Tensor]:
+    def logprobs(
+        self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False
+    ) -> list[Tensor]:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        self.lora.active = handle.name
         packed = pack(data)
         tokens, positions, cu_seqlens = packed.tokens, packed.positions, packed.cu_seqlens
         total = tokens.shape[0]
@@ -137,6 +137,8 @@ class McoreLoraModel:
             tokens = torch.cat([tokens, torch.full((short,), self.pad_id, dtype=torch.long)])
             positions = torch.cat([positions, torch.arange(short)])
             cu_seqlens = torch.cat([cu_seqlens, torch.tensor([total + short], dtype=torch.int32)])
+        names = [h.name for h in handles] + ([""] if short else [])  # "": no adapter on the filler
+        self.lora.routes.segments = segments(names, [d.num_tokens for d in data] + ([short] if short else []))
         on = {"device": self.device}
         params = PackedSeqParams(
             qkv_format="thd",

@@ -1,0 +1,338 @@
+"""Efficiency per token of the training step, with MFU on any device. One trainer in this
+process (the step as a rank runs it, no HTTP), three scenarios, each against its baseline in
+the same run:
+
+    mixed     16 sequences of skewed lengths (64–4096 tokens, log-uniform): packed micro-batches
+              (today's path) against the padded path they replaced (``tests.batches.padded_path``)
+    tenants   8 models × 1 datum of 256 tokens: one pass over the base for all eight
+              (``Trainer.forward_backward_many``) against eight passes, one model at a time
+    long      one sequence of 8K, 16K and 32K tokens on a Qwen3-shaped model (hidden 1024,
+              4 layers, Qwen3's 151,936-token vocabulary): peak memory with each decoder layer's
+              activations recomputed and without, each point in a fresh process; the slope of a
+              line through the points is the activation memory per token
+
+    python benchmarks/train_efficiency.py                       # every scenario, CPU
+    python benchmarks/train_efficiency.py --scenario long --lengths 2048,4096,8192
+    python benchmarks/train_efficiency.py --device cuda --peak-tflops 989 --tenants-shape qwen3-8b \\
+        --mixed-shape qwen3-8b --dtype bfloat16                 # on a GPU (none has run it yet)
+
+It prints the FLOPs of a token (``benchmarks.shapes``: 6·P + attention, and what a LoRA step
+executes) and, given the device's peak (``--peak-tflops``; H100/H200 bf16 by default on CUDA),
+the MFU of each path. Writes benchmarks/results/train_efficiency-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import add_common_args, print_table, result_header, write_results  # noqa: E402
+from benchmarks.shapes import flops_per_token, random_model  # noqa: E402
+
+LORA_RANK = 32
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
+
+
+def lengths_skewed(count: int, low: int, high: int, seed: int) -> list[int]:
+    """``count`` lengths, log-uniform in [low, high]: mostly short, a few long."""
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in np.exp(rng.uniform(np.log(low), np.log(high), count)).round()]
+
+
+def make_batch(lengths: list[int], vocab: int, seed: int = 0):
+    import torch
+
+    from hosted_tinker.core.types import DatumInput, ForwardBackwardBatch
+
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in lengths:
+        tokens = torch.from_numpy(rng.integers(10, vocab, n + 1))
+        data.append(DatumInput(tokens[:-1], tokens[1:], {"weights": torch.ones(n)}))
+    return ForwardBackwardBatch(data=data, loss_fn="cross_entropy", loss_config={}, forward_only=False)
+
+
+def mean_context(lengths: list[int]) -> float:
+    """The causal context a token attends over, on average over the tokens: Σ N²/2 / Σ N."""
+    return sum(n * n / 2 for n in lengths) / sum(lengths)
+
+
+def trainer_on(model: str, device: str, dtype: str, **options: Any):
+    from hosted_tinker.rank.serve import local_rank
+
+    return local_rank(model, device=device, dtype=dtype, **options).trainer
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
+    """Seconds ``fn()`` took on ``device``, and what it returned."""
+    sync(device)
+    start = time.perf_counter()
+    value = fn()
+    sync(device)
+    return time.perf_counter() - start, value
+
+
+def peak_tflops(args: argparse.Namespace) -> float | None:
+    if args.peak_tflops is not None or not args.device.startswith("cuda"):
+        return args.peak_tflops
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def efficiency(flops: dict[str, float], tokens: int, seconds: float, peak: float | None) -> dict[str, float]:
+    out = {"tokens_per_s": tokens / seconds, "achieved_tflops_6p": flops["model_flops_6p"] * tokens / seconds / 1e12}
+    if peak:
+        out["mfu_6p"] = out["achieved_tflops_6p"] / peak
+    return out
+
+
+# ---- mixed lengths: packed against padded ----------------------------------------------------
+
+
+def scenario_mixed(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.batches import padded_microbatches, padded_path
+
+    model = random_model(args.mixed_shape, args.dtype)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    lengths = lengths_skewed(16, 64, 4096, seed=1)
+    batch = make_batch(lengths, vocab)
+    tokens = sum(lengths)
+    trainer = trainer_on(model, args.device, args.dtype)
+    trainer.create_adapter("m", _lora())
+    seen = {"packed": 0, "padded": 0}
+    embed = trainer.model.base.get_input_embeddings()
+    path = {"now": "packed"}
+    hook = embed.register_forward_hook(lambda m, a, o: seen.__setitem__(path["now"], seen[path["now"]] + a[0].numel()))
+
+    def packed() -> float:
+        return trainer.forward_backward("m", batch).loss_sum
+
+    def padded() -> float:
+        with padded_path(trainer):
+            return trainer.forward_backward("m", batch).loss_sum
+
+    seconds: dict[str, list[float]] = {"packed": [], "padded": []}
+    losses: dict[str, float] = {}
+    for round_ in range(args.rounds + 1):  # the first round warms up
+        for name, fn in (("packed", packed), ("padded", padded)):
+            path["now"] = name
+            seen[name] = 0
+            t, losses[name] = timed(fn, args.device)
+            if round_:
+                seconds[name].append(t)
+    hook.remove()
+    flops = flops_per_token(model, mean_context(lengths), LORA_RANK)
+    peak = peak_tflops(args)
+    median = {name: statistics.median(s) for name, s in seconds.items()}
+    padded_tokens = sum(len(group) * max(lengths[i] for i in group) for group in padded_microbatches(batch.data, 16384))
+    return {
+        "model": args.mixed_shape,
+        "lengths": lengths,
+        "tokens": tokens,
+        "flops_per_token": flops,
+        "step_s_median": median,
+        "paths": {name: efficiency(flops, tokens, s, peak) for name, s in median.items()},
+        "tokens_computed": dict(seen),
+        "pad_tokens_computed": {"packed": seen["packed"] - tokens, "padded": seen["padded"] - tokens},
+        "padded_tokens_by_grouping": padded_tokens,
+        "speedup_packed_over_padded": median["padded"] / median["packed"],
+        "loss_sum": losses,
+        "losses_equal_rtol_1e-5": bool(np.isclose(losses["packed"], losses["padded"], rtol=1e-5)),
+    }
+
+
+# ---- tenants: one pass for many models against one model at a time ----------------------------
+
+
+def scenario_tenants(args: argparse.Namespace, shape: str | None) -> dict[str, Any]:
+    from hosted_tinker.core.tiny_model import build_tiny_model
+
+    model = random_model(shape, args.dtype) if shape else str(build_tiny_model(ROOT / ".bench-tiny" / "tiny-qwen3"))
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    trainer = trainer_on(model, args.device, args.dtype)
+    ids = [f"t{i}" for i in range(args.tenants)]
+    for i, model_id in enumerate(ids):
+        trainer.create_adapter(model_id, _lora(seed=i))
+    batches = {model_id: make_batch([256], vocab, seed=i) for i, model_id in enumerate(ids)}
+    tokens = 256 * len(ids)
+
+    def alone() -> list[float]:
+        return [trainer.forward_backward(m, b).loss_sum for m, b in batches.items()]
+
+    def together() -> list[float]:
+        return [r.loss_sum for r in trainer.forward_backward_many(list(batches.items()))]
+
+    seconds: dict[str, list[float]] = {"one_at_a_time": [], "one_pass": []}
+    losses: dict[str, list[float]] = {}
+    for round_ in range(args.rounds + 1):
+        for name, fn in (("one_at_a_time", alone), ("one_pass", together)):
+            t, losses[name] = timed(fn, args.device)
+            if round_:
+                seconds[name].append(t)
+    flops = flops_per_token(model, mean_context([256]), LORA_RANK)
+    peak = peak_tflops(args)
+    median = {name: statistics.median(s) for name, s in seconds.items()}
+    return {
+        "model": shape or "built-in tiny Qwen3",
+        "tenants": len(ids),
+        "tokens": tokens,
+        "flops_per_token": flops,
+        "step_s_median": median,
+        "paths": {name: efficiency(flops, tokens, s, peak) for name, s in median.items()},
+        "speedup_one_pass_over_one_at_a_time": median["one_at_a_time"] / median["one_pass"],
+        "loss_sum": losses,
+        "losses_equal_rtol_1e-5": bool(np.allclose(losses["one_pass"], losses["one_at_a_time"], rtol=1e-5)),
+    }
+
+
+# ---- long: memory against sequence length ---------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+
+def long_child(args: argparse.Namespace) -> None:
+    """One forward_backward of one sequence of ``--child-tokens``, in this fresh process; prints
+    its memory and time as JSON."""
+    import torch
+
+    model = random_model(args.long_shape, args.dtype)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    threshold = 0 if args.child_recompute else 10**9
+    trainer = trainer_on(model, args.device, args.dtype, recompute_above_tokens=threshold, microbatch_tokens=10**6)
+    trainer.create_adapter("long", _lora())
+    batch = make_batch([args.child_tokens], vocab)
+    before = rss_bytes()
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    seconds, _ = timed(lambda: trainer.forward_backward("long", batch), args.device)
+    if args.device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"tokens": args.child_tokens, "before": before, "peak": peak, "seconds": seconds}))
+
+
+def scenario_long(args: argparse.Namespace) -> dict[str, Any]:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    points: dict[str, list[dict]] = {"recomputed": [], "stored": []}
+    random_model(args.long_shape, args.dtype)  # written once, before the children read it
+    for recompute, name in ((True, "recomputed"), (False, "stored")):
+        for n in lengths:
+            if not recompute and n > args.stored_max_tokens:
+                continue
+            command = [sys.executable, __file__, "--child-tokens", str(n), "--long-shape", args.long_shape]
+            command += ["--device", args.device, "--dtype", args.dtype] + (["--child-recompute"] if recompute else [])
+            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            point = json.loads(out.strip().splitlines()[-1])
+            point["step_bytes"] = point["peak"] - point["before"]
+            points[name].append(point)
+            print(
+                f"  long {name:10} {n:6} tokens: {point['step_bytes'] / 2**30:7.2f} GiB over the model, "
+                f"{point['seconds']:7.1f} s",
+                flush=True,
+            )
+    model = random_model(args.long_shape, args.dtype)
+    fits = {}
+    for name, pts in points.items():
+        if len(pts) >= 2:
+            x = np.array([p["tokens"] for p in pts], dtype=float)
+            y = np.array([p["step_bytes"] for p in pts], dtype=float)
+            slope, intercept = np.polyfit(x, y, 1)
+            residual = float(np.max(np.abs(y - (slope * x + intercept))) / np.max(y))
+            fits[name] = {"bytes_per_token": float(slope), "intercept_bytes": float(intercept)}
+            fits[name]["max_rel_residual"] = residual
+    return {
+        "model": args.long_shape,
+        "points": points,
+        "linear_fit": fits,
+        "flops_per_token": {n: flops_per_token(model, n / 2, LORA_RANK) for n in lengths},
+    }
+
+
+def _lora(seed: int = 0):
+    from hosted_tinker.core.types import LoraSpec
+
+    return LoraSpec(rank=LORA_RANK, seed=seed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", choices=["all", "mixed", "tenants", "long"], default="all")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak (default on H100/H200)")
+    parser.add_argument("--mixed-shape", default="qwen3-h512-l4")
+    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--tenants-shape", default="qwen-0.5b", help="besides the tiny model ('' for none)")
+    parser.add_argument("--long-shape", default="qwen3-h1024-l4")
+    parser.add_argument("--lengths", default="8192,16384,32768", help="the long scenario's sequence lengths")
+    parser.add_argument("--stored-max-tokens", type=int, default=32768, help="longest run without recomputation")
+    parser.add_argument("--child-tokens", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-recompute", action="store_true", help=argparse.SUPPRESS)
+    add_common_args(parser)
+    args = parser.parse_args()
+    if args.child_tokens is not None:
+        return long_child(args)
+
+    import torch
+
+    torch.manual_seed(0)
+    results: dict[str, Any] = {**result_header("train_efficiency", args.device), "lora_rank": LORA_RANK}
+    results["peak_tflops"] = peak_tflops(args)
+    rows: list[tuple[str, str]] = []
+    if args.scenario in ("all", "mixed"):
+        mixed = results["mixed"] = scenario_mixed(args)
+        for name, e in mixed["paths"].items():
+            rows.append((f"mixed {name}", _row(mixed["step_s_median"][name], e)))
+        rows.append(("mixed: pad tokens computed (packed, padded)", str(tuple(mixed["pad_tokens_computed"].values()))))
+        rows.append(("mixed: packed speed-up over padded", f"{mixed['speedup_packed_over_padded']:.2f}x"))
+    if args.scenario in ("all", "tenants"):
+        results["tenants"] = [scenario_tenants(args, None)]
+        if args.tenants_shape:
+            results["tenants"].append(scenario_tenants(args, args.tenants_shape))
+        for t in results["tenants"]:
+            for name, e in t["paths"].items():
+                rows.append((f"tenants ({t['model']}) {name}", _row(t["step_s_median"][name], e)))
+            speedup = t["speedup_one_pass_over_one_at_a_time"]
+            rows.append((f"tenants ({t['model']}): one pass speed-up", f"{speedup:.2f}x"))
+    if args.scenario in ("all", "long"):
+        long = results["long"] = scenario_long(args)
+        for name, fit in long["linear_fit"].items():
+            rows.append((f"long {name}: activation bytes / token", f"{fit['bytes_per_token']:,.0f}"))
+    print_table(f"training efficiency on {results['device']}", rows)
+    write_results(results, args.out, args.device)
+
+
+def _row(seconds: float, e: dict[str, float]) -> str:
+    mfu = f"   MFU {100 * e['mfu_6p']:.1f} %" if "mfu_6p" in e else ""
+    rate = f"{e['tokens_per_s']:9.0f} tok/s  {e['achieved_tflops_6p'] * 1000:8.1f} GFLOP/s"
+    return f"{1000 * seconds:9.1f} ms  {rate}{mfu}"
+
+
+if __name__ == "__main__":
+    main()
