@@ -307,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
     serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")
     serve.add_argument(
+        "--joint-pass-tokens",
+        type=int,
+        default=32768,
+        help="tokens of several models' forward_backward requests run in one pass over the base (0: each alone)",
+    )
+    serve.add_argument(
         "--max-body-bytes",
         type=int,
         default=256 << 20,

@@ -44,7 +44,6 @@ def random_batch(
     return ForwardBackwardBatch(data=data, loss_fn=loss_fn, loss_config=config, forward_only=False)
 
 
-
 def padded_logprobs(model, handles, data: list[DatumInput], **_) -> list[torch.Tensor]:
     """The path packing replaced, for comparison: ``HfLoraModel``'s data (of one model) right-
     padded into one ``(count, longest)`` batch with an attention mask, through transformers' own

@@ -79,6 +79,9 @@ class ServerConfig(BaseModel):
     max_control_body_bytes: int = Field(1 << 20, ge=1024)
     max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
     max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
+    # Several models' forward_backward requests, up to this many tokens, in one pass over the
+    # base (server.serving.joint_passes); 0: each runs alone.
+    joint_pass_tokens: int = Field(32768, ge=0)
     header_timeout_s: float = Field(10.0, gt=0)  # a request's line and headers, from its first byte (408 after)
     body_timeout_s: float = Field(30.0, gt=0)  # a request body, from the end of its headers (408 after) ...
     min_body_rate: int = Field(16 << 10, ge=0)  # ... plus 1 s per this many bytes received; 0: no extension

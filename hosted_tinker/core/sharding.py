@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from hosted_tinker.core.types import ForwardBackwardBatch, ForwardBackwardResult
+from hosted_tinker.core.types import ForwardBackwardBatch, ForwardBackwardResult, RequestFailed
 
 
 def shard_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
@@ -40,3 +40,14 @@ def merge_results(results: list[ForwardBackwardResult], shards: list[list[int]])
         for key, value in result.metrics.items():
             metrics[key] = metrics.get(key, 0.0) + value
     return ForwardBackwardResult(logprobs, sum(r.loss_sum for r in results), elementwise, metrics)
+
+
+def merge_many(
+    replies: list[ForwardBackwardResult | RequestFailed], shards: list[list[int]]
+) -> ForwardBackwardResult | RequestFailed:
+    """One request's replies from each replica of a joint pass, as one: its failure where it
+    failed (the failing rank's own, rather than a peer's report of it), else the merged result."""
+    failed = [r for r in replies if isinstance(r, RequestFailed)]
+    if failed:
+        return next((f for f in failed if f.kind != "peer_failed"), failed[0])
+    return merge_results(replies, shards)  # type: ignore[arg-type]

@@ -165,6 +165,13 @@ class TrainingBackend(Protocol):
 
     def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult: ...
 
+    def forward_backward_many(
+        self, requests: list[tuple[str, ForwardBackwardBatch]]
+    ) -> list[ForwardBackwardResult | Exception]:
+        """Several models' requests in one pass over the base; per request, its result or the
+        exception its call alone would have raised."""
+        ...
+
     def optim_step(self, model_id: str, params: OptimParams) -> dict[str, float]: ...
 
     def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState: ...

@@ -64,8 +64,8 @@ class ServerMetrics:
 
 class StateCollector(Collector):
     """Gauges and counters read from the server's parts when scraped. ``read()`` returns
-    ``queue`` (per model: requests pending), ``worker_restarts``, ``vllm_restarts`` (None
-    without vLLM), ``resident_models``, ``parked_models``, ``in_flight``, and ``lora_sync``
+    ``queue`` (per model: requests pending), ``worker_restarts``, ``joint_passes`` (``passes``
+    and ``joined``: ``serving.joint_passes``), ``vllm_restarts`` (None without vLLM), ``resident_models``, ``parked_models``, ``in_flight``, and ``lora_sync``
     (``count`` and ``seconds_total``, None without vLLM)."""
 
     def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
@@ -89,6 +89,13 @@ class StateCollector(Collector):
         )
         yield CounterMetricFamily(
             f"{PREFIX}_worker_restarts", "training worker groups replaced", value=state["worker_restarts"]
+        )
+        joint = state["joint_passes"]
+        yield CounterMetricFamily(
+            f"{PREFIX}_joint_passes", "passes over the base that ran several models' requests", value=joint["passes"]
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_joint_pass_joined", "requests that ran in another model's request's pass", value=joint["joined"]
         )
         if state["vllm_restarts"] is not None:
             restarts = state["vllm_restarts"]

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import secrets
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -58,6 +59,8 @@ class Scheduler:
         self._pending: dict[str, str | None] = {}  # request id -> its model, until it finishes
         self._pending_per_model: dict[str | None, int] = {}
         self.refused = 0  # submits answered 429
+        # Per model, the seq_ids of its jobs dispatched and not yet started, in order.
+        self._unstarted: dict[str, deque[int]] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dispatch")
         self._queues: dict[str, _ModelQueue] = {}
         self._events: dict[str, asyncio.Event] = {}
@@ -152,8 +155,10 @@ class Scheduler:
             queue.waiting[seq_id] = (request_id, job)
             while queue.next_seq in queue.waiting:
                 rid, next_job = queue.waiting.pop(queue.next_seq)
+                with self._count_lock:
+                    self._unstarted.setdefault(model_id, deque()).append(queue.next_seq)
+                self._dispatch(rid, self._starting(model_id, queue.next_seq, next_job))
                 queue.next_seq += 1
-                self._dispatch(rid, next_job)
         return request_id
 
     def _timed(self, kind: str, job: Job) -> Job:
@@ -164,6 +169,24 @@ class Scheduler:
                 return job()
 
         return run
+
+    def _starting(self, model_id: str, seq_id: int, job: Job) -> Job:
+        def run() -> tuple[bytes, str]:
+            with self._count_lock:
+                self._unstarted[model_id].popleft()
+                if not self._unstarted[model_id]:
+                    del self._unstarted[model_id]
+            return job()
+
+        return run
+
+    def up_next(self, model_id: str) -> int | None:
+        """The seq_id of the model's job that runs next on the dispatch thread, if one was
+        dispatched (every earlier one has started): a job that may run ahead of its turn
+        (``serving.joint_passes``) without breaking the model's order."""
+        with self._count_lock:
+            unstarted = self._unstarted.get(model_id)
+            return unstarted[0] if unstarted else None
 
     def next_seq(self, model_id: str) -> int | None:
         """The seq_id a model's queue waits for next (read from the dispatch thread: an int)."""

@@ -33,6 +33,7 @@ from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.custom_losses import CustomLossService
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.futures import FuturesService
+from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.server.serving.recovery import ModelRecovery
@@ -123,6 +124,7 @@ def build_state(config: ServerConfig) -> ServerState:
         sequences=sequences,
         custom_losses=custom_losses,
         residency=Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models),
+        joint=JointPasses(backend, scheduler, store, config.joint_pass_tokens),
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
     )
@@ -193,6 +195,7 @@ def _metrics_state(state: ServerState) -> dict:
         "resident_models": state.training.residency.status()["resident"],
         "parked_models": state.store.count_active()["parked_models"],
         "worker_restarts": state.backend.restarts,
+        "joint_passes": {"passes": state.training.joint.passes, "joined": state.training.joint.joined},
         "vllm_restarts": vllm.status().get("restarts", 0) if vllm is not None else None,
         "lora_sync": {"count": vllm.live.synced, "seconds_total": vllm.live.latency_total} if vllm else None,
     }

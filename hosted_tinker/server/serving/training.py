@@ -33,6 +33,7 @@ from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving import optimizers, provenance
 from hosted_tinker.server.serving.custom_losses import CustomLossService, datum_inputs
+from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
 from hosted_tinker.server.store import Store
 
@@ -62,6 +63,7 @@ class TrainingService:
         sequences: SequenceRecords,
         custom_losses: CustomLossService,
         residency: Residency,
+        joint: JointPasses,
         *,
         live: LiveAdapters | None = None,
         max_lora_rank: int | None = None,
@@ -77,6 +79,7 @@ class TrainingService:
         self.max_lora_rank = max_lora_rank  # the inference engine's limit, if it has one
         # Which models are on the workers; a parked one comes back before its next job runs.
         self.residency = residency
+        self.joint = joint  # forward_backward requests of several models in one pass
 
     def weights_changed(self, model_id: str) -> None:
         """On the worker, after a job that set a model's weights (create, load, optim_step)."""
@@ -274,9 +277,10 @@ class TrainingService:
     def forward_backward(self, req: WireForwardBackward) -> str:
         def prepare() -> Job:
             batch = self._validate_batch(req)
+            entry = self.joint.register(req.model_id, req.seq_id, batch)
 
             def job() -> tuple[bytes, str]:
-                result = self.backend.forward_backward(req.model_id, batch)
+                result = self.joint.run(entry)
                 self.scheduler.metrics.tokens_trained.labels(kind).inc(sum(d.num_tokens for d in batch.data))
                 outputs = [
                     {"logprobs": lp} if terms is None else {"logprobs": lp, "elementwise_loss": terms}

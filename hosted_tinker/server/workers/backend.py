@@ -25,10 +25,10 @@ from typing import Any, Protocol
 import torch
 
 from hosted_tinker.core.calls import call_spec
-from hosted_tinker.core.errors import RolledBack, WorkerCrashed, WorkerDied
+from hosted_tinker.core.errors import RolledBack, ServerError, UserError, WorkerCrashed, WorkerDied, WorkerError
 from hosted_tinker.core.messages import Listener
 from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, TokenListener
-from hosted_tinker.core.sharding import merge_results, shard_batch, shard_by_tokens
+from hosted_tinker.core.sharding import merge_many, merge_results, shard_batch, shard_by_tokens
 from hosted_tinker.core.types import (
     AdamParams,
     AdapterState,
@@ -36,6 +36,7 @@ from hosted_tinker.core.types import (
     ForwardBackwardBatch,
     ForwardBackwardResult,
     LoraSpec,
+    RequestFailed,
 )
 from hosted_tinker.rank.sampler import EmbeddedSampler
 from hosted_tinker.rank.trainer import Trainer
@@ -142,17 +143,27 @@ class ProcessBackend:
             notice = self._rolled_back.pop(model_id, None)
             if notice is not None and spec.model == "uses":
                 raise notice
-        try:
+
+        def call() -> Any:
             if spec.ranks == "first":
                 return self._group.call(name, *args, **kwargs)
             if spec.ranks == "split" and self.capabilities.replicas > 1:
                 return self._split(name, *args)
             return self._group.call_each(name, [args] * self._group.size, **kwargs)[0]
+
+        return self._surviving([model_id] if model_id is not None else [], call)
+
+    def _surviving(self, model_ids: list[str], call: Callable[[], Any]) -> Any:
+        """``call()``; if a worker dies in it, a new group with the models restored, and
+        ``WorkerCrashed`` for this call (whose own failure tells its clients of ``model_ids``)."""
+        try:
+            return call()
         except WorkerDied as e:
             if self._restoring:  # the new group died too: _replace starts another
                 raise
             restored = self._replace(str(e))
-            self._rolled_back.pop(model_id, None)  # this call's own failure tells its client
+            for model_id in model_ids:
+                self._rolled_back.pop(model_id, None)
             raise WorkerCrashed(str(e), restored) from None
 
     def _split(self, name: str, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
@@ -231,6 +242,39 @@ class ProcessBackend:
     def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
         return self._call(Trainer, "forward_backward", model_id, batch)
 
+    def forward_backward_many(
+        self, requests: list[tuple[str, ForwardBackwardBatch]]
+    ) -> list[ForwardBackwardResult | ServerError]:
+        """Several models' requests in one pass (``Trainer.forward_backward_many``); per request,
+        its result or its failure. A model owed a ``RolledBack`` notice gets it instead of a run."""
+        _ = self.capabilities
+        self.ensure_alive()
+        outcomes: dict[str, ForwardBackwardResult | ServerError] = {}
+        for model_id, _batch in requests:
+            notice = self._rolled_back.pop(model_id, None)
+            if notice is not None:
+                outcomes[model_id] = notice
+        todo = [(model_id, batch) for model_id, batch in requests if model_id not in outcomes]
+        if todo:
+            replies = self._surviving([m for m, _ in todo], lambda: self._split_many(todo))
+            for (model_id, _batch), reply in zip(todo, replies, strict=True):
+                outcomes[model_id] = reply if isinstance(reply, ForwardBackwardResult) else _failure(reply)
+        return [outcomes[model_id] for model_id, _ in requests]
+
+    def _split_many(self, requests: list[tuple[str, ForwardBackwardBatch]]) -> list:
+        """Each replica its shard of every request; per request, the replicas' results merged."""
+        name = f"{Trainer.SERVED_AS}.forward_backward_many"
+        replicas = self.capabilities.replicas
+        per_replica = self._group.size // replicas
+        shards = [shard_by_tokens([d.num_tokens for d in batch.data], replicas) for _, batch in requests]
+        split = [shard_batch(batch, s) for (_, batch), s in zip(requests, shards, strict=True)]
+        per_rank = [
+            ([(model_id, split[i][rank // per_replica]) for i, (model_id, _) in enumerate(requests)],)
+            for rank in range(self._group.size)
+        ]
+        replies = self._group.call_each(name, per_rank)[::per_replica]
+        return [merge_many([reply[i] for reply in replies], shards[i]) for i in range(len(requests))]
+
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
         return self._call(Trainer, "optim_step", model_id, params)
 
@@ -248,6 +292,11 @@ class ProcessBackend:
 
     def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
         return self._call(Trainer, "zero_adapter")
+
+
+def _failure(failed: RequestFailed) -> ServerError:
+    """A request's failure in a joint pass as the exception its call alone would have raised."""
+    return UserError(failed.message) if failed.kind == "user_error" else WorkerError(failed.message)
 
 
 class SamplerClient:

@@ -1,0 +1,118 @@
+"""Many tenants, one pass: ``forward_backward`` requests of different models on the same base,
+run together in one pass over it.
+
+Every ``forward_backward`` (or forward-only) request is registered here once validated. When one
+runs on the dispatch thread, it takes along the requests of other models that are *up next* for
+their model (every earlier job of that model has started: ``Scheduler.up_next``), of the same
+kind, whose model is on the workers, up to ``max_tokens`` in all, and the backend runs them in one
+pass (``Trainer.forward_backward_many``: each model's loss and gradients its own, a failure only
+its own request's). Each taken request keeps its place in the dispatch queue; when its turn comes
+its job finds its outcome here and returns it. A model's requests therefore still run in
+``seq_id`` order, and a request never waits for another tenant's: it can only run earlier.
+
+Runs on the dispatch thread, except ``register``/``forget`` (the event loop): one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from hosted_tinker.core.types import ForwardBackwardBatch, ForwardBackwardResult, TrainingBackend
+from hosted_tinker.server.scheduler import Scheduler
+from hosted_tinker.server.store import Store
+
+
+@dataclass
+class Pending:
+    """A validated request, until its job has run (``outcome``: set when it ran in another's pass)."""
+
+    model_id: str
+    seq_id: int
+    batch: ForwardBackwardBatch
+    tokens: int
+    outcome: ForwardBackwardResult | BaseException | None = None
+
+
+class JointPasses:
+    def __init__(self, backend: TrainingBackend, scheduler: Scheduler, store: Store, max_tokens: int) -> None:
+        self.backend = backend
+        self.scheduler = scheduler
+        self.store = store
+        self.max_tokens = max_tokens  # 0: every request runs alone
+        self._pending: dict[tuple[str, int], Pending] = {}
+        self._lock = threading.Lock()
+        self.passes = 0  # joint passes run (of two requests or more)
+        self.joined = 0  # requests that ran in another request's pass
+
+    def register(self, model_id: str, seq_id: int, batch: ForwardBackwardBatch) -> Pending:
+        entry = Pending(model_id, seq_id, batch, sum(d.num_tokens for d in batch.data))
+        with self._lock:
+            self._pending[(model_id, seq_id)] = entry
+        return entry
+
+    def forget(self, entry: Pending) -> None:
+        with self._lock:
+            self._pending.pop((entry.model_id, entry.seq_id), None)
+
+    def run(self, entry: Pending) -> ForwardBackwardResult:
+        """On the dispatch thread, when ``entry``'s job runs: its result, from a pass it joined
+        earlier or from one it leads now."""
+        self.forget(entry)
+        if entry.outcome is None:
+            companions = self._companions(entry)
+            if not companions:
+                return self.backend.forward_backward(entry.model_id, entry.batch)
+            self._run_together([entry, *companions])
+        if isinstance(entry.outcome, BaseException):
+            raise entry.outcome
+        return entry.outcome
+
+    def _companions(self, lead: Pending) -> list[Pending]:
+        """Other models' requests that may run now, with ``lead``: oldest first, within the budget."""
+        if self.max_tokens <= 0:
+            return []
+        budget = self.max_tokens - lead.tokens
+        chosen: list[Pending] = []
+        with self._lock:
+            for key in [key for key in self._pending if self._never_runs(*key)]:
+                del self._pending[key]
+            candidates = list(self._pending.values())
+        for entry in candidates:
+            if (
+                entry.model_id == lead.model_id
+                or entry.outcome is not None
+                or entry.batch.forward_only != lead.batch.forward_only
+                or entry.tokens > budget
+                or any(c.model_id == entry.model_id for c in chosen)
+                or self.scheduler.up_next(entry.model_id) != entry.seq_id
+            ):
+                continue
+            model = self.store.get_model(entry.model_id)
+            if model is None or model.status != "active":  # e.g. PARKED: bringing it back could push a
+                continue  # model of this pass off the workers
+            chosen.append(entry)
+            budget -= entry.tokens
+        return chosen
+
+    def _never_runs(self, model_id: str, seq_id: int) -> bool:
+        """A request whose job will not run (its model was unloaded while it waited, or the job
+        failed before it got here, e.g. bringing its model back): its turn has passed."""
+        next_seq = self.scheduler.next_seq(model_id)
+        if next_seq is None:
+            return True
+        up_next = self.scheduler.up_next(model_id)
+        return seq_id < (up_next if up_next is not None else next_seq)
+
+    def _run_together(self, entries: list[Pending]) -> None:
+        with self._lock:
+            for entry in entries[1:]:
+                self._pending.pop((entry.model_id, entry.seq_id), None)
+        try:
+            outcomes = self.backend.forward_backward_many([(e.model_id, e.batch) for e in entries])
+        except BaseException as e:  # the workers died under all of them
+            outcomes = [e] * len(entries)
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            entry.outcome = outcome
+        self.passes += 1
+        self.joined += len(entries) - 1
