@@ -83,7 +83,7 @@ def test_one_pass_equals_each_model_alone(trainer: Trainer, loss_fn: str, recomp
     monkeypatch.setattr(trainer, "recompute_above_tokens", 0 if recompute else 10**9)
     monkeypatch.setattr(trainer, "microbatch_tokens", 120)  # micro-batches that mix models
     rng = np.random.default_rng(len(loss_fn))
-    requests = [(model_id, random_batch(rng, size, loss_fn)) for model_id, size in zip(SPECS, (3, 2, 4))]
+    requests = [(model_id, random_batch(rng, size, loss_fn)) for model_id, size in zip(SPECS, (3, 2, 4), strict=True)]
     want = alone(trainer, requests)
     got = trainer.forward_backward_many(requests)
     for (model_id, _), result in zip(requests, got, strict=True):

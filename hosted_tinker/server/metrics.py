@@ -65,8 +65,9 @@ class ServerMetrics:
 class StateCollector(Collector):
     """Gauges and counters read from the server's parts when scraped. ``read()`` returns
     ``queue`` (per model: requests pending), ``worker_restarts``, ``joint_passes`` (``passes``
-    and ``joined``: ``serving.joint_passes``), ``vllm_restarts`` (None without vLLM), ``resident_models``, ``parked_models``, ``in_flight``, and ``lora_sync``
-    (``count`` and ``seconds_total``, None without vLLM)."""
+    and ``joined``: ``serving.joint_passes``), ``vllm_restarts`` (None without vLLM),
+    ``resident_models``, ``parked_models``, ``in_flight``, and ``lora_sync`` (``count`` and
+    ``seconds_total``, None without vLLM)."""
 
     def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
         self.read = read
