@@ -306,3 +306,29 @@ def test_results_are_deleted_after_retention(tmp_path, tiny_model_dir):
         assert resent["category"] == "user" and "already used" in resent["error"]
     finally:
         srv.stop()
+
+
+def test_a_silent_session_ends_after_both_retention_and_session_timeout(tmp_path, tiny_model_dir):
+    """A client that stopped heartbeating: its session is ended once it has been silent for
+    longer than the retention of results and the session timeout (its model then says so), not
+    after the retention alone."""
+    srv = start_server(tmp_path, "--result-retention", "1", "--session-timeout", "3")
+    try:
+        api = Api(srv.base_url)
+        model_id = api.new_model()
+        started = time.monotonic()
+        deadline = started + 60
+        seq_id = 0
+        while True:  # training calls, but no heartbeat
+            seq_id += 1
+            headers = {"Content-Type": "application/x-protobuf"}
+            answer = api.post("forward_backward", content=fwdbwd_body(model_id, seq_id), headers=headers)
+            if answer.status_code != 200:
+                break
+            api.result(answer.json()["request_id"])
+            assert time.monotonic() < deadline, "the silent session never ended"
+            time.sleep(0.5)
+        assert answer.status_code == 400 and "unloaded" in answer.json()["detail"]
+        assert time.monotonic() - started >= 3
+    finally:
+        srv.stop()

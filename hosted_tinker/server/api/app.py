@@ -82,15 +82,18 @@ def create_app(state: ServerState) -> FastAPI:
 async def _sweep(state: ServerState) -> None:
     """At start-up and periodically: delete checkpoints past their TTL, results past retention and
     sampling records past their day, and end sessions silent for longer than retention (their
-    models, parked ones too, go), so that neither the disk nor the database grows without bound."""
+    models, parked ones too, go), so that neither the disk nor the database grows without bound.
+    A session outlives its silence by at least ``--session-timeout`` (after which its models are
+    parked, not lost), however short the retention of results."""
     retention = state.config.result_retention_s
+    session_horizon = max(retention, state.config.session_timeout_s)
     every_s = min(600.0, max(1.0, retention / 4))
     while True:
         try:
             checkpoints = await asyncio.to_thread(state.checkpoints.delete_expired)
             results = await asyncio.to_thread(state.store.delete_futures_finished_before, time.time() - retention)
             sequences = await asyncio.to_thread(state.sequences.delete_expired)
-            for session_id in await asyncio.to_thread(state.store.silent_sessions, time.time() - retention):
+            for session_id in await asyncio.to_thread(state.store.silent_sessions, time.time() - session_horizon):
                 state.sessions.expire(session_id)
             if checkpoints or results or sequences:
                 log.info(
