@@ -106,11 +106,18 @@ def check(path: Path) -> None:
         raise DatabaseDamaged(f"the database {path} is damaged ({'; '.join(problems)}): {advice}")
 
 
+BUSY_TIMEOUT_S = 60.0
+
+
 def connect(path: str | Path, schema: str) -> sqlite3.Connection:
     """A connection to the server's database as every part of it opens one: shared between
     threads (each user guards it with its own lock), autocommit, WAL, ``schema`` applied."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+    # Several connections write to the file (store, sampling records, custom losses): a writer
+    # waits for another's lock up to BUSY_TIMEOUT_S. sqlite3's default of 5 s was reached on a
+    # loaded 2-core machine, and a finished result that cannot be recorded is a client that waits
+    # forever.
+    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_S)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     db.executescript(schema)

@@ -356,7 +356,11 @@ class SamplingService:
             self.scheduler.fail(request_id, "the server stopped while sampling; retry", "server")
             raise
         else:
-            self.scheduler.complete(request_id, encode_sample_response(output, target_layout), "application/x-protobuf")
+            payload = encode_sample_response(output, target_layout)
+            try:
+                self.scheduler.complete(request_id, payload, "application/x-protobuf")
+            except Exception as e:  # e.g. the database stayed locked: the future must still end
+                self.scheduler.fail_with(request_id, e)
 
     def uses_vllm(self, spec: SampleSpec) -> bool:
         return self.vllm is not None and not needs_embedded(spec)
