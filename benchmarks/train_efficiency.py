@@ -224,6 +224,7 @@ def long_child(args: argparse.Namespace) -> None:
     threshold = 0 if args.child_recompute else 10**9
     trainer = trainer_on(model, args.device, args.dtype, recompute_above_tokens=threshold, microbatch_tokens=10**6)
     trainer.create_adapter("long", _lora())
+    trainer.forward_backward("long", make_batch([64], vocab, seed=1))  # weights paged in, allocator warm
     batch = make_batch([args.child_tokens], vocab)
     before = rss_bytes()
     if args.device.startswith("cuda"):

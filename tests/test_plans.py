@@ -5,7 +5,8 @@ ranks where it accepts two (else one). The reference is the single plan in float
 process on the padded path, started from the plan's own initial weights. Every loss, datums of unequal lengths,
 gradients accumulated over two calls before each step, full AdamParams: per-datum logprobs,
 ``loss:sum``, ``grad_norm`` and the weights after the steps agree to float32 precision; and
-three Dimuon steps, whose update needs whole matrices where a plan shards them; and a custom loss.
+three Dimuon steps, whose update needs whole matrices where a plan shards them; a custom loss;
+and two models' requests in one pass.
 
 A new plan is checked by registering it: nothing here names one.
 """
@@ -113,6 +114,7 @@ def test_plan_trains_like_the_float64_reference(
             np.testing.assert_allclose(tensor.double(), want_state.weights[key], rtol=1e-3, atol=1e-5, err_msg=key)
         check_dimuon(plan, reference, f"{model_id}-dimuon", rng)
         check_custom_loss(plan, reference, model_id, rng)
+        check_joint_pass(plan, reference, [model_id, f"{model_id}-dimuon"], rng)
     finally:
         for name in (model_id, f"{model_id}-dimuon"):
             if reference.has_adapter(name):
@@ -139,6 +141,21 @@ def check_custom_loss(plan: ProcessBackend, reference: Trainer, model_id: str, r
     assert got.metrics["custom/nll:sum"] == pytest.approx(want.loss_sum, rel=RTOL)
     for g, w in zip(got.logprobs, want.logprobs, strict=True):
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4)
+
+
+def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[str], rng: np.random.Generator) -> None:
+    """Two models' requests in one pass (``forward_backward_many``), split over the plan's
+    replicas per request: each model's results and gradient norm are those of its request alone."""
+    requests = [(model_id, batch(rng, size, "ppo")) for model_id, size in zip(model_ids, (3, 4), strict=True)]
+    got = plan.forward_backward_many(requests)
+    for (model_id, b), result in zip(requests, got, strict=True):
+        want = reference.forward_backward(model_id, b)
+        assert result.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4), model_id
+        for g, w in zip(result.logprobs, want.logprobs, strict=True):
+            np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4)
+    for model_id, params in zip(model_ids, (ADAM, DIMUON(0.02)), strict=True):
+        got_step, want_step = plan.optim_step(model_id, params), reference.optim_step(model_id, params)
+        assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), model_id
 
 
 def check_dimuon(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
