@@ -25,7 +25,7 @@ import torch
 from hosted_tinker.core import losses
 from hosted_tinker.core.config import ServerConfig, parse_devices
 from hosted_tinker.core.errors import WorkerCrashed, WorkerError
-from hosted_tinker.core.sharding import merge_results, shard_by_tokens
+from hosted_tinker.core.sharding import merge_many, merge_results, shard_by_tokens
 from hosted_tinker.core.types import AdamParams, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.rank.plans import plan_module
 from hosted_tinker.rank.serve import Rank, RankSpec, build_rank, local_rank
@@ -77,6 +77,20 @@ def test_merge_puts_results_back_in_batch_order():
     merged = merge_results(results, shards)
     assert [float(lp[0]) for lp in merged.logprobs] == [0.0, 1.0, 2.0, 3.0] and merged.loss_sum == 3.5
     assert [float(t[0]) for t in merged.elementwise_loss] == [-0.0, -1.0, -2.0, -3.0]
+
+
+@pytest.mark.fast
+def test_a_joint_pass_merges_each_request_over_replicas_and_names_the_failing_rank():
+    """Four ranks, two replicas of two: a request's result is merged from each replica's first
+    rank; its failure is the rank's own, not a peer's report of it."""
+    from hosted_tinker.core.types import RequestFailed
+
+    shards = [[0], [1]]
+    ok = [_result([np.array([0.0])], 1.0), None, _result([np.array([1.0])], 2.0), None]
+    merged = merge_many(ok, shards, ranks_per_replica=2)
+    assert [float(lp[0]) for lp in merged.logprobs] == [0.0, 1.0] and merged.loss_sum == 3.0
+    peer, own = RequestFailed("peer_failed", "another rank failed"), RequestFailed("user_error", "bad weights")
+    assert merge_many([peer, peer, peer, own], shards, ranks_per_replica=2) == own
 
 
 def _result(logprobs: list[np.ndarray], loss: float):

@@ -43,11 +43,12 @@ def merge_results(results: list[ForwardBackwardResult], shards: list[list[int]])
 
 
 def merge_many(
-    replies: list[ForwardBackwardResult | RequestFailed], shards: list[list[int]]
+    replies: list[ForwardBackwardResult | RequestFailed], shards: list[list[int]], ranks_per_replica: int
 ) -> ForwardBackwardResult | RequestFailed:
-    """One request's replies from each replica of a joint pass, as one: its failure where it
-    failed (the failing rank's own, rather than a peer's report of it), else the merged result."""
+    """One request's replies from every rank of a joint pass (consecutive ranks form a replica),
+    as one: its failure where it failed (the failing rank's own, rather than a peer's report of
+    it), else the replicas' results merged."""
     failed = [r for r in replies if isinstance(r, RequestFailed)]
     if failed:
         return next((f for f in failed if f.kind != "peer_failed"), failed[0])
-    return merge_results(replies, shards)  # type: ignore[arg-type]
+    return merge_results(replies[::ranks_per_replica], shards)  # type: ignore[arg-type]

@@ -272,8 +272,8 @@ class ProcessBackend:
             ([(model_id, split[i][rank // per_replica]) for i, (model_id, _) in enumerate(requests)],)
             for rank in range(self._group.size)
         ]
-        replies = self._group.call_each(name, per_rank)[::per_replica]
-        return [merge_many([reply[i] for reply in replies], shards[i]) for i in range(len(requests))]
+        replies = self._group.call_each(name, per_rank)
+        return [merge_many([reply[i] for reply in replies], shards[i], per_replica) for i in range(len(requests))]
 
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
         return self._call(Trainer, "optim_step", model_id, params)
