@@ -144,3 +144,36 @@ def test_a_stop_parks_every_model_and_a_kill_goes_back_to_the_last_save(tmp_path
     finally:
         srv.stop()
     assert losses == expected
+
+
+def test_parking_spares_unapplied_gradients_and_says_so_when_it_cannot(tmp_path: Path, base_url: str):
+    """Two models resident. Making room parks the least recently used model that holds no
+    gradients awaiting an optim_step; when every candidate holds some, the one parked drops them
+    and its next call says so, once; sent again, its step is the uninterrupted one."""
+    adam = types.AdamParams(learning_rate=1e-2)
+    with tinker.ServiceClient(base_url=base_url) as sc:  # the step without any parking
+        ref = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=41).result()
+        ref.forward_backward([datum(0)], "cross_entropy").result()
+        expected = ref.optim_step(adam).result().metrics["grad_norm"]
+    srv = start_server(tmp_path, "--max-resident-models", "2")
+    try:
+        with tinker.ServiceClient(base_url=srv.base_url) as sc:
+            held = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=41).result()
+            held.forward_backward([datum(0)], "cross_entropy").result()  # gradients not yet applied
+            clean = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=42).result()
+            step(clean, 0)
+            sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=43).result()  # room for a third
+            assert health(srv)["residency"]["parked_since_start"] == 1
+            assert held.optim_step(adam).result().metrics["grad_norm"] == pytest.approx(expected, rel=1e-6)
+
+            # Both others hold gradients now: the least recently used of them is parked with its loss.
+            held.forward_backward([datum(0)], "cross_entropy").result()
+            other = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=44).result()
+            other.forward_backward([datum(1)], "cross_entropy").result()
+            sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=45).result()
+            with pytest.raises(tinker.RequestFailedError, match="gradients were dropped"):
+                held.optim_step(adam).result()
+            held.forward_backward([datum(0)], "cross_entropy").result()
+            assert held.optim_step(adam).result().metrics["grad_norm"] > 0
+    finally:
+        srv.stop()
