@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -65,6 +66,8 @@ def test_tenants_queued_together_share_a_pass_and_train_as_alone(base_url: str):
                 np.testing.assert_allclose(dj["logprobs"].tolist(), da["logprobs"].tolist(), atol=1e-5)
         assert moved(before, after, "hosted_tinker_joint_pass_joined_total") == TENANTS - 1
         assert moved(before, after, "hosted_tinker_joint_passes_total") == 1
+        health = httpx.get(f"{base_url}/healthz", timeout=10).json()["joint_passes"]
+        assert health["max_tokens"] == 32768 and health["joined"] >= TENANTS - 1
 
         for tc in (*alone, *joint):
             tc.optim_step(adam).result()

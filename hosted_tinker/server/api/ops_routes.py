@@ -29,6 +29,7 @@ async def healthz(request: Request) -> dict:
         "inference": state.vllm.status() if state.vllm is not None else state.sampling.embedded.status(),
         "active": state.store.count_active(),
         "residency": state.training.residency.status(),
+        "joint_passes": state.training.joint.status(),
         "checkpoint_mirror": state.checkpoints.mirror.status() if state.checkpoints.mirror is not None else None,
         "auth": state.keys.describe(),
     }

@@ -118,6 +118,7 @@ class ServerHealthResponse(Response):
     inference: dict[str, Any] | None = None
     active: dict[str, Any]
     residency: dict[str, Any]
+    joint_passes: dict[str, Any]
     checkpoint_mirror: dict[str, Any] | None = None
     auth: dict[str, Any]
 

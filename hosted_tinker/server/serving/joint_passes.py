@@ -45,6 +45,10 @@ class JointPasses:
         self.passes = 0  # joint passes run (of two requests or more)
         self.joined = 0  # requests that ran in another request's pass
 
+    def status(self) -> dict:
+        """For /healthz: the bound, and what joint passes have run since start."""
+        return {"max_tokens": self.max_tokens, "passes": self.passes, "joined": self.joined}
+
     def register(self, model_id: str, seq_id: int, batch: ForwardBackwardBatch) -> Pending:
         entry = Pending(model_id, seq_id, batch, sum(d.num_tokens for d in batch.data))
         with self._lock:
