@@ -58,14 +58,21 @@ class ServerProcess:
 
 
 def start_server(
-    data_dir: Path, *extra: str, alias: str | None = ALIAS, timeout: float = 180.0, port: int | None = None
+    data_dir: Path,
+    *extra: str,
+    alias: str | None = ALIAS,
+    timeout: float = 180.0,
+    port: int | None = None,
+    profile: Path | None = None,
 ) -> ServerProcess:
-    """A server on 127.0.0.1, healthy; ``port`` to come back where a stopped one was."""
+    """A server on 127.0.0.1, healthy; ``port`` to come back where a stopped one was;
+    ``profile``: run under cProfile, which writes there when the server exits (benchmarks)."""
     port = port or free_port()
     log_path = data_dir / f"server-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
+        *(["-m", "cProfile", "-o", str(profile)] if profile is not None else []),
         "-m",
         "hosted_tinker",
         "serve",

@@ -194,3 +194,14 @@ class HfLoraModel:
         head = lm.get_output_embeddings()
         parts = [target_logprobs(routes.head(head, name), hidden[s:e], targets[s:e]) for s, e, name in routes.segments]
         return unpacked(torch.cat(parts), data)
+
+
+class SyntheticLoraModel(HfLoraModel):
+    """Benchmarks of the gateway alone (``benchmarks/gateway_scale.py``): log-probs of the right
+    shapes at once, without running the model (no gradient, so a step changes nothing). Adapters,
+    checkpoints and sampling are the real ones. Never used where results must be right."""
+
+    def logprobs(
+        self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False
+    ) -> list[Tensor]:
+        return [torch.full(tuple(d.target_tokens.shape), -1.0) for d in data]

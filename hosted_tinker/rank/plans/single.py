@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 from torch import Tensor, nn
 
-from hosted_tinker.rank.model import HfLoraModel
+from hosted_tinker.rank.model import HfLoraModel, SyntheticLoraModel
 from hosted_tinker.rank.plans import PlanOptions
 
 DEVICES = "one: --device cpu | cuda:N"  # what `hosted-tinker backends` says of where it trains
 
 
 class Options(PlanOptions):
+    synthetic: bool = Field(
+        False,
+        description="benchmarks only (benchmarks/gateway_scale.py): forward_backward answers log-probs of the "
+        "right shapes at once, without running the model; the results are not training",
+    )
+
     def check(self, devices: list[str], worker_timeout_s: float) -> None:
         if len(devices) != 1:
             raise ValueError(f"the peft backend trains on one device, not {len(devices)}; use --backend ddp")
@@ -24,9 +31,11 @@ class Plan:
 
     def __init__(self, rank: int, devices: list[str], init_method: str, options: Options) -> None:
         self.device = devices[0]
+        self.synthetic = options.synthetic
 
     def build_model(self, model_path: str, *, dtype: str, lora_alpha: float) -> HfLoraModel:
-        return HfLoraModel(model_path, device=self.device, dtype=dtype, lora_alpha=lora_alpha)
+        model = SyntheticLoraModel if self.synthetic else HfLoraModel
+        return model(model_path, device=self.device, dtype=dtype, lora_alpha=lora_alpha)
 
     def all_succeeded(self, succeeded: bool) -> bool:
         return succeeded
