@@ -145,7 +145,8 @@ def check_custom_loss(plan: ProcessBackend, reference: Trainer, model_id: str, r
 
 def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[str], rng: np.random.Generator) -> None:
     """Two models' requests in one pass (``forward_backward_many``), split over the plan's
-    replicas per request: each model's results and gradient norm are those of its request alone."""
+    replicas per request: each model's results, gradients and gradient norm are those of its
+    request alone."""
     requests = [(model_id, batch(rng, size, "ppo")) for model_id, size in zip(model_ids, (3, 4), strict=True)]
     got = plan.forward_backward_many(requests)
     for (model_id, b), result in zip(requests, got, strict=True):
@@ -153,6 +154,14 @@ def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[s
         assert result.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4), model_id
         for g, w in zip(result.logprobs, want.logprobs, strict=True):
             np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4)
+    # Parking exports the gradients not yet applied, summed over the replicas, and leaves the
+    # ranks ready to step as if nothing had been exported.
+    got_state = plan.export_state(model_ids[0], with_gradients=True)
+    want_state = reference.export_state(model_ids[0], with_gradients=True)
+    assert got_state.gradients and got_state.gradients.keys() == want_state.gradients.keys()
+    scale = max(float(t.abs().max()) for t in want_state.gradients.values())
+    for key, tensor in got_state.gradients.items():  # float32 sums against float64 ones
+        np.testing.assert_allclose(tensor.double(), want_state.gradients[key], rtol=1e-3, atol=1e-4 * scale, err_msg=key)
     for model_id, params in zip(model_ids, (ADAM, DIMUON(0.02)), strict=True):
         got_step, want_step = plan.optim_step(model_id, params), reference.optim_step(model_id, params)
         assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), model_id

@@ -212,6 +212,8 @@ def peft_adapter_files(adapter_config: dict, weights: dict[str, torch.Tensor]) -
 def state_to_files(state: AdapterState, adapter_config: dict, base_model: str) -> dict[str, bytes]:
     files = peft_adapter_files(adapter_config, state.weights)
     files["optimizer.safetensors"] = save_safetensors({k: v.contiguous() for k, v in state.optimizer.items()})
+    if state.gradients:  # a parked model's, not yet applied by an optim_step
+        files["gradients.safetensors"] = save_safetensors({k: v.contiguous() for k, v in state.gradients.items()})
     meta = {
         "format": FORMAT_VERSION,
         "base_model": base_model,
@@ -244,7 +246,8 @@ def state_from_files(path: TinkerPath, files: dict[str, bytes]) -> LoadedState:
         weights = load_safetensors(files["adapter_model.safetensors"])
         optimizer = load_safetensors(files["optimizer.safetensors"])
         rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8)
-        state = AdapterState(LoraSpec(**meta["lora"]), weights, optimizer, int(meta["steps"]), rng)
+        gradients = load_safetensors(files["gradients.safetensors"]) if "gradients.safetensors" in files else {}
+        state = AdapterState(LoraSpec(**meta["lora"]), weights, optimizer, int(meta["steps"]), rng, gradients)
     except KeyError as e:
         raise CheckpointError(f"checkpoint {path} is not a training-state checkpoint (missing {e})") from None
     return LoadedState(meta["base_model"], state)

@@ -97,6 +97,8 @@ class AdapterState:
                ``<key>.momentum``
     steps      optimizer steps taken
     rng_state  the model's own torch generator state (uint8)
+    gradients  per weight key, the gradients of forward_backward calls no optim_step has applied
+               yet, summed over the ranks (a parked model's; a checkpoint has none)
     """
 
     lora: LoraSpec
@@ -104,6 +106,7 @@ class AdapterState:
     optimizer: dict[str, torch.Tensor]
     steps: int
     rng_state: torch.Tensor
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,9 @@ class TrainingBackend(Protocol):
 
     def optim_step(self, model_id: str, params: OptimParams) -> dict[str, float]: ...
 
-    def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState: ...
+    def export_state(
+        self, model_id: str, *, with_optimizer: bool = True, with_gradients: bool = False
+    ) -> AdapterState: ...
 
     def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None: ...
 

@@ -287,20 +287,31 @@ class Trainer:
     # ---- state --------------------------------------------------------------------------------
 
     @rank_call("every", model="uses")
-    def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState | None:
-        """The whole state on rank 0 (gathered over a model-parallel group); None elsewhere."""
+    def export_state(
+        self, model_id: str, *, with_optimizer: bool = True, with_gradients: bool = False
+    ) -> AdapterState | None:
+        """The whole state on rank 0 (gathered over a model-parallel group); None elsewhere.
+        ``with_gradients``: also the gradients not yet applied, summed over the data-parallel
+        replicas (each replica keeps 1/replicas of the sum, so that a later step sums it back)."""
         adapter = self._adapter(model_id)
         handle = adapter.handle
         tensors: dict[str, tuple[torch.Tensor, int | None]] = {}
+        grads: dict[str, tuple[torch.Tensor, int | None]] = {}
+        if with_gradients:
+            self.plan.reduce_gradients(handle.params)
         for key, p, dim in zip(handle.keys, handle.params, handle.split_dims, strict=True):
             tensors[key] = (p, dim)
             for field, value in adapter.optimizer.state.get(p, {}).items() if with_optimizer else ():
                 tensors[f"{key}.{field}"] = (value, dim if value.shape == p.shape else None)
+            if with_gradients and p.grad is not None:
+                grads[key] = (p.grad.clone(), dim)
+                p.grad.div_(self.plan.replicas)
         full = self.plan.gather(tensors)
+        gathered = self.plan.gather(grads) if grads else {}
         if full is None:
             return None
         weights = {key: full.pop(key) for key in handle.keys}
-        return AdapterState(adapter.spec, weights, full, adapter.steps, adapter.generator.get_state())
+        return AdapterState(adapter.spec, weights, full, adapter.steps, adapter.generator.get_state(), gathered or {})
 
     @rank_call("every", model="uses")
     def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -350,6 +361,10 @@ class Trainer:
                     }
             adapter.steps = state.steps
             adapter.generator.set_state(state.rng_state)
+        with torch.no_grad():  # a parked model's unapplied gradients: 1/replicas of them on each replica
+            for key, p, dim in zip(handle.keys, handle.params, handle.split_dims, strict=True):
+                if key in state.gradients:
+                    p.grad = (self.plan.shard(state.gradients[key], dim).to(p.device, p.dtype)) / self.plan.replicas
 
     def _new_optimizer(self, lora: LoraSpec, handle: AdapterHandle) -> optimizers.Optimizer:
         # Hyperparameters come with each step.

@@ -61,9 +61,6 @@ class Residency:
         self.files = files  # <data-dir>/parked: one private checkpoint per parked model
         self.max_resident = max_resident
         self._used: dict[str, float] = {}  # resident model -> when it last ran a job (monotonic)
-        # Resident models holding gradients of forward_backward calls that no optim_step has
-        # applied yet: a parked state has none (``AdapterState``), so parking one drops them.
-        self._unstepped: set[str] = set()
         self.parked_total = 0  # since start, for /healthz
         self.restored_total = 0
         self.closing = False  # set by the shutdown's park_all: no later job may bring a model back
@@ -160,16 +157,7 @@ class Residency:
     def forget(self, model_id: str) -> None:
         """``model_id`` is gone (unloaded, failed, lost): its parked state too, if any."""
         self._used.pop(model_id, None)
-        self._unstepped.discard(model_id)
         self._drop_state(model_id)
-
-    def accumulated(self, model_id: str) -> None:
-        """A forward_backward of ``model_id`` added gradients that no optim_step has applied."""
-        self._unstepped.add(model_id)
-
-    def stepped(self, model_id: str) -> None:
-        """``model_id``'s gradients were applied or replaced (optim_step, load_state)."""
-        self._unstepped.discard(model_id)
 
     # ---- parking --------------------------------------------------------------------------
 
@@ -182,9 +170,8 @@ class Residency:
         if model is None or model.status != "active" or model_id not in self._used:
             return False
         notice = self.backend.take_notice(model_id)  # exporting must not use it up: it is the client's
-        dropped = notice is None and model_id in self._unstepped
-        try:
-            state = self.backend.export_state(model_id, with_optimizer=True)
+        try:  # its gradients too: a model parked between forward_backward and optim_step loses nothing
+            state = self.backend.export_state(model_id, with_optimizer=True, with_gradients=True)
             files = state_to_files(state, self.backend.peft_config(model_id), model.base_model)
         except BaseException:
             if notice is not None:
@@ -192,18 +179,11 @@ class Residency:
             raise
         if notice is not None:
             files[NOTICE] = str(notice).encode()
-        elif dropped:  # its client must learn that the gradients it sent are not in the next step
-            files[NOTICE] = (
-                f"model {model_id} was parked off the workers (its session was silent, or room was needed for "
-                "other models) while holding gradients of forward_backward calls that no optim_step had applied; "
-                "those gradients were dropped. Send those forward_backward calls again before the next optim_step"
-            ).encode()
         self.files.write(self._path(model_id), files, overwrite=True)
         if not self.store.set_model_status_if(model_id, PARKED, "active", next_seq=self.scheduler.next_seq(model_id)):
             self._drop_state(model_id)
             return False
         del self._used[model_id]
-        self._unstepped.discard(model_id)
         self.backend.delete_adapter(model_id)
         self.parked_total += 1
         log.info("parked model %s (optimizer step %d)", model_id, state.steps)
@@ -235,8 +215,7 @@ class Residency:
             raise ServerStopping("the server was stopping and did not run this request")
 
     def _make_room(self, model_id: str) -> None:
-        """Park least recently used models until ``model_id`` fits (models that hold gradients no
-        optim_step has applied last: parking drops those, with a notice to the client). A victim that cannot be
+        """Park least recently used models until ``model_id`` fits. A victim that cannot be
         parked stays resident, and its error is logged, never reported to this request's client
         (it is about another tenant's model); a worker's death is, as for any call."""
         tried: set[str] = set()
@@ -245,8 +224,7 @@ class Residency:
             candidates = [m for m in others if m not in tried]
             if len(others) < self.max_resident or not candidates:
                 return
-            # Least recently used first, but one holding unapplied gradients only when nothing else is.
-            victim = min(candidates, key=lambda m: (m in self._unstepped, self._used[m]))
+            victim = min(candidates, key=self._used.__getitem__)
             tried.add(victim)
             try:
                 if not self.park(victim):  # not active any more (unloaded, lost): not resident

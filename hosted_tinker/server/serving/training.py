@@ -281,8 +281,6 @@ class TrainingService:
 
             def job() -> tuple[bytes, str]:
                 result = self.joint.run(entry)
-                if not batch.forward_only:
-                    self.residency.accumulated(req.model_id)
                 self.scheduler.metrics.tokens_trained.labels(kind).inc(sum(d.num_tokens for d in batch.data))
                 outputs = [
                     {"logprobs": lp} if terms is None else {"logprobs": lp, "elementwise_loss": terms}
@@ -447,7 +445,6 @@ class TrainingService:
 
             def job() -> tuple[bytes, str]:
                 metrics = self.backend.optim_step(req.model_id, params)
-                self.residency.stepped(req.model_id)
                 self.weights_changed(req.model_id)
                 return json_result({"metrics": metrics})
 

@@ -278,8 +278,10 @@ class ProcessBackend:
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
         return self._call(Trainer, "optim_step", model_id, params)
 
-    def export_state(self, model_id: str, *, with_optimizer: bool = True) -> AdapterState:
-        return self._call(Trainer, "export_state", model_id, with_optimizer=with_optimizer)
+    def export_state(self, model_id: str, *, with_optimizer: bool = True, with_gradients: bool = False) -> AdapterState:
+        return self._call(
+            Trainer, "export_state", model_id, with_optimizer=with_optimizer, with_gradients=with_gradients
+        )
 
     def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None:
         self._call(Trainer, "load_state", model_id, state, with_optimizer=with_optimizer)
