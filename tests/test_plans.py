@@ -161,7 +161,9 @@ def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[s
     assert got_state.gradients and got_state.gradients.keys() == want_state.gradients.keys()
     scale = max(float(t.abs().max()) for t in want_state.gradients.values())
     for key, tensor in got_state.gradients.items():  # float32 sums against float64 ones
-        np.testing.assert_allclose(tensor.double(), want_state.gradients[key], rtol=1e-3, atol=1e-4 * scale, err_msg=key)
+        np.testing.assert_allclose(
+            tensor.double(), want_state.gradients[key], rtol=1e-3, atol=1e-4 * scale, err_msg=key
+        )
     for model_id, params in zip(model_ids, (ADAM, DIMUON(0.02)), strict=True):
         got_step, want_step = plan.optim_step(model_id, params), reference.optim_step(model_id, params)
         assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), model_id
