@@ -100,5 +100,9 @@ def test_async_rl_with_stale_samples_trains_with_stable_reinforce(
     assert [m["step"] for m in steps] == list(range(STEPS))
     # The recipe sampled with record_stability_info (it does only for stable_reinforce) ...
     assert recorded_sequences(server) - before == STEPS * 16
-    # ... and sampler and trainer agree on the tokens it trained on.
-    assert all(abs(m["optim/kl_sample_train_v1"]) < 1e-3 for m in steps), steps
+    # ... and sampler and trainer agree on the tokens it trained on: exactly where the samples came
+    # from the weights being trained (staleness 0); where they are up to two steps old (how many
+    # is timing), the weights have moved since and the two differ by what those steps changed.
+    fresh = [m for m in steps if m["async/staleness_max"] == 0]
+    assert fresh and all(abs(m["optim/kl_sample_train_v1"]) < 1e-3 for m in fresh), steps
+    assert all(abs(m["optim/kl_sample_train_v1"]) < 0.05 for m in steps), steps
