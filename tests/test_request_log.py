@@ -4,6 +4,7 @@ route, model, seq_id, loss and optimizer of training calls, status, duration and
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -40,7 +41,13 @@ def test_every_request_is_a_line_naming_what_an_operator_needs(tmp_path: Path, t
             with pytest.raises(tinker.BadRequestError):
                 tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
         assert httpx.post(f"{server.base_url}/api/v1/create_session", json={"tags": []}).status_code == 401
+        # A request's line is written as it ends, which may be just after its client has the answer.
+        deadline = time.monotonic() + 10
         log = lines(tmp_path / "requests.jsonl")
+        while not any(x["status"] == 401 for x in log):
+            assert time.monotonic() < deadline, "the refused request's line was never written"
+            time.sleep(0.05)
+            log = lines(tmp_path / "requests.jsonl")
         assert key not in (tmp_path / "requests.jsonl").read_text()
         fb = next(x for x in log if x.get("route") == "/api/v1/forward_backward")
         assert fb["key_id"] == key_id and fb["model_id"] == model_id and fb["seq_id"] == 1
