@@ -128,7 +128,8 @@ class PeftAdapters:
         x = args[0]
         spans = [(s, x.shape[-2] if e is None else e, name) for s, e, name in self.routes.segments]
         updates = [lora_update(layer, x.narrow(-2, s, e - s), name) for s, e, name in spans]
-        return (output + torch.cat(updates, dim=-2)).to(output.dtype)
+        update = updates[0] if len(updates) == 1 else torch.cat(updates, dim=-2)  # one model: no copy
+        return (output + update).to(output.dtype)
 
     def params(self, name: str) -> list[tuple[str, nn.Parameter]]:
         """The adapter's parameters under PEFT's state-dict keys, in module order."""

@@ -201,7 +201,7 @@ class TpLora:
                     continue
                 xs = x[start:end].to(projections[0].A.dtype)
                 updates.append(adapter.scale * site.fuse([delta(xs, p) for p in projections]))
-            update = torch.cat([u.to(out.dtype) for u in updates])
+            update = torch.cat([u.to(out.dtype) for u in updates]) if len(updates) > 1 else updates[0].to(out.dtype)
             return out + (_this_ranks_positions(update) if scatter else update), bias
 
         return add_updates
