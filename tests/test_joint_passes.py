@@ -103,21 +103,18 @@ class FakeBackend:
 
 
 def test_a_request_joins_only_when_it_is_its_models_next_job():
-    from types import SimpleNamespace
-
     from hosted_tinker.core.types import ForwardBackwardBatch
     from hosted_tinker.server.serving.joint_passes import JointPasses
 
     def batch(forward_only: bool = False) -> ForwardBackwardBatch:
         return ForwardBackwardBatch(data=[], loss_fn="cross_entropy", loss_config={}, forward_only=forward_only)
 
-    status = {"a": "active", "b": "active", "c": "active", "d": "parked", "e": "active"}
-    store = SimpleNamespace(get_model=lambda m: SimpleNamespace(status=status[m]))
+    resident = {"a", "b", "c", "e"}.__contains__  # d is parked
     # b's seq 1 is up next; c's seq 5 waits behind its seq 4 (an optim_step, say); d is parked;
     # e's request is forward-only; a2 is a's own next request.
     scheduler = FakeScheduler({"a": 1, "b": 1, "c": 4, "d": 2, "e": 3}, {"a": 3, "b": 2, "c": 6, "d": 3, "e": 4})
     backend = FakeBackend()
-    joint = JointPasses(backend, scheduler, store, max_tokens=100)
+    joint = JointPasses(backend, scheduler, resident, max_tokens=100)
     lead = joint.register("a", 1, batch())
     a2 = joint.register("a", 2, batch())
     b1 = joint.register("b", 1, batch())
@@ -134,5 +131,5 @@ def test_a_request_joins_only_when_it_is_its_models_next_job():
     for entry in (a2, c5, d2, e3):
         assert entry.outcome is None
 
-    off = JointPasses(backend, scheduler, store, max_tokens=0)
+    off = JointPasses(backend, scheduler, resident, max_tokens=0)
     assert off.run(off.register("a", 1, batch())) == "result of a"

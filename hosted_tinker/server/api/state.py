@@ -115,6 +115,7 @@ def build_state(config: ServerConfig) -> ServerState:
     log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))
     vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
     custom_losses = CustomLossService(store, scheduler)
+    residency = Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models)
     training = TrainingService(
         backend,
         scheduler,
@@ -123,8 +124,8 @@ def build_state(config: ServerConfig) -> ServerState:
         tokenizer_id=config.tokenizer_id or model_path,
         sequences=sequences,
         custom_losses=custom_losses,
-        residency=Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models),
-        joint=JointPasses(backend, scheduler, store, config.joint_pass_tokens),
+        residency=residency,
+        joint=JointPasses(backend, scheduler, residency.is_resident, config.joint_pass_tokens),
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
     )

@@ -16,11 +16,11 @@ Runs on the dispatch thread, except ``register``/``forget`` (the event loop): on
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hosted_tinker.core.types import ForwardBackwardBatch, ForwardBackwardResult, TrainingBackend
 from hosted_tinker.server.scheduler import Scheduler
-from hosted_tinker.server.store import Store
 
 
 @dataclass
@@ -35,10 +35,12 @@ class Pending:
 
 
 class JointPasses:
-    def __init__(self, backend: TrainingBackend, scheduler: Scheduler, store: Store, max_tokens: int) -> None:
+    def __init__(
+        self, backend: TrainingBackend, scheduler: Scheduler, resident: Callable[[str], bool], max_tokens: int
+    ) -> None:
         self.backend = backend
         self.scheduler = scheduler
-        self.store = store
+        self.resident = resident  # whether a model is on the workers now (``Residency.is_resident``)
         self.max_tokens = max_tokens  # 0: every request runs alone
         self._pending: dict[tuple[str, int], Pending] = {}
         self._lock = threading.Lock()
@@ -92,9 +94,8 @@ class JointPasses:
                 or self.scheduler.up_next(entry.model_id) != entry.seq_id
             ):
                 continue
-            model = self.store.get_model(entry.model_id)
-            if model is None or model.status != "active":  # e.g. PARKED: bringing it back could push a
-                continue  # model of this pass off the workers
+            if not self.resident(entry.model_id):  # bringing it back could push a model of this pass off
+                continue
             chosen.append(entry)
             budget -= entry.tokens
         return chosen

@@ -154,6 +154,10 @@ class Residency:
         self.files.delete(self._path(model_id))
         shutil.rmtree(self.files.root / model_id, ignore_errors=True)
 
+    def is_resident(self, model_id: str) -> bool:
+        """Whether ``model_id`` is on the workers now (no store read: this process tracks it)."""
+        return model_id in self._used
+
     def forget(self, model_id: str) -> None:
         """``model_id`` is gone (unloaded, failed, lost): its parked state too, if any."""
         self._used.pop(model_id, None)
