@@ -65,6 +65,7 @@ class ModelRecord:
     lora: dict[str, Any]
     user_metadata: dict[str, Any]
     status: str  # active | unloaded | lost | failed | copy (holds copy_weights, never trained)
+    created_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,12 @@ checks. A finished future wakes its pollers at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
+import sqlite3
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +37,7 @@ Job = Callable[[], tuple[bytes, str]]
 MAX_WAITING_PER_MODEL = 256
 MAX_SEQ_AHEAD = 4096
 RETRY_AFTER_S = 1  # what a 429 asks for; the SDK's HTTP layer honours Retry-After
+RECORD_RETRY_S = (0.05, 0.2, 1.0, 5.0, 15.0)  # between tries to write a job's outcome (``_recorded``)
 
 
 @dataclass(frozen=True)
@@ -262,14 +266,32 @@ class Scheduler:
     def _run(self, request_id: str, job: Job) -> None:
         """On the worker thread: run the job and record its outcome."""
         try:
-            payload, media_type = job()
-        except Exception as e:
-            self.fail_with(request_id, e)
-        else:
-            self._finish(request_id, payload=payload, media_type=media_type)
+            try:
+                payload, media_type = job()
+            except Exception as e:
+                self._recorded(request_id, functools.partial(self.fail_with, request_id, e))
+            else:
+                self._recorded(
+                    request_id, functools.partial(self._finish, request_id, payload=payload, media_type=media_type)
+                )
         finally:
             with self._count_lock:
                 self.in_flight -= 1
+
+    def _recorded(self, request_id: str, record: Callable[[], None]) -> None:
+        """On the worker thread: ``record`` a job's outcome, trying again while the database
+        refuses it. An outcome that is never written leaves its client polling forever, and the
+        thread pool would drop the exception without a word."""
+        for wait_s in (*RECORD_RETRY_S, None):
+            try:
+                record()
+                return
+            except sqlite3.OperationalError as e:
+                if wait_s is None:
+                    log.exception("the outcome of %s could not be recorded; its client will wait for it", request_id)
+                    return
+                log.warning("recording the outcome of %s failed (%s); again in %g s", request_id, e, wait_s)
+                time.sleep(wait_s)
 
     def fail_with(self, request_id: str, error: BaseException) -> None:
         """Fail a future with what ``error`` means to its client (``core.errors``): the one place

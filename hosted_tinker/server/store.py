@@ -7,9 +7,9 @@ each write is a short statement, and WAL keeps readers off the writer's back.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,34 @@ if TYPE_CHECKING:
     from hosted_tinker.core.checkpoints import TinkerPath
 
 
+MODEL_COLUMNS = (
+    "m.model_id, m.session_id, m.model_seq_id, m.base_model, m.lora, m.user_metadata, m.status, m.created_at"
+)
+
+
+def _model(row: tuple) -> ModelRecord:
+    return ModelRecord(row[0], row[1], row[2], row[3], json.loads(row[4]), json.loads(row[5]), row[6], row[7])
+
+
+class Fetched:
+    """What a statement returned, read to the end (``Store._exec``): the rows, and how many it changed."""
+
+    __slots__ = ("rows", "rowcount")
+
+    def __init__(self, rows: list[tuple], rowcount: int) -> None:
+        self.rows = rows
+        self.rowcount = rowcount
+
+    def fetchone(self) -> tuple | None:
+        return self.rows[0] if self.rows else None
+
+    def fetchall(self) -> list[tuple]:
+        return self.rows
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self.rows)
+
+
 class Store:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -41,9 +69,18 @@ class Store:
         """The server's database in ``data_dir`` (the server and ``hosted-tinker keys`` share it)."""
         return cls(Path(data_dir) / DATABASE)
 
-    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+    def _exec(self, sql: str, args: tuple = ()) -> Fetched:
+        """Run one statement and read all it returns, under the lock. A cursor read later would
+        share the connection with other threads unguarded, and its unfinished statement would
+        hold a read snapshot open: the next write on this connection after another connection's
+        commit (``sequences``, ``run_metrics``) then fails at once with "database is locked"
+        (SQLITE_BUSY_SNAPSHOT, which no busy timeout waits out)."""
         with self._lock:
-            return self._db.execute(sql, args)
+            cursor = self._db.execute(sql, args)
+            try:
+                return Fetched(cursor.fetchall(), cursor.rowcount)
+            finally:
+                cursor.close()
 
     def close(self) -> None:
         with self._lock:
@@ -126,13 +163,10 @@ class Store:
 
     def get_model(self, model_id: str) -> ModelRecord | None:
         row = self._exec(
-            "SELECT model_id, session_id, model_seq_id, base_model, lora, user_metadata, status "
-            "FROM models WHERE model_id=?",
+            f"SELECT {MODEL_COLUMNS} FROM models m WHERE model_id=?",
             (model_id,),
         ).fetchone()
-        if row is None:
-            return None
-        return ModelRecord(row[0], row[1], row[2], row[3], json.loads(row[4]), json.loads(row[5]), row[6])
+        return None if row is None else _model(row)
 
     def live_models_of_session(self, session_id: str) -> list[str]:
         rows = self._exec(
@@ -366,11 +400,10 @@ class Store:
         owned = "FROM models m JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=?"
         total = self._exec(f"SELECT COUNT(*) {owned}", (owner,)).fetchone()[0]
         rows = self._exec(
-            "SELECT m.model_id, m.session_id, m.model_seq_id, m.base_model, m.lora, m.user_metadata, m.status "
-            f"{owned} ORDER BY m.created_at DESC LIMIT ? OFFSET ?",
+            f"SELECT {MODEL_COLUMNS} {owned} ORDER BY m.created_at DESC LIMIT ? OFFSET ?",
             (owner, limit, offset),
         ).fetchall()
-        return [ModelRecord(r[0], r[1], r[2], r[3], json.loads(r[4]), json.loads(r[5]), r[6]) for r in rows], total
+        return [_model(r) for r in rows], total
 
     def model_last_request(self, model_id: str) -> float:
         row = self._exec("SELECT MAX(created_at) FROM futures WHERE model_id=?", (model_id,)).fetchone()
@@ -451,6 +484,17 @@ class Store:
             tuple(args),
         )
         return [SamplerRecord(*r) for r in rows.fetchall()]
+
+    def samplers_of_run(self, run_id: str, limit: int = 100) -> list[tuple[SamplerRecord, float]]:
+        """Sampling sessions on a run's weights (its snapshots, or a path of its checkpoints),
+        newest first, with when each was made."""
+        prefix = f"tinker://{run_id}/"
+        rows = self._exec(
+            "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot, kind, created_at "
+            "FROM samplers WHERE model_id=? OR substr(model_path, 1, ?)=? ORDER BY created_at DESC LIMIT ?",
+            (run_id, len(prefix), prefix, limit),
+        )
+        return [(SamplerRecord(*r[:7]), r[7]) for r in rows.fetchall()]
 
     def delete_sampler(self, sampler_id: str) -> None:
         self._exec("DELETE FROM samplers WHERE sampler_id=?", (sampler_id,))
