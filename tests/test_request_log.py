@@ -61,3 +61,25 @@ def test_every_request_is_a_line_naming_what_an_operator_needs(tmp_path: Path, t
         assert all(x.get("request_id", "req-").startswith("req-") for x in log)
     finally:
         server.stop()
+
+
+@pytest.mark.fast
+def test_the_log_rotates_by_size_and_never_rotates_what_is_not_a_file(tmp_path: Path, monkeypatch):
+    from hosted_tinker.server.api import request_log
+
+    monkeypatch.setattr(request_log, "ROTATE_BYTES", 1000)
+    target = tmp_path / "requests.jsonl"
+    logger = request_log.open_request_log(str(target))
+    for i in range(50):  # 50 lines of ~47 bytes, about 20 to a file
+        logger.info(json.dumps({"i": i, "pad": "x" * 30}))
+    files = sorted(tmp_path.iterdir())
+    assert [f.name for f in files] == ["requests.jsonl", "requests.jsonl.1", "requests.jsonl.2"]
+    assert all(f.stat().st_size < 1000 for f in files)
+    written = [json.loads(line)["i"] for f in reversed(files) for line in f.read_text().splitlines()]
+    assert written == list(range(50))  # nothing lost, in order
+
+    logger = request_log.open_request_log("/dev/null")  # not a regular file: written, not renamed
+    for i in range(60):
+        logger.info(json.dumps({"i": i, "pad": "x" * 30}))
+    assert Path("/dev/null").is_char_device()
+    request_log.open_request_log(str(tmp_path / "again.jsonl"))  # closes the /dev/null handler

@@ -29,9 +29,11 @@ def presented_key(request: Request) -> str | None:
     return credentials.strip() if scheme.lower() == "bearer" and credentials.strip() else None
 
 
-def authenticate(request: Request) -> None:
+async def authenticate(request: Request) -> None:
     """A router dependency, behind ``KeyCheck``: 401 unless the request carries a key valid here
-    (it declares the routes' security in /openapi.json, and guards a route ``needs_key`` missed)."""
+    (it declares the routes' security in /openapi.json, and guards a route ``needs_key`` missed).
+    ``async`` so that FastAPI runs it on the event loop: a plain ``def`` dependency costs every
+    request a hop to the thread pool and back."""
     if getattr(request.state, "tenant", None) is not None:
         return
     key = presented_key(request)
