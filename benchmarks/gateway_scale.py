@@ -3,14 +3,16 @@
 without running the model), so that what is measured is the gateway alone: HTTP, the codec,
 sessions, seq_id ordering, futures and their store writes, the dispatch thread, the worker pipe.
 
-For 1, 100 and 1,000 concurrent models (one SDK ServiceClient, async calls), each model runs
-``forward_backward`` (one datum of 64 tokens) then ``optim_step``, again and again, for
-``--seconds``; reported per level: SDK training calls per second, p50/p99 submit→result latency
-of each call, errors, and the server's CPU time per call (all its processes, from /proc); then
-the same level again under cProfile for where the event loop's work goes (HTTP stack, codec,
+For 1, 100 and 1,000 concurrent models (one SDK ServiceClient, async calls), each model's step is
+``forward_backward`` (one datum of 64 tokens) then ``optim_step``, in two phases (``run_level``):
+saturated (as fast as the gateway answers: its calls/s) and paced (one step per model per
+``--period``: the latency a tenant sees at that load). Reported per level and phase: SDK
+training calls per second, p50/p99 submit→result latency, errors, and CPU time per call of the
+server (all its processes, from /proc) and of the client; then, for ``--profile-levels``, the
+same level again under cProfile for where the event loop's work goes (HTTP stack, codec,
 scheduler, store, the rest: shares of its busy time, start-up subtracted).
 
-    python benchmarks/gateway_scale.py [--levels 1,100,1000 --seconds 20]
+    python benchmarks/gateway_scale.py [--levels 1,100,1000 --seconds 20 --period 20]
 
 Writes benchmarks/results/gateway_scale-cpu.json. The synthetic results are not training: no
 test that claims correctness uses that option.
@@ -53,54 +55,89 @@ def datum(types, k: int):
     )
 
 
-async def run_level(base_url: str, models: int, seconds: float) -> dict[str, Any]:
+def percentiles(xs: list[float]) -> dict[str, float]:
+    return {q: 1000 * float(np.percentile(xs, p)) for q, p in (("p50", 50), ("p99", 99))} if xs else {}
+
+
+class Phase:
+    """One phase's figures: each call's submit→result latency by kind, and every error."""
+
+    def __init__(self) -> None:
+        self.latencies: dict[str, list[float]] = {"forward_backward": [], "optim_step": []}
+        self.errors: list[str] = []
+
+    async def timed(self, kind: str, submit) -> None:
+        """One call, submitted (the SDK's APIFuture comes back at once) and awaited."""
+        start = time.perf_counter()
+        try:
+            await submit()
+        except Exception as e:  # every error is reported, none stops the run
+            self.errors.append(f"{kind}: {type(e).__name__}: {e}")
+            return
+        self.latencies[kind].append(time.perf_counter() - start)
+
+    def report(self, elapsed: float, client_cpu_s: float) -> dict[str, Any]:
+        """Figures over ``elapsed`` seconds (the phase's length: at least one period when paced)."""
+        every = [x for xs in self.latencies.values() for x in xs]
+        return {
+            "calls": len(every),
+            "calls_per_s": len(every) / elapsed,
+            "latency_ms": {kind: percentiles(xs) for kind, xs in self.latencies.items() if xs},
+            "p50_ms_all": percentiles(every).get("p50"),
+            "p99_ms_all": percentiles(every).get("p99"),
+            "errors": len(self.errors),
+            "first_errors": self.errors[:5],
+            "client_cpu_ms_per_call": 1000 * client_cpu_s / max(1, len(every)),
+        }
+
+
+async def run_level(base_url: str, models: int, seconds: float, period: float, server_cpu) -> dict[str, Any]:
+    """``models`` models on one SDK ServiceClient, in two phases: *saturated*, each model's next
+    step submitted as soon as its last one finished, for ``seconds`` (the gateway's calls/s;
+    latency there is models / throughput, Little's law); then *paced*, each model one step per
+    ``period`` seconds at its own phase (offered load 2·models/period calls/s), one period long:
+    the latency a tenant sees when the gateway is not the bottleneck."""
     import tinker
     from tinker import types
 
-    latencies: dict[str, list[float]] = {"forward_backward": [], "optim_step": []}
-    errors: list[str] = []
     adam = types.AdamParams(learning_rate=1e-4)
+    level: dict[str, Any] = {"models": models}
     with tinker.ServiceClient(base_url=base_url) as sc:
+        started = time.monotonic()
         clients = await asyncio.gather(
             *(sc.create_lora_training_client(base_model=ALIAS, rank=4) for _ in range(models))
         )
-        stop_at = time.monotonic() + seconds
+        level["create_s"] = time.monotonic() - started
 
-        async def timed(kind: str, submit) -> None:
-            """One call, submitted (the SDK's APIFuture comes back at once) and awaited."""
-            start = time.perf_counter()
-            try:
-                await submit()
-            except Exception as e:  # every error is reported, none stops the run
-                errors.append(f"{kind}: {type(e).__name__}: {e}")
-                return
-            latencies[kind].append(time.perf_counter() - start)
+        async def step(phase: Phase, i: int, k: int, tc) -> None:
+            data = [datum(types, i + k)]
+            await phase.timed("forward_backward", lambda: tc.forward_backward(data, "cross_entropy"))
+            await phase.timed("optim_step", lambda: tc.optim_step(adam))
 
-        async def loop(i: int, tc) -> None:
+        async def saturated(phase: Phase, i: int, tc, stop_at: float) -> None:
             k = 0
             while time.monotonic() < stop_at:
-                data = [datum(types, i + k)]
-                await timed("forward_backward", lambda data=data: tc.forward_backward(data, "cross_entropy"))
-                await timed("optim_step", lambda: tc.optim_step(adam))
+                await step(phase, i, k, tc)
                 k += 1
 
-        started = time.monotonic()
-        await asyncio.gather(*(loop(i, tc) for i, tc in enumerate(clients)))
-        elapsed = time.monotonic() - started
-    every = [x for xs in latencies.values() for x in xs]
-    return {
-        "models": models,
-        "calls": len(every),
-        "calls_per_s": len(every) / elapsed,
-        "latency_ms": {
-            kind: {q: 1000 * float(np.percentile(xs, p)) for q, p in (("p50", 50), ("p99", 99))}
-            for kind, xs in latencies.items()
-            if xs
-        },
-        "p99_ms_all": 1000 * float(np.percentile(every, 99)) if every else None,
-        "errors": len(errors),
-        "first_errors": errors[:5],
-    }
+        async def paced(phase: Phase, i: int, tc, t0: float) -> None:
+            await asyncio.sleep(max(0.0, t0 + period * i / models - time.monotonic()))
+            await step(phase, i, 0, tc)
+
+        for name in ("saturated", "paced"):
+            phase = Phase()
+            cpu0, server0, t0 = time.process_time(), server_cpu(), time.monotonic()
+            if name == "saturated":
+                await asyncio.gather(*(saturated(phase, i, tc, t0 + seconds) for i, tc in enumerate(clients)))
+            else:
+                await asyncio.gather(*(paced(phase, i, tc, t0) for i, tc in enumerate(clients)))
+            elapsed = time.monotonic() - t0 if name == "saturated" else max(period, time.monotonic() - t0)
+            level[name] = phase.report(elapsed, time.process_time() - cpu0)
+            calls = level[name]["calls"]
+            if calls and server0 is not None:
+                level[name]["server_cpu_ms_per_call"] = 1000 * (server_cpu() - server0) / calls
+        level["paced"]["offered_calls_per_s"] = 2 * models / period
+    return level
 
 
 IDLE = ("poll", "select", "epoll", "acquire", "sleep", "wait")  # the event loop waiting, not working
@@ -119,10 +156,12 @@ def breakdown(profile: Path) -> dict[str, float]:
     return parts
 
 
-def serve_and_measure(models: int, seconds: float, profiled: bool) -> tuple[dict[str, Any], dict[str, float]]:
-    """One server, ``models`` models for ``seconds`` (0 models: start and stop only); the level's
-    figures and, ``profiled``, the event loop's seconds per part (under cProfile, which slows the
-    server: its calls/s and CPU are then not the level's)."""
+def serve_and_measure(
+    models: int, seconds: float, period: float, profiled: bool
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """One server, ``models`` models (0: start and stop only); the level's figures and,
+    ``profiled``, the event loop's seconds per part (under cProfile, which slows the server: its
+    figures are then not the level's)."""
     work = Path(tempfile.mkdtemp(prefix=f"ht-gateway-{models}-"))
     profile = work / "server.prof" if profiled else None
     srv = start_server(
@@ -137,44 +176,55 @@ def serve_and_measure(models: int, seconds: float, profiled: bool) -> tuple[dict
         "0",  # no parking at the end: only the profile is wanted
         profile=profile,
     )
-    level: dict[str, Any] = {"models": models, "calls": 0}
+    level: dict[str, Any] = {"models": models}
+
+    def server_cpu() -> float | None:
+        busy = busy_cpu_seconds(process_tree(srv.proc.pid))
+        return busy[1] if busy else None
+
     try:
-        before = busy_cpu_seconds(process_tree(srv.proc.pid))
         if models:
-            level = asyncio.run(run_level(srv.base_url, models, seconds))
-        after = busy_cpu_seconds(process_tree(srv.proc.pid))
+            level = asyncio.run(run_level(srv.base_url, models, seconds, period, server_cpu))
     finally:
         # SIGINT: uvicorn stops and raises it again as KeyboardInterrupt, which cProfile's wrapper
         # lets pass through the `finally` that writes the profile (a re-raised SIGTERM would end
         # the process before that).
         srv.proc.send_signal(signal.SIGINT)
         srv.proc.wait(timeout=120)
-    if before and after and level["calls"]:
-        level["server_cpu_ms_per_call"] = 1000 * (after[1] - before[1]) / level["calls"]
     return level, breakdown(profile) if profile is not None and profile.exists() else {}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,100,1000", help="concurrent models, one run each")
-    parser.add_argument("--seconds", type=float, default=20.0, help="per level")
+    parser.add_argument("--seconds", type=float, default=20.0, help="of the saturated phase, per level")
+    parser.add_argument("--period", type=float, default=20.0, help="seconds between a model's steps when paced")
+    parser.add_argument("--profile-levels", default="1,100", help="levels run once more under cProfile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    results: dict[str, Any] = {**result_header("gateway_scale", "cpu"), "levels": []}
+    results: dict[str, Any] = {**result_header("gateway_scale", "cpu"), "period_s": args.period, "levels": []}
     rows = []
-    _, startup = serve_and_measure(0, 0, profiled=True)  # what starting and stopping costs the event loop
+    profiled_levels = {int(x) for x in args.profile_levels.split(",") if x}
+    _, startup = serve_and_measure(0, 0, args.period, profiled=True) if profiled_levels else ({}, {})
     for models in (int(x) for x in args.levels.split(",")):
-        level, _ = serve_and_measure(models, args.seconds, profiled=False)
-        profiled, parts = serve_and_measure(models, args.seconds, profiled=True)
-        work = {part: max(0.0, spent - startup.get(part, 0.0)) for part, spent in parts.items()}
-        if sum(work.values()) > 0:
-            level["event_loop_share"] = {part: spent / sum(work.values()) for part, spent in work.items()}
+        level, _ = serve_and_measure(models, args.seconds, args.period, profiled=False)
+        if models in profiled_levels:
+            _, parts = serve_and_measure(models, args.seconds, args.period, profiled=True)
+            work = {part: max(0.0, spent - startup.get(part, 0.0)) for part, spent in parts.items()}
+            if sum(work.values()) > 0:
+                level["event_loop_share"] = {part: spent / sum(work.values()) for part, spent in work.items()}
         results["levels"].append(level)
-        said = f"{level['calls_per_s']:8.1f} calls/s   p99 {level['p99_ms_all']:8.1f} ms   errors {level['errors']}"
-        if "server_cpu_ms_per_call" in level:
-            said += f"   server {level['server_cpu_ms_per_call']:.2f} ms CPU/call"
-        rows.append((f"{models} models", said))
+        rows.append((f"{models} models", f"created in {level['create_s']:.1f} s"))
+        for name in ("saturated", "paced"):
+            phase = level[name]
+            said = f"{phase['calls_per_s']:7.1f} calls/s  p50 {phase['p50_ms_all'] or 0:7.1f} ms"
+            said += f"  p99 {phase['p99_ms_all'] or 0:7.1f} ms  errors {phase['errors']}"
+            said += f"  CPU/call server {phase.get('server_cpu_ms_per_call', 0):.2f} ms"
+            said += f" client {phase['client_cpu_ms_per_call']:.2f} ms"
+            if name == "paced":
+                said += f"  (offered {phase['offered_calls_per_s']:.1f} calls/s)"
+            rows.append((f"  {name}", said))
         for part, share in level.get("event_loop_share", {}).items():
             rows.append((f"  event loop: {part}", f"{100 * share:5.1f} %"))
     print_table("gateway alone (synthetic backend) on this machine", rows)

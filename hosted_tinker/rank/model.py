@@ -198,8 +198,33 @@ class HfLoraModel:
 
 class SyntheticLoraModel(HfLoraModel):
     """Benchmarks of the gateway alone (``benchmarks/gateway_scale.py``): log-probs of the right
-    shapes at once, without running the model (no gradient, so a step changes nothing). Adapters,
-    checkpoints and sampling are the real ones. Never used where results must be right."""
+    shapes at once, without running the model (no gradient, so a step changes nothing), and
+    adapters as plain tensors of PEFT's names and shapes, never injected into the model: PEFT's
+    ``add_adapter`` walks every module of every resident adapter, so that with a thousand
+    models resident one more takes seconds, which is the worker's cost, not the gateway's.
+    Checkpoints hold these tensors. Never used where results must be right."""
+
+    def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
+        groups = (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))
+        modules = [m for group, on in groups if on for m in self.targets[group]]
+        if not modules:
+            raise UserError("lora_config enables no trainable module (train_attn/train_mlp/train_unembed)")
+        keys, params = [], []
+        for module in modules:
+            out_features, in_features = self.base.get_submodule(module).weight.shape
+            for part, shape in (("lora_A", (spec.rank, in_features)), ("lora_B", (out_features, spec.rank))):
+                keys.append(f"base_model.model.{module}.{part}.weight")
+                params.append(nn.Parameter(torch.zeros(shape, device=self.device)))
+        self._synthetic = getattr(self, "_synthetic", 0) + 1
+        return AdapterHandle(f"s{self._synthetic}", keys, params, [None] * len(params))
+
+    def remove_adapter(self, handle: AdapterHandle) -> None:
+        pass  # its tensors go with the handle
+
+    def adapter_config(self, handle: AdapterHandle) -> dict:
+        modules = sorted({key.split(".", 2)[2].rsplit(".", 2)[0] for key in handle.keys})
+        rank = handle.params[0].shape[0]
+        return {"peft_type": "LORA", "r": rank, "lora_alpha": self.lora_alpha, "target_modules": modules}
 
     def logprobs(
         self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False
