@@ -166,7 +166,11 @@ def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):
         backend.forward_backward("m", batch("oom"))
     with pytest.raises(WorkerError, match="the server's admit failed: ZeroDivisionError"):
         SamplerClient(backend).generate(None, [], admit=lambda: 1 / 0)
-    assert backend.status() == {"pid": pid, "pids": [pid], "alive": True, "restarts": 0, "last_death": None}
+    status = backend.status()
+    ranks = status.pop("ranks")
+    assert status == {"pid": pid, "pids": [pid], "alive": True, "restarts": 0, "last_death": None}
+    # Each answer, a failure's too, brings the rank's memory (``rank.memory``).
+    assert ranks[0]["pid"] == pid and ranks[0]["device"] == "cpu" and ranks[0]["memory"]["rss"] > 0
     assert backend.forward_backward("m", batch("cross_entropy")).endswith(str(pid))
 
 

@@ -24,6 +24,7 @@ from hosted_tinker.core import losses
 from hosted_tinker.core.errors import GroupBroken, PeerFailed, UserError
 from hosted_tinker.core.messages import Callback, recv, send
 from hosted_tinker.core.types import Capabilities
+from hosted_tinker.rank import memory
 from hosted_tinker.rank.plans import PlanOptions, plan_module
 from hosted_tinker.rank.sampler import EmbeddedSampler
 from hosted_tinker.rank.trainer import Trainer
@@ -109,7 +110,7 @@ def serve(conn: Connection, factory: Callable[[], Any]) -> None:
         log.exception("could not build the rank")
         send(conn, "error", f"{type(e).__name__}: {e}")
         return
-    send(conn, "ready", rank.capabilities)
+    send(conn, "ready", rank.capabilities, memory.snapshot())
     while True:
         try:
             message = recv(conn)
@@ -135,7 +136,7 @@ def serve(conn: Connection, factory: Callable[[], Any]) -> None:
                 torch.cuda.empty_cache()
             reply = ("error", describe(e))
         try:
-            send(conn, *reply)
+            send(conn, *reply, memory.snapshot())  # the server keeps the last one (``Worker.memory``)
         except (EOFError, OSError):
             return
         except Exception as e:  # a result that cannot be pickled is our bug, not a reason to die

@@ -87,7 +87,13 @@ class KeyRing:
             return OPEN
         if not key or not key.startswith(PREFIX):
             return None
-        digest = key_hash(key)
+        return self.tenant_of_digest(key_hash(key))
+
+    def tenant_of_digest(self, digest: str) -> str | None:
+        """The tenant of the key whose SHA-256 is ``digest`` (what a console cookie holds: a
+        revoked key's cookies stop working at once), or None."""
+        if not self.required:
+            return OPEN
         if (tenant := self._static.get(digest)) is not None:
             return tenant
         if (key_id := self.store.api_key_id(digest)) is not None:

@@ -66,8 +66,9 @@ class StateCollector(Collector):
     """Gauges and counters read from the server's parts when scraped. ``read()`` returns
     ``queue`` (per model: requests pending), ``worker_restarts``, ``joint_passes`` (``passes``
     and ``joined``: ``serving.joint_passes``), ``vllm_restarts`` (None without vLLM),
-    ``resident_models``, ``parked_models``, ``in_flight``, and ``lora_sync`` (``count`` and
-    ``seconds_total``, None without vLLM)."""
+    ``resident_models``, ``parked_models``, ``in_flight``, ``lora_sync`` (``count`` and
+    ``seconds_total``, None without vLLM), and ``ranks`` (each rank's ``device`` and ``memory``
+    as of its last answer: ``rank.memory``)."""
 
     def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
         self.read = read
@@ -91,6 +92,16 @@ class StateCollector(Collector):
         yield CounterMetricFamily(
             f"{PREFIX}_worker_restarts", "training worker groups replaced", value=state["worker_restarts"]
         )
+        memory = GaugeMetricFamily(
+            f"{PREFIX}_rank_memory_bytes",
+            "a training rank's memory as of its last answer (kind: allocated, reserved, peak on CUDA; rss, rss_peak)",
+            labels=["rank", "device", "kind"],
+        )
+        for rank, seen in enumerate(state.get("ranks", [])):
+            for kind, value in (seen["memory"] or {}).items():
+                if kind != "device" and value is not None:
+                    memory.add_metric([str(rank), str(seen["device"]), kind], value)
+        yield memory
         joint = state["joint_passes"]
         yield CounterMetricFamily(
             f"{PREFIX}_joint_passes", "passes over the base that ran several models' requests", value=joint["passes"]

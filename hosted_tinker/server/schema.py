@@ -1,6 +1,7 @@
 """The server's SQLite file: the tables ``Store`` keeps, how every part of the server opens the
 file (``connect``), and the columns added since a data directory was created (``migrate``).
-``sequences`` and ``serving.custom_losses`` keep tables of their own in the same file."""
+``sequences`` and ``serving.custom_losses`` keep tables of their own in the same file;
+``serving.run_metrics`` opens it with ``RUN_METRICS_SCHEMA`` (part of ``SCHEMA``) on its own connection."""
 
 from __future__ import annotations
 
@@ -9,7 +10,25 @@ from pathlib import Path
 
 DATABASE = "hosted_tinker.sqlite"  # in the data directory
 
-SCHEMA = """
+# One row per successfully finished forward_backward or optim_step of a training run
+# (``serving.run_metrics``): ``step`` is the optimizer step the call belongs to, ``metrics`` JSON.
+RUN_METRICS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS run_metrics (
+    model_id TEXT NOT NULL,
+    seq_id INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    recorded_at REAL NOT NULL,
+    duration_s REAL NOT NULL,
+    tokens INTEGER NOT NULL,
+    metrics TEXT NOT NULL,
+    PRIMARY KEY (model_id, seq_id)
+);
+CREATE INDEX IF NOT EXISTS run_metrics_by_step ON run_metrics(model_id, step);
+"""
+
+SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,
     created_at REAL NOT NULL,
@@ -82,6 +101,8 @@ CREATE TABLE IF NOT EXISTS samplers (
     clients INTEGER NOT NULL DEFAULT 0
 );
 """
+    + RUN_METRICS_SCHEMA
+)
 
 
 class DatabaseDamaged(RuntimeError):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hosted_tinker.rank.plans import backend_options
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol import responses as rsp
+from hosted_tinker.server.serving.health import health
 
 router = APIRouter(responses={413: {"model": rsp.ErrorResponse}, 415: {"model": rsp.ErrorResponse}})
 
@@ -18,21 +16,7 @@ router = APIRouter(responses={413: {"model": rsp.ErrorResponse}, 415: {"model": 
 @router.get("/health", **rsp.as_built(rsp.ServerHealthResponse))
 @router.get("/", **rsp.as_built(rsp.ServerHealthResponse))
 async def healthz(request: Request) -> dict:
-    state = server_state(request)
-    return {
-        "status": "ok",
-        "served_models": state.config.served_names(),
-        "capabilities": asdict(state.backend.capabilities),
-        "backend_options": backend_options(state.config).model_dump(),
-        "queue": state.scheduler.queue_status(),
-        "worker": state.backend.status(),
-        "inference": state.vllm.status() if state.vllm is not None else state.sampling.embedded.status(),
-        "active": state.store.count_active(),
-        "residency": state.training.residency.status(),
-        "joint_passes": state.training.joint.status(),
-        "checkpoint_mirror": state.checkpoints.mirror.status() if state.checkpoints.mirror is not None else None,
-        "auth": state.keys.describe(),
-    }
+    return health(server_state(request))
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})

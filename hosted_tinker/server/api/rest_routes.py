@@ -9,6 +9,7 @@ import asyncio
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 
+from hosted_tinker.core.errors import not_found
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
@@ -47,6 +48,21 @@ async def get_training_run(run_id: str, request: Request, access_scope: str = "o
 @router.get("/training_runs/{run_id}/checkpoints", **rsp.as_built(rsp.CheckpointsListResponse))
 async def list_run_checkpoints(run_id: str, request: Request) -> dict:
     return _own_run(request, run_id).checkpoints.list_checkpoints(run_id)
+
+
+@router.get("/training_runs/{run_id}/metrics", **rsp.as_built(rsp.RunMetricsResponse))
+async def get_run_metrics(
+    run_id: str,
+    request: Request,
+    after: int = Query(-1, ge=-1, le=MAX_OFFSET),
+    limit: int = Query(500, ge=1, le=5000),
+) -> dict:
+    """The run's closed steps after step ``after``, oldest first, and its open step."""
+    state = _own_run(request, run_id)
+    if state.store.get_model(run_id) is None:
+        raise not_found(f"training run {run_id!r} does not exist")
+    # A page of thousands of steps is a large read: off the event loop.
+    return await asyncio.to_thread(state.run_metrics.steps, run_id, after, limit)
 
 
 @router.get("/checkpoints", **rsp.as_built(rsp.CheckpointsListResponse))

@@ -20,6 +20,7 @@ from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
 from hosted_tinker.inference.vllm_engine import VllmEngine
 from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
+from hosted_tinker.server.console.signin import ConsoleSignIn
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.server.metrics import ServerMetrics
 from hosted_tinker.server.mirror import CheckpointMirror
@@ -38,6 +39,7 @@ from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.server.serving.recovery import ModelRecovery
 from hosted_tinker.server.serving.residency import Residency, park_after_kill
+from hosted_tinker.server.serving.run_metrics import RunMetrics
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.sessions import SessionService
 from hosted_tinker.server.serving.tenancy import Tenancy
@@ -70,6 +72,8 @@ class ServerState:
     sampling: SamplingService
     openai: OpenAIService
     quotas: Quotas
+    run_metrics: RunMetrics
+    console: ConsoleSignIn
     vllm: VllmEngine | None = None
     openai_proxy: OpenAIProxy | None = None
 
@@ -91,6 +95,7 @@ def build_state(config: ServerConfig) -> ServerState:
         raise SystemExit(str(e)) from None
     store = Store.in_data_dir(config.data_dir)
     sequences = SequenceRecords(store.path)
+    run_metrics = RunMetrics(store.path)  # each run's steps, for GET /training_runs/{id}/metrics
     try:
         static_keys = env_keys() + (read_keys_file(config.api_keys_file) if config.api_keys_file else [])
     except (ValueError, OSError) as e:
@@ -128,6 +133,7 @@ def build_state(config: ServerConfig) -> ServerState:
         joint=JointPasses(backend, scheduler, residency.is_resident, config.joint_pass_tokens),
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
+        run_metrics=run_metrics,
     )
     sampling = SamplingService(
         backend,
@@ -180,6 +186,8 @@ def build_state(config: ServerConfig) -> ServerState:
         sampling=sampling,
         openai=openai,
         quotas=Quotas(store, Limits(**config.key_limits), config.max_lora_rank),
+        run_metrics=run_metrics,
+        console=ConsoleSignIn(_server_secret(config.data_dir)),
         vllm=vllm,
         openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,
     )
@@ -196,6 +204,7 @@ def _metrics_state(state: ServerState) -> dict:
         "resident_models": state.training.residency.status()["resident"],
         "parked_models": state.store.count_active()["parked_models"],
         "worker_restarts": state.backend.restarts,
+        "ranks": state.backend.status()["ranks"],
         "joint_passes": {"passes": state.training.joint.passes, "joined": state.training.joint.joined},
         "vllm_restarts": vllm.status().get("restarts", 0) if vllm is not None else None,
         "lora_sync": {"count": vllm.live.synced, "seconds_total": vllm.live.latency_total} if vllm else None,

@@ -344,6 +344,27 @@ class SessionSearchResponse(Response):
     next_cursor: SessionSearchCursor | None = None
 
 
+class RunStep(Response):
+    """One optimizer step of a run (``serving.run_metrics``): its forward_backward calls summed up
+    (``metrics`` merged by their ``:sum``/``:mean``/``:max``/``:min`` suffix) and, once closed, its
+    optim_step's own metrics."""
+
+    step: int
+    time: float  # Unix seconds: when its optim_step finished (an open step: its latest call)
+    duration_s: float
+    tokens: int
+    calls: int
+    metrics: dict[str, float]
+    optim: dict[str, float] | None = None  # absent from the open step
+
+
+class RunMetricsResponse(Response):
+    run_id: str
+    steps: list[RunStep]
+    next_after: int | None = None  # the last step shown when there are more: the next page's ``after``
+    open_step: RunStep | None = None
+
+
 # ---- OpenAI-compatible ----------------------------------------------------------------------
 
 

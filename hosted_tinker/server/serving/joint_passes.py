@@ -16,6 +16,7 @@ Runs on the dispatch thread, except ``register``/``forget`` (the event loop): on
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,13 +26,15 @@ from hosted_tinker.server.scheduler import Scheduler
 
 @dataclass
 class Pending:
-    """A validated request, until its job has run (``outcome``: set when it ran in another's pass)."""
+    """A validated request, until its job has run (``outcome``: set when it ran in another's
+    pass; ``seconds``: its share of its pass's time, by tokens, once it ran)."""
 
     model_id: str
     seq_id: int
     batch: ForwardBackwardBatch
     tokens: int
     outcome: ForwardBackwardResult | BaseException | None = None
+    seconds: float = 0.0
 
 
 class JointPasses:
@@ -68,7 +71,11 @@ class JointPasses:
         if entry.outcome is None:
             companions = self._companions(entry)
             if not companions:
-                return self.backend.forward_backward(entry.model_id, entry.batch)
+                started = time.perf_counter()
+                try:
+                    return self.backend.forward_backward(entry.model_id, entry.batch)
+                finally:
+                    entry.seconds = time.perf_counter() - started
             self._run_together([entry, *companions])
         if isinstance(entry.outcome, BaseException):
             raise entry.outcome
@@ -113,11 +120,14 @@ class JointPasses:
         with self._lock:
             for entry in entries[1:]:
                 self._pending.pop((entry.model_id, entry.seq_id), None)
+        started = time.perf_counter()
         try:
             outcomes = self.backend.forward_backward_many([(e.model_id, e.batch) for e in entries])
         except BaseException as e:  # the workers died under all of them
             outcomes = [e] * len(entries)
+        seconds, tokens = time.perf_counter() - started, sum(e.tokens for e in entries)
         for entry, outcome in zip(entries, outcomes, strict=True):
             entry.outcome = outcome
+            entry.seconds = seconds * entry.tokens / max(1, tokens)
         self.passes += 1
         self.joined += len(entries) - 1

@@ -7,7 +7,8 @@ import json
 import logging
 import math
 import secrets
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from hosted_tinker.server.serving import optimizers, provenance
 from hosted_tinker.server.serving.custom_losses import CustomLossService, datum_inputs
 from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
+from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, OPTIM_STEP, RunMetrics
 from hosted_tinker.server.store import Store
 
 JSON = "application/json"
@@ -67,6 +69,7 @@ class TrainingService:
         *,
         live: LiveAdapters | None = None,
         max_lora_rank: int | None = None,
+        run_metrics: RunMetrics | None = None,
     ) -> None:
         self.backend = backend
         self.scheduler = scheduler
@@ -80,6 +83,7 @@ class TrainingService:
         # Which models are on the workers; a parked one comes back before its next job runs.
         self.residency = residency
         self.joint = joint  # forward_backward requests of several models in one pass
+        self.run_metrics = run_metrics  # each run's finished steps, for the REST metrics route
 
     def weights_changed(self, model_id: str) -> None:
         """On the worker, after a job that set a model's weights (create, load, optim_step)."""
@@ -92,6 +96,18 @@ class TrainingService:
             raise
         except Exception:  # the step itself succeeded; vLLM keeps the previous version
             log.exception("could not queue the LoRA sync of %s", model_id)
+
+    def record_call(
+        self, model_id: str, seq_id: int, kind: str, duration_s: float, tokens: int, metrics: Mapping[str, float]
+    ) -> None:
+        """On the dispatch thread, as a training call's job succeeds: its row of the run's
+        metrics. Never fails the call: the result is the client's whether or not it is recorded."""
+        if self.run_metrics is None:
+            return
+        try:
+            self.run_metrics.record(model_id, seq_id, kind, time.time(), duration_s, tokens, metrics)
+        except Exception:
+            log.exception("could not record the metrics of %s of %s (seq_id %d)", kind, model_id, seq_id)
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -280,8 +296,12 @@ class TrainingService:
             entry = self.joint.register(req.model_id, req.seq_id, batch)
 
             def job() -> tuple[bytes, str]:
+                # Whichever pass ran it (its own, or earlier in another model's joint pass), a
+                # request's result reaches the client here, in its turn: recorded once, in order.
                 result = self.joint.run(entry)
-                self.scheduler.metrics.tokens_trained.labels(kind).inc(sum(d.num_tokens for d in batch.data))
+                duration_s = entry.seconds  # its share of the pass it ran in
+                tokens = sum(d.num_tokens for d in batch.data)
+                self.scheduler.metrics.tokens_trained.labels(kind).inc(tokens)
                 outputs = [
                     {"logprobs": lp} if terms is None else {"logprobs": lp, "elementwise_loss": terms}
                     for lp, terms in zip(result.logprobs, result.elementwise_loss, strict=True)
@@ -291,7 +311,10 @@ class TrainingService:
                     **losses.sampler_gap(batch.data, result.logprobs),
                     **reduce_metrics(result.metrics, len(batch.data)),
                 }
-                return encode_forward_backward_output(outputs, metrics), PROTOBUF
+                encoded = encode_forward_backward_output(outputs, metrics)
+                if not req.forward_only:  # a forward-only call is not part of a step
+                    self.record_call(req.model_id, req.seq_id, FORWARD_BACKWARD, duration_s, tokens, metrics)
+                return encoded, PROTOBUF
 
             return job
 
@@ -444,9 +467,13 @@ class TrainingService:
             params = optimizers.step_params(req, model_optimizer(model), req.model_id)
 
             def job() -> tuple[bytes, str]:
+                started = time.perf_counter()
                 metrics = self.backend.optim_step(req.model_id, params)
+                duration_s = time.perf_counter() - started
                 self.weights_changed(req.model_id)
-                return json_result({"metrics": metrics})
+                result = json_result({"metrics": metrics})
+                self.record_call(req.model_id, req.seq_id, OPTIM_STEP, duration_s, 0, metrics)
+                return result
 
             return job
 

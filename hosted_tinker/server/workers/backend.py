@@ -108,6 +108,7 @@ class ProcessBackend:
         status = {
             "pid": self._group.pids[0],
             "pids": self._group.pids,  # each on its own node's machine
+            "ranks": self._group.ranks(),
             "alive": self._group.alive,
             "restarts": self.restarts,
             "last_death": self.last_death,

@@ -51,6 +51,10 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers]
 
+    def ranks(self) -> list[dict]:
+        """Each rank's pid, device and memory as of its last answer (for /healthz and /metrics)."""
+        return [{"pid": w.pid, "device": (w.memory or {}).get("device"), "memory": w.memory} for w in self.workers]
+
     @property
     def alive(self) -> bool:
         return all(w.alive for w in self.workers)

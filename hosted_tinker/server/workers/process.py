@@ -18,6 +18,7 @@ from hosted_tinker.rank import serve as child
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often a waiting call checks that the worker is still alive
+FINAL = frozenset({"ready", "ok", "user_error", "peer_failed", "group_broken", "error"})  # a call's answers
 
 
 class Worker:
@@ -32,6 +33,7 @@ class Worker:
     # has hung (a deadlocked collective, a wedged GPU): the rank is killed.
     call_timeout_s: float | None
     _conn: Connection | None
+    memory: dict | None = None  # the rank's memory as of its last answer (``rank.memory``)
 
     @property
     def conn(self) -> Connection | None:
@@ -77,11 +79,16 @@ class Worker:
         self._send("call", method, args, kwargs)
 
     def read(self) -> tuple:
-        """The next message, which ``conn`` says is there."""
+        """The next message, which ``conn`` says is there. A rank's final answers end with its
+        memory (``rank.memory.snapshot``): kept as ``self.memory``, left out of the message."""
         try:
-            return recv(self._require_conn())
+            message = recv(self._require_conn())
         except (EOFError, OSError):
             raise WorkerDied(self.how_it_died()) from None
+        if message[0] in FINAL and len(message) == 3:
+            self.memory = message[2]
+            return message[:2]
+        return message
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``backend.method`` in the worker. Callable keyword arguments (and ``Listener``s)
