@@ -404,6 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /metrics without a key when keys are on (it names every tenant's models)",
     )
     auth.add_argument(
+        "--console-operator",
+        dest="console_operators",
+        action="append",
+        default=[],
+        metavar="KEY_ID",
+        help="a key (its id, as `keys list` shows it) whose console sessions also see the server page",
+    )
+    auth.add_argument(
         "--key-limit",
         action="append",
         default=[],

@@ -27,7 +27,14 @@ CONFIG_ENV = "HOSTED_TINKER_CONFIG"
 NOT_SETTINGS = frozenset({"help", "config", "print_config"})
 # Read elsewhere: the config file's own variable, and secrets that are not flags.
 OTHER_VARIABLES = frozenset(
-    {CONFIG_ENV, "HOSTED_TINKER_CLUSTER_KEY", "HOSTED_TINKER_API_KEYS", "HOSTED_TINKER_REQUIRE_VLLM"}  # last: tests'
+    {CONFIG_ENV, "HOSTED_TINKER_CLUSTER_KEY", "HOSTED_TINKER_API_KEYS"}
+    # the tests':
+    | {
+        "HOSTED_TINKER_REQUIRE_VLLM",
+        "HOSTED_TINKER_REQUIRE_CHROMIUM",
+        "HOSTED_TINKER_CHROMIUM",
+        "HOSTED_TINKER_SCREENSHOTS",
+    }
 )
 TRUE, FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off", ""})
 

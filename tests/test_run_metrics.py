@@ -186,6 +186,21 @@ def test_pages_follow_next_after(runs: RunMetrics):
 
 
 @fast
+def test_an_open_step_keeps_its_newest_calls(runs: RunMetrics, monkeypatch):
+    from hosted_tinker.server.serving import run_metrics
+
+    monkeypatch.setattr(run_metrics, "MAX_OPEN_CALLS", 5)
+    monkeypatch.setattr(run_metrics, "OPEN_CHECK_EVERY", 4)
+    for seq in range(1, 13):  # twelve forward_backward calls, never an optim_step
+        runs.record("m", seq, FORWARD_BACKWARD, float(seq), 0.1, 1, {"loss:sum": 1.0})
+    # checked at seq 4, 8 and 12: after the last, its newest five remain
+    assert runs.steps("m")["open_step"]["calls"] == 5
+    runs.record("m", 13, OPTIM_STEP, 13.0, 0.1, 0, optim(1e-3, 1))
+    [step] = runs.steps("m")["steps"]
+    assert step["calls"] == 5 and step["metrics"]["loss:sum"] == 5.0
+
+
+@fast
 def test_last_steps_name_each_run_s_newest_closed_step(runs: RunMetrics):
     train(runs, "a", 3)
     train(runs, "b", 1)

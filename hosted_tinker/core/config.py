@@ -114,6 +114,8 @@ class ServerConfig(BaseModel):
     dev_any_key: bool = False  # development only: any tml- key is accepted, each its own tenant
     public_docs: bool = False  # /docs and /openapi.json without a key (with keys on; open servers show them anyway)
     public_metrics: bool = False  # /metrics without a key (it names every tenant's models)
+    # Key ids (``keys list``) whose console sessions also see the server page (server.console).
+    console_operators: list[str] = Field(default_factory=list)
     # The limits every key is held to unless it has its own (``server.quotas.Limits``; --key-limit).
     key_limits: dict[str, Any] = Field(default_factory=dict)
     # One JSON line per request (``server.api.request_log``): a file, "-" for stderr; None: the

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from hosted_tinker.core.config import ServerConfig
 from hosted_tinker.server.api import openai_proxy_routes, openai_routes, ops_routes, rest_routes, tinker_routes
@@ -19,6 +20,7 @@ from hosted_tinker.server.api.errors import install_error_handlers
 from hosted_tinker.server.api.key_check import KeyCheck
 from hosted_tinker.server.api.request_log import RequestLog, open_request_log
 from hosted_tinker.server.api.state import ServerState
+from hosted_tinker.server.console import routes as console
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ def create_app(state: ServerState) -> FastAPI:
     routers += [(rest_routes.downloads, []), (ops_routes.router, [])]
     for router, dependencies in routers:
         app.include_router(router, dependencies=dependencies)
+    # The web console: its own sign-in (a cookie that stands for a key), its assets in the package.
+    app.include_router(console.router)
+    app.mount(f"{console.PATH}/static", StaticFiles(directory=console.STATIC), name="console-static")
+    app.add_exception_handler(console.NotSignedIn, console.not_signed_in)
     # What each route declares (errors.route_mark), for the middleware that runs before routing.
     app.state.declared_routes = [route for router, _ in routers for route in router.routes]
     app.add_middleware(

@@ -78,6 +78,11 @@ class Residency:
             "restored_since_start": self.restored_total,
         }
 
+    def resident(self) -> list[str]:
+        """The models on the workers, most recently used first (the console's server page)."""
+        used = dict(self._used)  # the dispatch thread changes it: a copy, then sort
+        return sorted(used, key=used.__getitem__, reverse=True)
+
     def clear_orphans(self) -> int:
         """At start-up: delete saved states whose model is not parked (a kill between writing
         one and recording it, or between bringing a model back and deleting it)."""

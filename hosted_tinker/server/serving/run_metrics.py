@@ -14,8 +14,9 @@ pass with other models' (``serving.joint_passes``) has its share of the pass's, 
 
 Rows live in the server's SQLite file (table in ``schema.RUN_METRICS_SCHEMA``; their own
 connection and lock, as ``sequences`` and ``serving.custom_losses``), so they outlive a restart.
-Each run keeps its newest ``max_steps_per_run`` closed steps (and its open one); models are never
-deleted from the store (unloaded ones stay listed as runs), so neither are their metrics.
+Each run keeps its newest ``max_steps_per_run`` closed steps, and of its open one the newest
+``MAX_OPEN_CALLS`` calls; models are never deleted from the store (unloaded ones stay listed as
+runs), so neither are their metrics.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from hosted_tinker.server.schema import RUN_METRICS_SCHEMA, connect
 FORWARD_BACKWARD = "forward_backward"
 OPTIM_STEP = "optim_step"
 KINDS = (FORWARD_BACKWARD, OPTIM_STEP)
+MAX_OPEN_CALLS = 10_000  # forward_backward calls kept of one step (checked every OPEN_CHECK_EVERY seq_ids)
+OPEN_CHECK_EVERY = 1000
 
 # A row as read back: (step, kind, recorded_at, duration_s, tokens, metrics JSON).
 _Row = tuple[int, str, float, float, int, str]
@@ -137,6 +140,14 @@ class RunMetrics:
             if inserted and kind == OPTIM_STEP and step >= self.max_steps_per_run:
                 self._db.execute(
                     "DELETE FROM run_metrics WHERE model_id=? AND step<=?", (model_id, step - self.max_steps_per_run)
+                )
+            elif inserted and seq_id % OPEN_CHECK_EVERY == 0:
+                # A client that never calls optim_step must not grow its open step without end:
+                # past MAX_OPEN_CALLS, its oldest calls go (the step's merge then covers the rest).
+                self._db.execute(
+                    "DELETE FROM run_metrics WHERE model_id=? AND step=? AND seq_id NOT IN "
+                    "(SELECT seq_id FROM run_metrics WHERE model_id=? AND step=? ORDER BY seq_id DESC LIMIT ?)",
+                    (model_id, step, model_id, step, MAX_OPEN_CALLS),
                 )
 
     def last_steps(self, model_ids: Sequence[str]) -> dict[str, int]:

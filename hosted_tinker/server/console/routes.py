@@ -1,0 +1,232 @@
+"""The console's routes: HTML pages, the forms that change something, and the JSON its charts
+read. HTTP only: what a page shows comes from ``views``, who is signed in from ``signin``.
+
+Pages answer a browser that is not signed in with a redirect to the sign-in page; the JSON
+answers 401. Every POST carries the CSRF token of its cookie (``signin``), or is a 403.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qs, quote
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+
+from hosted_tinker.core.errors import ApiError
+from hosted_tinker.server.api.state import ServerState, server_state
+from hosted_tinker.server.console import views
+from hosted_tinker.server.console.signin import COOKIE, NONCE_COOKIE, PATH, new_nonce, nonce_ok
+from hosted_tinker.server.keys import key_hash
+
+HERE = Path(__file__).parent
+STATIC = HERE / "static"
+OPEN_DIGEST = "open"  # what the cookie of a server without keys holds: no key was typed
+
+templates = Jinja2Templates(directory=HERE / "templates")
+templates.env.filters["when"] = views.when
+templates.env.filters["size"] = views.size
+router = APIRouter(prefix=PATH, include_in_schema=False)
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who is looking: a signed-in browser's tenant, and whether it may see the server pages."""
+
+    tenant: str
+    operator: bool
+    csrf: str  # the token its forms carry
+
+
+class NotSignedIn(Exception):
+    """Raised by ``viewer``; the app answers it with a redirect (pages) or a 401 (JSON)."""
+
+
+def viewer(request: Request) -> Viewer:
+    state = server_state(request)
+    cookie = request.cookies.get(COOKIE)
+    signed = state.console.verify(cookie)
+    tenant = state.keys.tenant_of_digest(signed.digest) if signed is not None else None
+    if signed is None or tenant is None:
+        raise NotSignedIn
+    if signed.digest == OPEN_DIGEST and state.keys.required:  # keys were turned on since
+        raise NotSignedIn
+    operator = not state.keys.required or tenant in state.config.console_operators
+    request.scope.setdefault("state", {})["tenant"] = tenant  # the request log names its key
+    return Viewer(tenant=tenant, operator=operator, csrf=state.console.csrf_token(cookie or ""))
+
+
+Signed = Annotated[Viewer, Depends(viewer)]
+
+
+async def form(request: Request) -> dict[str, str]:
+    """An url-encoded form's fields (the body is bounded by ``BodyLimit``)."""
+    fields = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
+    return {name: values[-1] for name, values in fields.items()}
+
+
+async def checked_form(request: Request, who: Viewer) -> dict[str, str]:
+    """The form of a change, if it carries this browser's CSRF token and comes from this site."""
+    fields = await form(request)
+    state = server_state(request)
+    origin = request.headers.get("origin")
+    same_site = origin is None or origin == f"{request.url.scheme}://{request.url.netloc}"
+    if not same_site or not state.console.csrf_ok(request.cookies.get(COOKIE), fields.get("csrf_token")):
+        raise ApiError(403, "the form's CSRF token is missing or not this session's: reload the page")
+    return fields
+
+
+def page(request: Request, name: str, who: Viewer | None, status_code: int = 200, **context: Any) -> HTMLResponse:
+    return templates.TemplateResponse(request, name, {"who": who, **context}, status_code=status_code)
+
+
+def not_found(request: Request, who: Viewer, what: str) -> HTMLResponse:
+    return page(request, "missing.html", who, status_code=404, what=what)
+
+
+# ---- signing in and out ----------------------------------------------------------------------
+
+
+def _next(target: str | None) -> str:
+    """Where to go after signing in: a console page of this server, never another site."""
+    if target and target.startswith(f"{PATH}/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return f"{PATH}/runs"
+
+
+@router.get("")
+async def home() -> RedirectResponse:
+    return RedirectResponse(f"{PATH}/runs", status_code=303)
+
+
+@router.get("/signin")
+async def signin_page(request: Request, next: str | None = None) -> HTMLResponse:
+    nonce = new_nonce()
+    state = server_state(request)
+    response = page(request, "signin.html", None, nonce=nonce, next=_next(next), needs_key=state.keys.required)
+    _set_cookie(request, response, NONCE_COOKIE, nonce, max_age=3600)
+    return response
+
+
+@router.post("/signin")
+async def signin(request: Request) -> Response:
+    state = server_state(request)
+    fields = await form(request)
+    target = _next(fields.get("next"))
+    if not nonce_ok(request.cookies.get(NONCE_COOKIE), fields.get("nonce")):
+        raise ApiError(403, "the sign-in form has expired or came from another site: reload it")
+    key = (fields.get("key") or "").strip()
+    if state.keys.required:
+        if state.keys.tenant_of(key) is None:
+            nonce = new_nonce()
+            response = page(
+                request, "signin.html", None, status_code=401, nonce=nonce, next=target, needs_key=True,
+                error="That key is not valid here (or it was revoked).",
+            )  # fmt: skip
+            _set_cookie(request, response, NONCE_COOKIE, nonce, max_age=3600)
+            return response
+        digest = key_hash(key)
+    else:
+        digest = OPEN_DIGEST
+    response = RedirectResponse(target, status_code=303)
+    _set_cookie(request, response, COOKIE, state.console.cookie(digest), max_age=int(state.console.lifetime_s))
+    response.delete_cookie(NONCE_COOKIE, path=PATH)
+    return response
+
+
+@router.post("/signout")
+async def signout(request: Request, who: Signed) -> RedirectResponse:
+    await checked_form(request, who)
+    response = RedirectResponse(f"{PATH}/signin", status_code=303)
+    response.delete_cookie(COOKIE, path=PATH)
+    return response
+
+
+def _set_cookie(request: Request, response: Response, name: str, value: str, max_age: int) -> None:
+    secure = request.url.scheme == "https"
+    response.set_cookie(name, value, max_age=max_age, path=PATH, httponly=True, samesite="strict", secure=secure)
+
+
+# ---- runs ------------------------------------------------------------------------------------
+
+
+@router.get("/runs")
+async def runs_page(request: Request, who: Signed, offset: int = Query(0, ge=0, le=2**62)) -> HTMLResponse:
+    return page(request, "runs.html", who, **views.runs(server_state(request), who.tenant, offset))
+
+
+@router.get("/runs/{run_id}")
+async def run_page(request: Request, run_id: str, who: Signed) -> HTMLResponse:
+    try:
+        base_url = str(request.base_url).rstrip("/")
+        run = await asyncio.to_thread(views.run, server_state(request), who.tenant, run_id, base_url)
+    except ApiError as e:
+        if e.status == 404:
+            return not_found(request, who, f"training run {run_id!r}")
+        raise
+    return page(request, "run.html", who, run=run)
+
+
+@router.get("/api/runs/{run_id}/metrics")
+async def run_metrics(
+    request: Request,
+    run_id: str,
+    who: Signed,
+    after: int = Query(-1, ge=-1, le=2**62),
+    limit: int = Query(500, ge=1, le=5000),
+) -> dict:
+    """The run's steps for its charts: the same as ``GET /api/v1/training_runs/{id}/metrics``."""
+    state = server_state(request)
+    state.tenancy.model(who.tenant, run_id, field="training run")
+    return await asyncio.to_thread(state.run_metrics.steps, run_id, after, limit)
+
+
+CHANGES = {"delete", "publish", "unpublish"}
+
+
+@router.post("/runs/{run_id}/checkpoints/{kind}/{name}/{change}")
+async def change_checkpoint(request: Request, run_id: str, kind: str, name: str, change: str, who: Signed) -> Response:
+    await checked_form(request, who)
+    state = server_state(request)
+    if change not in CHANGES:
+        return not_found(request, who, f"action {change!r}")
+    try:
+        state.tenancy.model(who.tenant, run_id, field="training run")
+        await asyncio.to_thread(_change, state, run_id, f"{kind}/{name}", change)
+    except ApiError as e:
+        if e.status == 404:
+            return not_found(request, who, f"checkpoint {kind}/{name} of {run_id!r}")
+        raise
+    return RedirectResponse(f"{PATH}/runs/{quote(run_id)}#checkpoints", status_code=303)
+
+
+def _change(state: ServerState, run_id: str, checkpoint_id: str, change: str) -> None:
+    """The same calls as the REST routes' (deleting a large adapter's files takes a while: a thread)."""
+    if change == "delete":
+        state.checkpoints.delete(run_id, checkpoint_id)
+    else:
+        state.checkpoints.set_public(run_id, checkpoint_id, change == "publish")
+
+
+# ---- the server (operators) ------------------------------------------------------------------
+
+
+@router.get("/server")
+async def server_page(request: Request, who: Signed) -> HTMLResponse:
+    if not who.operator:
+        return page(request, "missing.html", who, status_code=403, what="the server page (an operator key's)")
+    state = server_state(request)
+    errors = await asyncio.to_thread(views.recent_errors, Path(state.config.request_log_target()))
+    return page(request, "server.html", who, errors=errors, **views.server(state))
+
+
+def not_signed_in(request: Request, _: NotSignedIn) -> Response:
+    """The app's answer to ``NotSignedIn``: the sign-in page for pages, a 401 for the JSON."""
+    if request.url.path.startswith(f"{PATH}/api/"):
+        return JSONResponse({"detail": "not signed in to the console"}, status_code=401)
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return RedirectResponse(f"{PATH}/signin?next={quote(target)}", status_code=303)
