@@ -15,12 +15,26 @@ def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
     return logits.gather(-1, targets) - lse  # (C, K)
 
 
-def target_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int = 2048) -> Tensor:
+# One chunk's float32 logits: 2,048 positions of a vocabulary up to 32K; fewer of a larger one
+# (441 of Qwen3's 151,936), so that the memory a step holds for its log-probs, about four times
+# this (logits, their exponent, the gradient), does not grow with the vocabulary.
+LOGITS_CHUNK_BYTES = 256 << 20
+MAX_CHUNK_TOKENS = 2048
+MIN_CHUNK_TOKENS = 64  # a chunk's matmul stays large enough to keep a GPU busy
+
+
+def chunk_tokens_for(vocab: int) -> int:
+    """Positions per chunk whose float32 logits fit ``LOGITS_CHUNK_BYTES``."""
+    return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab)))
+
+
+def target_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int = MAX_CHUNK_TOKENS) -> Tensor:
     """Log-probabilities of ``targets`` under ``log_softmax(head(hidden))``.
 
-    hidden   ``(T, H)``: final hidden states of the positions to score
-    targets  ``(T, K)`` int64: K target ids per position (K=1 for ordinary next-token targets)
-    returns  ``(T, K)`` float32
+    hidden        ``(T, H)``: final hidden states of the positions to score
+    targets       ``(T, K)`` int64: K target ids per position (K=1 for next-token targets)
+    chunk_tokens  positions per chunk (``chunk_tokens_for(vocab)``)
+    returns       ``(T, K)`` float32
 
     With autograd on, each chunk is recomputed in the backward pass, so peak memory holds the
     logits of one chunk rather than of all T positions.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from hosted_tinker.core.logprobs import target_logprobs
+from hosted_tinker.core.logprobs import chunk_tokens_for, target_logprobs
 from hosted_tinker.core.sampling import (
     MASK_LOGPROB,
     Admission,
@@ -103,7 +103,8 @@ def _prompt_scores(
     logprobs = None
     if spec.prompt_logprobs:
         targets = torch.tensor(prompt[first:], device=hidden.device)[:, None]
-        scored = target_logprobs(head, hidden[first - 1 : n - 1], targets)[:, 0].tolist()
+        chunk = chunk_tokens_for(head.weight.shape[0])
+        scored = target_logprobs(head, hidden[first - 1 : n - 1], targets, chunk)[:, 0].tolist()
         logprobs = [math.nan] * first + scored
     topk = None
     if spec.topk_prompt_logprobs > 0:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from hosted_tinker.core.errors import UserError
-from hosted_tinker.core.logprobs import packed_targets, target_logprobs, unpacked
+from hosted_tinker.core.logprobs import chunk_tokens_for, packed_targets, target_logprobs, unpacked
 from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank import attention
@@ -192,7 +192,10 @@ class HfLoraModel:
             ).last_hidden_state[0]  # (ΣN, H), datum order
         targets = packed_targets(data).to(self.device)
         head = lm.get_output_embeddings()
-        parts = [target_logprobs(routes.head(head, name), hidden[s:e], targets[s:e]) for s, e, name in routes.segments]
+        chunk = chunk_tokens_for(self.vocab_size)
+        parts = [
+            target_logprobs(routes.head(head, name), hidden[s:e], targets[s:e], chunk) for s, e, name in routes.segments
+        ]
         return unpacked(torch.cat(parts), data)
 
 

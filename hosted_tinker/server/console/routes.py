@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -46,7 +46,9 @@ class NotSignedIn(Exception):
     """Raised by ``viewer``; the app answers it with a redirect (pages) or a 401 (JSON)."""
 
 
-def viewer(request: Request) -> Viewer:
+async def viewer(request: Request) -> Viewer:
+    """The dependency of every signed-in route (``async``: a plain one would cost each request a
+    thread-pool round trip)."""
     state = server_state(request)
     cookie = request.cookies.get(COOKIE)
     signed = state.console.verify(cookie)
@@ -69,12 +71,14 @@ async def form(request: Request) -> dict[str, str]:
     return {name: values[-1] for name, values in fields.items()}
 
 
-async def checked_form(request: Request, who: Viewer) -> dict[str, str]:
-    """The form of a change, if it carries this browser's CSRF token and comes from this site."""
+async def checked_form(request: Request) -> dict[str, str]:
+    """The form of a change, if it carries this browser's CSRF token and comes from this site
+    (an ``Origin`` naming another host is refused too; its scheme is not compared, since a proxy
+    that ends TLS in front of the server makes the two differ)."""
     fields = await form(request)
     state = server_state(request)
     origin = request.headers.get("origin")
-    same_site = origin is None or origin == f"{request.url.scheme}://{request.url.netloc}"
+    same_site = origin is None or urlsplit(origin).netloc == request.headers.get("host")
     if not same_site or not state.console.csrf_ok(request.cookies.get(COOKIE), fields.get("csrf_token")):
         raise ApiError(403, "the form's CSRF token is missing or not this session's: reload the page")
     return fields
@@ -140,7 +144,7 @@ async def signin(request: Request) -> Response:
 
 @router.post("/signout")
 async def signout(request: Request, who: Signed) -> RedirectResponse:
-    await checked_form(request, who)
+    await checked_form(request)
     response = RedirectResponse(f"{PATH}/signin", status_code=303)
     response.delete_cookie(COOKIE, path=PATH)
     return response
@@ -190,7 +194,7 @@ CHANGES = {"delete", "publish", "unpublish"}
 
 @router.post("/runs/{run_id}/checkpoints/{kind}/{name}/{change}")
 async def change_checkpoint(request: Request, run_id: str, kind: str, name: str, change: str, who: Signed) -> Response:
-    await checked_form(request, who)
+    await checked_form(request)
     state = server_state(request)
     if change not in CHANGES:
         return not_found(request, who, f"action {change!r}")
