@@ -1,4 +1,5 @@
-"""SQLite persistence for API keys, sessions, models and futures; it survives a restart.
+"""SQLite persistence for sessions, models, futures and checkpoints (and, in ``store_rows``,
+the REST listings and API keys); it survives a restart.
 
 One connection guarded by a lock: the event loop and the backend worker thread both write,
 each write is a short statement, and WAL keeps readers off the writer's back.
@@ -14,26 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hosted_tinker.server.records import (
-    ApiKeyRecord,
     CheckpointRecord,
     FutureRecord,
     ModelRecord,
-    SamplerRecord,
-    SessionRow,
 )
 from hosted_tinker.server.schema import DATABASE, SCHEMA, connect, migrate
+from hosted_tinker.server.store_rows import MODEL_COLUMNS, KeyRows, ListingRows, model_record
 
 if TYPE_CHECKING:
     from hosted_tinker.core.checkpoints import TinkerPath
-
-
-MODEL_COLUMNS = (
-    "m.model_id, m.session_id, m.model_seq_id, m.base_model, m.lora, m.user_metadata, m.status, m.created_at"
-)
-
-
-def _model(row: tuple) -> ModelRecord:
-    return ModelRecord(row[0], row[1], row[2], row[3], json.loads(row[4]), json.loads(row[5]), row[6], row[7])
 
 
 class Fetched:
@@ -55,7 +45,7 @@ class Fetched:
         return iter(self.rows)
 
 
-class Store:
+class Store(ListingRows, KeyRows):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._db = connect(path, SCHEMA)
@@ -166,7 +156,7 @@ class Store:
             f"SELECT {MODEL_COLUMNS} FROM models m WHERE model_id=?",
             (model_id,),
         ).fetchone()
-        return None if row is None else _model(row)
+        return None if row is None else model_record(row)
 
     def live_models_of_session(self, session_id: str) -> list[str]:
         rows = self._exec(
@@ -393,166 +383,3 @@ class Store:
             (now,),
         )
         return [self._checkpoint(r) for r in rows.fetchall()]
-
-    # ---- runs, sessions and samplers (REST) -------------------------------------------------
-
-    def list_models(self, owner: str, limit: int, offset: int) -> tuple[list[ModelRecord], int]:
-        owned = "FROM models m JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=?"
-        total = self._exec(f"SELECT COUNT(*) {owned}", (owner,)).fetchone()[0]
-        rows = self._exec(
-            f"SELECT {MODEL_COLUMNS} {owned} ORDER BY m.created_at DESC LIMIT ? OFFSET ?",
-            (owner, limit, offset),
-        ).fetchall()
-        return [_model(r) for r in rows], total
-
-    def model_last_request(self, model_id: str) -> float:
-        row = self._exec("SELECT MAX(created_at) FROM futures WHERE model_id=?", (model_id,)).fetchone()
-        return row[0] or 0.0
-
-    def list_sessions(self, owner: str, limit: int, offset: int) -> list[str]:
-        rows = self._exec(
-            "SELECT session_id FROM sessions WHERE owner=? ORDER BY created_at DESC LIMIT ? OFFSET ?",
-            (owner, limit, offset),
-        )
-        return [r[0] for r in rows.fetchall()]
-
-    def sessions_of(self, owner: str) -> list[SessionRow]:
-        """``owner``'s sessions, newest first."""
-        rows = self._exec(
-            "SELECT session_id, created_at, owner, project_id, status, display_name, user_metadata FROM sessions "
-            "WHERE owner=? ORDER BY created_at DESC",
-            (owner,),
-        ).fetchall()
-        return [SessionRow(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6])) for r in rows]
-
-    def checkpoints_count(self, session_id: str) -> int:
-        return self._exec(
-            "SELECT COUNT(*) FROM checkpoints c JOIN models m ON m.model_id = c.model_id WHERE m.session_id=?",
-            (session_id,),
-        ).fetchone()[0]
-
-    def get_session(self, session_id: str) -> dict | None:
-        row = self._exec(
-            "SELECT user_metadata, display_name FROM sessions WHERE session_id=?", (session_id,)
-        ).fetchone()
-        if row is None:
-            return None
-        models = self._exec("SELECT model_id FROM models WHERE session_id=? ORDER BY model_seq_id", (session_id,))
-        samplers = self._exec("SELECT sampler_id FROM samplers WHERE session_id=? ORDER BY created_at", (session_id,))
-        return {
-            "training_run_ids": [r[0] for r in models.fetchall()],
-            "sampler_ids": [r[0] for r in samplers.fetchall()],
-            "user_metadata": json.loads(row[0]),
-            "display_name": row[1],
-        }
-
-    def add_sampler(
-        self,
-        sampler_id: str,
-        *,
-        session_id: str,
-        base_model: str,
-        model_path: str | None,
-        model_id: str | None,
-        snapshot: str | None = None,
-        kind: str = "snapshot",
-    ) -> None:
-        self._exec(
-            "INSERT INTO samplers(sampler_id, session_id, base_model, model_path, model_id, snapshot, created_at, "
-            "kind) VALUES (?,?,?,?,?,?,?,?)",
-            (sampler_id, session_id, base_model, model_path, model_id, snapshot, time.time(), kind),
-        )
-
-    def ephemeral_sampler_ids(self, owner: str) -> list[str]:
-        return [s.sampler_id for s in reversed(self.ephemeral_samplers(owner=owner))]
-
-    def ephemeral_samplers(
-        self, *, model_id: str | None = None, session_id: str | None = None, owner: str | None = None
-    ) -> list[SamplerRecord]:
-        """Samplers on ephemeral snapshots, newest first, optionally of one model, session or owner."""
-        where, args = "x.snapshot IS NOT NULL", []
-        if model_id is not None:
-            where, args = where + " AND x.model_id=?", [*args, model_id]
-        if session_id is not None:
-            where, args = where + " AND x.session_id=?", [*args, session_id]
-        if owner is not None:
-            where, args = where + " AND s.owner=?", [*args, owner]
-        rows = self._exec(
-            "SELECT x.sampler_id, x.session_id, x.base_model, x.model_path, x.model_id, x.snapshot, x.kind "
-            "FROM samplers x LEFT JOIN sessions s ON s.session_id = x.session_id "
-            f"WHERE {where} ORDER BY x.created_at DESC, x.rowid DESC",
-            tuple(args),
-        )
-        return [SamplerRecord(*r) for r in rows.fetchall()]
-
-    def samplers_of_run(self, run_id: str, limit: int = 100) -> list[tuple[SamplerRecord, float]]:
-        """Sampling sessions on a run's weights (its snapshots, or a path of its checkpoints),
-        newest first, with when each was made."""
-        prefix = f"tinker://{run_id}/"
-        rows = self._exec(
-            "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot, kind, created_at "
-            "FROM samplers WHERE model_id=? OR substr(model_path, 1, ?)=? ORDER BY created_at DESC LIMIT ?",
-            (run_id, len(prefix), prefix, limit),
-        )
-        return [(SamplerRecord(*r[:7]), r[7]) for r in rows.fetchall()]
-
-    def delete_sampler(self, sampler_id: str) -> None:
-        self._exec("DELETE FROM samplers WHERE sampler_id=?", (sampler_id,))
-
-    def join_sampler(self, sampler_id: str) -> int:
-        """The next client number of a sampling session (its first client is 0, joiners 1, 2, …)."""
-        row = self._exec(
-            "UPDATE samplers SET clients = clients + 1 WHERE sampler_id=? RETURNING clients", (sampler_id,)
-        ).fetchone()
-        return int(row[0])
-
-    def get_sampler(self, sampler_id: str) -> SamplerRecord | None:
-        row = self._exec(
-            "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot, kind "
-            "FROM samplers WHERE sampler_id=?",
-            (sampler_id,),
-        ).fetchone()
-        return SamplerRecord(*row) if row else None
-
-    # ---- API keys (only their hashes) -------------------------------------------------------
-
-    def add_api_key(self, key_id: str, *, name: str, sha256: str, prefix: str) -> None:
-        self._exec(
-            "INSERT INTO api_keys(key_id, name, sha256, prefix, created_at) VALUES (?,?,?,?,?)",
-            (key_id, name, sha256, prefix, time.time()),
-        )
-
-    def api_key_hash(self, key_id: str) -> str | None:
-        row = self._exec("SELECT sha256 FROM api_keys WHERE key_id=?", (key_id,)).fetchone()
-        return row[0] if row else None
-
-    def api_key_id(self, sha256: str) -> str | None:
-        """The id of the unrevoked key with this hash, if any."""
-        row = self._exec("SELECT key_id FROM api_keys WHERE sha256=? AND revoked_at IS NULL", (sha256,)).fetchone()
-        return row[0] if row else None
-
-    def api_key_limits(self, key_id: str) -> dict[str, int | float]:
-        """The limits this key has of its own (the rest are the server's); {} for any other tenant."""
-        row = self._exec("SELECT limits FROM api_keys WHERE key_id=?", (key_id,)).fetchone()
-        return json.loads(row[0]) if row else {}
-
-    def set_api_key_limits(self, key_id: str, limits: dict) -> None:
-        """Replace the limits of its own that the key ``key_id`` has."""
-        self._exec("UPDATE api_keys SET limits=? WHERE key_id=?", (json.dumps(limits), key_id))
-
-    def has_api_keys(self) -> bool:
-        """Whether a key was ever created here (revoked ones count: revoking the last key must not
-        open the server to everyone)."""
-        return self._exec("SELECT 1 FROM api_keys LIMIT 1").fetchone() is not None
-
-    def list_api_keys(self) -> list[ApiKeyRecord]:
-        rows = self._exec("SELECT key_id, name, prefix, created_at, revoked_at FROM api_keys ORDER BY created_at")
-        return [ApiKeyRecord(*r) for r in rows.fetchall()]
-
-    def revoke_api_key(self, key_id_or_name: str) -> int:
-        """Revoke the key with this id, or every key with this name; return how many."""
-        cur = self._exec(
-            "UPDATE api_keys SET revoked_at=? WHERE (key_id=? OR name=?) AND revoked_at IS NULL",
-            (time.time(), key_id_or_name, key_id_or_name),
-        )
-        return cur.rowcount
