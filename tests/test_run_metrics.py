@@ -328,3 +328,13 @@ def test_requests_run_in_a_joint_pass_are_recorded_once_each_in_their_own_run(ba
                 assert math.isclose(step["metrics"]["loss:sum"], loss, rel_tol=1e-6)
             blocked = c.get(f"/api/v1/training_runs/{blocker.get_info().model_id}/metrics").json()
             assert [s["calls"] for s in blocked["steps"]] == [1] and blocked["steps"][0]["tokens"] == 48 * 400
+
+
+@fast
+def test_non_finite_values_are_served_as_null(runs: RunMetrics):
+    runs.record("m", 1, FORWARD_BACKWARD, 1.0, 0.1, 4, {"loss:sum": float("nan"), "ok:mean": 2.0})
+    runs.record("m", 2, OPTIM_STEP, 2.0, 0.1, 0, {"grad_norm": float("inf"), "learning_rate": 1e-3})
+    [step] = runs.steps("m")["steps"]
+    assert step["metrics"] == {"loss:sum": None, "ok:mean": 2.0}
+    assert step["optim"] == {"grad_norm": None, "learning_rate": 1e-3}
+    assert runs.steps("m", with_open=False)["open_step"] is None

@@ -61,3 +61,22 @@ def test_writes_never_fail_while_reads_and_another_connection_s_commits_interlea
         t.join(timeout=10)
     assert not failures, failures[:3]
     assert all(store.get_future(f"r{i}").finished for i in range(n))
+
+
+def test_a_run_s_samplers_are_its_owner_s_only(tmp_path: Path):
+    """Another key sampling a published checkpoint of the run is not the run owner's to see."""
+    store = Store(tmp_path / "db.sqlite")
+    for session, owner in (("sa", "alice"), ("sb", "bob")):
+        store.add_session(
+            session, owner=owner, tags=[], user_metadata={}, project_id=None, display_name=None, sdk_version=None
+        )
+    path = "tinker://sa:train:0/sampler_weights/final"
+    store.add_sampler("sa:sample:0", session_id="sa", base_model="m", model_path=None, model_id="sa:train:0")
+    store.add_sampler("sa:sample:1", session_id="sa", base_model="m", model_path=path, model_id=None)
+    store.add_sampler("sb:sample:0", session_id="sb", base_model="m", model_path=path, model_id=None)
+    store.add_sampler(
+        "sa:sample:2", session_id="sa", base_model="m", model_path="tinker://sa:train:01/x/y", model_id=None
+    )
+    mine = {s.sampler_id for s, _ in store.samplers_of_run("sa:train:0", owner="alice")}
+    assert mine == {"sa:sample:0", "sa:sample:1"}  # not bob's, not another run's with a longer id
+    assert store.samplers_of_run("sa:train:0", owner="bob")[0][0].sampler_id == "sb:sample:0"

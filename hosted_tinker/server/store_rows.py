@@ -118,14 +118,16 @@ class ListingRows(_Rows):
         )
         return [SamplerRecord(*r) for r in rows.fetchall()]
 
-    def samplers_of_run(self, run_id: str, limit: int = 100) -> list[tuple[SamplerRecord, float]]:
-        """Sampling sessions on a run's weights (its snapshots, or a path of its checkpoints),
-        newest first, with when each was made."""
+    def samplers_of_run(self, run_id: str, owner: str, limit: int = 100) -> list[tuple[SamplerRecord, float]]:
+        """``owner``'s sampling sessions on a run's weights (its snapshots, or a path of its
+        checkpoints: another key's, on a published one, are not the run owner's to see), newest
+        first, with when each was made."""
         prefix = f"tinker://{run_id}/"
         rows = self._exec(
-            "SELECT sampler_id, session_id, base_model, model_path, model_id, snapshot, kind, created_at "
-            "FROM samplers WHERE model_id=? OR substr(model_path, 1, ?)=? ORDER BY created_at DESC LIMIT ?",
-            (run_id, len(prefix), prefix, limit),
+            "SELECT x.sampler_id, x.session_id, x.base_model, x.model_path, x.model_id, x.snapshot, x.kind, "
+            "x.created_at FROM samplers x JOIN sessions s ON s.session_id = x.session_id "
+            "WHERE s.owner=? AND (x.model_id=? OR substr(x.model_path, 1, ?)=?) ORDER BY x.created_at DESC LIMIT ?",
+            (owner, run_id, len(prefix), prefix, limit),
         )
         return [(SamplerRecord(*r[:7]), r[7]) for r in rows.fetchall()]
 

@@ -291,11 +291,28 @@ def _eos_ids(model_path: str, tokenizer) -> set[int]:
     return ids
 
 
+SECRET_BYTES = 32
+
+
 def _server_secret(data_dir: Path) -> bytes:
-    """A random key kept with the data, for signing download links; survives restarts."""
+    """A random key kept with the data, for signing download links and console cookies; it
+    survives restarts. Written whole or not at all (a file cut short would sign with a guessable
+    key), and refused if it is not what was written."""
     path = data_dir / "server.key"
     if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        staged = path.with_name(f".server.key.{os.getpid()}")
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
-    return path.read_bytes()
+            f.write(secrets.token_bytes(SECRET_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(staged, path)  # never replaces a key another process made meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            staged.unlink()
+    secret = path.read_bytes()
+    if len(secret) != SECRET_BYTES:
+        raise SystemExit(f"{path} holds {len(secret)} bytes, not {SECRET_BYTES}: delete it to make a new one")
+    return secret

@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, quote
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -57,6 +57,8 @@ async def viewer(request: Request) -> Viewer:
         raise NotSignedIn
     if signed.digest == OPEN_DIGEST and state.keys.required:  # keys were turned on since
         raise NotSignedIn
+    if (over := state.quotas.admit(tenant)) is not None:  # the key's requests per second, as on the API
+        raise over
     operator = not state.keys.required or tenant in state.config.console_operators
     request.scope.setdefault("state", {})["tenant"] = tenant  # the request log names its key
     return Viewer(tenant=tenant, operator=operator, csrf=state.console.csrf_token(cookie or ""))
@@ -65,21 +67,36 @@ async def viewer(request: Request) -> Viewer:
 Signed = Annotated[Viewer, Depends(viewer)]
 
 
+MAX_FORM_BYTES = 8 << 10  # a console form holds a key, a token or two
+MAX_FORM_FIELDS = 8
+
+
 async def form(request: Request) -> dict[str, str]:
-    """An url-encoded form's fields (the body is bounded by ``BodyLimit``)."""
-    fields = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
+    """An url-encoded form's fields. Read up to ``MAX_FORM_BYTES`` only: the sign-in form is
+    open to anyone, and parsing a 1 MiB body of empty fields would hold the event loop."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_FORM_BYTES:
+        raise ApiError(413, f"a console form is at most {MAX_FORM_BYTES} bytes")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise ApiError(413, f"a console form is at most {MAX_FORM_BYTES} bytes")
+    try:
+        fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True, max_num_fields=MAX_FORM_FIELDS)
+    except ValueError:
+        raise ApiError(400, f"a console form has at most {MAX_FORM_FIELDS} fields") from None
     return {name: values[-1] for name, values in fields.items()}
 
 
 async def checked_form(request: Request) -> dict[str, str]:
-    """The form of a change, if it carries this browser's CSRF token and comes from this site
-    (an ``Origin`` naming another host is refused too; its scheme is not compared, since a proxy
-    that ends TLS in front of the server makes the two differ)."""
+    """The form of a change, if it carries this browser's CSRF token and was not sent by another
+    site's page (``Sec-Fetch-Site``, which browsers set and pages cannot; unlike ``Origin``
+    against ``Host`` it holds behind a proxy that rewrites the host or ends TLS)."""
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        raise ApiError(403, "a console form must come from the console's own pages")
     fields = await form(request)
-    state = server_state(request)
-    origin = request.headers.get("origin")
-    same_site = origin is None or urlsplit(origin).netloc == request.headers.get("host")
-    if not same_site or not state.console.csrf_ok(request.cookies.get(COOKIE), fields.get("csrf_token")):
+    if not server_state(request).console.csrf_ok(request.cookies.get(COOKIE), fields.get("csrf_token")):
         raise ApiError(403, "the form's CSRF token is missing or not this session's: reload the page")
     return fields
 
@@ -119,6 +136,8 @@ async def signin_page(request: Request, next: str | None = None) -> HTMLResponse
 @router.post("/signin")
 async def signin(request: Request) -> Response:
     state = server_state(request)
+    if not request.cookies.get(NONCE_COOKIE):  # before reading a byte of the body
+        raise ApiError(403, "the sign-in form has expired or came from another site: reload it")
     fields = await form(request)
     target = _next(fields.get("next"))
     if not nonce_ok(request.cookies.get(NONCE_COOKIE), fields.get("nonce")):
@@ -152,7 +171,7 @@ async def signout(request: Request, who: Signed) -> RedirectResponse:
 
 def _set_cookie(request: Request, response: Response, name: str, value: str, max_age: int) -> None:
     secure = request.url.scheme == "https"
-    response.set_cookie(name, value, max_age=max_age, path=PATH, httponly=True, samesite="strict", secure=secure)
+    response.set_cookie(name, value, max_age=max_age, path=PATH, httponly=True, samesite="lax", secure=secure)
 
 
 # ---- runs ------------------------------------------------------------------------------------
@@ -160,7 +179,8 @@ def _set_cookie(request: Request, response: Response, name: str, value: str, max
 
 @router.get("/runs")
 async def runs_page(request: Request, who: Signed, offset: int = Query(0, ge=0, le=2**62)) -> HTMLResponse:
-    return page(request, "runs.html", who, **views.runs(server_state(request), who.tenant, offset))
+    listed = await asyncio.to_thread(views.runs, server_state(request), who.tenant, offset)
+    return page(request, "runs.html", who, **listed)
 
 
 @router.get("/runs/{run_id}")
@@ -181,12 +201,15 @@ async def run_metrics(
     run_id: str,
     who: Signed,
     after: int = Query(-1, ge=-1, le=2**62),
-    limit: int = Query(500, ge=1, le=5000),
+    limit: int = Query(500, ge=1, le=1000),
 ) -> dict:
-    """The run's steps for its charts: the same as ``GET /api/v1/training_runs/{id}/metrics``."""
+    """The run's closed steps for its charts (``GET /api/v1/training_runs/{id}/metrics``'s,
+    without the open step, which the charts do not draw)."""
     state = server_state(request)
     state.tenancy.model(who.tenant, run_id, field="training run")
-    return await asyncio.to_thread(state.run_metrics.steps, run_id, after, limit)
+    if state.store.get_model(run_id) is None:
+        raise ApiError(404, f"training run {run_id!r} does not exist")
+    return await asyncio.to_thread(state.run_metrics.steps, run_id, after, limit, False)
 
 
 CHANGES = {"delete", "publish", "unpublish"}
@@ -225,7 +248,8 @@ async def server_page(request: Request, who: Signed) -> HTMLResponse:
         return page(request, "missing.html", who, status_code=403, what="the server page (an operator key's)")
     state = server_state(request)
     errors = await asyncio.to_thread(views.recent_errors, Path(state.config.request_log_target()))
-    return page(request, "server.html", who, errors=errors, **views.server(state))
+    shown = await asyncio.to_thread(views.server, state)  # a few queries per key
+    return page(request, "server.html", who, errors=errors, **shown)
 
 
 def not_signed_in(request: Request, _: NotSignedIn) -> Response:

@@ -3,7 +3,8 @@
 The cookie holds the SHA-256 of the key (never the key), when it expires, and an HMAC of both
 under the server's secret; each request resolves the digest through ``KeyRing`` again, so a
 revoked key's cookies stop working at once. It is ``HttpOnly`` (no script reads it),
-``SameSite=Strict`` (no other site's page sends it) and ``Secure`` over HTTPS.
+``SameSite=Lax`` (no other site's page sends it with a POST; a link from elsewhere still opens
+a page signed in, and no GET changes anything) and ``Secure`` over HTTPS.
 
 Every form that changes something (sign out, delete, publish) carries ``csrf_token(cookie)``, an
 HMAC of the cookie under a key of its own: a page elsewhere can neither read the cookie nor
@@ -59,7 +60,7 @@ class ConsoleSignIn:
         if not value or value.count(".") != 2:
             return None
         digest, expires, mac = value.split(".")
-        if not hmac.compare_digest(mac, self._mac(self._cookie_key, f"{digest}.{expires}")):
+        if not _same(mac, self._mac(self._cookie_key, f"{digest}.{expires}")):
             return None
         try:
             expires_at = float(expires)
@@ -74,7 +75,7 @@ class ConsoleSignIn:
         return self._mac(self._csrf_key, cookie)
 
     def csrf_ok(self, cookie: str | None, token: str | None) -> bool:
-        return bool(cookie and token) and hmac.compare_digest(self.csrf_token(cookie or ""), token or "")
+        return bool(cookie and token) and _same(self.csrf_token(cookie or ""), token or "")
 
 
 def new_nonce() -> str:
@@ -83,4 +84,10 @@ def new_nonce() -> str:
 
 def nonce_ok(cookie: str | None, submitted: str | None) -> bool:
     """The sign-in form's double submit: its nonce field equals the nonce cookie."""
-    return bool(cookie and submitted) and hmac.compare_digest(cookie or "", submitted or "")
+    return bool(cookie and submitted) and _same(cookie or "", submitted or "")
+
+
+def _same(a: str, b: str) -> bool:
+    """A constant-time comparison of two strings from a request (as bytes: ``compare_digest``
+    refuses ``str`` with non-ASCII characters, which a cookie or a form can hold)."""
+    return hmac.compare_digest(a.encode("utf-8", "surrogateescape"), b.encode("utf-8", "surrogateescape"))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hosted_tinker.core.checkpoints import TinkerPath
+from hosted_tinker.core.errors import not_found
 from hosted_tinker.server.quotas import LIVE_S
 from hosted_tinker.server.serving.health import health
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 RUNS_PER_PAGE = 50
 ERRORS_SHOWN = 50
 MODELS_SHOWN = 50  # of the busiest queues and the resident models
+CHECKPOINTS_SHOWN = 100  # of a run's, newest first (each gets signed links to its files)
 LOG_TAIL_BYTES = 1 << 20  # the request log's last MiB is searched for errors
 
 
@@ -52,11 +54,16 @@ def run(state: ServerState, tenant: str, run_id: str, base_url: str) -> dict[str
     directories: run it in a thread."""
     state.tenancy.model(tenant, run_id, field="training run")
     model = state.store.get_model(run_id)
-    assert model is not None  # tenancy found it
+    if model is None:  # a made-up id in one's own session: tenancy checks the owner only
+        raise not_found(f"training run {run_id!r} does not exist")
+    listed = state.checkpoints.list_checkpoints(run_id)["checkpoints"]
     checkpoints = []
-    for checkpoint in state.checkpoints.list_checkpoints(run_id)["checkpoints"]:
+    for checkpoint in listed[:CHECKPOINTS_SHOWN]:
         path = TinkerPath.parse(checkpoint["tinker_path"])
-        urls = state.checkpoints.links.urls(path, base_url)["urls"]
+        try:
+            urls = state.checkpoints.links.urls(path, base_url)["urls"]
+        except OSError:  # deleted (or swept past its TTL) since it was listed
+            continue
         files = [{"name": name, "url": url} for name, url in urls.items()]
         checkpoints.append({**checkpoint, "kind": path.kind, "name": path.name, "files": files})
     samplers = [
@@ -67,7 +74,7 @@ def run(state: ServerState, tenant: str, run_id: str, base_url: str) -> dict[str
             "session_id": sampler.session_id,
             "created_at": created_at,
         }
-        for sampler, created_at in state.store.samplers_of_run(run_id)
+        for sampler, created_at in state.store.samplers_of_run(run_id, owner=tenant)
     ]
     return {
         "run_id": run_id,
@@ -78,6 +85,7 @@ def run(state: ServerState, tenant: str, run_id: str, base_url: str) -> dict[str
         "session_id": model.session_id,
         "user_metadata": model.user_metadata,
         "checkpoints": checkpoints,
+        "checkpoints_total": len(listed),
         "samplers": samplers,
     }
 
@@ -124,7 +132,7 @@ def recent_errors(log_path: Path, limit: int = ERRORS_SHOWN) -> list[dict[str, A
             line = json.loads(raw)
         except ValueError:
             continue
-        if isinstance(line, dict) and int(line.get("status", 0)) >= 400:
+        if isinstance(line, dict) and isinstance(line.get("status"), int) and line["status"] >= 400:
             found.append(line)
     return list(reversed(found))
 

@@ -354,8 +354,8 @@ class RunStep(Response):
     duration_s: float
     tokens: int
     calls: int
-    metrics: dict[str, float]
-    optim: dict[str, float] | None = None  # absent from the open step
+    metrics: dict[str, float | None]  # null: a NaN or infinite value
+    optim: dict[str, float | None] | None = None  # absent from the open step
 
 
 class RunMetricsResponse(Response):

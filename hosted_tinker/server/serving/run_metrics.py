@@ -22,6 +22,7 @@ runs), so neither are their metrics.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -79,11 +80,16 @@ def _step_json(step: int, rows: list[_Row]) -> dict[str, Any]:
         "duration_s": sum(row[3] for row in rows),
         "tokens": sum(row[4] for row in calls),
         "calls": len(calls),
-        "metrics": merge_metrics([json.loads(row[5]) for row in calls]),
+        "metrics": _finite(merge_metrics([json.loads(row[5]) for row in calls])),
     }
     if optim is not None:
-        out["optim"] = json.loads(optim[5])
+        out["optim"] = _finite(json.loads(optim[5]))
     return out
+
+
+def _finite(metrics: dict[str, float]) -> dict[str, float | None]:
+    """NaN and infinities as null: JSON has no such numbers, and browsers refuse the bare words."""
+    return {name: value if math.isfinite(value) else None for name, value in metrics.items()}
 
 
 def _grouped(rows: list[_Row]) -> list[tuple[int, list[_Row]]]:
@@ -162,10 +168,10 @@ class RunMetrics:
             ).fetchall()
         return {model_id: step for model_id, step in rows}
 
-    def steps(self, model_id: str, after: int = -1, limit: int = 500) -> dict[str, Any]:
+    def steps(self, model_id: str, after: int = -1, limit: int = 500, with_open: bool = True) -> dict[str, Any]:
         """The run's closed steps after step ``after``, oldest first, at most ``limit``;
-        ``next_after`` (the last one's index) when there are more; and the step still open (its
-        ``forward_backward`` calls since the last ``optim_step``), or None."""
+        ``next_after`` (the last one's index) when there are more; and, ``with_open``, the step
+        still open (its ``forward_backward`` calls since the last ``optim_step``), or None."""
         if after < -1 or limit < 1:
             raise ValueError(f"after must be >= -1 and limit >= 1, got after={after}, limit={limit}")
         with self._lock:
@@ -184,11 +190,13 @@ class RunMetrics:
                     "ORDER BY step, seq_id",
                     (model_id, page[0], page[-1]),
                 ).fetchall()
-            last = self._last_closed(model_id)
-            open_rows: list[_Row] = self._db.execute(
-                f"SELECT {_COLUMNS} FROM run_metrics WHERE model_id=? AND step>? ORDER BY seq_id",
-                (model_id, -1 if last is None else last),
-            ).fetchall()
+            open_rows: list[_Row] = []
+            if with_open:
+                last = self._last_closed(model_id)
+                open_rows = self._db.execute(
+                    f"SELECT {_COLUMNS} FROM run_metrics WHERE model_id=? AND step>? ORDER BY seq_id",
+                    (model_id, -1 if last is None else last),
+                ).fetchall()
         # JSON is parsed off the lock: a large page must not hold up the dispatch thread's records.
         shown = set(page)
         return {

@@ -15,7 +15,7 @@
 
   // The series of a step: its forward_backward metrics, its optimizer's, tokens and time.
   function seriesOf(step) {
-    const out = {};
+    const out = Object.create(null); // names are the tenant's own (custom losses): no prototype to clash with
     for (const [name, value] of Object.entries(step.metrics || {})) out[name] = value;
     for (const [name, value] of Object.entries(step.optim || {})) {
       if (name !== "optimizer_step") out[name] = value;
@@ -40,7 +40,7 @@
     const names = order([...new Set(table.flatMap((row) => Object.keys(row)))]);
     const width = Math.max(320, Math.min(560, holder.clientWidth / 2 - 24));
     for (const name of names) {
-      const ys = table.map((row) => (name in row ? row[name] : null));
+      const ys = table.map((row) => (Object.hasOwn(row, name) ? row[name] : null));
       let chart = charts.get(name);
       if (!chart) {
         const box = document.createElement("figure");
