@@ -65,7 +65,7 @@ def device_name(device: str) -> str:
 
 def print_table(title: str, rows: list[tuple[str, str]], width: int | None = None) -> None:
     """Print ``title`` after a blank line, then one indented ``name  value`` line per row, names aligned."""
-    width = width if width is not None else max(len(name) for name, _ in rows)
+    width = width if width is not None else max((len(name) for name, _ in rows), default=0)
     print(f"\n{title}")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")

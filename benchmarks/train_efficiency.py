@@ -323,6 +323,12 @@ def main() -> None:
             rows.append((f"tenants ({t['model']}): one pass speed-up", f"{speedup:.2f}x"))
     if args.scenario in ("all", "long"):
         long = results["long"] = scenario_long(args)
+        for name, pts in long["points"].items():
+            for point in pts:
+                gib = point["step_bytes"] / 2**30
+                rows.append(
+                    (f"long {name} {point['tokens']} tokens", f"{gib:.2f} GiB over the model, {point['seconds']:.0f} s")
+                )
         for name, fit in long["linear_fit"].items():
             rows.append((f"long {name}: activation bytes / token", f"{fit['bytes_per_token']:,.0f}"))
     print_table(f"training efficiency on {results['device']}", rows)
