@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, print_table, result_header, write_results  # noqa: E402
 from benchmarks.shapes import flops_per_token, random_model  # noqa: E402
+from hosted_tinker.rank import memory  # noqa: E402
 
 LORA_RANK = 32
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
@@ -210,10 +210,6 @@ def scenario_tenants(args: argparse.Namespace, shape: str | None) -> dict[str, A
 # ---- long: memory against sequence length ---------------------------------------------------------
 
 
-def rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
-
-
 def long_child(args: argparse.Namespace) -> None:
     """One forward_backward of one sequence of ``--child-tokens``, in this fresh process; prints
     its memory and time as JSON."""
@@ -226,7 +222,7 @@ def long_child(args: argparse.Namespace) -> None:
     trainer.create_adapter("long", _lora())
     trainer.forward_backward("long", make_batch([64], vocab, seed=1))  # weights paged in, allocator warm
     batch = make_batch([args.child_tokens], vocab)
-    before = rss_bytes()
+    before = memory.rss_bytes()
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -234,7 +230,7 @@ def long_child(args: argparse.Namespace) -> None:
     if args.device.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = memory.snapshot()["rss_peak"]
     print(json.dumps({"tokens": args.child_tokens, "before": before, "peak": peak, "seconds": seconds}))
 
 

@@ -207,6 +207,8 @@ class SyntheticLoraModel(HfLoraModel):
     models resident one more takes seconds, which is the worker's cost, not the gateway's.
     Checkpoints hold these tensors. Never used where results must be right."""
 
+    made = 0  # adapters made, for their names
+
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
         groups = (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))
         modules = [m for group, on in groups if on for m in self.targets[group]]
@@ -218,8 +220,8 @@ class SyntheticLoraModel(HfLoraModel):
             for part, shape in (("lora_A", (spec.rank, in_features)), ("lora_B", (out_features, spec.rank))):
                 keys.append(f"base_model.model.{module}.{part}.weight")
                 params.append(nn.Parameter(torch.zeros(shape, device=self.device)))
-        self._synthetic = getattr(self, "_synthetic", 0) + 1
-        return AdapterHandle(f"s{self._synthetic}", keys, params, [None] * len(params))
+        self.made += 1
+        return AdapterHandle(f"s{self.made}", keys, params, [None] * len(params))
 
     def remove_adapter(self, handle: AdapterHandle) -> None:
         pass  # its tensors go with the handle
