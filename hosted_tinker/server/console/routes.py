@@ -105,7 +105,7 @@ def page(request: Request, name: str, who: Viewer | None, status_code: int = 200
     return templates.TemplateResponse(request, name, {"who": who, **context}, status_code=status_code)
 
 
-def not_found(request: Request, who: Viewer, what: str) -> HTMLResponse:
+def missing_page(request: Request, who: Viewer, what: str) -> HTMLResponse:
     return page(request, "missing.html", who, status_code=404, what=what)
 
 
@@ -190,7 +190,7 @@ async def run_page(request: Request, run_id: str, who: Signed) -> HTMLResponse:
         run = await asyncio.to_thread(views.run, server_state(request), who.tenant, run_id, base_url)
     except ApiError as e:
         if e.status == 404:
-            return not_found(request, who, f"training run {run_id!r}")
+            return missing_page(request, who, f"training run {run_id!r}")
         raise
     return page(request, "run.html", who, run=run)
 
@@ -220,13 +220,13 @@ async def change_checkpoint(request: Request, run_id: str, kind: str, name: str,
     await checked_form(request)
     state = server_state(request)
     if change not in CHANGES:
-        return not_found(request, who, f"action {change!r}")
+        return missing_page(request, who, f"action {change!r}")
     try:
         state.tenancy.model(who.tenant, run_id, field="training run")
         await asyncio.to_thread(_change, state, run_id, f"{kind}/{name}", change)
     except ApiError as e:
         if e.status == 404:
-            return not_found(request, who, f"checkpoint {kind}/{name} of {run_id!r}")
+            return missing_page(request, who, f"checkpoint {kind}/{name} of {run_id!r}")
         raise
     return RedirectResponse(f"{PATH}/runs/{quote(run_id)}#checkpoints", status_code=303)
 
