@@ -182,7 +182,6 @@ class ProcessBackend:
         (see ``_run``). A model whose restoring kills the new group too is given up, and the
         others go onto yet another group."""
         log.error("%s; starting new training workers", reason)
-        self.restarts += 1
         self.last_death = reason
         todo, self._adapters = self._adapters, []  # models to put back, oldest first
         outcome: dict[str, str] = {}
@@ -190,6 +189,9 @@ class ProcessBackend:
             self._group.kill()
             try:
                 self._group = self._new_group()
+                # Counted once the new group stands: /healthz (read on the event loop) never
+                # shows the new count beside the dead group's pid.
+                self.restarts += 1
                 self._group.wait_ready(START_TIMEOUT_S)
             except BaseException:
                 self._adapters = todo  # still owed: the next replacement restores them
@@ -204,7 +206,6 @@ class ProcessBackend:
                 break
             except WorkerDied as e:  # while restoring todo[0], which is not tried again
                 log.error("%s while restoring %s; starting new training workers", e, todo[0])
-                self.restarts += 1
                 self.last_death = str(e)
                 culprit = todo.pop(0)
                 outcome[culprit] = self.recovery.lose(culprit, f"killed the new worker too while being restored ({e})")
