@@ -1,11 +1,13 @@
 """Efficiency per token of the training step, with MFU on any device. One trainer in this
-process (the step as a rank runs it, no HTTP), three scenarios, each against its baseline in
+process (the step as a rank runs it, no HTTP), four scenarios, each against its baseline in
 the same run:
 
     mixed     16 sequences of skewed lengths (64–4096 tokens, log-uniform): packed micro-batches
               (today's path) against the padded path they replaced (``tests.batches.padded_path``)
     tenants   8 models × 1 datum of 256 tokens: one pass over the base for all eight
               (``Trainer.forward_backward_many``) against eight passes, one model at a time
+    adapters  adding the 1st, 16th and 64th model's adapter to a 0.5B-shaped rank: ours against
+              PEFT's ``add_adapter`` on the same base
     long      one sequence of 8K, 16K and 32K tokens on a Qwen3-shaped model (hidden 1024,
               4 layers, Qwen3's 151,936-token vocabulary): peak memory with each decoder layer's
               activations recomputed and without, each point in a fresh process; the slope of a
@@ -271,6 +273,37 @@ def scenario_long(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ---- adapters: the cost of one more model against how many are resident --------------------------
+
+
+def scenario_adapters(args: argparse.Namespace) -> dict[str, Any]:
+    """Seconds to add one adapter with ``resident`` already on the rank: ours (plain parameters
+    and a hook per layer, ``rank.adapters``) against PEFT's ``add_adapter`` on the same base, which
+    walks every module of every resident adapter. Adding runs on the thread all training waits on."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from hosted_tinker.rank.model import load_base
+
+    model = random_model(args.adapters_shape, args.dtype)
+    trainer = trainer_on(model, args.device, args.dtype)
+    modules = [m for group in ("attn", "mlp", "unembed") for m in trainer.model.targets[group]]
+    peft = get_peft_model(
+        load_base(model, torch.device(args.device), args.dtype),
+        LoraConfig(r=LORA_RANK, lora_alpha=32, target_modules=modules),
+        adapter_name="p0",
+    )
+    marks = sorted({1, args.adapters // 4, args.adapters})
+    seconds: dict[str, dict[int, float]] = {"ours": {}, "peft": {}}
+    for i in range(1, args.adapters + 1):
+        t_ours, _ = timed(lambda i=i: trainer.create_adapter(f"m{i}", _lora(seed=i)), args.device)
+        t_peft, _ = timed(lambda i=i: peft.add_adapter(f"p{i}", peft.peft_config["p0"]), args.device)
+        if i in marks:  # i - 1 adapters resident before it
+            seconds["ours"][i], seconds["peft"][i] = t_ours, t_peft
+            print(f"  adapters: add #{i}: ours {t_ours:.3f} s, peft {t_peft:.3f} s", flush=True)
+    return {"model": args.adapters_shape, "add_s_by_count": seconds}
+
+
 def _lora(seed: int = 0):
     from hosted_tinker.core.types import LoraSpec
 
@@ -279,7 +312,7 @@ def _lora(seed: int = 0):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=["all", "mixed", "tenants", "long"], default="all")
+    parser.add_argument("--scenario", choices=["all", "mixed", "tenants", "long", "adapters"], default="all")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak (default on H100/H200)")
@@ -287,6 +320,8 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--tenants-shape", default="qwen-0.5b", help="besides the tiny model ('' for none)")
     parser.add_argument("--long-shape", default="qwen3-h1024-l4")
+    parser.add_argument("--adapters", type=int, default=64, help="the adapters scenario adds this many")
+    parser.add_argument("--adapters-shape", default="qwen-0.5b")
     parser.add_argument("--lengths", default="8192,16384,32768", help="the long scenario's sequence lengths")
     parser.add_argument("--stored-max-tokens", type=int, default=32768, help="longest run without recomputation")
     parser.add_argument("--child-tokens", type=int, default=None, help=argparse.SUPPRESS)
@@ -327,6 +362,12 @@ def main() -> None:
                 )
         for name, fit in long["linear_fit"].items():
             rows.append((f"long {name}: activation bytes / token", f"{fit['bytes_per_token']:,.0f}"))
+    if args.scenario in ("all", "adapters"):
+        adapters = results["adapters"] = scenario_adapters(args)
+        for count, ours in adapters["add_s_by_count"]["ours"].items():
+            theirs = adapters["add_s_by_count"]["peft"][count]
+            label = f"adapters ({adapters['model']}): add #{count}"
+            rows.append((label, f"{ours:.3f} s (PEFT's add_adapter {theirs:.3f} s)"))
     print_table(f"training efficiency on {results['device']}", rows)
     write_results(results, args.out, args.device)
 

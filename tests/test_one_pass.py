@@ -1,7 +1,8 @@
 """Several models' requests in one pass over the base (``Trainer.forward_backward_many``), on one
 in-process rank, against each request run alone: every loss, adapters of different ranks and
 targets, forward-only passes, recomputed layers, and a failing request that fails alone. The
-LoRA update the routing applies is PEFT's own (checked against PEFT's forward)."""
+LoRA update the routing applies is PEFT's own (checked against PEFT's forward), and a seed
+starts an adapter where PEFT starts it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from hosted_tinker.core import losses
 from hosted_tinker.core.types import DatumInput, ForwardBackwardResult, LoraSpec, RequestFailed
+from hosted_tinker.rank.model import load_base
 from hosted_tinker.rank.serve import Rank, local_rank
 from hosted_tinker.rank.trainer import Trainer
 from tests.batches import random_batch
@@ -139,6 +141,24 @@ def test_a_failing_request_fails_alone_and_leaves_no_trace(trainer: Trainer):
     clear(trainer)
 
 
+def clean_base(model):
+    """The base model loaded again: a tree no hook of ours has touched."""
+    return load_base(model.base.config.name_or_path, model.device, "float32")
+
+
+def peft_twin(model, handle):
+    """PEFT's own model of ``handle``'s adapter: ``get_peft_model`` on the base loaded again,
+    with the adapter's ``adapter_config.json`` and tensors."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    config = model.adapter_config(handle)
+    fields = {k: config[k] for k in ("r", "lora_alpha", "target_modules", "lora_dropout")}
+    peft = get_peft_model(clean_base(model), LoraConfig(**fields))
+    state = {k: p.detach() for k, p in zip(handle.keys, handle.params, strict=True)}
+    assert not set_peft_model_state_dict(peft, state).unexpected_keys
+    return peft
+
+
 def test_the_routed_update_is_peft_own(trainer: Trainer):
     """The hooks add what PEFT's own LoRA forward adds, for an adapter on every target (its
     output layer included)."""
@@ -147,17 +167,34 @@ def test_the_routed_update_is_peft_own(trainer: Trainer):
     data = random_batch(np.random.default_rng(4), 1, lengths=(30, 31)).data
     with torch.no_grad():
         ours = model.logprobs([handle], data)[0]
-        peft = model.adapters.peft
-        peft.base_model.enable_adapter_layers()
-        peft.set_adapter(handle.name)
-        model.adapters.routes.segments = []  # PEFT's forward alone
-        lm = model.adapters.lm
-        packed_implementation = lm.config._attn_implementation
-        try:
-            lm.set_attn_implementation("sdpa")
-            logits = lm(input_ids=data[0].tokens[None]).logits[0].float()
-        finally:
-            lm.set_attn_implementation(packed_implementation)
-            peft.base_model.disable_adapter_layers()
+        logits = peft_twin(model, handle)(input_ids=data[0].tokens[None]).logits[0].float()
     theirs = logits.log_softmax(-1).gather(-1, data[0].target_tokens[:, None])[:, 0]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec", [LoraSpec(rank=8, seed=7, train_unembed=True), LoraSpec(rank=4, seed=8, train_attn=False)]
+)
+def test_a_seed_starts_an_adapter_where_peft_starts_it(rank: Rank, spec: LoraSpec):
+    """Same tensors under the same keys, in the same order, as ``get_peft_model`` draws for the
+    seed and the modules; and the same ``adapter_config.json`` but for how it lists them."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    model = rank.trainer.model
+    handle = model.add_adapter(spec)
+    try:
+        config = model.adapter_config(handle)
+        fields = {k: config[k] for k in ("r", "lora_alpha", "target_modules", "lora_dropout")}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            peft = get_peft_model(clean_base(model), LoraConfig(**fields))
+        theirs = get_peft_model_state_dict(peft, save_embedding_layers=False)
+        assert list(theirs) == handle.keys
+        for key, p in zip(handle.keys, handle.params, strict=True):
+            assert torch.equal(p.detach(), theirs[key]), key
+        peft_config = peft.peft_config["default"].to_dict()
+        for key, value in config.items():
+            if key not in ("target_modules", "base_model_name_or_path", "revision", "task_type"):
+                assert value == peft_config[key], key
+    finally:
+        model.remove_adapter(handle)

@@ -1,11 +1,11 @@
 """The model side of a rank: a frozen base model and LoRA adapters on it, scored per token.
 
-``HfLoraModel`` is the Hugging Face causal LM with PEFT LoRA modules, as the ``single`` and
+``HfLoraModel`` is the Hugging Face causal LM with LoRA adapters (``rank.adapters``), as the ``single`` and
 ``ddp`` plans use it (each rank a full replica). A tensor-parallel plan brings its own model
 with the same interface (``LoraModel``); the trainer sees nothing else of either.
 
-Adapters are named by the model (``a0``, ``a1``, ...: model ids hold characters PEFT dislikes)
-and their parameters keyed by PEFT's state-dict names (``...q_proj.lora_A.weight``), so every
+Adapters are named by the model (``a0``, ``a1``, ...) and their parameters keyed by PEFT's
+state-dict names (``...q_proj.lora_A.weight``), so every
 checkpoint is a PEFT checkpoint whichever plan wrote it.
 """
 
@@ -24,7 +24,7 @@ from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank import attention
 from hosted_tinker.rank.activations import recomputed
-from hosted_tinker.rank.adapters import PeftAdapters, segments
+from hosted_tinker.rank.adapters import LoraAdapters, lora_config, segments
 
 _ATTN_HINTS = ("attn", "attention")
 _MLP_HINTS = ("mlp", "feed_forward", "ffn")
@@ -123,7 +123,7 @@ def sharing_weights(module: nn.Module) -> nn.Module:
 
 
 class HfLoraModel:
-    """The HF base model on one device, with one PEFT LoRA adapter per training model."""
+    """The HF base model on one device, with one LoRA adapter per training model."""
 
     def __init__(
         self, model_path: str, *, device: str = "cpu", dtype: str = "float32", lora_alpha: float = 32.0
@@ -143,21 +143,19 @@ class HfLoraModel:
         from transformers.modeling_layers import GradientCheckpointingLayer  # the decoder layers
 
         self.layers = [m for m in self.base.modules() if isinstance(m, GradientCheckpointingLayer)]
-        self.adapters = PeftAdapters(self.base)
+        self.adapters = LoraAdapters(self.base)
+        self._next = 0  # adapters are named a0, a1, ...: model ids hold characters module names may not
 
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
-        from peft import LoraConfig
-
         groups = (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))
         modules = [m for group, on in groups if on for m in self.targets[group]]
         if not modules:
             raise UserError("lora_config enables no trainable module (train_attn/train_mlp/train_unembed)")
-        config = LoraConfig(r=spec.rank, lora_alpha=self.lora_alpha, lora_dropout=0.0, target_modules=modules)
-        # Seed only this adapter's initialisation; never disturb the process RNG.
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(spec.seed)
-            name = self.adapters.add(config)
-        named = self.adapters.params(name)
+        adapter = self.adapters.new(modules, spec.rank, self.lora_alpha, spec.seed, self.device)
+        name = f"a{self._next}"
+        self._next += 1
+        self.adapters.add(name, adapter)
+        named = adapter.named_params()
         for _, p in named:
             p.requires_grad_(True)
         return AdapterHandle(name, [k for k, _ in named], [p for _, p in named], [None] * len(named))
@@ -166,7 +164,9 @@ class HfLoraModel:
         self.adapters.remove(handle.name)
 
     def adapter_config(self, handle: AdapterHandle) -> dict:
-        return self.adapters.config(handle.name)
+        modules = list(self.adapters.adapters[handle.name].layers)
+        rank = handle.params[0].shape[0]
+        return lora_config(rank, self.lora_alpha, modules, self.base.config.name_or_path)
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
         target = (self.targets["attn"] or self.targets["mlp"])[0]
@@ -200,36 +200,10 @@ class HfLoraModel:
 
 
 class SyntheticLoraModel(HfLoraModel):
-    """Benchmarks of the gateway alone (``benchmarks/gateway_scale.py``): log-probs of the right
-    shapes at once, without running the model (no gradient, so a step changes nothing), and
-    adapters as plain tensors of PEFT's names and shapes, never injected into the model: PEFT's
-    ``add_adapter`` walks every module of every resident adapter, so that with a thousand
-    models resident one more takes seconds, which is the worker's cost, not the gateway's.
-    Checkpoints hold these tensors. Never used where results must be right."""
-
-    made = 0  # adapters made, for their names
-
-    def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
-        groups = (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))
-        modules = [m for group, on in groups if on for m in self.targets[group]]
-        if not modules:
-            raise UserError("lora_config enables no trainable module (train_attn/train_mlp/train_unembed)")
-        keys, params = [], []
-        for module in modules:
-            out_features, in_features = self.base.get_submodule(module).weight.shape
-            for part, shape in (("lora_A", (spec.rank, in_features)), ("lora_B", (out_features, spec.rank))):
-                keys.append(f"base_model.model.{module}.{part}.weight")
-                params.append(nn.Parameter(torch.zeros(shape, device=self.device)))
-        self.made += 1
-        return AdapterHandle(f"s{self.made}", keys, params, [None] * len(params))
-
-    def remove_adapter(self, handle: AdapterHandle) -> None:
-        pass  # its tensors go with the handle
-
-    def adapter_config(self, handle: AdapterHandle) -> dict:
-        modules = sorted({key.split(".", 2)[2].rsplit(".", 2)[0] for key in handle.keys})
-        rank = handle.params[0].shape[0]
-        return {"peft_type": "LORA", "r": rank, "lora_alpha": self.lora_alpha, "target_modules": modules}
+    """Benchmarks of the gateway alone (``benchmarks/gateway_scale.py``): real adapters (so what
+    the gateway moves, checkpoints and exports, is what a real model's would be), and log-probs
+    of the right shapes at once, without running the model (no gradient, so a step changes
+    nothing). Never used where results must be right."""
 
     def logprobs(
         self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False

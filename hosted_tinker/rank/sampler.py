@@ -2,12 +2,14 @@
 
 It is not part of training. It holds its own module tree over the base weights it is given (the
 training model's, shared, or a model of its own) and its own PEFT adapters, loaded from saved
-sampler weights (a config and tensors), least recently used first out. Whatever plan trains the
+sampler weights (a PEFT config and tensors), least recently used first out. Whatever plan trains the
 adapters, this samples them the same way.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
@@ -18,7 +20,7 @@ from torch import nn
 from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, TokenListener
-from hosted_tinker.rank.adapters import PeftAdapters
+from hosted_tinker.rank.adapters import KEY_PREFIX, Adapter, Lora, LoraAdapters
 from hosted_tinker.rank.generate import generate
 
 MAX_SAMPLER_ADAPTERS = 16
@@ -34,7 +36,8 @@ class EmbeddedSampler:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings
         self.pad_id = base.config.pad_token_id or 0
-        self.adapters = PeftAdapters(base)
+        self.adapters = LoraAdapters(base)
+        self._next = 0
         self.loaded: OrderedDict[str, str] = OrderedDict()  # key -> adapter name, least recently used first
 
     @rank_call("first")
@@ -44,25 +47,45 @@ class EmbeddedSampler:
     @rank_call("first")
     def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None:
         """Make a saved PEFT adapter available for sampling under ``key`` (cached, LRU)."""
-        from peft import LoraConfig
-
         if key in self.loaded:
             self.loaded.move_to_end(key)
             return
-        fields = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora")
-        name = self.adapters.add(LoraConfig(**{k: adapter_config[k] for k in fields if k in adapter_config}))
-        params = dict(self.adapters.params(name))
-        if set(params) != set(weights):
-            self.adapters.remove(name)
-            raise UserError(f"the adapter at {key} does not fit the served model (its tensors do not match)")
-        with torch.no_grad():
-            for key_, p in params.items():
-                p.copy_(weights[key_])
-                p.requires_grad_(False)
+        adapter = self._adapter(key, adapter_config, weights)
+        name = f"s{self._next}"
+        self._next += 1
+        self.adapters.add(name, adapter)
         self.loaded[key] = name
         while len(self.loaded) > MAX_SAMPLER_ADAPTERS:
             _, evicted = self.loaded.popitem(last=False)
             self.adapters.remove(evicted)
+
+    def _adapter(self, key: str, config: dict, weights: dict[str, torch.Tensor]) -> Adapter:
+        """The adapter that ``config`` and ``weights`` describe, as PEFT would build it on this
+        model: LoRA on exactly the linear layers its ``target_modules`` select, each with both
+        matrices of rank ``r``; ``UserError`` if they do not fit."""
+        misfit = UserError(f"the adapter at {key} does not fit the served model (its tensors do not match)")
+        rank = config.get("r")
+        if config.get("peft_type", "LORA") != "LORA" or config.get("bias", "none") != "none" or not rank:
+            raise misfit
+        head = self.adapters.lm.get_output_embeddings()
+        selected = {
+            name
+            for name, module in self.adapters.lm.named_modules()
+            if isinstance(module, nn.Linear) and targeted(name, config.get("target_modules"), module is head)
+        }
+        layers: dict[str, Lora] = {}
+        for module in self.adapters.in_model_order(selected):
+            weight = self.adapters.linear(module).weight
+            out_features, in_features = weight.shape
+            a, b = (weights.get(f"{KEY_PREFIX}{module}.lora_{part}.weight") for part in "AB")
+            if a is None or b is None or a.shape != (rank, in_features) or b.shape != (out_features, rank):
+                raise misfit
+            a, b = (m.to(weight.device, torch.float32, copy=True) for m in (a, b))  # never the caller's
+            layers[module] = Lora(nn.Parameter(a, False), nn.Parameter(b, False))
+        if not layers or len(weights) != 2 * len(layers):
+            raise misfit
+        alpha = config.get("lora_alpha", 8)
+        return Adapter(layers, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
 
     @rank_call("first")
     def generate(
@@ -93,3 +116,14 @@ class EmbeddedSampler:
 def _seed() -> int:
     """A request without a seed still gets one, so each of its samples has its own stream."""
     return secrets.randbits(62)
+
+
+def targeted(module: str, target_modules: str | list[str] | None, is_head: bool) -> bool:
+    """Whether PEFT's ``target_modules`` select the linear layer ``module``: a list names modules
+    or their last dotted parts, a string is a regular expression over the whole name, and
+    ``all-linear`` is every linear layer but the output layer."""
+    if target_modules == "all-linear":
+        return not is_head
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, module) is not None
+    return any(module == t or module.endswith(f".{t}") for t in target_modules or [])

@@ -22,14 +22,13 @@ Tensors are ``[sequence, batch, features]``, as megatron-core passes them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from hosted_tinker.rank.adapters import Routes
+from hosted_tinker.rank.adapters import Routes, draw_lora
 from hosted_tinker.rank.mcore.convert import HfShape
 
 COLUMN, ROW = "column", "row"
@@ -108,27 +107,17 @@ def group_of(site_name: str) -> str:
     return "unembed" if site_name == "unembed" else ("attn" if site_name.split(".")[1] in ("qkv", "proj") else "mlp")
 
 
-def _kaiming(rows: int, cols: int) -> Tensor:
-    """``nn.Linear``'s default init (kaiming-uniform, a=√5) of a (rows, cols) weight, drawing
-    from the process RNG exactly as ``nn.Linear(cols, rows)`` does."""
-    weight = torch.empty(rows, cols)
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    return weight
-
-
 def init_adapter(chosen: dict[str, Site], rank: int, tp: int, tp_rank: int, seed: int) -> dict[str, list[Projection]]:
     """New LoRA weights for the chosen sites, drawn as PEFT draws them for the same modules in
-    the same order (``A``'s ``nn.Linear``, ``B``'s, then ``A`` again; ``B`` zero), so that a
-    seed starts a model exactly where the ``peft`` backend starts it; this rank keeps its shards."""
+    the same order (``rank.adapters.draw_lora``), so that a seed starts a model exactly where
+    the ``peft`` backend starts it; this rank keeps its shards."""
     projections: dict[str, list[Projection]] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for name, site in chosen.items():
             projections[name] = []
             for module, out_features in zip(site.hf_modules, site.out_features, strict=True):
-                _kaiming(rank, site.in_features)  # lora_A's nn.Linear
-                _kaiming(out_features, rank)  # lora_B's nn.Linear
-                a, b = _kaiming(rank, site.in_features), torch.zeros(out_features, rank)  # PEFT's reset
+                a, b = draw_lora(site.in_features, out_features, rank)
                 if site.kind == COLUMN:
                     b = b.chunk(tp, dim=0)[tp_rank]
                 else:

@@ -17,7 +17,7 @@ from hosted_tinker.core.logprobs import packed_targets, unpacked
 from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.activations import recomputed
-from hosted_tinker.rank.adapters import segments
+from hosted_tinker.rank.adapters import lora_config, segments
 from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, block_spec, transformer_config
 from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
@@ -104,19 +104,10 @@ class McoreLoraModel:
 
     def adapter_config(self, handle: AdapterHandle) -> dict:
         """PEFT's ``adapter_config.json`` for the same modules on the HF model."""
-        from peft import LoraConfig
-
         adapter = self.lora.adapters[handle.name]
         modules = [p.module for p in _in_peft_order(adapter.projections)]
         rank = next(iter(adapter.projections.values()))[0].A.shape[0]
-        config = LoraConfig(
-            r=rank,
-            lora_alpha=self.lora_alpha,
-            lora_dropout=0.0,
-            target_modules=modules,
-            base_model_name_or_path=self.model_path,
-        ).to_dict()
-        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        return lora_config(rank, self.lora_alpha, modules, self.model_path)
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
         s = self.shape
