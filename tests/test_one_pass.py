@@ -12,6 +12,7 @@ import torch
 
 from hosted_tinker.core import losses
 from hosted_tinker.core.types import DatumInput, ForwardBackwardResult, LoraSpec, RequestFailed
+from hosted_tinker.rank import adapters
 from hosted_tinker.rank.model import load_base
 from hosted_tinker.rank.serve import Rank, local_rank
 from hosted_tinker.rank.trainer import Trainer
@@ -19,6 +20,7 @@ from tests.batches import random_batch
 
 pytestmark = pytest.mark.fast
 
+BATCHABLE = adapters._batchable
 SPECS = {
     "m-attn": LoraSpec(rank=4, seed=1, train_mlp=False),
     "m-all": LoraSpec(rank=8, seed=2, train_unembed=True),
@@ -91,6 +93,47 @@ def test_one_pass_equals_each_model_alone(trainer: Trainer, loss_fn: str, recomp
     for (model_id, _), result in zip(requests, got, strict=True):
         assert_same(result, want[model_id][0])
         assert_same_grads(grads(trainer, model_id), want[model_id][1])
+
+
+EQUAL = {f"m-eq{i}": LoraSpec(rank=4, seed=20 + i, train_unembed=True) for i in range(3)}
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+def test_equal_requests_run_batched_and_equal_each_model_alone(rank: Rank, recompute: bool, monkeypatch):
+    """Models of one LoRA rank with requests of one length run each layer's LoRA as one
+    batched matmul over the stacked adapters (``adapters.span_updates``), and still get what
+    each gets alone."""
+    trainer = rank.trainer
+    for model_id, spec in EQUAL.items():
+        trainer.create_adapter(model_id, spec)
+        with torch.no_grad():
+            for i, p in enumerate(trainer.adapters[model_id].handle.params):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(spec.seed * 1000 + i)) * 0.05)
+    batched = []
+    monkeypatch.setattr(adapters, "_batchable", lambda x, spans: batched.append(BATCHABLE(x, spans)) or batched[-1])
+    monkeypatch.setattr(trainer, "recompute_above_tokens", 0 if recompute else 10**9)
+    try:
+        rng = np.random.default_rng(5)
+        requests = [(model_id, random_batch(rng, 2, "importance_sampling", lengths=(20, 21))) for model_id in EQUAL]
+        want = {}
+        for model_id, batch in requests:
+            want[model_id] = (trainer.forward_backward(model_id, batch), grads_of(trainer, model_id))
+        got = trainer.forward_backward_many(requests)
+        assert any(batched)
+        for (model_id, _), result in zip(requests, got, strict=True):
+            assert_same(result, want[model_id][0])
+            assert_same_grads(grads_of(trainer, model_id), want[model_id][1])
+    finally:
+        for model_id in EQUAL:
+            trainer.delete_adapter(model_id)
+
+
+def grads_of(trainer: Trainer, model_id: str) -> list[torch.Tensor | None]:
+    """``model_id``'s gradients, taken away (the next pass starts from none)."""
+    out = grads(trainer, model_id)
+    for p in trainer.adapters[model_id].handle.params:
+        p.grad = None
+    return out
 
 
 def test_forward_only_requests_share_a_pass_and_leave_no_gradient(trainer: Trainer):

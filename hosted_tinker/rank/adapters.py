@@ -183,19 +183,71 @@ class LoraAdapters:
 
     def _hook(self, module: str) -> Callable[[nn.Module, tuple, Tensor], Tensor]:
         def add_updates(layer: nn.Module, args: tuple, output: Tensor) -> Tensor:
-            spans = [(s, e, self.adapters[name]) for s, e, name in self.routes.segments]
-            if not any(module in adapter.layers for _, _, adapter in spans):
-                return output
             x = args[0]
-            updates = []
-            for start, end, adapter in spans:
-                xs = x.narrow(-2, start, (x.shape[-2] if end is None else end) - start)
-                lora = adapter.layers.get(module)
-                if lora is None:
-                    updates.append(xs.new_zeros((*xs.shape[:-1], output.shape[-1]), dtype=torch.float32))
-                else:  # PEFT's lora_B(lora_A(x)) * scaling, in the adapter's dtype
-                    updates.append(F.linear(F.linear(xs.to(lora.A.dtype), lora.A), lora.B) * adapter.scale)
-            update = updates[0] if len(updates) == 1 else torch.cat(updates, dim=-2)  # one model: no copy
-            return (output + update).to(output.dtype)
+            spans = [
+                self._span(module, start, x.shape[-2] if end is None else end, name)
+                for start, end, name in self.routes.segments
+            ]
+            if all(span.lora is None for span in spans):
+                return output
+            return (output + span_updates(x, spans, output.shape[-1])).to(output.dtype)
 
         return add_updates
+
+    def _span(self, module: str, start: int, end: int, name: str) -> Span:
+        adapter = self.adapters[name]
+        return Span(start, end, adapter.layers.get(module), adapter.scale)
+
+
+# ---- the update of a layer, span by span --------------------------------------------------------------
+
+
+@dataclass
+class Span:
+    """Tokens [start, end) of a layer's input and the LoRA they run under (None: none here)."""
+
+    start: int
+    end: int
+    lora: Lora | None
+    scale: float
+
+
+def span_updates(x: Tensor, spans: list[Span], out_features: int) -> Tensor:
+    """Each span's LoRA update of ``x`` (``(..., tokens, in)`` -> ``(..., tokens, out)``, float32),
+    PEFT's ``lora_B(lora_A(x)) * scaling`` per span. Spans of one length, each under an adapter
+    of one rank, run as one batch (the adapters' matrices stacked, two batched matmuls): a pass
+    of many models' equal requests costs two matmuls per layer, not two per model. (Spans of
+    unequal length would have to be copied together, which costs more than it saves on a CPU.)"""
+    if len(spans) == 1 and spans[0].lora is not None:  # one model: no copy
+        return _update(x, spans[0])
+    if _batchable(x, spans):
+        count, length = len(spans), spans[0].end - spans[0].start
+        a = torch.stack([span.lora.A for span in spans])  # (S, r, in)
+        b = torch.stack([span.lora.B for span in spans])  # (S, out, r)
+        scale = torch.tensor([span.scale for span in spans], device=x.device)[:, None, None]
+        xs = x.reshape(count, length, x.shape[-1]).to(a.dtype)  # (S, L, in): a view, span by span
+        return (torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)) * scale).reshape(*x.shape[:-1], -1)
+    updates = [
+        _update(x, span)
+        if span.lora is not None
+        else x.new_zeros((*x.shape[:-2], span.end - span.start, out_features), dtype=torch.float32)
+        for span in spans
+    ]
+    return torch.cat(updates, dim=-2)
+
+
+def _batchable(x: Tensor, spans: list[Span]) -> bool:
+    """Whether ``spans`` cut all of ``x``'s one sequence into equal parts, each under a LoRA of
+    the same shape."""
+    length = spans[0].end - spans[0].start
+    if x.dim() != 3 or x.shape[0] != 1 or len(spans) * length != x.shape[1] or spans[0].start != 0:
+        return False
+    shape = spans[0].lora.A.shape if spans[0].lora is not None else None
+    return all(
+        span.lora is not None and span.lora.A.shape == shape and span.end - span.start == length for span in spans
+    )
+
+
+def _update(x: Tensor, span: Span) -> Tensor:
+    xs = x.narrow(-2, span.start, span.end - span.start).to(span.lora.A.dtype)
+    return F.linear(F.linear(xs, span.lora.A), span.lora.B) * span.scale
