@@ -5,7 +5,7 @@ rank/        inside worker processes: core only
 inference/   the engines the server samples through: core only
 node/        the agent of a node other than the server's: core, and rank (to start ranks)
 server/      the event loop: core, inference, and rank (to start ranks and read their calls)
-cli.py       the entry point: anything
+cli.py       the entry point (cli_keys.py: its keys command): anything
 
 Every import counts, also one inside a function (a deferred import is still a dependency).
 """

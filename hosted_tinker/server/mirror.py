@@ -1,13 +1,19 @@
 """An object-storage mirror of saved checkpoints (``--checkpoint-mirror URL``): runs outlive the
 VM. Any fsspec URL: ``gs://bucket/prefix`` (with gcsfs), ``s3://...``, ``file:///path``.
 
-- Every training-state and sampler checkpoint saved here is copied there, its files, its
-  SHA-256 manifest, and last ``record.json`` (its run, session owner and checkpoint row), whose
-  presence marks a complete copy. A checkpoint deleted here (or past its TTL) is deleted there.
+- Every training-state and sampler checkpoint saved here (or copied by ``copy_weights``) is
+  copied there, its files, its SHA-256 manifest, and last ``record.json`` (its run, session
+  owner and checkpoint row), whose presence marks a complete copy. A change to the row
+  (published, unpublished, a new TTL) rewrites ``record.json``.
+- A checkpoint deleted here (or past its TTL) is deleted there. Until it is, the store keeps a
+  tombstone (``mirror_deletions``), so that a start after a failed or unfinished deletion deletes
+  the copy rather than restoring it; a copy whose TTL has passed is not restored either.
 - At start, a server restores every checkpoint the mirror holds and its disk lacks (a new VM):
   each file checked against the manifest, the rows made again under the same ids and owner
   (the run as ``unloaded``: load it with ``create_training_client_from_state``). It also copies
   up what the mirror lacks (a failed upload, or a mirror turned on later).
+- The API keys' rows (hashes, never keys) are copied up after each change the server makes, and
+  within ``KEYS_POLL_S`` of one made by ``hosted-tinker keys`` while the server runs.
 
 Transfers run in order on a thread of their own, so that no save waits for the network; one
 that fails is logged and done again at the next start.
@@ -24,6 +30,7 @@ import time
 from collections.abc import Callable
 
 from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles, TinkerPath
+from hosted_tinker.server.records import COPY_STATUS
 from hosted_tinker.server.store import Store
 
 log = logging.getLogger(__name__)
@@ -31,17 +38,20 @@ log = logging.getLogger(__name__)
 RECORD = "record.json"
 KEYS = "api_keys.json"  # the keys' rows: a new VM's server restores the tenants with their runs
 MIRRORED = ("weights", "sampler_weights")  # exports (external_weights) are made for one download
+KEYS_POLL_S = 30.0  # how often the keys are compared with what was last copied up
 
 
 class CheckpointMirror:
-    def __init__(self, url: str, files: CheckpointFiles, store: Store) -> None:
+    def __init__(self, url: str, files: CheckpointFiles, store: Store, keys_poll_s: float = KEYS_POLL_S) -> None:
         import fsspec  # a dependency; gcsfs or s3fs only for their URLs
 
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.files = files
         self.store = store
+        self.keys_poll_s = keys_poll_s
         self.uploaded = self.deleted_total = self.failed = 0
+        self._keys_copied: bytes | None = None  # api_keys.json as last copied up
         self._queue: queue.Queue[Callable[[], None]] = queue.Queue()
         threading.Thread(target=self._run, name="checkpoint-mirror", daemon=True).start()
 
@@ -55,11 +65,18 @@ class CheckpointMirror:
 
     def saved(self, path: TinkerPath) -> None:
         if path.kind in MIRRORED:
+            self.store.clear_mirror_deletion(path)  # saved again after a deletion
             self._queue.put(lambda: self._upload(path))
             self._queue.put(self._upload_keys)  # its owner's key is there by the time its copy is
 
+    def changed(self, path: TinkerPath) -> None:
+        """Its row changed (public, expiry): the copy's ``record.json`` follows."""
+        if path.kind in MIRRORED:
+            self._queue.put(lambda: self._upload_record(path))
+
     def deleted(self, path: TinkerPath) -> None:
         if path.kind in MIRRORED:
+            self.store.add_mirror_deletion(path)  # durable before the network is asked
             self._queue.put(lambda: self._delete(path))
 
     def drain(self, deadline: float) -> bool:
@@ -71,7 +88,14 @@ class CheckpointMirror:
 
     def _run(self) -> None:
         while True:
-            task = self._queue.get()
+            try:
+                task = self._queue.get(timeout=self.keys_poll_s)
+            except queue.Empty:  # idle: keys changed by `hosted-tinker keys` go up now
+                try:
+                    self._upload_keys()
+                except Exception:
+                    log.exception("checkpoint mirror %s: the API keys could not be copied up", self.url)
+                continue
             try:
                 task()
             except Exception:
@@ -103,12 +127,22 @@ class CheckpointMirror:
         self.fs.pipe_file(f"{target}/{RECORD}", json.dumps(record).encode())
         self.uploaded += 1
 
+    def _upload_record(self, path: TinkerPath) -> None:
+        target = f"{self._dir(path)}/{RECORD}"
+        record = self._record(path)
+        if record is None or not self.fs.exists(target):  # gone, or not whole there yet: its upload
+            return  # (queued, or done at the next start) carries the row as it is then
+        record["manifest_sha256"] = json.loads(self.fs.cat_file(target)).get("manifest_sha256")
+        self.fs.pipe_file(target, json.dumps(record).encode())
+
     def _delete(self, path: TinkerPath) -> None:
         target = self._dir(path)
         if self.fs.exists(f"{target}/{RECORD}"):
             self.fs.rm_file(f"{target}/{RECORD}")  # first: a half-deleted copy is never restored
         if self.fs.exists(target):
             self.fs.rm(target, recursive=True)
+        if self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:  # not saved again since
+            self.store.clear_mirror_deletion(path)
         self.deleted_total += 1
 
     def _record(self, path: TinkerPath) -> dict | None:
@@ -121,6 +155,7 @@ class CheckpointMirror:
             "owner": self.store.session_owner(model.session_id),
             "model": {
                 "model_id": model.model_id,
+                "status": model.status,
                 "model_seq_id": model.model_seq_id,
                 "base_model": model.base_model,
                 "lora": model.lora,
@@ -143,14 +178,23 @@ class CheckpointMirror:
         returns (restored, queued). Runs before the server takes requests."""
         restored, mirrored = 0, {}
         self._restore_keys()
+        deleted = {TinkerPath(*row) for row in self.store.mirror_deletions()}
+        for path in deleted:  # a deletion that failed, or had not run when the server stopped
+            self._queue.put(lambda path=path: self._delete(path))
+        now = time.time()
         for record_path in self.fs.glob(f"{self.root}/*/*/*/{RECORD}"):
             try:
                 record = json.loads(self.fs.cat_file(record_path))
                 checkpoint = record["checkpoint"]
                 path = TinkerPath(record["model"]["model_id"], checkpoint["kind"], checkpoint["name"])
-                mirrored[str(path)] = record.get("manifest_sha256")
+                if path in deleted:
+                    continue
                 if self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
+                    if checkpoint["expires_at"] is not None and checkpoint["expires_at"] <= now:
+                        self._queue.put(lambda path=path: self._delete(path))  # its TTL passed while away
+                        continue
                     restored += self._restore(path, record)
+                mirrored[str(path)] = record.get("manifest_sha256")
             except Exception:  # one bad copy must not keep the server from starting
                 log.exception("checkpoint mirror: %s cannot be restored", record_path)
         queued = 0
@@ -174,10 +218,15 @@ class CheckpointMirror:
         self._queue.put(self._upload_keys)
 
     def _upload_keys(self) -> None:
+        """Copy the keys' rows up, unless they are what was last copied."""
         rows = [{**k.__dict__, "sha256": self.store.api_key_hash(k.key_id)} for k in self.store.list_api_keys()]
         for row in rows:
             row["limits"] = self.store.api_key_limits(row["key_id"])
-        self.fs.pipe_file(f"{self.root}/{KEYS}", json.dumps(rows).encode())
+        data = json.dumps(rows).encode()
+        if data != self._keys_copied:
+            self.fs.makedirs(self.root, exist_ok=True)  # as in _upload
+            self.fs.pipe_file(f"{self.root}/{KEYS}", data)
+            self._keys_copied = data
 
     def _restore_keys(self) -> None:
         if not self.fs.exists(f"{self.root}/{KEYS}"):
@@ -224,7 +273,8 @@ class CheckpointMirror:
                 lora=model["lora"],
                 user_metadata=model["user_metadata"],
             )
-            self.store.set_model_status(path.run_id, "unloaded")
+            copy = model.get("status") == COPY_STATUS  # holds copy_weights: stays untrainable
+            self.store.set_model_status(path.run_id, COPY_STATUS if copy else "unloaded")
         self.store.put_checkpoint(
             path.run_id,
             path.kind,

@@ -35,6 +35,9 @@ class CheckpointRecord:
     user_metadata: dict[str, str]
 
 
+COPY_STATUS = "copy"  # models.status of a run that holds copied weights (``copy_weights``): never trained
+
+
 @dataclass(frozen=True)
 class SamplerRecord:
     sampler_id: str

@@ -80,6 +80,13 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     user_metadata TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (model_id, kind, name)
 );
+CREATE TABLE IF NOT EXISTS mirror_deletions (
+    model_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    deleted_at REAL NOT NULL,
+    PRIMARY KEY (model_id, kind, name)
+);
 CREATE TABLE IF NOT EXISTS api_keys (
     key_id TEXT PRIMARY KEY,
     name TEXT NOT NULL,

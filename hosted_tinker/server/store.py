@@ -377,6 +377,24 @@ class Store(ListingRows, KeyRows):
                 (value, model_id, kind, name),
             )
 
+    # A checkpoint deleted here whose copy in the mirror may still be there (``server.mirror``):
+    # until that copy is gone, a start must not restore it.
+
+    def add_mirror_deletion(self, path: TinkerPath) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO mirror_deletions (model_id, kind, name, deleted_at) VALUES (?, ?, ?, ?)",
+            (path.run_id, path.kind, path.name, time.time()),
+        )
+
+    def clear_mirror_deletion(self, path: TinkerPath) -> None:
+        self._exec(
+            "DELETE FROM mirror_deletions WHERE model_id=? AND kind=? AND name=?", (path.run_id, path.kind, path.name)
+        )
+
+    def mirror_deletions(self) -> list[tuple[str, str, str]]:
+        """(run id, kind, name) of each, oldest first."""
+        return self._exec("SELECT model_id, kind, name FROM mirror_deletions ORDER BY deleted_at").fetchall()
+
     def expired_checkpoints(self, now: float) -> list[CheckpointRecord]:
         rows = self._exec(
             f"SELECT {self._CHECKPOINT_COLUMNS} FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?",

@@ -9,7 +9,6 @@ import asyncio
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 
-from hosted_tinker.core.errors import not_found
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
@@ -36,13 +35,14 @@ async def list_training_runs(
 
 def _own_run(request: Request, run_id: str) -> ServerState:
     state = server_state(request)
-    state.tenancy.model(tenant_of(request), run_id, field="training run")
+    state.tenancy.run(tenant_of(request), run_id)
     return state
 
 
 @router.get("/training_runs/{run_id}", **rsp.as_built(rsp.TrainingRun))
 async def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
-    return _own_run(request, run_id).checkpoints.get_run(run_id)
+    state = server_state(request)
+    return state.checkpoints.run_json(state.tenancy.run(tenant_of(request), run_id))
 
 
 @router.get("/training_runs/{run_id}/checkpoints", **rsp.as_built(rsp.CheckpointsListResponse))
@@ -59,8 +59,6 @@ async def get_run_metrics(
 ) -> dict:
     """The run's closed steps after step ``after``, oldest first, and its open step."""
     state = _own_run(request, run_id)
-    if state.store.get_model(run_id) is None:
-        raise not_found(f"training run {run_id!r} does not exist")
     # A page of thousands of steps is a large read: off the event loop.
     return await asyncio.to_thread(state.run_metrics.steps, run_id, after, limit)
 

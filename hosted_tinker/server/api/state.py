@@ -180,7 +180,7 @@ def build_state(config: ServerConfig) -> ServerState:
         sessions=SessionService(store, training, on_finish=checkpoints.finish_session),
         training=training,
         checkpoints=checkpoints,
-        copies=CopyService(store, files, tenancy),
+        copies=CopyService(store, files, tenancy, mirror),
         custom_losses=custom_losses,
         futures=FuturesService(store, scheduler, config.poll_timeout_s),
         sampling=sampling,

@@ -206,9 +206,7 @@ async def run_metrics(
     """The run's closed steps for its charts (``GET /api/v1/training_runs/{id}/metrics``'s,
     without the open step, which the charts do not draw)."""
     state = server_state(request)
-    state.tenancy.model(who.tenant, run_id, field="training run")
-    if state.store.get_model(run_id) is None:
-        raise ApiError(404, f"training run {run_id!r} does not exist")
+    state.tenancy.run(who.tenant, run_id)
     return await asyncio.to_thread(state.run_metrics.steps, run_id, after, limit, False)
 
 
@@ -222,7 +220,7 @@ async def change_checkpoint(request: Request, run_id: str, kind: str, name: str,
     if change not in CHANGES:
         return missing_page(request, who, f"action {change!r}")
     try:
-        state.tenancy.model(who.tenant, run_id, field="training run")
+        state.tenancy.run(who.tenant, run_id)
         await asyncio.to_thread(_change, state, run_id, f"{kind}/{name}", change)
     except ApiError as e:
         if e.status == 404:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hosted_tinker.core.checkpoints import TinkerPath
-from hosted_tinker.core.errors import not_found
 from hosted_tinker.server.quotas import LIVE_S
 from hosted_tinker.server.serving.health import health
 
@@ -52,20 +51,17 @@ def run(state: ServerState, tenant: str, run_id: str, base_url: str) -> dict[str
     """One run of ``tenant``'s: what it is, its checkpoints (with signed links to their files)
     and its sampling sessions. Another tenant's run is a 404, as on the API. Lists checkpoint
     directories: run it in a thread."""
-    state.tenancy.model(tenant, run_id, field="training run")
-    model = state.store.get_model(run_id)
-    if model is None:  # a made-up id in one's own session: tenancy checks the owner only
-        raise not_found(f"training run {run_id!r} does not exist")
-    listed = state.checkpoints.list_checkpoints(run_id)["checkpoints"]
+    model = state.tenancy.run(tenant, run_id)
+    records = state.store.list_checkpoints(run_id)
     checkpoints = []
-    for checkpoint in listed[:CHECKPOINTS_SHOWN]:
-        path = TinkerPath.parse(checkpoint["tinker_path"])
+    for record in records[:CHECKPOINTS_SHOWN]:
         try:
-            urls = state.checkpoints.links.urls(path, base_url)["urls"]
+            urls = state.checkpoints.links.urls(TinkerPath(run_id, record.kind, record.name), base_url)["urls"]
         except OSError:  # deleted (or swept past its TTL) since it was listed
             continue
         files = [{"name": name, "url": url} for name, url in urls.items()]
-        checkpoints.append({**checkpoint, "kind": path.kind, "name": path.name, "files": files})
+        checkpoint = state.checkpoints.checkpoint_json(record)
+        checkpoints.append({**checkpoint, "kind": record.kind, "name": record.name, "files": files})
     samplers = [
         {
             "sampler_id": sampler.sampler_id,
@@ -85,7 +81,7 @@ def run(state: ServerState, tenant: str, run_id: str, base_url: str) -> dict[str
         "session_id": model.session_id,
         "user_metadata": model.user_metadata,
         "checkpoints": checkpoints,
-        "checkpoints_total": len(listed),
+        "checkpoints_total": len(records),
         "samplers": samplers,
     }
 

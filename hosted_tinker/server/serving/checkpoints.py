@@ -360,7 +360,8 @@ class CheckpointService:
 
     # ---- REST views -------------------------------------------------------------------------
 
-    def _checkpoint_json(self, record: CheckpointRecord) -> dict:
+    def checkpoint_json(self, record: CheckpointRecord) -> dict:
+        """A checkpoint as the REST API describes it."""
         path = TinkerPath(record.model_id, record.kind, record.name)
         return {
             "checkpoint_id": path.checkpoint_id,
@@ -385,8 +386,8 @@ class CheckpointService:
             "corrupted": False,
             "lora_rank": model.lora["rank"],
             "last_request_time": _iso(self.store.model_last_request(model.model_id)),
-            "last_checkpoint": self._checkpoint_json(last) if last else None,
-            "last_sampler_checkpoint": self._checkpoint_json(last_sampler) if last_sampler else None,
+            "last_checkpoint": self.checkpoint_json(last) if last else None,
+            "last_sampler_checkpoint": self.checkpoint_json(last_sampler) if last_sampler else None,
             "user_metadata": {k: str(v) for k, v in model.user_metadata.items()},
         }
 
@@ -397,15 +398,12 @@ class CheckpointService:
             "cursor": {"offset": offset, "limit": limit, "total_count": total},
         }
 
-    def get_run(self, run_id: str) -> dict:
-        model = self.store.get_model(run_id)
-        if model is None:
-            raise not_found(f"training run {run_id!r} does not exist")
+    def run_json(self, model: ModelRecord) -> dict:
+        """A run (checked by ``Tenancy.run``) as the REST API describes it."""
         return self._run_json(model)
 
     def list_checkpoints(self, run_id: str) -> dict:
-        if self.store.get_model(run_id) is None:
-            raise not_found(f"training run {run_id!r} does not exist")
+        """The checkpoints of a run (checked by ``Tenancy.run``), newest first."""
         return self._checkpoints_page(self.store.list_checkpoints(run_id), None, 0)
 
     def list_owned_checkpoints(self, owner: str, limit: int, offset: int) -> dict:
@@ -415,7 +413,7 @@ class CheckpointService:
     def _checkpoints_page(self, records: list[CheckpointRecord], limit: int | None, offset: int) -> dict:
         page = records[offset : offset + limit] if limit is not None else records
         cursor = {"offset": offset, "limit": limit or len(records), "total_count": len(records)}
-        return {"checkpoints": [self._checkpoint_json(r) for r in page], "cursor": cursor}
+        return {"checkpoints": [self.checkpoint_json(r) for r in page], "cursor": cursor}
 
     def _record(self, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, CheckpointRecord]:
         try:
@@ -437,12 +435,16 @@ class CheckpointService:
     def set_public(self, run_id: str, checkpoint_id: str, public: bool) -> None:
         path, _ = self._record(run_id, checkpoint_id)
         self.store.update_checkpoint(path.run_id, path.kind, path.name, public=int(public))
+        if self.mirror is not None:
+            self.mirror.changed(path)
 
     def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         path, _ = self._record(run_id, checkpoint_id)
         check_ttl(ttl_seconds)
         expires = time.time() + ttl_seconds if ttl_seconds is not None else None
         self.store.update_checkpoint(path.run_id, path.kind, path.name, expires_at=expires)
+        if self.mirror is not None:
+            self.mirror.changed(path)
 
     def weights_info(self, tinker_path: str) -> dict:
         path = self._training_path(tinker_path, "tinker_path")

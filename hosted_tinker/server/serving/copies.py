@@ -20,19 +20,22 @@ from collections.abc import Callable
 
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request, not_found
+from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.records import COPY_STATUS
 from hosted_tinker.server.serving.checkpoints import check_ttl
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.store import Store
 
-COPY_STATUS = "copy"  # a run that holds copied weights (models.status): never trained
-
 
 class CopyService:
-    def __init__(self, store: Store, files: CheckpointFiles, tenancy: Tenancy) -> None:
+    def __init__(
+        self, store: Store, files: CheckpointFiles, tenancy: Tenancy, mirror: CheckpointMirror | None = None
+    ) -> None:
         self.store = store
         self.files = files
         self.tenancy = tenancy
+        self.mirror = mirror  # --checkpoint-mirror: a copy is a checkpoint like any other
         self._lock = threading.Lock()  # one copy at a time: a retry racing its original finds it
 
     def copy(
@@ -101,6 +104,8 @@ class CopyService:
         except BaseException:
             self.files.delete(target)
             raise
+        if self.mirror is not None:
+            self.mirror.saved(target)
         return {"tinker_path": str(target)}
 
     def _destination(

@@ -16,7 +16,7 @@ from __future__ import annotations
 from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import not_found
 from hosted_tinker.server.protocol.ordering import is_text
-from hosted_tinker.server.records import SamplerRecord
+from hosted_tinker.server.records import ModelRecord, SamplerRecord
 from hosted_tinker.server.store import Store
 
 
@@ -39,6 +39,15 @@ class Tenancy:
     def model(self, tenant: str, model_id: str, field: str = "model_id") -> None:
         if not self.owns(tenant, model_id):
             raise not_found(f"{field} {model_id!r} does not exist")
+
+    def run(self, tenant: str, run_id: str, field: str = "training run") -> ModelRecord:
+        """``tenant``'s training run ``run_id``; 404 if it is another's or does not exist (a
+        made-up id in one's own session passes ``owns``). Every route on a run asks here."""
+        self.model(tenant, run_id, field)
+        record = self.store.get_model(run_id)
+        if record is None:
+            raise not_found(f"{field} {run_id!r} does not exist")
+        return record
 
     def sampler(self, tenant: str, sampler_id: str, field: str = "sampling_session_id") -> None:
         if not self.owns(tenant, sampler_id):

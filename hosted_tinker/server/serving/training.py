@@ -29,7 +29,7 @@ from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackw
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
-from hosted_tinker.server.records import ModelRecord
+from hosted_tinker.server.records import COPY_STATUS, ModelRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving import optimizers, provenance
@@ -123,7 +123,7 @@ class TrainingService:
             raise bad_request(
                 f"model {model_id} was lost in a server restart or with its worker; recreate it (or load a saved state)"
             )
-        if model.status == "copy":
+        if model.status == COPY_STATUS:
             raise bad_request(
                 f"training run {model_id} holds copied weights (copy_weights) and cannot be trained on; "
                 "create a training client from its checkpoint"
