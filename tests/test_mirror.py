@@ -1,8 +1,9 @@
 """``--checkpoint-mirror`` (``server.mirror``) with fsspec's local filesystem standing in for the
 bucket: server A's checkpoints are copied up; server B, on an empty disk with a first-boot key of
 its own (a new VM), restores them with A's key, so that A's tenant goes on (the next step of a
-resumed run equals A's exactly) and B's key sees nothing of it; a copy that fails its SHA-256
-check is refused, and a deletion on B deletes the mirror's copy."""
+resumed run equals A's exactly, a published checkpoint is still published, a copy_weights run is
+there) and B's key sees nothing of it; a copy that fails its SHA-256 check is refused, and a
+deletion on B deletes the mirror's copy."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def mirror_status(srv: ServerProcess) -> dict:
     return httpx.get(f"{srv.base_url}/healthz", timeout=10).json()["checkpoint_mirror"]
 
 
+def record_of(bucket: Path, path: str) -> str:
+    record = bucket / path.removeprefix("tinker://") / "record.json"
+    return record.read_text() if record.exists() else ""
+
+
 def new_key(data_dir: Path) -> str:
     command = [sys.executable, "-m", "hosted_tinker", "keys", "create", "--data-dir", str(data_dir)]
     return subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
@@ -61,7 +67,11 @@ def test_checkpoints_outlive_the_disk(tmp_path: Path, tiny_model_dir: Path):
             state = tc.save_state("kept").result().path
             sampler = tc.save_weights_for_sampler("spoiled").result().path
             expected = step(tc)  # what the step after the checkpoint gives
-        until(lambda: mirror_status(a)["uploaded"] == 2 and (bucket / "api_keys.json").exists(), "copying up")
+        rest_a = tinker.RestClient(base_url=a.base_url, api_key=key)
+        copy = rest_a.copy_weights(state, destination_project_id="copies").result()
+        until(lambda: mirror_status(a)["uploaded"] == 3 and (bucket / "api_keys.json").exists(), "copying up")
+        rest_a.publish_checkpoint_from_tinker_path(state).result()
+        until(lambda: '"public": true' in record_of(bucket, state), "the copy's record following the publish")
     finally:
         a.stop()
     run = state.removeprefix("tinker://").split("/")[0]
@@ -74,8 +84,11 @@ def test_checkpoints_outlive_the_disk(tmp_path: Path, tiny_model_dir: Path):
         with pytest.raises(tinker.NotFoundError):  # the new VM's own tenant sees nothing of A's
             tinker.RestClient(base_url=b.base_url, api_key=other_key).list_checkpoints(run).result()
         rest = tinker.RestClient(base_url=b.base_url, api_key=key)
-        listed = {c.tinker_path for c in rest.list_checkpoints(run).result().checkpoints}
-        assert listed == {state}  # the spoiled copy was not restored
+        listed = {c.tinker_path: c for c in rest.list_checkpoints(run).result().checkpoints}
+        assert listed.keys() == {state}  # the spoiled copy was not restored
+        assert listed[state].public  # as it was when A stopped
+        copied = rest.list_checkpoints(copy.removeprefix("tinker://").split("/")[0]).result().checkpoints
+        assert [c.tinker_path for c in copied] == [copy]  # copy_weights' run came back too
         assert "fails its SHA-256 check" in b.log_path.read_text()
         with tinker.ServiceClient(base_url=b.base_url, api_key=key) as sc:
             resumed = sc.create_training_client_from_state_with_optimizer(state).result()
