@@ -19,10 +19,9 @@ the same run:
     python benchmarks/train_efficiency.py --device cuda --peak-tflops 989 --tenants-shape qwen3-8b \\
         --mixed-shape qwen3-8b --dtype bfloat16                 # on a GPU (none has run it yet)
 
-On a CPU the process keeps freed memory for reuse, as a CPU worker does
-(``rank.memory.keep_freed_memory``). It prints the FLOPs of a token (``benchmarks.shapes``:
-6·P + attention, and what a LoRA step executes) and, given the device's peak
-(``--peak-tflops``; H100/H200 bf16 by default on CUDA), the MFU of each path. Writes benchmarks/results/train_efficiency-<device>.json.
+It prints the FLOPs of a token (``benchmarks.shapes``: 6·P + attention, and what a LoRA step
+executes) and, given the device's peak (``--peak-tflops``; H100/H200 bf16 by default on CUDA),
+the MFU of each path. Writes benchmarks/results/train_efficiency-<device>.json.
 """
 
 from __future__ import annotations
@@ -338,8 +337,6 @@ def main() -> None:
     parser.add_argument("--child-recompute", action="store_true", help=argparse.SUPPRESS)
     add_common_args(parser)
     args = parser.parse_args()
-    if args.device == "cpu":  # as a CPU worker runs (``rank.serve``)
-        memory.keep_freed_memory()
     if args.child_tokens is not None:
         return long_child(args)
 

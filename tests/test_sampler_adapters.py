@@ -124,3 +124,13 @@ def test_an_adapter_that_does_not_fit_is_refused_and_leaves_nothing(rank: Rank, 
         rank.sampler.load_sampler(f"misfit {case}", config, tensors)
     assert not rank.sampler.has_sampler(f"misfit {case}")
     assert rank.sampler.adapters.adapters == resident
+
+
+@pytest.mark.parametrize(
+    "setting", [{"alpha_pattern": {"q_proj": 64}}, {"layers_to_transform": [0]}, {"use_dora": True}]
+)
+def test_peft_settings_this_server_does_not_apply_are_refused_by_name(rank: Rank, setting: dict):
+    weights = adapter_tensors(rank, LoraSpec(rank=4, seed=6, train_mlp=False, train_unembed=False))
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 16, "target_modules": ATTN, **setting}
+    with pytest.raises(UserError, match=f"sets {next(iter(setting))}"):
+        rank.sampler.load_sampler(f"setting {setting}", config, weights)

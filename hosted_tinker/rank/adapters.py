@@ -130,11 +130,6 @@ def lora_config(rank: int, alpha: float, modules: list[str], base: str) -> dict:
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
-def modules_of(keys: Iterable[str]) -> list[str]:
-    """The module names PEFT keys (``base_model.model.<module>.lora_A.weight``) belong to, in order."""
-    return list(dict.fromkeys(key.removeprefix(KEY_PREFIX).rsplit(".", 2)[0] for key in keys))
-
-
 # ---- adapters on a module tree --------------------------------------------------------------------
 
 
@@ -195,8 +190,12 @@ class LoraAdapters:
         return add_updates
 
     def _span(self, module: str, start: int, end: int, name: str) -> Span:
-        adapter = self.adapters[name]
-        return Span(start, end, adapter.layers.get(module), adapter.scale)
+        adapter = self.adapters.get(name)  # None: removed since the routes were set; no update
+        return (
+            Span(start, end, None, 0.0)
+            if adapter is None
+            else Span(start, end, adapter.layers.get(module), adapter.scale)
+        )
 
 
 # ---- the update of a layer, span by span --------------------------------------------------------------
@@ -224,7 +223,8 @@ def span_updates(x: Tensor, spans: list[Span], out_features: int) -> Tensor:
         count, length = len(spans), spans[0].end - spans[0].start
         a = torch.stack([span.lora.A for span in spans])  # (S, r, in)
         b = torch.stack([span.lora.B for span in spans])  # (S, out, r)
-        scale = torch.tensor([span.scale for span in spans], device=x.device)[:, None, None]
+        scales = [span.scale for span in spans]
+        scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=x.device)[:, None, None]
         xs = x.reshape(count, length, x.shape[-1]).to(a.dtype)  # (S, L, in): a view, span by span
         return (torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)) * scale).reshape(*x.shape[:-1], -1)
     updates = [
@@ -240,11 +240,14 @@ def _batchable(x: Tensor, spans: list[Span]) -> bool:
     """Whether ``spans`` cut all of ``x``'s one sequence into equal parts, each under a LoRA of
     the same shape."""
     length = spans[0].end - spans[0].start
-    if x.dim() != 3 or x.shape[0] != 1 or len(spans) * length != x.shape[1] or spans[0].start != 0:
+    if x.dim() != 3 or x.shape[0] != 1 or len(spans) * length != x.shape[1]:
         return False
     shape = spans[0].lora.A.shape if spans[0].lora is not None else None
     return all(
-        span.lora is not None and span.lora.A.shape == shape and span.end - span.start == length for span in spans
+        span.lora is not None
+        and span.lora.A.shape == shape
+        and (span.start, span.end) == (i * length, (i + 1) * length)
+        for i, span in enumerate(spans)
     )
 
 

@@ -117,7 +117,7 @@ def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:
 
 def sharing_weights(module: nn.Module) -> nn.Module:
     """A second module tree over the same parameter and buffer tensors (no copy of the weights):
-    LoRA modules injected into one tree leave the other untouched."""
+    hooks registered on one tree leave the other untouched."""
     memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
     return copy.deepcopy(module, memo)
 
@@ -135,8 +135,9 @@ class HfLoraModel:
         self.max_positions = getattr(self.base.config, "max_position_embeddings", None) or 32768
         self.lora_alpha = lora_alpha
         self.targets = target_modules(self.base)
-        # A clean tree over the same weights, taken before any LoRA module is injected: what an
-        # embedded sampler on this rank builds its own adapters on (``rank.sampler``).
+        # A second tree over the same weights, for an embedded sampler on this rank to hook its
+        # own adapters on (``rank.sampler``). Copied before any hook of ours is registered here:
+        # a deep copy would take the training adapters' hooks along.
         self.shareable_base = sharing_weights(self.base)
         # The training tree runs packed sequences (``rank.attention``); the sampler's keeps sdpa.
         self.base.set_attn_implementation(attention.implementation(self.device))

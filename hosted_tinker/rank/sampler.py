@@ -1,8 +1,8 @@
 """The embedded sampler: rank 0's inference engine, fed adapter tensors as vLLM is.
 
 It is not part of training. It holds its own module tree over the base weights it is given (the
-training model's, shared, or a model of its own) and its own PEFT adapters, loaded from saved
-sampler weights (a PEFT config and tensors), least recently used first out. Whatever plan trains the
+training model's, shared, or a model of its own) and its own adapters (``rank.adapters``), loaded
+from saved sampler weights (a PEFT config and tensors), least recently used first out. Whatever plan trains the
 adapters, this samples them the same way.
 """
 
@@ -24,6 +24,21 @@ from hosted_tinker.rank.adapters import KEY_PREFIX, Adapter, Lora, LoraAdapters
 from hosted_tinker.rank.generate import generate
 
 MAX_SAMPLER_ADAPTERS = 16
+# PEFT LoRA settings that this server's adapters do not have (and never write): refused, not ignored.
+UNSUPPORTED = (
+    "alpha_pattern",
+    "rank_pattern",
+    "layers_to_transform",
+    "layers_pattern",
+    "exclude_modules",
+    "modules_to_save",
+    "use_dora",
+    "fan_in_fan_out",
+    "lora_bias",
+    "target_parameters",
+    "layer_replication",
+    "trainable_token_indices",
+)
 
 
 class EmbeddedSampler:
@@ -64,6 +79,9 @@ class EmbeddedSampler:
         model: LoRA on exactly the linear layers its ``target_modules`` select, each with both
         matrices of rank ``r``; ``UserError`` if they do not fit."""
         misfit = UserError(f"the adapter at {key} does not fit the served model (its tensors do not match)")
+        for field in UNSUPPORTED:  # what would change which layers or scales, beyond r and alpha
+            if config.get(field) not in (None, False, {}, []):
+                raise UserError(f"the adapter at {key} sets {field}, which this server does not apply")
         rank = config.get("r")
         if config.get("peft_type", "LORA") != "LORA" or config.get("bias", "none") != "none" or not rank:
             raise misfit
@@ -122,7 +140,7 @@ def targeted(module: str, target_modules: str | list[str] | None, is_head: bool)
     """Whether PEFT's ``target_modules`` select the linear layer ``module``: a list names modules
     or their last dotted parts, a string is a regular expression over the whole name, and
     ``all-linear`` is every linear layer but the output layer."""
-    if target_modules == "all-linear":
+    if isinstance(target_modules, str) and target_modules.lower() == "all-linear":
         return not is_head
     if isinstance(target_modules, str):
         return re.fullmatch(target_modules, module) is not None

@@ -110,8 +110,6 @@ def serve(conn: Connection, factory: Callable[[], Any]) -> None:
         log.exception("could not build the rank")
         send(conn, "error", f"{type(e).__name__}: {e}")
         return
-    if not torch.cuda.is_initialized():  # a CPU rank: its activations live in this process's heap
-        memory.keep_freed_memory()
     send(conn, "ready", rank.capabilities, memory.snapshot())
     while True:
         try:
