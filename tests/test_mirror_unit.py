@@ -50,7 +50,7 @@ class Disk:
 
     def delete(self, path: TinkerPath = STATE) -> None:
         """What ``CheckpointService.delete`` does."""
-        self.store.delete_checkpoint(path.run_id, path.kind, path.name)
+        self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=True)
         self.files.delete(path)
         self.mirror.deleted(path)
 
@@ -98,6 +98,17 @@ def test_a_deletion_the_mirror_missed_is_done_at_the_next_start_and_never_undone
     assert again.store.mirror_deletions() == []
 
 
+def test_a_crash_right_after_the_row_went_does_not_bring_the_checkpoint_back(tmp_path: Path, bucket: Path):
+    a = Disk(tmp_path / "a", bucket)
+    a.save()
+    a.settle()
+    a.store.delete_checkpoint(RUN, "weights", "step-1", mirrored=True)  # and the server dies here
+    again = Disk(tmp_path / "a", bucket)
+    assert again.mirror.sync() == (0, 0)
+    again.settle()
+    assert copied(bucket) is None and again.store.get_checkpoint(RUN, "weights", "step-1") is None
+
+
 def test_saved_again_after_a_deletion_it_is_copied_up_and_kept(tmp_path: Path, bucket: Path):
     a = Disk(tmp_path / "a", bucket)
     a.save(data=b"first")
@@ -128,6 +139,24 @@ def test_publishing_and_a_new_ttl_rewrite_the_copy_s_record(tmp_path: Path, buck
     a.store.update_checkpoint(RUN, "weights", "step-1", public=0)  # unpublished: the copy follows
     a.mirror.changed(STATE)
     a.settle()
+    assert copied(bucket)["checkpoint"]["public"] is False
+
+
+def test_a_row_change_the_mirror_missed_is_made_at_the_next_start(tmp_path: Path, bucket: Path, monkeypatch):
+    a = Disk(tmp_path / "a", bucket)
+    a.save()
+    a.store.update_checkpoint(RUN, "weights", "step-1", public=1)
+    a.mirror.changed(STATE)
+    a.settle()
+    with monkeypatch.context() as m:  # unpublished while the bucket cannot be reached
+        m.setattr(a.mirror.fs, "mv", lambda *_: (_ for _ in ()).throw(OSError("unreachable")))
+        a.store.update_checkpoint(RUN, "weights", "step-1", public=0)
+        a.mirror.changed(STATE)
+        a.settle()
+    assert copied(bucket)["checkpoint"]["public"] is True  # stale: would publish it on a new VM
+    again = Disk(tmp_path / "a", bucket)
+    assert again.mirror.sync() == (0, 0)
+    again.settle()
     assert copied(bucket)["checkpoint"]["public"] is False
 
 

@@ -4,7 +4,8 @@ VM. Any fsspec URL: ``gs://bucket/prefix`` (with gcsfs), ``s3://...``, ``file://
 - Every training-state and sampler checkpoint saved here (or copied by ``copy_weights``) is
   copied there, its files, its SHA-256 manifest, and last ``record.json`` (its run, session
   owner and checkpoint row), whose presence marks a complete copy. A change to the row
-  (published, unpublished, a new TTL) rewrites ``record.json``.
+  (published, unpublished, a new TTL) rewrites ``record.json``; a start rewrites any that
+  missed one (the mirror's row must never publish what the owner unpublished).
 - A checkpoint deleted here (or past its TTL) is deleted there. Until it is, the store keeps a
   tombstone (``mirror_deletions``), so that a start after a failed or unfinished deletion deletes
   the copy rather than restoring it; a copy whose TTL has passed is not restored either.
@@ -14,6 +15,8 @@ VM. Any fsspec URL: ``gs://bucket/prefix`` (with gcsfs), ``s3://...``, ``file://
   up what the mirror lacks (a failed upload, or a mirror turned on later).
 - The API keys' rows (hashes, never keys) are copied up after each change the server makes, and
   within ``KEYS_POLL_S`` of one made by ``hosted-tinker keys`` while the server runs.
+- Deletion: ``Store.delete_checkpoint(mirrored=True)`` removes the row and writes the tombstone in
+  one transaction, then ``deleted`` queues the copy's removal.
 
 Transfers run in order on a thread of their own, so that no save waits for the network; one
 that fails is logged and done again at the next start.
@@ -39,6 +42,7 @@ RECORD = "record.json"
 KEYS = "api_keys.json"  # the keys' rows: a new VM's server restores the tenants with their runs
 MIRRORED = ("weights", "sampler_weights")  # exports (external_weights) are made for one download
 KEYS_POLL_S = 30.0  # how often the keys are compared with what was last copied up
+ROW = ("public", "expires_at", "user_metadata")  # what of a checkpoint's row can change after its save
 
 
 class CheckpointMirror:
@@ -63,6 +67,10 @@ class CheckpointMirror:
 
     # ---- what the server tells it ---------------------------------------------------------
 
+    def mirrors(self, path: TinkerPath) -> bool:
+        """Whether checkpoints of ``path``'s kind are copied up."""
+        return path.kind in MIRRORED
+
     def saved(self, path: TinkerPath) -> None:
         if path.kind in MIRRORED:
             self.store.clear_mirror_deletion(path)  # saved again after a deletion
@@ -75,8 +83,9 @@ class CheckpointMirror:
             self._queue.put(lambda: self._upload_record(path))
 
     def deleted(self, path: TinkerPath) -> None:
+        """Deleted here, its row gone with a tombstone (``Store.delete_checkpoint(mirrored=True)``):
+        the copy goes too, and the tombstone when it has."""
         if path.kind in MIRRORED:
-            self.store.add_mirror_deletion(path)  # durable before the network is asked
             self._queue.put(lambda: self._delete(path))
 
     def drain(self, deadline: float) -> bool:
@@ -87,14 +96,17 @@ class CheckpointMirror:
         return not self._queue.unfinished_tasks
 
     def _run(self) -> None:
+        keys_due = time.monotonic() + self.keys_poll_s
         while True:
-            try:
-                task = self._queue.get(timeout=self.keys_poll_s)
-            except queue.Empty:  # idle: keys changed by `hosted-tinker keys` go up now
+            if time.monotonic() >= keys_due:  # keys changed by `hosted-tinker keys` go up, busy or not
+                keys_due = time.monotonic() + self.keys_poll_s
                 try:
                     self._upload_keys()
                 except Exception:
                     log.exception("checkpoint mirror %s: the API keys could not be copied up", self.url)
+            try:
+                task = self._queue.get(timeout=max(0.0, keys_due - time.monotonic()))
+            except queue.Empty:
                 continue
             try:
                 task()
@@ -133,7 +145,9 @@ class CheckpointMirror:
         if record is None or not self.fs.exists(target):  # gone, or not whole there yet: its upload
             return  # (queued, or done at the next start) carries the row as it is then
         record["manifest_sha256"] = json.loads(self.fs.cat_file(target)).get("manifest_sha256")
-        self.fs.pipe_file(target, json.dumps(record).encode())
+        # Written aside, then moved over: the marker of a whole copy is never half-written.
+        self.fs.pipe_file(f"{target}.partial", json.dumps(record).encode())
+        self.fs.mv(f"{target}.partial", target)
 
     def _delete(self, path: TinkerPath) -> None:
         target = self._dir(path)
@@ -194,15 +208,20 @@ class CheckpointMirror:
                         self._queue.put(lambda path=path: self._delete(path))  # its TTL passed while away
                         continue
                     restored += self._restore(path, record)
-                mirrored[str(path)] = record.get("manifest_sha256")
+                mirrored[str(path)] = record
             except Exception:  # one bad copy must not keep the server from starting
                 log.exception("checkpoint mirror: %s cannot be restored", record_path)
         queued = 0
         for checkpoint in self.store.list_checkpoints():
             path = TinkerPath(checkpoint.model_id, checkpoint.kind, checkpoint.name)
-            if path.kind in MIRRORED and mirrored.get(str(path), "") != self._manifest_sha256(path):
+            if path.kind not in MIRRORED:
+                continue
+            copy = mirrored.get(str(path))
+            if copy is None or copy.get("manifest_sha256") != self._manifest_sha256(path):
                 self.saved(path)  # missing there, or an older version (an overwrite not copied up)
                 queued += 1
+            elif {k: copy["checkpoint"][k] for k in ROW} != {k: getattr(checkpoint, k) for k in ROW}:
+                self.changed(path)  # a publish or TTL change whose rewrite did not happen
         return restored, queued
 
     def _manifest_sha256(self, path: TinkerPath) -> str | None:

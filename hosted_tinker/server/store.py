@@ -366,8 +366,23 @@ class Store(ListingRows, KeyRows):
         )
         return [self._checkpoint(r) for r in rows.fetchall()]
 
-    def delete_checkpoint(self, model_id: str, kind: str, name: str) -> None:
-        self._exec("DELETE FROM checkpoints WHERE model_id=? AND kind=? AND name=?", (model_id, kind, name))
+    def delete_checkpoint(self, model_id: str, kind: str, name: str, *, mirrored: bool = False) -> None:
+        """The row goes; with ``mirrored``, in the same transaction a tombstone comes (below)."""
+        key = (model_id, kind, name)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM checkpoints WHERE model_id=? AND kind=? AND name=?", key)
+                if mirrored:
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO mirror_deletions (model_id, kind, name, deleted_at) "
+                        "VALUES (?, ?, ?, ?)",
+                        (*key, time.time()),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def update_checkpoint(self, model_id: str, kind: str, name: str, **fields: object) -> None:
         assert set(fields) <= {"public", "expires_at", "created_at"}  # created_at: a restored copy's
@@ -379,12 +394,6 @@ class Store(ListingRows, KeyRows):
 
     # A checkpoint deleted here whose copy in the mirror may still be there (``server.mirror``):
     # until that copy is gone, a start must not restore it.
-
-    def add_mirror_deletion(self, path: TinkerPath) -> None:
-        self._exec(
-            "INSERT OR REPLACE INTO mirror_deletions (model_id, kind, name, deleted_at) VALUES (?, ?, ?, ?)",
-            (path.run_id, path.kind, path.name, time.time()),
-        )
 
     def clear_mirror_deletion(self, path: TinkerPath) -> None:
         self._exec(

@@ -427,9 +427,15 @@ class CheckpointService:
 
     def delete(self, run_id: str, checkpoint_id: str) -> None:
         path, _ = self._record(run_id, checkpoint_id)
-        self.store.delete_checkpoint(path.run_id, path.kind, path.name)
+        self._delete(path)
+
+    def _delete(self, path: TinkerPath) -> None:
+        # A mirrored checkpoint's row goes with its tombstone: never a moment in which a restart
+        # would find the mirror's copy and no row, and restore what was deleted.
+        mirrored = self.mirror is not None and self.mirror.mirrors(path)
+        self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=mirrored)
         self.files.delete(path)
-        if self.mirror is not None:
+        if mirrored:
             self.mirror.deleted(path)
 
     def set_public(self, run_id: str, checkpoint_id: str, public: bool) -> None:
@@ -467,9 +473,5 @@ class CheckpointService:
     def delete_expired(self) -> int:
         expired = self.store.expired_checkpoints(time.time())
         for record in expired:
-            path = TinkerPath(record.model_id, record.kind, record.name)
-            self.store.delete_checkpoint(path.run_id, path.kind, path.name)
-            self.files.delete(path)
-            if self.mirror is not None:
-                self.mirror.deleted(path)
+            self._delete(TinkerPath(record.model_id, record.kind, record.name))
         return len(expired)

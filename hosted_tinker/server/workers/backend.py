@@ -104,13 +104,16 @@ class ProcessBackend:
         return self._capabilities
 
     def status(self) -> dict:
-        """For /healthz."""
+        """For /healthz (on the event loop, while the dispatch thread may be replacing the group:
+        ``restarts`` is read first and the group once, so a new count never comes with the dead
+        group's pid)."""
+        restarts, group = self.restarts, self._group
         status = {
-            "pid": self._group.pids[0],
-            "pids": self._group.pids,  # each on its own node's machine
-            "ranks": self._group.ranks(),
-            "alive": self._group.alive,
-            "restarts": self.restarts,
+            "pid": group.pids[0],
+            "pids": group.pids,  # each on its own node's machine
+            "ranks": group.ranks(),
+            "alive": group.alive,
+            "restarts": restarts,
             "last_death": self.last_death,
         }
         if self._cluster is not None:
@@ -189,9 +192,7 @@ class ProcessBackend:
             self._group.kill()
             try:
                 self._group = self._new_group()
-                # Counted once the new group stands: /healthz (read on the event loop) never
-                # shows the new count beside the dead group's pid.
-                self.restarts += 1
+                self.restarts += 1  # after the group is assigned: see ``status``
                 self._group.wait_ready(START_TIMEOUT_S)
             except BaseException:
                 self._adapters = todo  # still owed: the next replacement restores them
