@@ -74,7 +74,8 @@ Every setting is a flag or an environment variable (in brackets):
   --zones Z1,Z2,...     zones to try in order, the next one when a zone has no capacity
                         (default: every zone offering the GPU, us-* first) [ZONES]
   --name NAME           the VM's name; with --nodes N, NAME-0..NAME-(N-1) (default hosted-tinker) [VM_NAME]
-  --vm NAME             use the existing VM (or cluster) NAME: start it if stopped
+  --vm NAME             use the existing VM (or cluster) NAME as it was made: start it if stopped
+                        (settings only creating uses are refused; --from-checkout, --open-firewall work)
   --disk-size GB        boot disk, which holds the data directory (default 200) [DISK_SIZE]
   --disk-type TYPE      boot disk type (default: the GPU type's, pd-balanced or hyperdisk-balanced) [DISK_TYPE]
   --nodes N             N VMs in one zone under a compact placement policy; node 0 is the gateway [NODES]
@@ -84,7 +85,8 @@ Every setting is a flag or an environment variable (in brackets):
   --train-gpus LIST     training GPUs, e.g. 0,1,2,3 (default: those vLLM does not use) [TRAIN_GPUS]
   --vllm-gpus LIST      run vLLM for sampling on these GPUs, e.g. 4,5,6,7 [VLLM_GPUS]
   --serve-args "ARGS"   more arguments for `hosted-tinker serve` (no quotes inside) [SERVE_ARGS]
-  --version REF         the git ref to install (default: this checkout's HEAD commit) [INSTALL_VERSION]
+  --version REF         the git ref to install (default: this checkout's HEAD commit, which must be
+                        on a branch of origin) [INSTALL_VERSION]
   --repo URL            the git repository to install from (default: this checkout's origin) [INSTALL_REPO]
   --source SPEC         any pip requirement instead, e.g. "hosted-tinker==0.1.0" [INSTALL_SOURCE]
   --from-checkout       install this checkout (with uncommitted changes to tracked files), copied up
@@ -185,6 +187,11 @@ install_source() { # the pip requirement the VM installs (metadata hosted-tinker
   local ref="${INSTALL_VERSION:-$(git -C "$HERE" rev-parse HEAD 2>/dev/null || true)}"
   [ -n "$repo" ] && [ -n "$ref" ] ||
     die "nothing to install: pass --repo URL --version REF, --source SPEC or --from-checkout"
+  if [ -z "$INSTALL_VERSION" ] && [ -z "$INSTALL_REPO" ] &&
+    [ -z "$(git -C "$HERE" branch -r --contains "$ref" 2>/dev/null || true)" ]; then # the VM could not fetch it
+    die "this checkout's HEAD (${ref:0:12}) is on no branch of origin that it knows of: push it," \
+      "pass --version REF, or --from-checkout to install the checkout as it is"
+  fi
   repo="$(sed -E 's#^git@([^:]+):#https://\1/#' <<<"$repo")" # the VM has no ssh key for git
   echo "hosted-tinker @ git+$repo@$ref"
 }
@@ -312,8 +319,18 @@ find_vms() { # VMS (node 0 first), their STATUSES and ZONE for the VM or cluster
   while read -r name zone status; do VMS+=("$name") STATUSES+=("$status") ZONE="$zone"; done <<<"$lines"
 }
 
+# What only making a VM uses: with --vm they would change nothing, so they are refused, not ignored.
+CREATE_ONLY="GPU_TYPE NUM_GPUS ZONES DISK_TYPE BACKEND BACKEND_OPTIONS MODEL SERVE_ARGS TRAIN_GPUS VLLM_GPUS
+  INSTALL_SOURCE INSTALL_REPO INSTALL_VERSION"
+
 reuse() { # start what is stopped; resume what is suspended
-  local i stopped=() suspended=()
+  local i name given=() stopped=() suspended=()
+  for name in $CREATE_ONLY; do if [ -n "${!name}" ]; then given+=("$name"); fi; done
+  if [ "$DISK_SIZE" != 200 ]; then given+=(DISK_SIZE); fi
+  if [ "$NODES" != 1 ]; then given+=(NODES); fi
+  [ ${#given[@]} -eq 0 ] ||
+    die "--vm $VM_NAME starts the VM as it was made; ${given[*]} (a flag or the environment) would change" \
+      "nothing: unset it, or --delete the VM and create it again (--from-checkout installs new code on it)"
   find_vms
   for i in "${!VMS[@]}"; do
     case "${STATUSES[$i]}" in
@@ -357,8 +374,12 @@ open_firewall() {
     "(the SSH tunnel needs no open port)"
   if [ -n "$REUSE" ]; then say "the server listens beyond localhost only when launch.sh made it with --open-firewall"; fi
   run gcloud compute instances add-tags "${VMS[0]}" --project="$PROJECT" --zone="$ZONE" --tags="$VM_NAME"
-  run gcloud compute firewall-rules create "$VM_NAME-api" --project="$PROJECT" --network="$NETWORK" \
-    --allow="tcp:$SERVER_PORT" --source-ranges="$OPEN_FIREWALL" --target-tags="$VM_NAME"
+  local verb=create scope=(--network="$NETWORK" --target-tags="$VM_NAME")
+  if [ -n "$(gc compute firewall-rules list --filter="name~^$VM_NAME-api\$" --format='value(name)')" ]; then
+    verb=update scope=() # made by an earlier --open-firewall: now open to this CIDR instead
+  fi
+  run gcloud compute firewall-rules "$verb" "$VM_NAME-api" --project="$PROJECT" ${scope[@]+"${scope[@]}"} \
+    --allow="tcp:$SERVER_PORT" --source-ranges="$OPEN_FIREWALL"
 }
 
 wait_and_print() { # an SSH tunnel to node 0, /healthz until it answers, then the URL and the API key

@@ -425,3 +425,44 @@ def test_from_checkout_copies_the_checkout_with_its_changes_and_installs_it_agai
         assert "changed" in tar.extractfile("hosted-tinker/pyproject.toml").read().decode()
     [install] = fake.calls_of("compute", "ssh")
     assert "/opt/hosted-tinker/src.tar.gz" in install[-1] and "google_metadata_script_runner startup" in install[-1]
+
+
+def test_reuse_refuses_settings_only_creation_uses(fake):
+    env = {"FAKE_GCLOUD_INSTANCES": "my-vm us-east1-b TERMINATED"}
+    result = fake.run("--vm", "my-vm", "--serve-args", "--max-pending 8", "--gpus", "2", **env)
+    assert result.returncode != 0 and "NUM_GPUS SERVE_ARGS" in result.stderr and "would change nothing" in result.stderr
+    result = fake.run("--vm", "my-vm", GPU_TYPE="h100", **env)  # from the environment too
+    assert result.returncode != 0 and "GPU_TYPE" in result.stderr
+    assert not fake.calls_of("compute", "instances", "start")
+    assert fake.run("--vm", "my-vm", "--no-wait", **env).returncode == 0  # and alone it starts the VM
+
+
+def test_a_second_open_firewall_updates_the_rule_it_made(fake):
+    env = {"FAKE_GCLOUD_INSTANCES": "my-vm us-east1-b RUNNING", "FAKE_GCLOUD_FIREWALL_RULES": "my-vm-api"}
+    result = fake.run("--vm", "my-vm", "--open-firewall", "203.0.113.0/24", "--no-wait", **env)
+    assert result.returncode == 0, result.stderr
+    assert not fake.calls_of("compute", "firewall-rules", "create")
+    [update] = fake.calls_of("compute", "firewall-rules", "update")
+    assert update[3] == "my-vm-api" and flag(update, "source-ranges") == "203.0.113.0/24"
+
+
+def test_a_head_that_origin_does_not_have_is_refused_as_the_version(fake, tmp_path):
+    origin, checkout = tmp_path / "origin.git", tmp_path / "checkout"
+    subprocess.run(["git", "init", "-q", "--bare", str(origin)], check=True, timeout=30)
+    subprocess.run(["git", "clone", "-q", str(origin), str(checkout)], check=True, capture_output=True, timeout=30)
+    (checkout / "deploy").mkdir()
+    shutil.copy(ROOT / "launch.sh", checkout)
+    (checkout / "deploy" / "startup.sh").write_text("#!/bin/sh\n")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for command in (["add", "-A"], ["commit", "-qm", "c"]):
+        subprocess.run([*git, *command], check=True, capture_output=True, timeout=30)
+    run = ("--zones", "us-east1-b", "--no-wait")
+    result = fake.run(*run, root=checkout, GPU_TYPE="l4")  # committed, not pushed: the VM could not fetch it
+    assert result.returncode != 0 and "push it" in result.stderr
+    assert not fake.calls_of("compute", "instances", "create")
+    subprocess.run([*git, "push", "-q", "origin", "HEAD"], check=True, capture_output=True, timeout=30)
+    result = fake.run(*run, root=checkout, GPU_TYPE="l4")
+    assert result.returncode == 0, result.stderr
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    [create] = fake.calls_of("compute", "instances", "create")
+    assert metadata(create)["hosted-tinker-source"] == f"hosted-tinker @ git+{origin}@{head}"
