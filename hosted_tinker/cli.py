@@ -10,16 +10,12 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hosted_tinker.cli_keys import add_keys_parser
 from hosted_tinker.core.config import CLUSTER_KEY_ENV, ServerConfig, read_cluster_key
 from hosted_tinker.rank.plans import BACKENDS, backend_options
 from hosted_tinker.server.quotas import Limits, parse_limits
 from hosted_tinker.settings import CONFIG_ENV, env_example, layered_defaults
-
-if TYPE_CHECKING:
-    pass
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:

@@ -140,7 +140,8 @@ class LoraAdapters:
     def __init__(self, lm: nn.Module) -> None:
         self.lm = lm  # the causal LM; its modules are never replaced
         self.routes = Routes()
-        self.adapters: dict[str, Adapter] = {}
+        self.adapters: dict[str, Adapter] = {}  # by the names ``add`` gives: a0, a1, ...
+        self._added = 0
         self._hooked: set[str] = set()
         self._order = {name: i for i, (name, _) in enumerate(lm.named_modules())}
 
@@ -166,12 +167,16 @@ class LoraAdapters:
                 layers[module] = Lora(nn.Parameter(a.to(device)), nn.Parameter(b.to(device)))
         return Adapter(layers, alpha / rank)
 
-    def add(self, name: str, adapter: Adapter) -> None:
+    def add(self, adapter: Adapter) -> str:
+        """Put ``adapter`` on the tree; the name routes use for it."""
         for module in adapter.layers:
             if module not in self._hooked:
                 self.linear(module).register_forward_hook(self._hook(module))
                 self._hooked.add(module)
+        name = f"a{self._added}"
+        self._added += 1
         self.adapters[name] = adapter
+        return name
 
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)

@@ -1,11 +1,10 @@
 """The model side of a rank: a frozen base model and LoRA adapters on it, scored per token.
 
-``HfLoraModel`` is the Hugging Face causal LM with LoRA adapters (``rank.adapters``), as the ``single`` and
-``ddp`` plans use it (each rank a full replica). A tensor-parallel plan brings its own model
-with the same interface (``LoraModel``); the trainer sees nothing else of either.
+``HfLoraModel`` is the Hugging Face causal LM with LoRA adapters (``rank.adapters``), as the
+``single`` and ``ddp`` plans use it (each rank a full replica). A tensor-parallel plan brings its
+own model with the same interface (``LoraModel``); the trainer sees nothing else of either.
 
-Adapters are named by the model (``a0``, ``a1``, ...) and their parameters keyed by PEFT's
-state-dict names (``...q_proj.lora_A.weight``), so every
+Adapter parameters are keyed by PEFT's state-dict names (``...q_proj.lora_A.weight``), so every
 checkpoint is a PEFT checkpoint whichever plan wrote it.
 """
 
@@ -145,7 +144,6 @@ class HfLoraModel:
 
         self.layers = [m for m in self.base.modules() if isinstance(m, GradientCheckpointingLayer)]
         self.adapters = LoraAdapters(self.base)
-        self._next = 0  # adapters are named a0, a1, ...: model ids hold characters module names may not
 
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
         groups = (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))
@@ -153,9 +151,7 @@ class HfLoraModel:
         if not modules:
             raise UserError("lora_config enables no trainable module (train_attn/train_mlp/train_unembed)")
         adapter = self.adapters.new(modules, spec.rank, self.lora_alpha, spec.seed, self.device)
-        name = f"a{self._next}"
-        self._next += 1
-        self.adapters.add(name, adapter)
+        name = self.adapters.add(adapter)
         named = adapter.named_params()
         for _, p in named:
             p.requires_grad_(True)

@@ -1,9 +1,9 @@
 """The embedded sampler: rank 0's inference engine, fed adapter tensors as vLLM is.
 
 It is not part of training. It holds its own module tree over the base weights it is given (the
-training model's, shared, or a model of its own) and its own adapters (``rank.adapters``), loaded
-from saved sampler weights (a PEFT config and tensors), least recently used first out. Whatever plan trains the
-adapters, this samples them the same way.
+training model's, shared, or a model of its own) and its own adapters (``rank.adapters``),
+loaded from saved sampler weights (a PEFT config and tensors), least recently used first out.
+Whatever plan trains the adapters, this samples them the same way.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class EmbeddedSampler:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings
         self.pad_id = base.config.pad_token_id or 0
         self.adapters = LoraAdapters(base)
-        self._next = 0
         self.loaded: OrderedDict[str, str] = OrderedDict()  # key -> adapter name, least recently used first
 
     @rank_call("first")
@@ -65,11 +64,7 @@ class EmbeddedSampler:
         if key in self.loaded:
             self.loaded.move_to_end(key)
             return
-        adapter = self._adapter(key, adapter_config, weights)
-        name = f"s{self._next}"
-        self._next += 1
-        self.adapters.add(name, adapter)
-        self.loaded[key] = name
+        self.loaded[key] = self.adapters.add(self._adapter(key, adapter_config, weights))
         while len(self.loaded) > MAX_SAMPLER_ADAPTERS:
             _, evicted = self.loaded.popitem(last=False)
             self.adapters.remove(evicted)

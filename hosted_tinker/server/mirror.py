@@ -72,20 +72,20 @@ class CheckpointMirror:
         return path.kind in MIRRORED
 
     def saved(self, path: TinkerPath) -> None:
-        if path.kind in MIRRORED:
+        if self.mirrors(path):
             self.store.clear_mirror_deletion(path)  # saved again after a deletion
             self._queue.put(lambda: self._upload(path))
             self._queue.put(self._upload_keys)  # its owner's key is there by the time its copy is
 
     def changed(self, path: TinkerPath) -> None:
         """Its row changed (public, expiry): the copy's ``record.json`` follows."""
-        if path.kind in MIRRORED:
+        if self.mirrors(path):
             self._queue.put(lambda: self._upload_record(path))
 
     def deleted(self, path: TinkerPath) -> None:
         """Deleted here, its row gone with a tombstone (``Store.delete_checkpoint(mirrored=True)``):
         the copy goes too, and the tombstone when it has."""
-        if path.kind in MIRRORED:
+        if self.mirrors(path):
             self._queue.put(lambda: self._delete(path))
 
     def drain(self, deadline: float) -> bool:
@@ -190,7 +190,7 @@ class CheckpointMirror:
     def sync(self) -> tuple[int, int]:
         """Restore what only the mirror has, and queue the upload of what only the disk has;
         returns (restored, queued). Runs before the server takes requests."""
-        restored, mirrored = 0, {}
+        restored, mirrored = 0, {}  # path -> its copy's record
         self._restore_keys()
         deleted = {TinkerPath(*row) for row in self.store.mirror_deletions()}
         for path in deleted:  # a deletion that failed, or had not run when the server stopped
@@ -208,15 +208,15 @@ class CheckpointMirror:
                         self._queue.put(lambda path=path: self._delete(path))  # its TTL passed while away
                         continue
                     restored += self._restore(path, record)
-                mirrored[str(path)] = record
+                mirrored[path] = record
             except Exception:  # one bad copy must not keep the server from starting
                 log.exception("checkpoint mirror: %s cannot be restored", record_path)
         queued = 0
         for checkpoint in self.store.list_checkpoints():
             path = TinkerPath(checkpoint.model_id, checkpoint.kind, checkpoint.name)
-            if path.kind not in MIRRORED:
+            if not self.mirrors(path):
                 continue
-            copy = mirrored.get(str(path))
+            copy = mirrored.get(path)
             if copy is None or copy.get("manifest_sha256") != self._manifest_sha256(path):
                 self.saved(path)  # missing there, or an older version (an overwrite not copied up)
                 queued += 1

@@ -374,7 +374,8 @@ class CheckpointService:
             "expires_at": _iso(record.expires_at) if record.expires_at else None,
         }
 
-    def _run_json(self, model: ModelRecord) -> dict:
+    def run_json(self, model: ModelRecord) -> dict:
+        """A run (its owner checked by ``Tenancy.run``) as the REST API describes it."""
         checkpoints = self.store.list_checkpoints(model.model_id)
         last = next((c for c in checkpoints if c.kind == "weights"), None)
         last_sampler = next((c for c in checkpoints if c.kind == "sampler_weights"), None)
@@ -394,13 +395,9 @@ class CheckpointService:
     def list_runs(self, owner: str, limit: int, offset: int) -> dict:
         models, total = self.store.list_models(owner, limit, offset)
         return {
-            "training_runs": [self._run_json(m) for m in models],
+            "training_runs": [self.run_json(m) for m in models],
             "cursor": {"offset": offset, "limit": limit, "total_count": total},
         }
-
-    def run_json(self, model: ModelRecord) -> dict:
-        """A run (checked by ``Tenancy.run``) as the REST API describes it."""
-        return self._run_json(model)
 
     def list_checkpoints(self, run_id: str) -> dict:
         """The checkpoints of a run (checked by ``Tenancy.run``), newest first."""
