@@ -1,0 +1,95 @@
+"""The CPU image (``deploy/Dockerfile``) as a user runs it, with the real SDK from outside the
+container: the first start makes an API key on the data volume (a published port is never
+open), the tiny model is served under its usual name, ``docker stop`` parks the live model
+within the grace period and exits cleanly, and after ``docker start`` the same client goes on
+with exactly the losses of an uninterrupted run (a second model of the same seed, same container).
+
+It needs a Docker daemon and a built image, named by ``HOSTED_TINKER_IMAGE``::
+
+    docker build -f deploy/Dockerfile -t hosted-tinker:cpu .
+    HOSTED_TINKER_IMAGE=hosted-tinker:cpu pytest tests/test_docker_image.py
+
+CI's machine has no Docker daemon: there it is skipped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import tinker
+
+from tests.conftest import free_port
+from tests.test_residency import step
+
+IMAGE = os.environ.get("HOSTED_TINKER_IMAGE")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not IMAGE, reason="HOSTED_TINKER_IMAGE names no built image (needs a Docker daemon)"),
+]
+
+TINY = "hosted-tinker/tiny-qwen3"
+STOP_GRACE_S = 40  # compose.yaml's stop_grace_period: the server parks within --shutdown-timeout (25 s)
+
+
+def docker(*args: str, timeout: float = 120) -> str:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=True, timeout=timeout).stdout.strip()
+
+
+def healthy(base_url: str, timeout: float = 180.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return httpx.get(f"{base_url}/healthz", timeout=2).raise_for_status().json()
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    raise AssertionError(f"the container did not answer {base_url}/healthz in {timeout} s")
+
+
+@pytest.fixture
+def container() -> Iterator[tuple[str, str]]:
+    """A container of the image on a fresh volume, its port published on 127.0.0.1."""
+    name, port = f"hosted-tinker-test-{uuid.uuid4().hex[:8]}", free_port()
+    docker("run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", "-v", f"{name}:/data", str(IMAGE))
+    try:
+        yield name, f"http://127.0.0.1:{port}"
+    finally:
+        subprocess.run(["docker", "rm", "-f", "-v", name], capture_output=True, timeout=120)
+        subprocess.run(["docker", "volume", "rm", name], capture_output=True, timeout=120)
+
+
+def test_first_start_stop_and_start_again(container: tuple[str, str]) -> None:
+    name, base_url = container
+    status = healthy(base_url)
+    assert status["auth"] == {"mode": "api-keys"}  # the key was made before the server started
+    assert status["served_models"] == [TINY]
+    assert httpx.get(f"{base_url}/api/v1/training_runs", timeout=10).status_code == 401
+    key = docker("exec", name, "cat", "/data/launch-key")
+    assert key.startswith("tml-") and docker("exec", name, "stat", "-c", "%a", "/data/launch-key") == "600"
+
+    sc = tinker.ServiceClient(base_url=base_url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=TINY, rank=4, seed=31).result()
+    model_id = tc.get_info().model_id
+    losses = [step(tc, k) for k in range(3)]
+
+    started = time.monotonic()
+    docker("stop", "-t", str(STOP_GRACE_S), name, timeout=STOP_GRACE_S + 30)
+    assert time.monotonic() - started < STOP_GRACE_S - 5  # it exited by itself, not killed at the deadline
+    assert docker("inspect", "--format", "{{.State.ExitCode}}", name) == "0"
+    logs = subprocess.run(["docker", "logs", name], capture_output=True, text=True, timeout=60)
+    assert "shutdown: parked 1 models (0 could not be)" in logs.stdout + logs.stderr
+
+    docker("start", name)
+    assert healthy(base_url)["active"]["parked_models"] == 1
+    assert docker("exec", name, "cat", "/data/launch-key") == key  # kept, not made again
+    losses += [step(tc, k) for k in range(3, 6)]
+    assert tc.get_info().model_id == model_id
+
+    uninterrupted = sc.create_lora_training_client(base_model=TINY, rank=4, seed=31).result()
+    assert losses == [step(uninterrupted, k) for k in range(6)]
+    sc.__exit__(None, None, None)
