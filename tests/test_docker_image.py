@@ -18,10 +18,12 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 import tinker
+import yaml
 
 from tests.conftest import free_port
 from tests.test_residency import step
@@ -33,6 +35,7 @@ pytestmark = [
     pytest.mark.skipif(not IMAGE, reason="HOSTED_TINKER_IMAGE names no built image (needs a Docker daemon)"),
 ]
 
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 TINY = "hosted-tinker/tiny-qwen3"
 STOP_GRACE_S = 40  # compose.yaml's stop_grace_period: the server parks within --shutdown-timeout (25 s)
 
@@ -69,6 +72,10 @@ def test_first_start_stop_and_start_again(container: tuple[str, str]) -> None:
     assert status["auth"] == {"mode": "api-keys"}  # the key was made before the server started
     assert status["served_models"] == [TINY]
     assert httpx.get(f"{base_url}/api/v1/training_runs", timeout=10).status_code == 401
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["hosted-tinker"]
+    probe = compose["healthcheck"]["test"]
+    assert probe[0] == "CMD"
+    docker("exec", name, *probe[1:])  # compose's health check passes in the image
     key = docker("exec", name, "cat", "/data/launch-key")
     assert key.startswith("tml-") and docker("exec", name, "stat", "-c", "%a", "/data/launch-key") == "600"
 
