@@ -13,16 +13,19 @@ import functools
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from hosted_tinker.core import losses
 from hosted_tinker.core.errors import GroupBroken, PeerFailed, UserError
 from hosted_tinker.core.messages import Callback, recv, send
+from hosted_tinker.core.tiny_model import build_tiny_model, weights_sha256
 from hosted_tinker.core.types import Capabilities
 from hosted_tinker.rank import memory
 from hosted_tinker.rank.plans import PlanOptions, plan_module
@@ -45,6 +48,34 @@ class RankSpec:
     dtype: str = "float32"
     lora_alpha: float = 32.0
     max_seq_len: int | None = None
+    # What model_path is on the server's machine: a hub id (each node downloads it), a folder
+    # (every node needs it at the same path), or the built-in tiny model (a node without it
+    # builds it, and must get the server's weights: tiny_sha256).
+    model_source: Literal["hub", "folder", "tiny"] = "hub"
+    tiny_sha256: str | None = None
+
+
+def model_here(spec: RankSpec) -> str:
+    """``spec.model_path`` on this rank's machine. A node other than the server's lacks the
+    server's data directory: it builds the built-in tiny model at the same path and checks that
+    it got the same weights, and names a model folder it does not have (loading it from the hub
+    under its path's name would fail with a message about repo ids)."""
+    path = Path(spec.model_path)
+    if spec.model_source == "hub" or path.is_dir():
+        return spec.model_path
+    host = socket.gethostname()
+    if spec.model_source == "folder":
+        raise RuntimeError(
+            f"the model folder {path} is not on {host}: every node needs it at the same path "
+            "(or serve a Hugging Face id, which each node downloads)"
+        )
+    built = build_tiny_model(path)
+    if weights_sha256(built) != spec.tiny_sha256:
+        raise RuntimeError(
+            f"the built-in tiny model built on {host} ({built}) differs from the server's: "
+            "install the same torch and transformers on every node"
+        )
+    return str(built)
 
 
 @dataclass
@@ -57,11 +88,12 @@ class Rank:
 
 
 def build_rank(spec: RankSpec) -> Rank:
+    model_path = model_here(spec)
     plan = plan_module(spec.backend).Plan(spec.rank, list(spec.devices), spec.init_method, spec.options)
-    model = plan.build_model(spec.model_path, dtype=spec.dtype, lora_alpha=spec.lora_alpha)
+    model = plan.build_model(model_path, dtype=spec.dtype, lora_alpha=spec.lora_alpha)
     trainer = Trainer(model, plan, spec.options.microbatch_tokens, spec.options.recompute_above_tokens)
     shared = getattr(model, "shareable_base", None)  # a tree over the trainer's own weights, if it has one
-    sampler = EmbeddedSampler(shared, spec.model_path) if spec.rank == 0 and shared is not None else None
+    sampler = EmbeddedSampler(shared, model_path) if spec.rank == 0 and shared is not None else None
     max_seq_len = spec.max_seq_len or model.max_positions
     capabilities = Capabilities(
         backend=spec.backend,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
 from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.tiny_model import weights_sha256
 from hosted_tinker.rank.plans import backend_options
 from hosted_tinker.rank.serve import RankSpec, build_rank
 from hosted_tinker.server.workers.backend import Factory
@@ -28,6 +30,10 @@ def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[F
     rendezvous (a restarted group must not meet the dead one's)."""
     options = backend_options(config)  # ValueError at start-up, naming what the plan accepts
     devices = tuple(config.rank_devices())
+    # How the other nodes find the model (rank.serve.model_here): they lack this data directory.
+    tiny = config.model is None
+    source = "tiny" if tiny else "folder" if Path(model_path).is_dir() else "hub"
+    tiny_sha256 = weights_sha256(model_path) if tiny else None
     # The rendezvous is on node 0; the other nodes reach it where they reach the cluster port.
     host = config.master_addr if config.nnodes > 1 else "127.0.0.1"
     held: list[dist.TCPStore] = []  # the current group's store (the previous group is gone)
@@ -48,6 +54,8 @@ def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[F
                     dtype=config.dtype,
                     lora_alpha=config.lora_alpha,
                     max_seq_len=config.max_seq_len,
+                    model_source=source,
+                    tiny_sha256=tiny_sha256,
                 ),
             )
             for rank in range(len(devices))
