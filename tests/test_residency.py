@@ -6,6 +6,7 @@ had if it had never left (compared with the same run on the suite's shared serve
 from __future__ import annotations
 
 import signal
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -177,3 +178,36 @@ def test_a_model_parked_between_forward_backward_and_optim_step_keeps_its_gradie
     finally:
         srv.stop()
     assert got == pytest.approx(expected, rel=1e-6)
+
+
+def status_of(srv: ServerProcess, model_id: str) -> str:
+    with sqlite3.connect(srv.data_dir / "hosted_tinker.sqlite") as db:
+        return db.execute("SELECT status FROM models WHERE model_id=?", (model_id,)).fetchone()[0]
+
+
+def test_past_the_budget_a_tenant_with_more_models_parks_its_own(tmp_path: Path, tiny_model_dir: Path):
+    """A budget of two, two tenants: B's model is the least recently used, yet when A makes a
+    second model, A's first is parked, not B's (a global LRU would let one key with many models
+    push every other tenant off the workers)."""
+    srv = start_server(tmp_path, "--model", str(tiny_model_dir), "--dev-any-key", "--max-resident-models", "2")
+    clients = {t: tinker.ServiceClient(base_url=srv.base_url, api_key=f"tml-tenant-{t}") for t in "ab"}
+    try:
+        b = clients["b"].create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
+        step(b, 0)
+        a1 = clients["a"].create_lora_training_client(base_model=ALIAS, rank=4, seed=2).result()
+        step(a1, 0)
+        a2 = clients["a"].create_lora_training_client(base_model=ALIAS, rank=4, seed=3).result()
+        step(a2, 0)
+        assert status_of(srv, a1.get_info().model_id) == "parked"
+        assert status_of(srv, b.get_info().model_id) == "active"
+        step(b, 1)  # still resident: nothing restored for B
+        assert health(srv)["residency"] | {"max_resident": 2} == {
+            "resident": 2,
+            "max_resident": 2,
+            "parked_since_start": 1,
+            "restored_since_start": 0,
+        }
+    finally:
+        for sc in clients.values():
+            sc.__exit__(None, None, None)
+        srv.stop()

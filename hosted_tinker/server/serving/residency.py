@@ -8,7 +8,9 @@ left. A model is parked
 
 - when its session has been silent (no heartbeat) and the model unused for ``idle_s``: a client
   that died must not hold worker memory forever (``park_idle``, from the server's sweep);
-- when a model must become resident while ``max_resident`` are: the least recently used goes;
+- when a model must become resident while ``max_resident`` are: the least recently used model
+  of the tenant holding the most resident models (the incoming one counted) goes, so that one key
+  with many models parks its own before anyone else's (``fair_victim``);
 - when the server stops (``park_all``): the next start serves the same models, under the same
   ids, from where they were.
 
@@ -21,6 +23,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 
 from hosted_tinker.core.checkpoints import (
     CheckpointError,
@@ -61,6 +64,7 @@ class Residency:
         self.files = files  # <data-dir>/parked: one private checkpoint per parked model
         self.max_resident = max_resident
         self._used: dict[str, float] = {}  # resident model -> when it last ran a job (monotonic)
+        self._owners: dict[str, str] = {}  # model -> its tenant, read once from the store
         self.parked_total = 0  # since start, for /healthz
         self.restored_total = 0
         self.closing = False  # set by the shutdown's park_all: no later job may bring a model back
@@ -166,6 +170,7 @@ class Residency:
     def forget(self, model_id: str) -> None:
         """``model_id`` is gone (unloaded, failed, lost): its parked state too, if any."""
         self._used.pop(model_id, None)
+        self._owners.pop(model_id, None)
         self._drop_state(model_id)
 
     # ---- parking --------------------------------------------------------------------------
@@ -219,6 +224,13 @@ class Residency:
                 log.exception("could not park %s", model_id)
         return parked, len(self._used)
 
+    def _owner(self, model_id: str) -> str:
+        if model_id not in self._owners:
+            model = self.store.get_model(model_id)
+            owner = self.store.session_owner(model.session_id) if model is not None else None
+            self._owners[model_id] = owner or ""
+        return self._owners[model_id]
+
     def _check_open(self) -> None:
         if self.closing:
             raise ServerStopping("the server was stopping and did not run this request")
@@ -233,7 +245,7 @@ class Residency:
             candidates = [m for m in others if m not in tried]
             if len(others) < self.max_resident or not candidates:
                 return
-            victim = min(candidates, key=self._used.__getitem__)
+            victim = fair_victim(candidates, self._used, self._owner, self._owner(model_id))
             tried.add(victim)
             try:
                 if not self.park(victim):  # not active any more (unloaded, lost): not resident
@@ -242,6 +254,23 @@ class Residency:
                 raise
             except Exception:
                 log.exception("could not park %s to make room for %s", victim, model_id)
+
+
+def fair_victim(
+    candidates: list[str], used: dict[str, float], owner_of: Callable[[str], str], incoming_owner: str
+) -> str:
+    """The model to park so that another of ``incoming_owner``'s can be resident: among the
+    tenants, the one with the most resident ``candidates`` (the incoming model counted for its
+    own), the oldest last use breaking ties; and of its models the least recently used. A global
+    LRU would let one key with many models push every other tenant's off the workers, each of
+    their next steps paying a save and a restore."""
+    mine: dict[str, list[str]] = {}
+    for model_id in candidates:
+        mine.setdefault(owner_of(model_id), []).append(model_id)
+    held = {owner: len(models) + (owner == incoming_owner) for owner, models in mine.items()}
+    oldest = {owner: min(used[m] for m in models) for owner, models in mine.items()}
+    owner = max(mine, key=lambda o: (held[o], -oldest[o]))
+    return min(mine[owner], key=used.__getitem__)
 
 
 def park_after_kill(store: Store, checkpoints: CheckpointFiles, parked: CheckpointFiles) -> list[str]:
