@@ -9,7 +9,9 @@ server giving the instance attributes launch.sh sets, and the checkout installed
   uninterrupted run;
 - two VMs on a network of their own (``--nodes 2``: node 0 the server, node 1 ``hosted-tinker
   node``, joined over their addresses with the cluster key): the same losses as one machine with
-  as many ranks, and node 1 stopped and started again is a group fault the server recovers from.
+  as many ranks, and node 1 stopped and started again is a group fault the server recovers from;
+- ``launch.sh`` itself, with ``tests/vm/gcloud`` (a gcloud whose VMs are these containers) first
+  on PATH: ``GPU_TYPE=l4 bash launch.sh --from-checkout`` prints a URL and key the SDK trains with.
 
 It needs a Docker daemon::
 
@@ -23,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -111,13 +115,18 @@ def set_attributes(vm: str, tmp_path: Path, **attributes: str) -> None:
         put(vm, f"{ATTRIBUTES}/hosted-tinker-{key.replace('_', '-')}", value, tmp_path)
 
 
+def metadata_port_is_free() -> None:
+    """A VM in this machine's network namespace serves its metadata where GCP does: 127.0.0.1:80."""
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 80)) == 0:
+            pytest.fail("127.0.0.1:80 is taken (a stand-in VM left running? docker rm -f hosted-tinker-vm-...)")
+
+
 @pytest.fixture
 def vm(tarball: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
     """One VM in this machine's network namespace, so that the server keeps the VM's default of
     listening on 127.0.0.1 (on a free port) and the SDK reaches it from here."""
-    with socket.socket() as probe:  # the metadata stand-in listens where GCP's does: 127.0.0.1:80
-        if probe.connect_ex(("127.0.0.1", 80)) == 0:
-            pytest.fail("127.0.0.1:80 is taken (a stand-in VM left running? docker rm -f hosted-tinker-vm-...)")
+    metadata_port_is_free()
     port = free_port()
     with stand_in_vm(["--network", "host"], tarball, tmp_path) as name:
         set_attributes(name, tmp_path, port=str(port), serve_args="--shutdown-timeout 25")
@@ -267,3 +276,35 @@ def test_two_vms_train_as_one_machine_and_survive_a_node_restart(tarball: Path, 
         one.stop()
     assert two_vms == one_machine
     assert again == one_machine
+
+
+# ---- launch.sh itself, against a gcloud whose VMs are these containers -----------------------------
+
+
+def test_launch_sh_from_checkout_prints_a_url_and_key_the_sdk_trains_with(tmp_path: Path) -> None:
+    """``GPU_TYPE=l4 bash launch.sh --from-checkout`` with tests/vm/gcloud first on PATH: the VM
+    made, the checkout copied up and installed by its startup script, /healthz waited for through
+    the "tunnel", and the URL and key it prints serve the SDK."""
+    name, port = f"hosted-tinker-vm-{uuid.uuid4().hex[:8]}", free_port()
+    metadata_port_is_free()
+    env = {**os.environ, "PATH": f"{REPO / 'tests' / 'vm'}{os.pathsep}{os.environ['PATH']}", "GPU_TYPE": "l4"}
+    args = ["--project", "fake-project", "--zones", "us-central1-a", "--name", name, "--from-checkout"]
+    args += ["--port", str(port), "--serve-args", "--device cpu", "--wait-timeout", "400"]
+    tunnel = None
+    try:
+        done = subprocess.run(
+            ["bash", str(REPO / "launch.sh"), *args], env=env, capture_output=True, text=True, timeout=540
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        printed = re.search(r"export TINKER_BASE_URL=(\S+) TINKER_API_KEY=(tml-\S+)", done.stdout)
+        assert printed, done.stdout
+        tunnel = re.search(r"The SSH tunnel runs as pid (\d+)", done.stdout)
+        url, key = printed.groups()
+        assert url == f"http://localhost:{port}" and healthy(url)["auth"] == {"mode": "api-keys"}
+        with tinker.ServiceClient(base_url=url, api_key=key) as sc:
+            tc = sc.create_lora_training_client(base_model=TINY, rank=4, seed=31).result()
+            assert step(tc, 0) > 0
+    finally:
+        if tunnel:
+            os.kill(int(tunnel.group(1)), signal.SIGTERM)
+        subprocess.run(["docker", "rm", "-f", "-v", name], capture_output=True, timeout=120)
