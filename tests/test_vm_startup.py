@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import re
+import runpy
 import secrets
 import signal
 import socket
@@ -50,25 +51,11 @@ pytestmark = [
     pytest.mark.skipif(not VM_IMAGE, reason="HOSTED_TINKER_VM_IMAGE names no stand-in VM image (tests/vm/Dockerfile)"),
 ]
 
-# what systemd as a container's PID 1 needs (no --privileged: it asks for more than this machine has)
-SYSTEMD_IN_DOCKER = [
-    *("--cap-add", "SYS_ADMIN", "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined"),
-    *("--cgroupns", "host", "-v", "/sys/fs/cgroup:/sys/fs/cgroup:rw", "--tmpfs", "/run", "--tmpfs", "/run/lock"),
-    *("--add-host", "metadata.google.internal:127.0.0.1"),  # kept across reboots
-]
-BOOTED = (  # systemd's boot finished (its bus may not answer at first)
-    "for i in $(seq 600); do case $(systemctl is-system-running --wait 2>/dev/null) in"
-    " running|degraded) exit 0;; esac; sleep 0.2; done; exit 1"
-)
+# the stand-in VMs as tests/vm/gcloud makes them: one definition, in that script
+GCLOUD = runpy.run_path(str(REPO / "tests" / "vm" / "gcloud"))
+SYSTEMD_IN_DOCKER = GCLOUD["SYSTEMD"]
+BOOTED, ATTRIBUTES, METADATA_UNIT = GCLOUD["BOOTED"], GCLOUD["ATTRIBUTES"], GCLOUD["METADATA_UNIT"]
 TARBALL = "/opt/hosted-tinker/src.tar.gz"  # where launch.sh --from-checkout copies the checkout
-ATTRIBUTES = "/metadata/computeMetadata/v1/instance/attributes"
-METADATA_UNIT = """[Unit]
-Description=a stand-in for GCP's metadata server (the instance attributes launch.sh sets)
-[Service]
-ExecStart=/usr/bin/python3 -m http.server 80 --bind 127.0.0.1 --directory /metadata
-[Install]
-WantedBy=multi-user.target
-"""
 
 
 def in_vm(vm: str, script: str, timeout: float = 300) -> str:
@@ -146,10 +133,8 @@ def service(vm: str, base_url: str) -> dict:
     return dict(line.split("=", 1) for line in shown.splitlines())
 
 
-@pytest.mark.skipif(not VM_IMAGE, reason="HOSTED_TINKER_VM_IMAGE names no stand-in VM image (tests/vm/Dockerfile)")
 def test_startup_script_under_systemd(vm: tuple[str, str]) -> None:
     name, base_url = vm
-    docker("cp", str(DEPLOY / "startup.sh"), f"{name}:/usr/local/sbin/startup-script")
     boot_script(name)
     first = service(name, base_url)
     assert first["ActiveState"] == "active" and first["UnitFileState"] == "enabled", first

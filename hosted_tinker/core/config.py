@@ -151,8 +151,9 @@ class ServerConfig(BaseModel):
 
     def model_path(self) -> str:
         """The local directory or hub id to load; builds the tiny model on first use."""
-        if self.model is not None:
-            return self.model
+        if self.model is not None:  # a folder by its absolute path: ranks on other nodes start elsewhere
+            local = Path(self.model).expanduser()
+            return str(local.resolve()) if local.is_dir() else self.model
         from hosted_tinker.core.tiny_model import build_tiny_model
 
         return str(build_tiny_model(self.data_dir / "models" / "tiny-qwen3").resolve())

@@ -7,8 +7,10 @@ embedding reach logits large enough for SFT to drive the loss near zero.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -114,15 +116,14 @@ def build_tiny_model(
 
     try:
         os.replace(tmp, out)
-    except OSError:  # another process won the race; keep theirs
-        import shutil
-
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").exists():
+            raise
+        # else another process won the race: keep theirs
     return out
 
 
 def weights_sha256(model_dir: str | os.PathLike) -> str:
     """The SHA-256 of a built tiny model's weights: what a node that builds it again must get."""
-    import hashlib
-
     return hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest()

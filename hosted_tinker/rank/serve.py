@@ -57,22 +57,33 @@ class RankSpec:
 
 def model_here(spec: RankSpec) -> str:
     """``spec.model_path`` on this rank's machine. A node other than the server's lacks the
-    server's data directory: it builds the built-in tiny model at the same path and checks that
-    it got the same weights, and names a model folder it does not have (loading it from the hub
-    under its path's name would fail with a message about repo ids)."""
+    server's data directory: it builds the built-in tiny model at the same path (or, where it
+    cannot write there, in its own cache) and every rank checks it holds the server's weights; a
+    model folder a node does not have is named (loading it from the hub under its path's name
+    failed with a message about repo ids). Megatron reads a hub id's files itself: they are
+    downloaded first (the HF loaders of the other backends download as they load)."""
     path = Path(spec.model_path)
-    if spec.model_source == "hub" or path.is_dir():
-        return spec.model_path
+    if spec.model_source == "hub":
+        if spec.backend != "megatron":
+            return spec.model_path
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(spec.model_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
     host = socket.gethostname()
     if spec.model_source == "folder":
+        if path.is_dir():
+            return spec.model_path
         raise RuntimeError(
             f"the model folder {path} is not on {host}: every node needs it at the same path "
             "(or serve a Hugging Face id, which each node downloads)"
         )
-    built = build_tiny_model(path)
+    try:
+        built = build_tiny_model(path)
+    except OSError:  # node 0's data directory is not writable here: the bytes matter, not the path
+        built = build_tiny_model(Path.home() / ".cache" / "hosted-tinker" / f"tiny-{spec.tiny_sha256}")
     if weights_sha256(built) != spec.tiny_sha256:
         raise RuntimeError(
-            f"the built-in tiny model built on {host} ({built}) differs from the server's: "
+            f"the built-in tiny model at {built} on {host} differs from the server's: "
             "install the same torch and transformers on every node"
         )
     return str(built)

@@ -228,7 +228,7 @@ class Residency:
         if model_id not in self._owners:
             model = self.store.get_model(model_id)
             owner = self.store.session_owner(model.session_id) if model is not None else None
-            self._owners[model_id] = owner or ""
+            self._owners[model_id] = owner or ""  # unknown owners (an open server's, gone rows) count as one
         return self._owners[model_id]
 
     def _check_open(self) -> None:
