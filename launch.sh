@@ -49,6 +49,7 @@ DATA_DIR=/var/lib/hosted-tinker
 CHECKOUT_TARBALL=/opt/hosted-tinker/src.tar.gz
 
 # Settings: the environment, then the flags (parse_args).
+PORT_GIVEN="${SERVER_PORT:+1}" # else --vm uses the port the VM was made with
 GPU_TYPE="${GPU_TYPE:-}" NUM_GPUS="${NUM_GPUS:-}" PROJECT="${PROJECT:-}" ZONES="${ZONES:-}"
 VM_NAME="${VM_NAME:-hosted-tinker}" DISK_SIZE="${DISK_SIZE:-200}" DISK_TYPE="${DISK_TYPE:-}"
 NODES="${NODES:-1}" BACKEND="${BACKEND:-}" BACKEND_OPTIONS="${BACKEND_OPTIONS:-}" MODEL="${MODEL:-}"
@@ -56,11 +57,12 @@ SERVE_ARGS="${SERVE_ARGS:-}" TRAIN_GPUS="${TRAIN_GPUS:-}" VLLM_GPUS="${VLLM_GPUS
 INSTALL_SOURCE="${INSTALL_SOURCE:-}" INSTALL_REPO="${INSTALL_REPO:-}" INSTALL_VERSION="${INSTALL_VERSION:-}"
 FROM_CHECKOUT="${FROM_CHECKOUT:-}" SERVER_PORT="${SERVER_PORT:-8000}" MASTER_PORT="${MASTER_PORT:-29500}"
 IMAGE_PROJECT="${IMAGE_PROJECT:-deeplearning-platform-release}"
-IMAGE_FAMILY="${IMAGE_FAMILY:-common-cu128-ubuntu-2404-nvidia-570}"
+# Driver R580: PyPI's torch 2.13 and vLLM wheels are CUDA 13 builds, which R570 (CUDA 12.8) cannot run.
+IMAGE_FAMILY="${IMAGE_FAMILY:-common-cu129-ubuntu-2404-nvidia-580}"
 NETWORK="${NETWORK:-default}" SUBNET="${SUBNET:-default}" SCOPES="${SCOPES:-default,storage-rw}"
 OPEN_FIREWALL="${OPEN_FIREWALL:-}" WAIT_TIMEOUT="${WAIT_TIMEOUT:-1800}" POLL_S="${POLL_S:-10}"
 DRY_RUN="${DRY_RUN:-}" YES="${YES:-}" WAIT=1 ACTION=create REUSE=""
-ZONE="" MACHINE_TYPE="" ACCELERATOR="" SOURCE="" SERVE="" CLUSTER_KEY="" VMS=() STATUSES=() TMP_FILES=() SSH=()
+VM_PORT="" ZONE="" MACHINE_TYPE="" ACCELERATOR="" SOURCE="" SERVE="" CLUSTER_KEY="" VMS=() STATUSES=() TMP_FILES=() SSH=()
 
 usage() {
   cat <<'EOF'
@@ -91,10 +93,12 @@ Every setting is a flag or an environment variable (in brackets):
   --source SPEC         any pip requirement instead, e.g. "hosted-tinker==0.1.0" [INSTALL_SOURCE]
   --from-checkout       install this checkout (with uncommitted changes to tracked files), copied up
                         with scp [FROM_CHECKOUT=1]
-  --image-family F      Deep Learning VM image family (default common-cu128-ubuntu-2404-nvidia-570) [IMAGE_FAMILY]
+  --image-family F      Deep Learning VM image family (default common-cu129-ubuntu-2404-nvidia-580;
+                        its driver must run CUDA 13, R580 or newer) [IMAGE_FAMILY]
   --image-project P     its project (default deeplearning-platform-release) [IMAGE_PROJECT]
   --network N, --subnet S   VPC network and subnet (default: default, default) [NETWORK, SUBNET]
-  --port P              the server's port on the VM and the tunnel's local port (default 8000) [SERVER_PORT]
+  --port P              the server's port on a new VM and the tunnel's local port (default 8000;
+                        with --vm the VM's own, and P only the tunnel's) [SERVER_PORT]
   --open-firewall CIDR  also open the port to CIDR (the API keys are then all that guard it) [OPEN_FIREWALL]
   --no-wait             do not wait for /healthz
   --wait-timeout S      how long to wait for /healthz (default 1800: the first boot installs) [WAIT_TIMEOUT]
@@ -147,6 +151,7 @@ parse_args() {
       if [ "$var" = BACKEND_OPTIONS ]; then set -- "$1" "${BACKEND_OPTIONS:+$BACKEND_OPTIONS,}$2" "${@:3}"; fi
       printf -v "$var" %s "$2"
       if [ "$1" = --vm ]; then REUSE=1; fi
+      if [ "$1" = --port ]; then PORT_GIVEN=1; fi
       shift 2
       continue
     fi
@@ -237,7 +242,9 @@ default_zones() { # every zone that offers the accelerator, us-* first
 create_vm() { # create_vm ZONE NAME ROLE SERVE_ARGS [IP [FLAGS...]]: 0, or 1 when ZONE cannot make it now
   local zone="$1" name="$2" role="$3" args="$4" ip="${5:-}" err
   shift $(($# < 5 ? $# : 5))
-  local meta="^;;^hosted-tinker-source=$SOURCE;;hosted-tinker-serve-args=$args;;hosted-tinker-port=$SERVER_PORT"
+  # install-nvidia-driver: a Deep Learning VM image installs its driver at the first boot only when asked.
+  local meta="^;;^install-nvidia-driver=True;;hosted-tinker-source=$SOURCE;;hosted-tinker-serve-args=$args"
+  meta+=";;hosted-tinker-port=$SERVER_PORT"
   meta+=";;hosted-tinker-role=$role${CLUSTER_KEY:+;;hosted-tinker-cluster-key=$CLUSTER_KEY}"
   tmp err
   if run gcloud compute instances create "$name" --project="$PROJECT" --zone="$zone" \
@@ -317,6 +324,12 @@ find_vms() { # VMS (node 0 first), their STATUSES and ZONE for the VM or cluster
   [ -n "$lines" ] ||
     die "no VM named $VM_NAME in project $PROJECT (create one: GPU_TYPE=h100 bash launch.sh --name $VM_NAME)"
   while read -r name zone status; do VMS+=("$name") STATUSES+=("$status") ZONE="$zone"; done <<<"$lines"
+  # The port its server was made with (its metadata); --port then picks only the tunnel's local end.
+  local items
+  items="$(gc compute instances describe "${VMS[0]}" --zone="$ZONE" --format='value(metadata.items)' || true)"
+  VM_PORT="$(sed -n "s/.*'key': 'hosted-tinker-port', 'value': '\([0-9]*\)'.*/\1/p" <<<"$items" | head -n 1)"
+  VM_PORT="${VM_PORT:-8000}"
+  if [ -z "$PORT_GIVEN" ]; then SERVER_PORT="$VM_PORT"; fi
 }
 
 # What only making a VM uses: with --vm they would change nothing, so they are refused, not ignored.
@@ -370,7 +383,7 @@ upload_checkout() { # --from-checkout: the checkout, uncommitted changes include
 }
 
 open_firewall() {
-  say "WARNING: opening tcp:$SERVER_PORT of ${VMS[0]} to $OPEN_FIREWALL: its API keys are all that guard it" \
+  say "WARNING: opening tcp:$VM_PORT of ${VMS[0]} to $OPEN_FIREWALL: its API keys are all that guard it" \
     "(the SSH tunnel needs no open port)"
   if [ -n "$REUSE" ]; then say "the server listens beyond localhost only when launch.sh made it with --open-firewall"; fi
   run gcloud compute instances add-tags "${VMS[0]}" --project="$PROJECT" --zone="$ZONE" --tags="$VM_NAME"
@@ -379,13 +392,13 @@ open_firewall() {
     verb=update scope=() # made by an earlier --open-firewall: now open to this CIDR instead
   fi
   run gcloud compute firewall-rules "$verb" "$VM_NAME-api" --project="$PROJECT" ${scope[@]+"${scope[@]}"} \
-    --allow="tcp:$SERVER_PORT" --source-ranges="$OPEN_FIREWALL"
+    --allow="tcp:$VM_PORT" --source-ranges="$OPEN_FIREWALL"
 }
 
 wait_and_print() { # an SSH tunnel to node 0, /healthz until it answers, then the URL and the API key
   local vm="${VMS[0]}" url="http://localhost:$SERVER_PORT" pid="" log key
   local tunnel=(gcloud compute ssh "$vm" --project="$PROJECT" --zone="$ZONE" --quiet --
-    -N -L "$SERVER_PORT:localhost:$SERVER_PORT" -o ExitOnForwardFailure=yes)
+    -N -L "$SERVER_PORT:localhost:$VM_PORT" -o ExitOnForwardFailure=yes)
   local probe=(curl -fsS -m 5 -o /dev/null "$url/healthz")
   if dry; then
     echo "+ $(quote "${tunnel[@]}") &" >&3
@@ -416,7 +429,7 @@ wait_and_print() { # an SSH tunnel to node 0, /healthz until it answers, then th
   echo "Reopen the tunnel with: $(quote "${tunnel[@]}")"
   if [ -n "$OPEN_FIREWALL" ]; then
     echo "Open to $OPEN_FIREWALL at http://$(run_out '<external-ip>' gcloud compute instances describe "$vm" \
-      --project="$PROJECT" --zone="$ZONE" --format='value(networkInterfaces[0].accessConfigs[0].natIP)'):$SERVER_PORT"
+      --project="$PROJECT" --zone="$ZONE" --format='value(networkInterfaces[0].accessConfigs[0].natIP)'):$VM_PORT"
   fi
 }
 
@@ -425,7 +438,7 @@ status() {
     --format='table(name,zone.basename(),status,machineType.basename(),networkInterfaces[0].networkIP)'
   if [ "${STATUSES[0]}" = RUNNING ]; then
     ssh_to "${VMS[0]}"
-    run "${SSH[@]}" "systemctl is-active hosted-tinker; curl -sS -m 5 localhost:$SERVER_PORT/healthz | head -c 400; echo"
+    run "${SSH[@]}" "systemctl is-active hosted-tinker; curl -sS -m 5 localhost:$VM_PORT/healthz | head -c 400; echo"
   fi
 }
 
@@ -464,6 +477,7 @@ delete() {
 
 main() {
   parse_args "$@"
+  VM_PORT="$SERVER_PORT" # a new VM's; find_vms reads an existing one's
   exec 3>&1 # --dry-run shows commands here, even from inside $(...)
   trap cleanup EXIT
   if [ "$ACTION" = create ] && [ -z "$REUSE" ]; then pick_machine; fi # a bad GPU_TYPE says so first

@@ -17,7 +17,8 @@
 #   hosted-tinker-role         HT_ROLE         server (default) or node: `hosted-tinker node`
 #   hosted-tinker-cluster-key  HT_CLUSTER_KEY  the secret every node shares (--nodes N)
 # --local only: HT_PIP_ARGS (extra pip arguments), HT_DEPS_SITE (a site-packages whose packages
-# the new environment may use, so that CI does not download torch again).
+# the new environment may use, so that CI does not download torch again). For tests: HT_SYSFS (where
+# the PCI devices are looked for, default /sys), HT_DRIVER_WAIT (seconds to wait for a GPU driver).
 set -euo pipefail
 
 LOCAL=""
@@ -82,6 +83,42 @@ install() { # once per source: a venv of its own (torch's default wheels are CUD
     *s3://*) "$VENV/bin/python" -m pip install --quiet s3fs ;;
   esac
   echo "$SOURCE" >"$PREFIX/installed-source"
+}
+
+has_nvidia_gpu() { # an NVIDIA device on the PCI bus, with a driver or not
+  local vendor
+  for vendor in "${HT_SYSFS:-/sys}"/bus/pci/devices/*/vendor; do
+    if [ "$(cat "$vendor" 2>/dev/null)" = 0x10de ]; then return 0; fi
+  done
+  return 1
+}
+
+check_gpus() { # a GPU VM whose torch cannot use its GPUs would serve on nothing: say why, and stop
+  has_nvidia_gpu || return 0
+  local deadline=$((SECONDS + ${HT_DRIVER_WAIT:-900}))
+  until nvidia-smi >/dev/null 2>&1; do # a Deep Learning VM image installs its driver at the first boot
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "startup.sh: this VM has an NVIDIA GPU but no working driver (nvidia-smi fails):" \
+        "use an image family with one (launch.sh --image-family)" >&2
+      exit 1
+    fi
+    sleep 10
+  done
+  "$VENV/bin/python" - <<'EOF' || exit 1
+import subprocess, sys
+
+import torch
+
+if not torch.cuda.is_available():
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    driver = (subprocess.run(query, capture_output=True, text=True).stdout.split() or ["unknown"])[0]
+    cuda = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+    sys.exit(
+        f"startup.sh: torch {torch.__version__} ({cuda}) cannot use this VM's GPUs (driver {driver}). "
+        "A CUDA build needs a driver that runs its CUDA version (CUDA 13: R580 or newer): "
+        "use such an image family (launch.sh --image-family)."
+    )
+EOF
 }
 
 with_vllm() { # --inference vllm: vLLM in an environment of its own, made once
@@ -181,6 +218,7 @@ case "$SOURCE" in
   fi ;;
 esac
 install
+check_gpus
 with_vllm
 first_boot_key
 write_env

@@ -104,3 +104,38 @@ def test_first_and_second_boot(tmp_path: Path, tiny_model_dir: Path):
         sc.__exit__(None, None, None)
     finally:
         shut_down(root, port)
+
+
+def test_a_gpu_vm_whose_torch_cannot_use_it_stops_with_the_reason(tmp_path: Path):
+    """An NVIDIA device on the PCI bus: the script waits for the driver, then checks that torch
+    can use it, and names what is wrong instead of starting a server that trains on nothing."""
+    root, fake = tmp_path / "vm", tmp_path / "fake"
+    device = fake / "sys/bus/pci/devices/0000:00:04.0"
+    device.mkdir(parents=True)
+    (device / "vendor").write_text("0x10de\n")
+    (fake / "bin").mkdir()
+    smi = fake / "bin/nvidia-smi"  # answers once the "driver" is installed
+    smi.write_text(f'#!/bin/sh\n[ -e {fake}/driver ] || exit 9\necho "570.133.20"\n')
+    smi.chmod(0o755)
+    env = {
+        **os.environ,
+        "HT_SOURCE": str(REPO),
+        "HT_PORT": str(free_port()),
+        "HT_PIP_ARGS": "--no-deps",
+        "HT_DEPS_SITE": sysconfig.get_paths()["purelib"],
+        "HT_SYSFS": str(fake / "sys"),
+        "HT_DRIVER_WAIT": "0",
+        "PATH": f"{fake / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    script = ["bash", str(REPO / "deploy" / "startup.sh"), "--local", str(root)]
+
+    no_driver = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300)
+    assert no_driver.returncode == 1
+    assert "an NVIDIA GPU but no working driver" in no_driver.stderr
+
+    (fake / "driver").touch()
+    unusable = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300)
+    assert unusable.returncode == 1
+    assert "(a CPU build) cannot use this VM's GPUs (driver 570.133.20)" in unusable.stderr
+    assert not (root / "opt/hosted-tinker/supervisor.pid").exists()  # no server was started
+    assert not (root / "var/lib/hosted-tinker/launch-key").exists()

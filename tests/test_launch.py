@@ -195,11 +195,13 @@ def test_create_tries_the_next_zone_on_a_stockout_then_prints_the_url_and_key(fa
         assert flag(create, "instance-termination-action") == "STOP"
         assert flag(create, "maintenance-policy") == "TERMINATE"
         assert flag(create, "image-project") == "deeplearning-platform-release"
+        assert flag(create, "image-family") == "common-cu129-ubuntu-2404-nvidia-580"  # R580 runs CUDA 13 wheels
         assert flag(create, "boot-disk-size") == "200GB"
         assert flag(create, "metadata-from-file") == f"startup-script={ROOT}/deploy/startup.sh"
         assert "nic-type=GVNIC" in flag(create, "network-interface")
         meta = metadata(create)
         assert meta == {
+            "install-nvidia-driver": "True",
             "hosted-tinker-source": "hosted-tinker @ git+https://github.com/example/hosted-tinker@v9.9.9",
             "hosted-tinker-serve-args": "--backend ddp --train-devices cuda:0,1,2,3,4,5,6,7",
             "hosted-tinker-port": "8000",
@@ -468,3 +470,24 @@ def test_a_head_that_origin_does_not_have_is_refused_as_the_version(fake, tmp_pa
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     [create] = fake.calls_of("compute", "instances", "create")
     assert metadata(create)["hosted-tinker-source"] == f"hosted-tinker @ git+{origin}@{head}"
+
+
+def test_an_existing_vm_is_reached_on_the_port_it_was_made_with(fake):
+    """--vm reads the port from the VM's metadata: --status probes it, the tunnel forwards to it
+    (from --port when given, which picks only the local end), --open-firewall opens it."""
+    env = {
+        "FAKE_GCLOUD_INSTANCES": "my-vm us-east1-b RUNNING",
+        "FAKE_GCLOUD_METADATA": "{'key': 'hosted-tinker-source', 'value': 'x'};"
+        "{'key': 'hosted-tinker-port', 'value': '8123'};{'key': 'hosted-tinker-role', 'value': 'server'}",
+    }
+    assert fake.run("--vm", "my-vm", "--status", **env).returncode == 0
+    assert any("localhost:8123/healthz" in c[-1] for c in fake.calls_of("compute", "ssh"))
+
+    result = fake.run("--vm", "my-vm", **env)
+    assert result.returncode == 0, result.stderr
+    assert "-N -L 8123:localhost:8123" in result.stdout and "TINKER_BASE_URL=http://localhost:8123" in result.stdout
+    result = fake.run("--vm", "my-vm", "--port", "9000", "--open-firewall", "203.0.113.0/24", **env)
+    assert result.returncode == 0, result.stderr
+    assert "-N -L 9000:localhost:8123" in result.stdout and "TINKER_BASE_URL=http://localhost:9000" in result.stdout
+    [rule] = fake.calls_of("compute", "firewall-rules", "create")
+    assert flag(rule, "allow") == "tcp:8123" and "203.0.113.7:8123" in result.stdout
