@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hosted_tinker.cli_keys import add_keys_parser
 from hosted_tinker.core.config import CLUSTER_KEY_ENV, ServerConfig, read_cluster_key
+from hosted_tinker.core.errors import WorkerDied, WorkerStartFailed
 from hosted_tinker.rank.plans import BACKENDS, backend_options
 from hosted_tinker.server.quotas import Limits, parse_limits
 from hosted_tinker.settings import CONFIG_ENV, env_example, layered_defaults
@@ -64,7 +65,10 @@ def _serve(args: argparse.Namespace) -> int:
     from hosted_tinker.server.api.connections import ConnectionLimits, http_protocol
     from hosted_tinker.server.api.state import build_state
 
-    state = build_state(config)
+    try:
+        state = build_state(config)
+    except (WorkerStartFailed, WorkerDied) as e:  # the rank logged its traceback; say why, once
+        raise SystemExit(f"hosted-tinker serve: {e}") from None
     log = logging.getLogger(__name__)
     if state.keys.allow_any:
         log.warning("--dev-any-key: any tml- key is accepted; use it for development only")

@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def _serve(data_dir: Path, model: Path) -> subprocess.CompletedProcess:
+def _serve(data_dir: Path, model: Path, *flags: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hosted_tinker", "serve", "--port", "0", "--data-dir", str(data_dir)]
-    return subprocess.run([*cmd, "--model", str(model)], capture_output=True, text=True, timeout=90)
+    return subprocess.run([*cmd, "--model", str(model), *flags], capture_output=True, text=True, timeout=90)
 
 
 def _keys_list(data_dir: Path) -> subprocess.CompletedProcess:
@@ -44,3 +45,14 @@ def test_a_damaged_database_stops_the_start_with_a_clear_message(tmp_path: Path,
         assert result.returncode != 0
         assert "Traceback" not in result.stderr, result.stderr[-2000:]
         assert str(db_path) in result.stderr and "backup" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the rank would start")
+def test_a_rank_that_cannot_start_stops_serve_with_its_reason_in_one_line(tmp_path: Path, tiny_model_dir: Path):
+    """``--device cuda`` without a usable GPU (the CUDA image run without ``--gpus``): the rank logs
+    its traceback, and serve exits 1 with the reason as its last line, not a traceback of its own."""
+    started = _serve(tmp_path, tiny_model_dir, "--device", "cuda")
+    assert started.returncode == 1
+    last = started.stderr.strip().splitlines()[-1]
+    assert last.startswith("hosted-tinker serve: the training worker could not start: "), started.stderr[-2000:]
+    assert "build_state" not in started.stderr  # no traceback from the gateway

@@ -96,6 +96,10 @@ class WorkerDied(ServerError):
     """A worker process ended, or was killed for hanging (the message says how)."""
 
 
+class WorkerStartFailed(ServerError, RuntimeError):
+    """A rank could not build its backend (no GPU, a missing model, ...): the message says why."""
+
+
 def how_it_ended(exitcode: int | None) -> str:
     """A process's end as ``WorkerDied`` says it, from its exit code (negative: a signal)."""
     if exitcode is None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError
+from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError, WorkerStartFailed
 from hosted_tinker.core.types import Capabilities
 from hosted_tinker.server.workers.cluster import Cluster
 from hosted_tinker.server.workers.process import POLL_S, Worker, WorkerProcess, outcome, said
@@ -76,7 +76,7 @@ class WorkerGroup:
         for rank, (kind, *rest) in replies.items():
             if kind == "error":
                 self.kill()  # the others wait for it to join the group
-                raise RuntimeError(f"training rank {rank} could not start: {rest[0]}")
+                raise WorkerStartFailed(f"training rank {rank} could not start: {rest[0]}")
         return replies[0][1]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError, how_it_ended
+from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError, WorkerStartFailed, how_it_ended
 from hosted_tinker.core.messages import Callback, Listener, recv, send
 from hosted_tinker.core.types import Capabilities
 from hosted_tinker.rank import serve as child
@@ -71,7 +71,7 @@ class Worker:
         kind, *rest = self._recv(time.monotonic() + timeout_s, f"did not start within {timeout_s:g} s")
         if kind == "error":
             self.stop()
-            raise RuntimeError(f"{self.label} could not start: {rest[0]}")
+            raise WorkerStartFailed(f"{self.label} could not start: {rest[0]}")
         return rest[0]
 
     def start_call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> None:
