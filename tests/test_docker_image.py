@@ -4,6 +4,8 @@ open), the tiny model is served under its usual name, ``docker stop`` parks the 
 within the grace period and exits cleanly, and after ``docker start`` the same client goes on
 with exactly the losses of an uninterrupted run (a second model of the same seed, same container).
 
+``deploy/compose.yaml`` is run too, with Docker Compose v2 (skipped without it).
+
 It needs a Docker daemon and a built image, named by ``HOSTED_TINKER_IMAGE``::
 
     docker build -f deploy/Dockerfile -t hosted-tinker:cpu .
@@ -98,3 +100,55 @@ def test_first_start_stop_and_start_again(container: tuple[str, str]) -> None:
     uninterrupted = sc.create_lora_training_client(base_model=TINY, rank=4, seed=31).result()
     assert losses == [step(uninterrupted, k) for k in range(6)]
     sc.__exit__(None, None, None)
+
+
+def compose_v2() -> bool:
+    found = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=60)
+    return found.returncode == 0
+
+
+@pytest.mark.skipif(not IMAGE, reason="HOSTED_TINKER_IMAGE names no built image (needs a Docker daemon)")
+def test_compose_file_as_the_readme_runs_it(tmp_path: Path) -> None:
+    """``deploy/compose.yaml`` with Docker Compose v2 (its ``env_file`` syntax needs v2): the
+    built image instead of a build, the port on a free one, and an environment file of our own
+    (the one the file names is optional, and absent here). Up, the key made on the volume,
+    compose's own health check healthy, ``stop`` parks the model, ``up`` again goes on with it."""
+    if not compose_v2():
+        pytest.skip("no Docker Compose v2 (docker compose)")
+    port, project = free_port(), f"ht-test-{uuid.uuid4().hex[:8]}"
+    env_file = tmp_path / "hosted-tinker.env"
+    env_file.write_text("HOSTED_TINKER_MODEL_NAME=compose-tiny\n")
+    override = tmp_path / "override.yaml"
+    override.write_text(
+        "services:\n"
+        "  hosted-tinker:\n"
+        f"    image: {IMAGE}\n"
+        f'    ports: !override\n      - "127.0.0.1:{port}:8000"\n'
+        f"    env_file: !override\n      - {env_file}\n"
+        "    healthcheck:\n      interval: 2s\n"  # compose.yaml's 30 s, shortened for the test
+    )
+    compose = ["compose", "-p", project, "-f", str(DEPLOY / "compose.yaml"), "-f", str(override)]
+    base_url = f"http://127.0.0.1:{port}"
+    docker(*compose, "up", "-d", timeout=300)
+    try:
+        assert healthy(base_url)["served_models"] == [TINY, "compose-tiny"]  # the env file was read
+        key = docker(*compose, "exec", "-T", "hosted-tinker", "cat", "/data/launch-key")
+        assert key.startswith("tml-")
+        container = docker(*compose, "ps", "-q", "hosted-tinker")
+        deadline = time.monotonic() + 60
+        while docker("inspect", "--format", "{{.State.Health.Status}}", container) != "healthy":
+            assert time.monotonic() < deadline, "compose's health check did not pass in 60 s"
+            time.sleep(0.5)
+
+        with tinker.ServiceClient(base_url=base_url, api_key=key) as sc:
+            tc = sc.create_lora_training_client(base_model="compose-tiny", rank=4, seed=7).result()
+            losses = [step(tc, k) for k in range(2)]
+            docker(*compose, "stop", timeout=STOP_GRACE_S + 30)
+            assert docker("inspect", "--format", "{{.State.ExitCode}}", container) == "0"
+            docker(*compose, "up", "-d", timeout=300)
+            assert healthy(base_url)["active"]["parked_models"] == 1  # the volume kept it
+            losses += [step(tc, k) for k in range(2, 4)]
+            uninterrupted = sc.create_lora_training_client(base_model="compose-tiny", rank=4, seed=7).result()
+            assert losses == [step(uninterrupted, k) for k in range(4)]
+    finally:
+        subprocess.run(["docker", *compose, "down", "-v"], capture_output=True, timeout=180)

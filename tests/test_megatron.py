@@ -256,3 +256,17 @@ def test_transformer_engine_layers_train_as_the_local_ones(tiny_model_dir: Path)
             np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)  # TE's kernels sum in another order
         assert loss_te == pytest.approx(loss, rel=1e-3)
         assert norm_te == pytest.approx(norm, rel=1e-3)
+
+
+@pytest.mark.fast
+def test_a_megatron_core_it_was_not_built_on_is_refused_at_start_up(monkeypatch):
+    """pip gives Python 3.12 the newest megatron-core, whose layer specs rank.mcore cannot read:
+    the start is refused, naming the installed release and the pip command, not a rank's traceback."""
+    from hosted_tinker.rank.plans import megatron, plan_options
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
+    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.19.2")
+    with pytest.raises(ValueError, match=r"not the installed 0\.19\.2: pip install 'megatron-core<0\.17,>=0\.16\.1'"):
+        plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0)
+    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.16.1")
+    assert plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0).tp == 2

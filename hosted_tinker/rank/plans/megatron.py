@@ -17,17 +17,22 @@ megatron-core is an optional extra (``pip install hosted-tinker[megatron]``), im
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+from packaging.specifiers import SpecifierSet
 from pydantic import Field
 from torch import Tensor
 
 from hosted_tinker.rank.plans import ddp
 
 DEVICES = "tp x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=N"
+# The releases rank.mcore is built on and tested with (as pyproject's extra pins): 0.17 changed the
+# layer specs it reads, and pip gives Python 3.12 the newest unless told.
+MCORE_SUPPORTED = SpecifierSet(">=0.16.1,<0.17")
 # tests/test_plans.py: tensor-parallel alone, with sequence parallelism, and with two data-parallel
 # replicas that recompute every layer's activations.
 CHECKED_LAYOUTS = [
@@ -64,6 +69,12 @@ class Options(ddp.Options):
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             # Found, not imported: the server process never loads megatron-core, only its ranks.
             raise ValueError("the megatron backend needs megatron-core: pip install 'hosted-tinker[megatron]'")
+        found = importlib.metadata.version("megatron-core")
+        if found not in MCORE_SUPPORTED:
+            raise ValueError(
+                f"the megatron backend runs on megatron-core {MCORE_SUPPORTED}, not the installed {found}: "
+                f"pip install 'megatron-core{MCORE_SUPPORTED}'"
+            )
         if self.layers == "te":
             if not all(d.startswith("cuda") for d in devices):
                 raise ValueError("--backend-option layers=te needs GPU ranks (transformer-engine runs on CUDA only)")
