@@ -152,3 +152,41 @@ def test_compose_file_as_the_readme_runs_it(tmp_path: Path) -> None:
             assert losses == [step(uninterrupted, k) for k in range(4)]
     finally:
         subprocess.run(["docker", *compose, "down", "-v"], capture_output=True, timeout=180)
+
+
+CUDA_IMAGE = os.environ.get("HOSTED_TINKER_CUDA_IMAGE")
+
+
+@pytest.mark.skipif(not CUDA_IMAGE, reason="HOSTED_TINKER_CUDA_IMAGE names no built CUDA image")
+def test_cuda_image_on_a_machine_without_a_gpu() -> None:
+    """What of ``deploy/Dockerfile.cuda`` runs without a GPU: its default command stops at once
+    with the reason as its last line; vLLM's OpenAI server imports in /opt/vllm; megatron-core is a
+    release the megatron backend accepts; and the server itself (CUDA torch on the CPU) trains."""
+    stopped = subprocess.run(["docker", "run", "--rm", str(CUDA_IMAGE)], capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 1
+    assert (
+        stopped.stderr.strip()
+        .splitlines()[-1]
+        .startswith("hosted-tinker serve: the training worker could not start: RuntimeError: Found no NVIDIA driver")
+    )
+    probe = (
+        "from hosted_tinker.inference.vllm_setup import check_vllm_python;"
+        "print(check_vllm_python('/opt/vllm/bin/python'));"
+        "import importlib.metadata as m, torch; from hosted_tinker.rank.plans.megatron import MCORE_SUPPORTED;"
+        "print(m.version('megatron-core') in MCORE_SUPPORTED, torch.version.cuda)"
+    )
+    said = docker("run", "--rm", "--entrypoint", "python", str(CUDA_IMAGE), "-c", probe, timeout=600).splitlines()
+    assert said[-2:] == ["0.33.0", "True 13.0"], said
+
+    name, port = f"hosted-tinker-test-{uuid.uuid4().hex[:8]}", free_port()
+    on_cpu = [str(CUDA_IMAGE), "hosted-tinker", "serve", "--device", "cpu"]
+    docker("run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", *on_cpu)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        assert healthy(base_url)["served_models"] == [TINY]
+        key = docker("exec", name, "cat", "/data/launch-key")
+        with tinker.ServiceClient(base_url=base_url, api_key=key) as sc:
+            tc = sc.create_lora_training_client(base_model=TINY, rank=4, seed=3).result()
+            assert all(step(tc, k) > 0 for k in range(2))
+    finally:
+        subprocess.run(["docker", "rm", "-f", "-v", name], capture_output=True, timeout=120)

