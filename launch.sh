@@ -12,7 +12,8 @@
 #                              /opt/hosted-tinker/installed-source and runs the startup script again)
 #   hosted-tinker-serve-args   the arguments of `hosted-tinker serve` (role server) or of
 #                              `hosted-tinker node` (role node): words split at spaces, no quotes
-#   hosted-tinker-port         the API's port, on localhost (and 0.0.0.0 with --open-firewall)
+#   hosted-tinker-port         the API's port, on localhost (and 0.0.0.0 with --open-firewall); read
+#                              back by --vm NAME, so that --status and the tunnel use the VM's own
 #   hosted-tinker-role         server (one VM, or node 0 of --nodes N: the gateway) or node (nodes
 #                              1..N-1, whose serve-args are `--node-rank K --nnodes N --master-addr
 #                              IP --master-port 29500`; node 0's get `--nnodes N --master-addr IP
@@ -48,8 +49,12 @@ NO_CAPACITY+='|QUOTA_EXCEEDED|Quota .* exceeded' # GPU quotas are regional
 DATA_DIR=/var/lib/hosted-tinker
 CHECKOUT_TARBALL=/opt/hosted-tinker/src.tar.gz
 
-# Settings: the environment, then the flags (parse_args).
-PORT_GIVEN="${SERVER_PORT:+1}" # else --vm uses the port the VM was made with
+# What only making a VM uses: with --vm they would change nothing, so they are refused, not ignored.
+CREATE_ONLY="GPU_TYPE NUM_GPUS ZONES DISK_SIZE DISK_TYPE NODES BACKEND BACKEND_OPTIONS MODEL SERVE_ARGS TRAIN_GPUS
+  VLLM_GPUS INSTALL_SOURCE INSTALL_REPO INSTALL_VERSION IMAGE_PROJECT IMAGE_FAMILY NETWORK SUBNET SCOPES MASTER_PORT"
+# Settings: the environment, then the flags (parse_args). GIVEN: those set by either.
+GIVEN=" "
+for name in $CREATE_ONLY SERVER_PORT; do if [ -n "${!name:-}" ]; then GIVEN+="$name "; fi; done
 GPU_TYPE="${GPU_TYPE:-}" NUM_GPUS="${NUM_GPUS:-}" PROJECT="${PROJECT:-}" ZONES="${ZONES:-}"
 VM_NAME="${VM_NAME:-hosted-tinker}" DISK_SIZE="${DISK_SIZE:-200}" DISK_TYPE="${DISK_TYPE:-}"
 NODES="${NODES:-1}" BACKEND="${BACKEND:-}" BACKEND_OPTIONS="${BACKEND_OPTIONS:-}" MODEL="${MODEL:-}"
@@ -62,7 +67,7 @@ IMAGE_FAMILY="${IMAGE_FAMILY:-common-cu129-ubuntu-2404-nvidia-580}"
 NETWORK="${NETWORK:-default}" SUBNET="${SUBNET:-default}" SCOPES="${SCOPES:-default,storage-rw}"
 OPEN_FIREWALL="${OPEN_FIREWALL:-}" WAIT_TIMEOUT="${WAIT_TIMEOUT:-1800}" POLL_S="${POLL_S:-10}"
 DRY_RUN="${DRY_RUN:-}" YES="${YES:-}" WAIT=1 ACTION=create REUSE=""
-VM_PORT="" ZONE="" MACHINE_TYPE="" ACCELERATOR="" SOURCE="" SERVE="" CLUSTER_KEY="" VMS=() STATUSES=() TMP_FILES=() SSH=()
+VM_PORT="" METADATA="" ZONE="" MACHINE_TYPE="" ACCELERATOR="" SOURCE="" SERVE="" CLUSTER_KEY="" VMS=() STATUSES=() TMP_FILES=() SSH=()
 
 usage() {
   cat <<'EOF'
@@ -107,8 +112,8 @@ Every setting is a flag or an environment variable (in brackets):
   --status | --stop | --delete | --logs   manage the VM named by --vm/--name (--delete asks unless --yes)
   --yes                 do not ask [YES=1]
 
-The server is reached through an SSH tunnel (gcloud compute ssh -- -N -L PORT:localhost:PORT) that
-launch.sh leaves running; it prints TINKER_BASE_URL and TINKER_API_KEY. Spot VMs stop on preemption
+The server is reached through an SSH tunnel (gcloud compute ssh -- -N -L PORT:localhost:VM_PORT) that
+launch.sh leaves running (VM_PORT: the port the VM was made with, read from its metadata); it prints TINKER_BASE_URL and TINKER_API_KEY. Spot VMs stop on preemption
 (--instance-termination-action=STOP): the disk and its runs stay; `--vm NAME` starts it again.
 EOF
 }
@@ -151,7 +156,7 @@ parse_args() {
       if [ "$var" = BACKEND_OPTIONS ]; then set -- "$1" "${BACKEND_OPTIONS:+$BACKEND_OPTIONS,}$2" "${@:3}"; fi
       printf -v "$var" %s "$2"
       if [ "$1" = --vm ]; then REUSE=1; fi
-      if [ "$1" = --port ]; then PORT_GIVEN=1; fi
+      GIVEN+="$var "
       shift 2
       continue
     fi
@@ -242,7 +247,8 @@ default_zones() { # every zone that offers the accelerator, us-* first
 create_vm() { # create_vm ZONE NAME ROLE SERVE_ARGS [IP [FLAGS...]]: 0, or 1 when ZONE cannot make it now
   local zone="$1" name="$2" role="$3" args="$4" ip="${5:-}" err
   shift $(($# < 5 ? $# : 5))
-  # install-nvidia-driver: a Deep Learning VM image installs its driver at the first boot only when asked.
+  # install-nvidia-driver=True: GCP's documented switch for Deep Learning VM images to install their
+  # NVIDIA driver at the first boot where the image does not hold it already (startup.sh waits for it).
   local meta="^;;^install-nvidia-driver=True;;hosted-tinker-source=$SOURCE;;hosted-tinker-serve-args=$args"
   meta+=";;hosted-tinker-port=$SERVER_PORT"
   meta+=";;hosted-tinker-role=$role${CLUSTER_KEY:+;;hosted-tinker-cluster-key=$CLUSTER_KEY}"
@@ -325,22 +331,16 @@ find_vms() { # VMS (node 0 first), their STATUSES and ZONE for the VM or cluster
     die "no VM named $VM_NAME in project $PROJECT (create one: GPU_TYPE=h100 bash launch.sh --name $VM_NAME)"
   while read -r name zone status; do VMS+=("$name") STATUSES+=("$status") ZONE="$zone"; done <<<"$lines"
   # The port its server was made with (its metadata); --port then picks only the tunnel's local end.
-  local items
-  items="$(gc compute instances describe "${VMS[0]}" --zone="$ZONE" --format='value(metadata.items)' || true)"
-  VM_PORT="$(sed -n "s/.*'key': 'hosted-tinker-port', 'value': '\([0-9]*\)'.*/\1/p" <<<"$items" | head -n 1)"
-  VM_PORT="${VM_PORT:-8000}"
-  if [ -z "$PORT_GIVEN" ]; then SERVER_PORT="$VM_PORT"; fi
+  METADATA="$(gc compute instances describe "${VMS[0]}" --zone="$ZONE" --format='value(metadata.items)')" ||
+    die "could not read the metadata of ${VMS[0]} (see gcloud's message above)"
+  VM_PORT="$(sed -n "s/.*'key': 'hosted-tinker-port', 'value': '\([0-9]*\)'.*/\1/p" <<<"$METADATA" | head -n 1)"
+  if [ -z "$VM_PORT" ]; then say "${VMS[0]} has no hosted-tinker-port in its metadata: port 8000" && VM_PORT=8000; fi
+  if [[ "$GIVEN" != *" SERVER_PORT "* ]]; then SERVER_PORT="$VM_PORT"; fi
 }
-
-# What only making a VM uses: with --vm they would change nothing, so they are refused, not ignored.
-CREATE_ONLY="GPU_TYPE NUM_GPUS ZONES DISK_TYPE BACKEND BACKEND_OPTIONS MODEL SERVE_ARGS TRAIN_GPUS VLLM_GPUS
-  INSTALL_SOURCE INSTALL_REPO INSTALL_VERSION"
 
 reuse() { # start what is stopped; resume what is suspended
   local i name given=() stopped=() suspended=()
-  for name in $CREATE_ONLY; do if [ -n "${!name}" ]; then given+=("$name"); fi; done
-  if [ "$DISK_SIZE" != 200 ]; then given+=(DISK_SIZE); fi
-  if [ "$NODES" != 1 ]; then given+=(NODES); fi
+  for name in $CREATE_ONLY; do if [[ "$GIVEN" == *" $name "* ]]; then given+=("$name"); fi; done
   [ ${#given[@]} -eq 0 ] ||
     die "--vm $VM_NAME starts the VM as it was made; ${given[*]} (a flag or the environment) would change" \
       "nothing: unset it, or --delete the VM and create it again (--from-checkout installs new code on it)"
@@ -455,10 +455,9 @@ logs() {
 }
 
 delete() {
-  local region="${ZONE%-*}" answer metadata
+  local region="${ZONE%-*}" answer
   say "deleting ${VMS[*]} ($ZONE) deletes their disks, with the data directory: runs, sessions and checkpoints"
-  metadata="$(gc compute instances describe "${VMS[0]}" --zone="$ZONE" --format='value(metadata.items)' || true)"
-  if ! grep -q -- '--checkpoint-mirror' <<<"$SERVE_ARGS $metadata"; then
+  if ! grep -q -- '--checkpoint-mirror' <<<"$SERVE_ARGS $METADATA"; then
     say "WARNING: no --checkpoint-mirror is configured, so the checkpoints on these disks are lost for good"
   fi
   if [ -z "$YES" ] && ! dry; then

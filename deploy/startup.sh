@@ -95,11 +95,15 @@ has_nvidia_gpu() { # an NVIDIA device on the PCI bus, with a driver or not
 
 check_gpus() { # a GPU VM whose torch cannot use its GPUs would serve on nothing: say why, and stop
   has_nvidia_gpu || return 0
-  local deadline=$((SECONDS + ${HT_DRIVER_WAIT:-900}))
-  until nvidia-smi >/dev/null 2>&1; do # a Deep Learning VM image installs its driver at the first boot
+  local wait_s="${HT_DRIVER_WAIT:-900}"
+  if ! nvidia-smi >/dev/null 2>&1; then # a driver installed at the first boot may still be on its way
+    echo "startup.sh: an NVIDIA GPU and no working driver yet: waiting up to ${wait_s}s for nvidia-smi"
+  fi
+  local deadline=$((SECONDS + wait_s))
+  until nvidia-smi >/dev/null 2>&1; do
     if [ "$SECONDS" -ge "$deadline" ]; then
-      echo "startup.sh: this VM has an NVIDIA GPU but no working driver (nvidia-smi fails):" \
-        "use an image family with one (launch.sh --image-family)" >&2
+      echo "startup.sh: this VM has an NVIDIA GPU but no working driver (nvidia-smi fails). An image" \
+        "without one: delete the VM and create it with an --image-family that has one." >&2
       exit 1
     fi
     sleep 10
@@ -115,8 +119,8 @@ if not torch.cuda.is_available():
     cuda = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
     sys.exit(
         f"startup.sh: torch {torch.__version__} ({cuda}) cannot use this VM's GPUs (driver {driver}). "
-        "A CUDA build needs a driver that runs its CUDA version (CUDA 13: R580 or newer): "
-        "use such an image family (launch.sh --image-family)."
+        "A CUDA build needs a driver that runs its CUDA version (CUDA 13: R580 or newer): delete the VM "
+        "and create it with an --image-family whose driver does, or install a torch built for this one."
     )
 EOF
 }

@@ -67,6 +67,7 @@ def test_first_and_second_boot(tmp_path: Path, tiny_model_dir: Path):
         # CI's hook: the new environment uses this one's packages instead of downloading torch.
         "HT_PIP_ARGS": "--no-deps",
         "HT_DEPS_SITE": sysconfig.get_paths()["purelib"],
+        "HT_SYSFS": str(tmp_path / "no-pci-devices"),  # a machine without a GPU, wherever this runs
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
     data = root / "var/lib/hosted-tinker"
@@ -106,7 +107,7 @@ def test_first_and_second_boot(tmp_path: Path, tiny_model_dir: Path):
         shut_down(root, port)
 
 
-def test_a_gpu_vm_whose_torch_cannot_use_it_stops_with_the_reason(tmp_path: Path):
+def test_a_gpu_vm_whose_torch_cannot_use_it_stops_with_the_reason(tmp_path: Path) -> None:
     """An NVIDIA device on the PCI bus: the script waits for the driver, then checks that torch
     can use it, and names what is wrong instead of starting a server that trains on nothing."""
     root, fake = tmp_path / "vm", tmp_path / "fake"
@@ -125,17 +126,23 @@ def test_a_gpu_vm_whose_torch_cannot_use_it_stops_with_the_reason(tmp_path: Path
         "HT_DEPS_SITE": sysconfig.get_paths()["purelib"],
         "HT_SYSFS": str(fake / "sys"),
         "HT_DRIVER_WAIT": "0",
+        "CUDA_VISIBLE_DEVICES": "",  # torch sees no GPU, wherever this runs
         "PATH": f"{fake / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
     script = ["bash", str(REPO / "deploy" / "startup.sh"), "--local", str(root)]
 
-    no_driver = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300)
-    assert no_driver.returncode == 1
-    assert "an NVIDIA GPU but no working driver" in no_driver.stderr
+    try:
+        no_driver = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300)
+        assert no_driver.returncode == 1
+        assert "waiting up to 0s for nvidia-smi" in no_driver.stdout
+        assert "this VM has an NVIDIA GPU but no working driver" in no_driver.stderr
 
-    (fake / "driver").touch()
-    unusable = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300)
-    assert unusable.returncode == 1
-    assert "(a CPU build) cannot use this VM's GPUs (driver 570.133.20)" in unusable.stderr
-    assert not (root / "opt/hosted-tinker/supervisor.pid").exists()  # no server was started
-    assert not (root / "var/lib/hosted-tinker/launch-key").exists()
+        (fake / "driver").touch()
+        unusable = subprocess.run(script, env=env, capture_output=True, text=True, timeout=300)
+        assert unusable.returncode == 1
+        assert "cannot use this VM's GPUs (driver 570.133.20)" in unusable.stderr
+        assert not (root / "opt/hosted-tinker/supervisor.pid").exists()  # no server was started
+        assert not (root / "var/lib/hosted-tinker/launch-key").exists()
+    finally:
+        if (root / "opt/hosted-tinker/supervisor.pid").exists():
+            shut_down(root, int(env["HT_PORT"]))

@@ -4,18 +4,22 @@ open), the tiny model is served under its usual name, ``docker stop`` parks the 
 within the grace period and exits cleanly, and after ``docker start`` the same client goes on
 with exactly the losses of an uninterrupted run (a second model of the same seed, same container).
 
-``deploy/compose.yaml`` is run too, with Docker Compose v2 (skipped without it).
+``deploy/compose.yaml`` is run too, with Docker Compose 2.24+ (skipped without it); and the CUDA
+image (``deploy/Dockerfile.cuda``) as far as it runs without a GPU.
 
-It needs a Docker daemon and a built image, named by ``HOSTED_TINKER_IMAGE``::
+It needs a Docker daemon and built images, named by ``HOSTED_TINKER_IMAGE`` and
+``HOSTED_TINKER_CUDA_IMAGE`` (each test skipped without its own)::
 
     docker build -f deploy/Dockerfile -t hosted-tinker:cpu .
-    HOSTED_TINKER_IMAGE=hosted-tinker:cpu pytest tests/test_docker_image.py
+    docker build -f deploy/Dockerfile.cuda -t hosted-tinker:cuda .
+    HOSTED_TINKER_IMAGE=hosted-tinker:cpu HOSTED_TINKER_CUDA_IMAGE=hosted-tinker:cuda pytest tests/test_docker_image.py
 
 CI's machine has no Docker daemon: there it is skipped."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -103,8 +107,10 @@ def test_first_start_stop_and_start_again(container: tuple[str, str]) -> None:
 
 
 def compose_v2() -> bool:
-    found = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=60)
-    return found.returncode == 0
+    """Docker Compose 2.24 or newer: compose.yaml's ``env_file.required`` and the test's ``!override``."""
+    found = subprocess.run(["docker", "compose", "version", "--short"], capture_output=True, text=True, timeout=60)
+    numbers = re.match(r"v?(\d+)\.(\d+)", found.stdout.strip())
+    return found.returncode == 0 and numbers is not None and tuple(map(int, numbers.groups())) >= (2, 24)
 
 
 @pytest.mark.skipif(not IMAGE, reason="HOSTED_TINKER_IMAGE names no built image (needs a Docker daemon)")
@@ -114,7 +120,7 @@ def test_compose_file_as_the_readme_runs_it(tmp_path: Path) -> None:
     (the one the file names is optional, and absent here). Up, the key made on the volume,
     compose's own health check healthy, ``stop`` parks the model, ``up`` again goes on with it."""
     if not compose_v2():
-        pytest.skip("no Docker Compose v2 (docker compose)")
+        pytest.skip("no Docker Compose 2.24+ (docker compose)")
     port, project = free_port(), f"ht-test-{uuid.uuid4().hex[:8]}"
     env_file = tmp_path / "hosted-tinker.env"
     env_file.write_text("HOSTED_TINKER_MODEL_NAME=compose-tiny\n")

@@ -56,6 +56,9 @@ elif words[:3] == ["compute", "instances", "create"]:
 elif words[:3] == ["compute", "instances", "list"]:
     print(env("FAKE_GCLOUD_INSTANCES", "").replace(";", "\\n"))
 elif words[:3] == ["compute", "instances", "describe"]:
+    if env("FAKE_GCLOUD_DESCRIBE_ERROR"):
+        sys.stderr.write(env("FAKE_GCLOUD_DESCRIBE_ERROR") + "\\n")
+        sys.exit(1)
     if "metadata" in fmt:
         print(env("FAKE_GCLOUD_METADATA", "{'key': 'hosted-tinker-serve-args', 'value': '--backend peft'}"))
     elif "natIP" in fmt:
@@ -437,6 +440,8 @@ def test_reuse_refuses_settings_only_creation_uses(fake):
     assert result.returncode != 0 and "NUM_GPUS SERVE_ARGS" in result.stderr and "would change nothing" in result.stderr
     result = fake.run("--vm", "my-vm", GPU_TYPE="h100", **env)  # from the environment too
     assert result.returncode != 0 and "GPU_TYPE" in result.stderr
+    result = fake.run("--vm", "my-vm", "--image-family", "common-cu129-ubuntu-2404-nvidia-580", "--nodes", "1", **env)
+    assert result.returncode != 0 and "NODES IMAGE_FAMILY" in result.stderr  # even given as the default
     assert not fake.calls_of("compute", "instances", "start")
     assert fake.run("--vm", "my-vm", "--no-wait", **env).returncode == 0  # and alone it starts the VM
 
@@ -491,3 +496,10 @@ def test_an_existing_vm_is_reached_on_the_port_it_was_made_with(fake):
     assert "-N -L 9000:localhost:8123" in result.stdout and "TINKER_BASE_URL=http://localhost:9000" in result.stdout
     [rule] = fake.calls_of("compute", "firewall-rules", "create")
     assert flag(rule, "allow") == "tcp:8123" and "203.0.113.7:8123" in result.stdout
+    result = fake.run("--vm", "my-vm", SERVER_PORT="9001", **env)  # the environment's port, likewise
+    assert "-N -L 9001:localhost:8123" in result.stdout
+
+    broken = fake.run("--vm", "my-vm", "--status", FAKE_GCLOUD_DESCRIBE_ERROR="ERROR: permission denied", **env)
+    assert broken.returncode != 0 and "could not read the metadata of my-vm" in broken.stderr
+    unlabelled = fake.run("--vm", "my-vm", "--status", FAKE_GCLOUD_INSTANCES="my-vm us-east1-b RUNNING")
+    assert "my-vm has no hosted-tinker-port in its metadata: port 8000" in unlabelled.stderr

@@ -6,6 +6,7 @@ the sampler weights megatron exports load into PEFT itself."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import shutil
 from pathlib import Path
@@ -259,7 +260,7 @@ def test_transformer_engine_layers_train_as_the_local_ones(tiny_model_dir: Path)
 
 
 @pytest.mark.fast
-def test_a_megatron_core_it_was_not_built_on_is_refused_at_start_up(monkeypatch):
+def test_a_megatron_core_it_was_not_built_on_is_refused_at_start_up(monkeypatch) -> None:
     """pip gives Python 3.12 the newest megatron-core, whose layer specs rank.mcore cannot read:
     the start is refused, naming the installed release and the pip command, not a rank's traceback."""
     from hosted_tinker.rank.plans import megatron, plan_options
@@ -270,3 +271,27 @@ def test_a_megatron_core_it_was_not_built_on_is_refused_at_start_up(monkeypatch)
         plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0)
     monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.16.1")
     assert plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0).tp == 2
+
+    def not_installed(dist: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(megatron.importlib.metadata, "version", not_installed)  # a Megatron-LM checkout
+    with pytest.raises(ValueError, match="importable but no megatron-core package is installed"):
+        plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0)
+
+
+@pytest.mark.fast
+def test_the_pins_are_the_ones_pyproject_installs() -> None:
+    """One release of each engine, said twice (pyproject's extras, and where the code checks or
+    installs it): the two must not drift apart."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from hosted_tinker.inference.vllm_setup import VLLM_CUDA_SPEC
+    from hosted_tinker.rank.plans.megatron import MCORE_SUPPORTED
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    assert Requirement(extras["megatron"][0]).specifier == MCORE_SUPPORTED
+    assert Requirement(extras["vllm"][0]) == Requirement(VLLM_CUDA_SPEC)

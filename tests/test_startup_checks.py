@@ -4,6 +4,7 @@ found later by whichever request reads it)."""
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import subprocess
 import sys
@@ -47,12 +48,22 @@ def test_a_damaged_database_stops_the_start_with_a_clear_message(tmp_path: Path,
         assert str(db_path) in result.stderr and "backup" in result.stderr, result.stderr[-2000:]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the rank would start")
-def test_a_rank_that_cannot_start_stops_serve_with_its_reason_in_one_line(tmp_path: Path, tiny_model_dir: Path):
-    """``--device cuda`` without a usable GPU (the CUDA image run without ``--gpus``): the rank logs
-    its traceback, and serve exits 1 with the reason as its last line, not a traceback of its own."""
-    started = _serve(tmp_path, tiny_model_dir, "--device", "cuda")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the ranks would start")
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--device", "cuda"], r"the training worker could not start: "),
+        (["--backend", "ddp", "--train-devices", "cuda:0,1"], r"training rank [01] could not start: "),
+    ],
+    ids=["one-worker", "group"],
+)
+def test_a_rank_that_cannot_start_stops_serve_with_its_reason_in_one_line(
+    tmp_path: Path, tiny_model_dir: Path, flags: list[str], said: str
+) -> None:
+    """CUDA devices without a usable GPU (the CUDA image run without ``--gpus``): the rank logs its
+    traceback, and serve exits 1 with the reason as its last line, not a traceback of its own."""
+    started = _serve(tmp_path, tiny_model_dir, *flags)
     assert started.returncode == 1
     last = started.stderr.strip().splitlines()[-1]
-    assert last.startswith("hosted-tinker serve: the training worker could not start: "), started.stderr[-2000:]
+    assert re.match(f"hosted-tinker serve: {said}", last), started.stderr[-2000:]
     assert "build_state" not in started.stderr  # no traceback from the gateway

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hosted_tinker.core.errors import RolledBack, UserError, WorkerCrashed, WorkerError
+from hosted_tinker.core.errors import RolledBack, UserError, WorkerCrashed, WorkerError, WorkerStartFailed
 from hosted_tinker.core.messages import Listener, dumps
 from hosted_tinker.core.types import Capabilities, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.server.api.app import _watch_worker
@@ -243,7 +243,7 @@ def test_a_worker_that_cannot_start_keeps_the_models_owed(tmp_path: Path):
         broken.touch()
         os.kill(backend.status()["pid"], signal.SIGKILL)
         backend._group.workers[0].process.join(10)
-        with pytest.raises(RuntimeError, match="could not start: OSError: the disk is gone"):
+        with pytest.raises(WorkerStartFailed, match="could not start: OSError: the disk is gone"):
             backend.ensure_alive()
         broken.unlink()
         backend.ensure_alive()
@@ -353,7 +353,7 @@ def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBacke
 @pytest.mark.slow
 def test_a_backend_that_cannot_start_says_why():
     backend = ProcessBackend(one_worker(_broken_factory))
-    with pytest.raises(RuntimeError, match="could not start: OSError: no such model"):
+    with pytest.raises(WorkerStartFailed, match="could not start: OSError: no such model"):
         _ = backend.capabilities
     backend.close()
 

@@ -69,7 +69,13 @@ class Options(ddp.Options):
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             # Found, not imported: the server process never loads megatron-core, only its ranks.
             raise ValueError("the megatron backend needs megatron-core: pip install 'hosted-tinker[megatron]'")
-        found = importlib.metadata.version("megatron-core")
+        try:
+            found = importlib.metadata.version("megatron-core")
+        except importlib.metadata.PackageNotFoundError:  # importable, but not installed by pip (a checkout)
+            raise ValueError(
+                f"megatron.core is importable but no megatron-core package is installed: "
+                f"pip install 'megatron-core{MCORE_SUPPORTED}'"
+            ) from None
         if found not in MCORE_SUPPORTED:
             raise ValueError(
                 f"the megatron backend runs on megatron-core {MCORE_SUPPORTED}, not the installed {found}: "

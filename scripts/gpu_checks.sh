@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The checks that need a GPU (issues #16 and #20), as one command for a lent GPU machine: one
+# H100 or H200, no network, a python3 (3.12) that holds torch, transformers and peft, but none
+# of fastapi, pydantic, uvicorn, the tinker SDK or megatron-core. Those travel as wheels.
+#
+#   bash scripts/gpu_checks.sh wheels   here: the missing packages for Python 3.12 into .whl/
+#                                       (27 wheels, about 21 MB; .whl/ is git-ignored)
+#   bash scripts/gpu_checks.sh run      there (the device tool: carry .whl, timeout 590 s):
+#                                       results and logs under $OUT (default ./gpu-checks)
+#   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh run
+#                                       anywhere, on the CPU: the same steps on tiny shapes, to
+#                                       check the plumbing before spending GPU time
+#
+# run, in order of worth, each section under its own time limit so that one slow section
+# leaves the others their time:
+#   1. tests/test_gpu.py: peft, ddp over NCCL and megatron tp=1 on cuda:0 against the CPU;
+#      bfloat16 bases with float32 LoRA; transformer-engine's layers if it is importable
+#   2. benchmarks/megatron_tp.py: Qwen3-8B's shape (random bf16 weights), LoRA r32, 2 x 4K
+#      tokens, peft against megatron tp=1, one path at a time, MFU at the GPU's peak
+#   3. benchmarks/train_efficiency.py: tenants (8 x 256 tokens: one pass against one at a
+#      time) and mixed lengths (packed against padded), on the tiny model and Qwen3-8B's shape
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# What the GPU image lacks, at the versions this project is tested with (pip's resolution of
+# `.[megatron]` against that image's packages, as KINDS.md lists them on 2026-11-17).
+WHEELS="tinker==0.38.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5
+  annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.54.0 httptools==0.9.0 websockets==17.4
+  watchfiles==1.3.0 python-dotenv==1.2.4 zstandard==0.25.0 megatron-core==0.16.1 sniffio==1.3.1
+  distro==1.9.0 httpx2==2.16.2 httpcore2==2.16.2 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
+  opentelemetry-api==1.45.2 orjson==3.13.0 pyqwest==0.12.0 truststore==0.10.5 openai==3.57.0 jiter==0.19.0"
+
+wheels() {
+  local platforms=() n
+  for n in 17 24 27 28 5; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+  # shellcheck disable=SC2086  # WHEELS is a list
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $WHEELS
+  du -sh .whl
+}
+
+section() { # section NAME SECONDS COMMAND...: its output to $OUT/NAME.log; a failure or timeout is recorded, not fatal
+  local name="$1" limit="$2" rc=0
+  shift 2
+  echo "==> $name (at most ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "<== $name: exit $rc" | tee -a "$OUT/summary.txt"
+}
+
+run() {
+  OUT="${OUT:-$PWD/gpu-checks}"
+  mkdir -p "$OUT"
+  : >"$OUT/summary.txt"
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD"
+  else
+    export PYTHONPATH="$PWD"
+  fi
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+  # 989 TFLOP/s: the H100's and H200's dense bf16 peak (train_efficiency.py knows it by itself)
+  local device=cuda shape=qwen3-8b dtype=bfloat16 seq=4096 peak=(--peak-tflops 989)
+  if [ -n "${GPU_CHECKS_SMALL:-}" ]; then
+    device=cpu shape=qwen3-h512-l4 dtype=float32 seq=256 peak=()
+    export HT_TEST_GPU_DEVICE=cpu # tests/test_gpu.py's tests, run on the CPU
+  else
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
+  fi
+  python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "cuda", torch.version.cuda,
+    "transformers", transformers.__version__, "peft", peft.__version__)' | tee -a "$OUT/device.txt"
+
+  section gpu-tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+    tests/test_megatron.py::test_transformer_engine_layers_train_as_the_local_ones
+  section megatron-tp 200 python3 benchmarks/megatron_tp.py --device "$device" --shape "$shape" --dtype "$dtype" \
+    --tp 1 --batch 2 --seq-len "$seq" --one-at-a-time --steps 2 --rounds 2 --warmup 1 "${peak[@]}" \
+    --out "$OUT/megatron_tp-$device.json"
+  section train-efficiency 170 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
+    --scenario tenants --tenants-shape "$shape" --rounds 2 --out "$OUT/train_efficiency-tenants-$device.json"
+  cat "$OUT/summary.txt"
+}
+
+case "${1:-}" in
+  wheels) wheels ;;
+  run) run ;;
+  *) sed -n '2,20p' "$0" && exit 2 ;;
+esac

@@ -1,0 +1,102 @@
+"""The GPU path of every backend, against the CPU twin the rest of the suite checks: the same
+steps on ``cuda:0`` (peft; ddp over NCCL; megatron tp=1) give the CPU's log-probs, ``loss:sum``
+and gradient norm; a bfloat16 base trains float32 LoRA with float32 optimizer state on each.
+
+Skipped without CUDA (this project's CI has none): ``scripts/gpu_checks.sh`` runs it on a lent
+GPU machine, with the GPU benchmarks. ``HT_TEST_GPU_DEVICE=cpu`` runs the same tests on the CPU,
+to check them where no GPU is (``GPU_CHECKS_SMALL=1 scripts/gpu_checks.sh run`` does)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.rank.serve import local_rank
+from hosted_tinker.server.workers.backend import ProcessBackend
+from hosted_tinker.server.workers.launch import rank_factories
+from tests.test_megatron import LORA, steps
+
+DEVICE = os.environ.get("HT_TEST_GPU_DEVICE", "cuda:0")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TOL = 1e-3  # float32 on the GPU sums in other orders than on the CPU (TF32 is off for matmuls)
+HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+BACKENDS = [
+    pytest.param("peft", {"device": DEVICE}, id="peft"),
+    pytest.param("ddp", {"train_devices": DEVICE}, id="ddp-nccl"),
+    pytest.param(
+        "megatron",
+        {"train_devices": DEVICE, "backend_options": {"layers": "local"}},
+        id="megatron-tp1",
+        marks=pytest.mark.skipif(not HAS_MCORE, reason="needs megatron-core"),
+    ),
+]
+
+
+def on_gpu(model: Path, backend: str, settings: dict, dtype: str = "float32") -> ProcessBackend:
+    """A backend of worker processes on ``DEVICE``, as the server runs it."""
+    config = ServerConfig(model=str(model), backend=backend, dtype=dtype, **settings)
+    return ProcessBackend(rank_factories(config, str(model)))
+
+
+@pytest.fixture(scope="module")
+def on_cpu(tiny_model_dir: Path) -> list:
+    trainer = local_rank(str(tiny_model_dir)).trainer
+    trainer.create_adapter("m", LORA)
+    return steps(trainer, "m", seed=3, n=3)
+
+
+@pytest.mark.parametrize(("backend", "settings"), BACKENDS)
+def test_the_gpu_gives_the_cpus_results(backend: str, settings: dict, tiny_model_dir: Path, on_cpu: list) -> None:
+    gpu = on_gpu(tiny_model_dir, backend, settings)
+    try:
+        assert gpu.capabilities is not None
+        gpu.create_adapter("m", LORA)
+        got = steps(gpu, "m", seed=3, n=3)
+    finally:
+        gpu.close()
+    for (lp_g, loss_g, norm_g), (lp_c, loss_c, norm_c) in zip(got, on_cpu, strict=True):
+        for g, c in zip(lp_g, lp_c, strict=True):
+            np.testing.assert_allclose(g, c, rtol=TOL, atol=TOL)
+        assert loss_g == pytest.approx(loss_c, rel=TOL, abs=TOL)
+        assert norm_g == pytest.approx(norm_c, rel=TOL)
+
+
+@pytest.fixture(scope="module")
+def on_cpu_bf16(tiny_model_dir: Path) -> list:
+    trainer = local_rank(str(tiny_model_dir), dtype="bfloat16").trainer
+    trainer.create_adapter("bf16", LORA)
+    return steps(trainer, "bf16", seed=3, n=1)
+
+
+@pytest.mark.parametrize(("backend", "settings"), BACKENDS)
+def test_a_bfloat16_base_trains_float32_lora_on_the_gpu(
+    backend: str, settings: dict, tiny_model_dir: Path, on_cpu_bf16: list
+) -> None:
+    """The first step is the CPU's bfloat16 step up to bfloat16's rounding (the kernels round in
+    other places); the LoRA weights and their optimizer state stay float32 through three steps."""
+    gpu = on_gpu(tiny_model_dir, backend, settings, dtype="bfloat16")
+    try:
+        gpu.create_adapter("bf16", LORA)
+        got = steps(gpu, "bf16", seed=3, n=3)
+        state = gpu.export_state("bf16")
+    finally:
+        gpu.close()
+    assert {t.dtype for t in [*state.weights.values(), *state.optimizer.values()]} == {torch.float32}
+    (lp_g, loss_g, norm_g), (lp_c, loss_c, norm_c) = got[0], on_cpu_bf16[0]
+    for g, c in zip(lp_g, lp_c, strict=True):
+        assert g.dtype == np.float32
+        np.testing.assert_allclose(g, c, atol=5e-2)
+    assert loss_g == pytest.approx(loss_c, rel=2e-2)
+    assert norm_g == pytest.approx(norm_c, rel=2e-2)
+    assert all(np.isfinite(loss) and np.isfinite(norm) for _, loss, norm in got)
