@@ -395,8 +395,16 @@ open_firewall() {
     --allow="tcp:$VM_PORT" --source-ranges="$OPEN_FIREWALL"
 }
 
+startup_failed() { # VM's startup script ended in an error (GCP's guest agent logs its exit status to
+  # the serial port): its last lines. Only for a VM made now, whose serial output is this boot's.
+  local out
+  out="$(gc compute instances get-serial-port-output "$1" --zone="$ZONE" 2>/dev/null)" || return 1
+  grep -q 'startup-script exit status [1-9]' <<<"$out" || return 1
+  grep 'startup-script' <<<"$out" | tail -n 12
+}
+
 wait_and_print() { # an SSH tunnel to node 0, /healthz until it answers, then the URL and the API key
-  local vm="${VMS[0]}" url="http://localhost:$SERVER_PORT" pid="" log key
+  local vm="${VMS[0]}" url="http://localhost:$SERVER_PORT" pid="" log key polls=0 node lines
   local tunnel=(gcloud compute ssh "$vm" --project="$PROJECT" --zone="$ZONE" --quiet --
     -N -L "$SERVER_PORT:localhost:$VM_PORT" -o ExitOnForwardFailure=yes)
   local probe=(curl -fsS -m 5 -o /dev/null "$url/healthz")
@@ -413,6 +421,15 @@ wait_and_print() { # an SSH tunnel to node 0, /healthz until it answers, then th
         pid=$!
       fi
       if "${probe[@]}" 2>/dev/null; then break; fi
+      if [ -z "$REUSE" ] && [ $((polls++ % 6)) -eq 5 ]; then # a failed first boot says why, at once
+        for node in "${VMS[@]}"; do
+          if lines="$(startup_failed "$node")"; then
+            kill "$pid" 2>/dev/null || true
+            echo "$lines" >&2
+            die "the startup script of $node failed (its last lines above; all: bash launch.sh --vm $VM_NAME --logs)"
+          fi
+        done
+      fi
       if [ "$SECONDS" -ge "$deadline" ]; then
         kill "$pid" 2>/dev/null || true
         tail -n 5 "$log" >&2

@@ -65,6 +65,8 @@ elif words[:3] == ["compute", "instances", "describe"]:
         print("203.0.113.7")
     else:
         print("RUNNING")
+elif words[:3] == ["compute", "instances", "get-serial-port-output"]:
+    print(env("FAKE_GCLOUD_SERIAL", ""))
 elif words[:3] == ["compute", "addresses", "describe"]:
     print("10.128.0.42")
 elif words[:3] == ["compute", "accelerator-types", "list"]:
@@ -278,6 +280,26 @@ def test_waiting_for_healthz_is_bounded(fake):
     result = fake.run(*SOURCE, "--zones", "us-east1-b", "--wait-timeout", "0", GPU_TYPE="b200", FAKE_CURL_RC="7")
     assert result.returncode != 0 and "no answer from http://localhost:8000/healthz within 0s" in result.stderr
     assert fake.curls() and "TINKER_API_KEY" not in result.stdout
+
+
+def test_a_failed_first_boot_is_said_at_once_with_its_last_lines(fake):
+    """The guest agent logs the startup script's output and exit status to the serial port: a new
+    VM whose script failed (here: a driver torch cannot use) is reported, not waited on for 30 min."""
+    serial = (
+        "Nov 26 01:00:01 vm google_metadata_script_runner[812]: startup-script: Successfully installed ...\n"
+        "Nov 26 01:00:02 vm google_metadata_script_runner[812]: startup-script: startup.sh: torch 2.13.0"
+        " (built for CUDA 13.0) cannot use this VM's GPUs (driver 570.133.20).\n"
+        "Nov 26 01:00:02 vm google_metadata_script_runner[812]: startup-script exit status 1\n"
+    )
+    env = {"GPU_TYPE": "l4", "FAKE_CURL_RC": "7", "POLL_S": "0", "WAIT_TIMEOUT": "60"}
+    result = fake.run(*SOURCE, "--zones", "us-east1-b", FAKE_GCLOUD_SERIAL=serial, **env)
+    assert result.returncode != 0
+    assert "cannot use this VM's GPUs (driver 570.133.20)" in result.stderr
+    assert "the startup script of hosted-tinker failed" in result.stderr and "no answer" not in result.stderr
+    # a boot still installing (no exit status yet) is waited on
+    running = serial.rsplit("\n", 2)[0]
+    result = fake.run(*SOURCE, "--zones", "us-east1-b", "--wait-timeout", "1", FAKE_GCLOUD_SERIAL=running, **env)
+    assert "no answer from http://localhost:8000/healthz within 1s" in result.stderr
 
 
 def test_reuse_starts_the_stopped_vm_and_creates_nothing(fake):
