@@ -26,7 +26,7 @@ import datasets
 from tinker_cookbook.recipes import rl_loop
 
 DATASET = ("openai/gsm8k", "main")
-ROWS = 128  # batches of 8 for 16 steps
+ROWS = 64
 
 
 def gsm8k_rows() -> list[dict[str, str]]:
