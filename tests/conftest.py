@@ -105,6 +105,17 @@ def start_server(
     raise RuntimeError(f"server did not become healthy in {timeout}s:\n{log_path.read_text()[-4000:]}")
 
 
+def wait_healthy(base_url: str, timeout: float = 180.0) -> dict:
+    """Poll ``/healthz`` until it answers 200 (a server, a container or a VM coming up); its body."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return httpx.get(f"{base_url}/healthz", timeout=2).raise_for_status().json()
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    raise AssertionError(f"nothing answered {base_url}/healthz in {timeout} s")
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("data")

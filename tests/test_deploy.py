@@ -14,12 +14,11 @@ import sysconfig
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import ALIAS, free_port
+from tests.conftest import ALIAS, free_port, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,16 +29,6 @@ def boot(root: Path, env: dict[str, str]) -> None:
     subprocess.run(
         ["bash", str(REPO / "deploy" / "startup.sh"), "--local", str(root)], env=env, check=True, timeout=300
     )
-
-
-def healthy(port: int, timeout: float = 180.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json()
-        except httpx.HTTPError:
-            time.sleep(0.25)
-    raise AssertionError(f"the server did not answer /healthz on port {port} in {timeout} s")
 
 
 def shut_down(root: Path, port: int) -> None:
@@ -75,7 +64,8 @@ def test_first_and_second_boot(tmp_path: Path, tiny_model_dir: Path):
     try:
         key = (data / "launch-key").read_text().strip()
         assert key.startswith("tml-") and (data / "launch-key").stat().st_mode & 0o777 == 0o600
-        assert healthy(port)["auth"] == {"mode": "api-keys"}  # never open: the key was made first
+        # never open: the key was made first
+        assert wait_healthy(f"http://127.0.0.1:{port}")["auth"] == {"mode": "api-keys"}
         assert (root / "opt/hosted-tinker/venv/bin/hosted-tinker").exists()
         sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key)
         tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
@@ -94,7 +84,7 @@ def test_first_and_second_boot(tmp_path: Path, tiny_model_dir: Path):
     try:
         assert (data / "launch-key").read_text().strip() == key
         assert (root / "opt/hosted-tinker/installed-source").stat().st_mtime == installed  # not installed again
-        healthy(port)
+        wait_healthy(f"http://127.0.0.1:{port}")
         rest = tinker.RestClient(base_url=f"http://127.0.0.1:{port}", api_key=key)
         runs = rest.list_training_runs().result().training_runs
         checkpoints = [

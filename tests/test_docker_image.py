@@ -31,7 +31,7 @@ import pytest
 import tinker
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_healthy
 from tests.test_residency import step
 
 IMAGE = os.environ.get("HOSTED_TINKER_IMAGE")
@@ -45,16 +45,6 @@ STOP_GRACE_S = 40  # compose.yaml's stop_grace_period: the server parks within -
 
 def docker(*args: str, timeout: float = 120) -> str:
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=True, timeout=timeout).stdout.strip()
-
-
-def healthy(base_url: str, timeout: float = 180.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return httpx.get(f"{base_url}/healthz", timeout=2).raise_for_status().json()
-        except httpx.HTTPError:
-            time.sleep(0.25)
-    raise AssertionError(f"the container did not answer {base_url}/healthz in {timeout} s")
 
 
 @pytest.fixture
@@ -72,7 +62,7 @@ def container() -> Iterator[tuple[str, str]]:
 @pytest.mark.skipif(not IMAGE, reason="HOSTED_TINKER_IMAGE names no built image (needs a Docker daemon)")
 def test_first_start_stop_and_start_again(container: tuple[str, str]) -> None:
     name, base_url = container
-    status = healthy(base_url)
+    status = wait_healthy(base_url)
     assert status["auth"] == {"mode": "api-keys"}  # the key was made before the server started
     assert status["served_models"] == [TINY]
     assert httpx.get(f"{base_url}/api/v1/training_runs", timeout=10).status_code == 401
@@ -96,7 +86,7 @@ def test_first_start_stop_and_start_again(container: tuple[str, str]) -> None:
     assert "shutdown: parked 1 models (0 could not be)" in logs.stdout + logs.stderr
 
     docker("start", name)
-    assert healthy(base_url)["active"]["parked_models"] == 1
+    assert wait_healthy(base_url)["active"]["parked_models"] == 1
     assert docker("exec", name, "cat", "/data/launch-key") == key  # kept, not made again
     losses += [step(tc, k) for k in range(3, 6)]
     assert tc.get_info().model_id == model_id
@@ -137,7 +127,7 @@ def test_compose_file_as_the_readme_runs_it(tmp_path: Path) -> None:
     base_url = f"http://127.0.0.1:{port}"
     docker(*compose, "up", "-d", timeout=300)
     try:
-        assert healthy(base_url)["served_models"] == [TINY, "compose-tiny"]  # the env file was read
+        assert wait_healthy(base_url)["served_models"] == [TINY, "compose-tiny"]  # the env file was read
         key = docker(*compose, "exec", "-T", "hosted-tinker", "cat", "/data/launch-key")
         assert key.startswith("tml-")
         container = docker(*compose, "ps", "-q", "hosted-tinker")
@@ -152,7 +142,7 @@ def test_compose_file_as_the_readme_runs_it(tmp_path: Path) -> None:
             docker(*compose, "stop", timeout=STOP_GRACE_S + 30)
             assert docker("inspect", "--format", "{{.State.ExitCode}}", container) == "0"
             docker(*compose, "up", "-d", timeout=300)
-            assert healthy(base_url)["active"]["parked_models"] == 1  # the volume kept it
+            assert wait_healthy(base_url)["active"]["parked_models"] == 1  # the volume kept it
             losses += [step(tc, k) for k in range(2, 4)]
             uninterrupted = sc.create_lora_training_client(base_model="compose-tiny", rank=4, seed=7).result()
             assert losses == [step(uninterrupted, k) for k in range(4)]
@@ -189,7 +179,7 @@ def test_cuda_image_on_a_machine_without_a_gpu() -> None:
     docker("run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", *on_cpu)
     try:
         base_url = f"http://127.0.0.1:{port}"
-        assert healthy(base_url)["served_models"] == [TINY]
+        assert wait_healthy(base_url)["served_models"] == [TINY]
         key = docker("exec", name, "cat", "/data/launch-key")
         with tinker.ServiceClient(base_url=base_url, api_key=key) as sc:
             tc = sc.create_lora_training_client(base_model=TINY, rank=4, seed=3).result()

@@ -40,8 +40,8 @@ from pathlib import Path
 import pytest
 import tinker
 
-from tests.conftest import free_port, start_server
-from tests.test_docker_image import DEPLOY, REPO, STOP_GRACE_S, TINY, docker, healthy
+from tests.conftest import free_port, start_server, wait_healthy
+from tests.test_docker_image import DEPLOY, REPO, STOP_GRACE_S, TINY, docker
 from tests.test_residency import datum, step
 
 VM_IMAGE = os.environ.get("HOSTED_TINKER_VM_IMAGE")
@@ -128,7 +128,7 @@ def boot_script(vm: str) -> None:
 
 def service(vm: str, base_url: str) -> dict:
     """The systemd service's main pid and restart count, once the server behind it answers."""
-    healthy(base_url)
+    wait_healthy(base_url)
     shown = in_vm(vm, "systemctl show -p MainPID -p NRestarts -p ActiveState -p UnitFileState hosted-tinker")
     return dict(line.split("=", 1) for line in shown.splitlines())
 
@@ -138,7 +138,7 @@ def test_startup_script_under_systemd(vm: tuple[str, str]) -> None:
     boot_script(name)
     first = service(name, base_url)
     assert first["ActiveState"] == "active" and first["UnitFileState"] == "enabled", first
-    assert healthy(base_url)["auth"] == {"mode": "api-keys"}
+    assert wait_healthy(base_url)["auth"] == {"mode": "api-keys"}
     key = in_vm(name, "cat /var/lib/hosted-tinker/launch-key")
     assert in_vm(name, "stat -c %a /var/lib/hosted-tinker/launch-key") == "600"
 
@@ -150,14 +150,14 @@ def test_startup_script_under_systemd(vm: tuple[str, str]) -> None:
     journal = in_vm(name, "journalctl -u hosted-tinker --no-pager")
     assert "shutdown: parked 1 models (0 could not be)" in journal
     in_vm(name, "systemctl start hosted-tinker")
-    healthy(base_url)
+    wait_healthy(base_url)
     losses += [step(tc, k) for k in range(2, 4)]
 
     # a reboot: systemd's shutdown stops the service (the model parked again), and at boot the
     # enabled service starts before the startup script runs again, which changes nothing
     docker("restart", "-t", str(STOP_GRACE_S), name, timeout=STOP_GRACE_S + 60)
     rebooted = service(name, base_url)
-    assert healthy(base_url)["active"]["parked_models"] == 1
+    assert wait_healthy(base_url)["active"]["parked_models"] == 1
     installed = in_vm(name, "stat -c %Y /opt/hosted-tinker/installed-source")
     boot_script(name)
     assert service(name, base_url)["MainPID"] == rebooted["MainPID"]  # not restarted: nothing changed
@@ -285,7 +285,7 @@ def test_launch_sh_from_checkout_prints_a_url_and_key_the_sdk_trains_with(tmp_pa
         assert printed, done.stdout
         tunnel = re.search(r"The SSH tunnel runs as pid (\d+)", done.stdout)
         url, key = printed.groups()
-        assert url == f"http://localhost:{port}" and healthy(url)["auth"] == {"mode": "api-keys"}
+        assert url == f"http://localhost:{port}" and wait_healthy(url)["auth"] == {"mode": "api-keys"}
         with tinker.ServiceClient(base_url=url, api_key=key) as sc:
             tc = sc.create_lora_training_client(base_model=TINY, rank=4, seed=31).result()
             assert step(tc, 0) > 0
