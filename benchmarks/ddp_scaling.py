@@ -42,11 +42,12 @@ from hosted_tinker.server.workers.launch import rank_factories  # noqa: E402
 LORA = LoraSpec(rank=32, seed=0)
 
 
-def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> ForwardBackwardBatch:
-    """``batch`` sequences of seq_len/2 .. seq_len tokens: unequal, so shards balance by tokens."""
+def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0, min_len: int | None = None) -> ForwardBackwardBatch:
+    """``batch`` sequences of ``min_len`` (seq_len/2 unless given) .. seq_len tokens: unequal, so
+    shards balance by tokens."""
     rng = np.random.default_rng(seed)
     data = []
-    for n in rng.integers(seq_len // 2, seq_len + 1, batch):
+    for n in rng.integers(seq_len // 2 if min_len is None else min_len, seq_len + 1, batch):
         seq = torch.from_numpy(rng.integers(10, vocab - 1, int(n) + 1))
         data.append(DatumInput(tokens=seq[:-1], target_tokens=seq[1:], inputs={"weights": torch.ones(int(n))}))
     return ForwardBackwardBatch(data=data, loss_fn="cross_entropy", loss_config={}, forward_only=False)
@@ -125,7 +126,7 @@ def workload(args: Any, tokens: int, model: str) -> dict[str, Any]:
     return {
         "batch": args.batch,
         "tokens_per_step": tokens,
-        "seq_len": f"{args.seq_len // 2}..{args.seq_len}",
+        "seq_len": f"{args.min_len or args.seq_len // 2}..{args.seq_len}",
         "steps_measured": args.steps * args.rounds,
         "rounds": args.rounds,
         "lora_rank": LORA.rank,
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=None, help="the shortest sequence (default: seq-len / 2)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument(
         "--skip",
@@ -156,7 +158,7 @@ def main() -> None:
         parser.error("--ranks must be at least 2 (ddp1 is always measured; --skip ddpN leaves ddpN out)")
 
     _, model, vocab = setup(args.model)
-    batch = make_batch(args.batch, args.seq_len, vocab)
+    batch = make_batch(args.batch, args.seq_len, vocab, min_len=args.min_len)
     tokens = sum(d.num_tokens for d in batch.data)
     adam = AdamParams(learning_rate=args.lr)
     one = "cuda:0" if args.device.startswith("cuda") else "cpu"

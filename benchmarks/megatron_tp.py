@@ -8,17 +8,18 @@ tp=N, in one run, alternating rounds:
 
     python benchmarks/megatron_tp.py [--tp 2 --batch 8 --seq-len 256 --model DIR]
     python benchmarks/megatron_tp.py --device cuda --tp 2 --model DIR --peak-tflops 989
-    # issue #16's GPU figure: Qwen3-8B's shape with random weights, 4K-token sequences, one
+    # issue #16's GPU figure: Qwen3-8B's shape with random weights, a 4K-token sequence, one
     # path at a time (two 8B copies and their activations do not share one 80 GB GPU)
     python benchmarks/megatron_tp.py --device cuda --shape qwen3-8b --dtype bfloat16 --tp 1 \
-        --batch 2 --seq-len 4096 --one-at-a-time --peak-tflops 989
+        --batch 1 --seq-len 4096 --min-len 4096 --one-at-a-time
 
 Every path trains the same adapter (LoRA draws the same initial weights everywhere) on the same
-batch, so their losses must agree (checked to a relative 1e-4). It prints the model FLOPs of a
-token and of a step, so that MFU follows from any step time on any device (``--peak-tflops``
-prints it here): ``6·P + attention`` (the usual convention; P the matmul weights a token meets)
-and what a LoRA step executes (the frozen base has no weight gradients: ``4·P``, plus the
-adapters' ``6·P_lora``). Writes benchmarks/results/megatron_tp-<device>.json.
+batch, so their losses must agree (checked to a relative 1e-4 in float32, 2e-2 in bfloat16).
+It prints the model FLOPs of a token and of a step, so that MFU follows from any step time on
+any device (``--peak-tflops``, or a known H100's or H200's own, prints it): ``6·P + attention``
+(the usual convention; P the matmul weights a token meets) and what a LoRA step executes (the
+frozen base has no weight gradients: ``4·P``, plus the adapters' ``6·P_lora``).
+Writes benchmarks/results/megatron_tp-<device>.json.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_scaling import LORA, devices_for, make_batch, measure, worker_backend, workload  # noqa: E402
 from benchmarks.report import add_common_args, print_table, result_header, setup, write_results  # noqa: E402
-from benchmarks.shapes import SHAPES, flops_per_token, random_model  # noqa: E402
+from benchmarks.shapes import SHAPES, flops_per_token, peak_tflops, random_model  # noqa: E402
 from hosted_tinker.core.types import AdamParams, TrainingBackend  # noqa: E402
 
 
@@ -48,8 +49,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=None, help="the shortest sequence (default: seq-len / 2)")
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, to print MFU")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="the device's peak, for MFU (known H100s and H200s: their own)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the base model's")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random weights of this shape")
     parser.add_argument(
@@ -63,7 +67,7 @@ def main() -> None:
     if args.shape is not None:
         args.model = random_model(args.shape, args.dtype)
     _, model, vocab = setup(args.model)
-    batch = make_batch(args.batch, args.seq_len, vocab)
+    batch = make_batch(args.batch, args.seq_len, vocab, min_len=args.min_len)
     tokens = sum(d.num_tokens for d in batch.data)
     mean_context = float(np.mean([(d.num_tokens + 1) / 2 for d in batch.data]))
     flops = flops_per_token(model, mean_context, LORA.rank)
@@ -78,17 +82,26 @@ def main() -> None:
             model, "megatron", devices_for(args.device, args.tp), {"tp": str(args.tp), **no_sampler}, args.dtype
         ),
     }
-    if args.one_at_a_time:
+    failed: dict[str, str] = {}
+    if args.one_at_a_time:  # a path that fails (out of memory, say) is recorded; the others still run
         timings = {}
         for name, make in makers.items():
-            timings |= measure({name: make}, batch, adam, args)
+            try:
+                timings |= measure({name: make}, batch, adam, args)
+            except Exception as e:  # noqa: BLE001 - reported in the results, not raised
+                failed[name] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{name} failed: {failed[name]}", file=sys.stderr)
+        if not timings:
+            raise SystemExit(f"every path failed: {failed}")
     else:
         timings = measure(makers, batch, adam, args)
     paths = list(timings)
 
     median_s = {name: statistics.median(t["seconds"]) for name, t in timings.items()}
     losses = np.array([timings[name]["loss"] for name in paths])
-    same_math = bool(np.allclose(losses, losses[0], rtol=1e-4))
+    # bf16 paths sum in other orders (megatron's fused layers against HF's): equal to bf16's rounding
+    rtol = 1e-4 if args.dtype == "float32" else 2e-2
+    same_math = bool(np.allclose(losses, losses[0], rtol=rtol))
     step_flops = {k: v * tokens for k, v in flops.items() if k.endswith("flops") or k.endswith("_6p")}
     results = {
         **result_header("megatron_tp", args.device),
@@ -100,24 +113,31 @@ def main() -> None:
             name: [1000 * float(np.percentile(t["seconds"], q)) for q in (10, 90)] for name, t in timings.items()
         },
         "tokens_per_s": {name: tokens / s for name, s in median_s.items()},
-        "ratio_tp1_over_peft_step_time": median_s["tp1"] / median_s["peft"],
         "one_path_at_a_time": args.one_at_a_time,
         "dtype": args.dtype,
-        "losses_equal_on_every_path_rtol_1e-4": same_math,
+        "losses": {name: [float(x) for x in timings[name]["loss"]] for name in paths},
+        "losses_rtol": rtol,
+        "losses_equal_on_every_path": same_math,
+        "failed": failed,
     }
     rows = [(f"{name}: step", f"{1000 * s:8.1f} ms   {tokens / s:8.0f} tok/s") for name, s in median_s.items()]
-    rows += [("tp1 / peft step time", f"{results['ratio_tp1_over_peft_step_time']:8.3f}")]
-    if args.tp > 1:
+    rows += [(f"{name}: FAILED", reason[:60]) for name, reason in failed.items()]
+    if {"tp1", "peft"} <= median_s.keys():
+        results["ratio_tp1_over_peft_step_time"] = median_s["tp1"] / median_s["peft"]
+        rows += [("tp1 / peft step time", f"{results['ratio_tp1_over_peft_step_time']:8.3f}")]
+    if args.tp > 1 and {"tp1", tp_n} <= median_s.keys():
         results[f"speedup_{tp_n}_over_tp1"] = median_s["tp1"] / median_s[tp_n]
         rows += [(f"{tp_n} speed-up over tp1", f"{results[f'speedup_{tp_n}_over_tp1']:8.3f}")]
     rows += [
         ("model FLOPs / token (6P + attn)", f"{flops['model_flops_6p']:10.3e}"),
         ("LoRA step FLOPs / token (4P + 6P_lora + attn)", f"{flops['lora_step_flops']:10.3e}"),
         ("model FLOPs / step (6P + attn)", f"{step_flops['model_flops_6p']:10.3e}"),
-        ("losses equal on every path (rtol 1e-4)", f"{same_math!s:>8}"),
+        (f"losses equal on every path (rtol {rtol:g})", f"{same_math!s:>8}"),
     ]
-    if args.peak_tflops:
-        mfu = {name: step_flops["model_flops_6p"] / s / (args.peak_tflops * 1e12) for name, s in median_s.items()}
+    peak = peak_tflops(args)
+    if peak:
+        results["peak_tflops"] = peak
+        mfu = {name: step_flops["model_flops_6p"] / s / (peak * 1e12) for name, s in median_s.items()}
         results["mfu_6p"] = mfu
         rows += [(f"{name}: MFU (6P + attn)", f"{100 * m:8.2f} %") for name, m in mfu.items()]
     print_table(

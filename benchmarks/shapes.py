@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 # Model shapes to benchmark with random weights (``--shape``), as their HF configs give them.
 SHAPES = {
@@ -101,6 +102,9 @@ def random_model(shape: str, dtype: str, root: Path = MODEL_CACHE) -> str:
     model.save_pretrained(tmp)
     build_tokenizer().save_pretrained(tmp)
     tmp.rename(out)
+    del model
+    if torch.cuda.is_available():  # the workers load it; this process must not keep its 16 GB cached
+        torch.cuda.empty_cache()
     return str(out)
 
 
@@ -123,3 +127,17 @@ def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str
         "model_flops_6p": 6 * params + 3 * attention_fwd,
         "lora_step_flops": 4 * params + 6 * lora + 3 * attention_fwd,
     }
+
+
+# dense bf16 peaks by device name, the first match wins: PCIe and NVL cards before SXM's 989
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0}
+
+
+def peak_tflops(args: Any) -> float | None:
+    """``--peak-tflops``, or on CUDA the dense bf16 peak of a GPU the table knows (MFU's denominator)."""
+    if args.peak_tflops is not None or not args.device.startswith("cuda"):
+        return args.peak_tflops
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)

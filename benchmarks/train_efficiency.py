@@ -43,11 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, print_table, result_header, write_results  # noqa: E402
-from benchmarks.shapes import flops_per_token, random_model  # noqa: E402
+from benchmarks.shapes import flops_per_token, peak_tflops, random_model  # noqa: E402
 from hosted_tinker.rank import memory  # noqa: E402
 
 LORA_RANK = 32
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 
 
 def lengths_skewed(count: int, low: int, high: int, seed: int) -> list[int]:
@@ -94,15 +93,6 @@ def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
     value = fn()
     sync(device)
     return time.perf_counter() - start, value
-
-
-def peak_tflops(args: argparse.Namespace) -> float | None:
-    if args.peak_tflops is not None or not args.device.startswith("cuda"):
-        return args.peak_tflops
-    import torch
-
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def efficiency(flops: dict[str, float], tokens: int, seconds: float, peak: float | None) -> dict[str, float]:

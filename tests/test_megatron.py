@@ -9,6 +9,8 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -237,7 +239,8 @@ def test_a_bfloat16_base_trains_float32_lora(tiny_model_dir: Path):
 )
 def test_transformer_engine_layers_train_as_the_local_ones(tiny_model_dir: Path):
     """The seam behind ``layers``: the same steps on TE's layers and on megatron-core's PyTorch
-    ones (the CPU twin every other test here runs) agree, LoRA hooks included."""
+    ones (the CPU twin every other test here runs) agree, LoRA hooks included, on a bfloat16 base
+    (where ``auto`` picks TE: its fused and flash attention take 16-bit inputs only)."""
     results = {}
     for layers in ("te", "local"):
         config = ServerConfig(
@@ -245,18 +248,33 @@ def test_transformer_engine_layers_train_as_the_local_ones(tiny_model_dir: Path)
             backend="megatron",
             train_devices="cuda:0",
             backend_options={"layers": layers},
+            dtype="bfloat16",
         )
         backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
         try:
             backend.create_adapter("m", LORA)
-            results[layers] = steps(backend, "m", seed=3, n=3)
+            results[layers] = steps(backend, "m", seed=3, n=2)
         finally:
             backend.close()
     for (lp_te, loss_te, norm_te), (lp, loss, norm) in zip(results["te"], results["local"], strict=True):
         for a, b in zip(lp_te, lp, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)  # TE's kernels sum in another order
-        assert loss_te == pytest.approx(loss, rel=1e-3)
-        assert norm_te == pytest.approx(norm, rel=1e-3)
+            np.testing.assert_allclose(a, b, atol=5e-2)  # bf16 kernels that sum in other orders
+        assert loss_te == pytest.approx(loss, rel=1e-2)
+        assert norm_te == pytest.approx(norm, rel=1e-2)
+
+
+@pytest.mark.fast
+def test_layers_auto_picks_transformer_engine_for_16_bit_gpu_ranks_only(monkeypatch) -> None:
+    from hosted_tinker.rank.plans import megatron
+
+    monkeypatch.setattr(megatron, "has_transformer_engine", lambda: True)
+    auto = megatron.Options(tp=1)
+    assert auto.uses_te("cuda:0", "bfloat16") and auto.uses_te("cuda:1", "float16")
+    assert not auto.uses_te("cuda:0", "float32") and not auto.uses_te("cpu", "bfloat16")
+    assert megatron.Options(tp=1, layers="te").uses_te("cuda:0", "float32")  # asked for: as asked
+    assert not megatron.Options(tp=1, layers="local").uses_te("cuda:0", "bfloat16")
+    monkeypatch.setattr(megatron, "has_transformer_engine", lambda: False)
+    assert not auto.uses_te("cuda:0", "bfloat16")
 
 
 @pytest.mark.fast
@@ -295,3 +313,19 @@ def test_the_pins_are_the_ones_pyproject_installs() -> None:
     extras = extras["optional-dependencies"]
     assert Requirement(extras["megatron"][0]).specifier == MCORE_SUPPORTED
     assert Requirement(extras["vllm"][0]) == Requirement(VLLM_CUDA_SPEC)
+
+
+def test_a_cpu_rank_on_a_machine_with_a_gpu_keeps_megatron_on_the_cpu() -> None:
+    """A CPU rank where ``torch.cuda.is_available()`` (e.g. the CPU checks on a GPU machine): its
+    rotary frequencies stay on the CPU (megatron-core moves them to ``torch.cuda.current_device()``
+    at the first forward), instead of a device mismatch in the rank's first step."""
+    script = """
+import torch
+torch.cuda.is_available = lambda: True  # a GPU machine, as far as megatron-core can tell
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from hosted_tinker.rank.mcore import cpu
+cpu.use_cpu()
+print(RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4).device)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["cpu"], out.stderr[-2000:]

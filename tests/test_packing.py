@@ -119,3 +119,21 @@ def test_a_long_sequence_recomputes_its_layers(trainer: Trainer, monkeypatch):
         assert calls["n"] == 2
     finally:
         hook.remove()
+
+
+def test_flash_attention_only_for_16_bit_models_on_cuda(monkeypatch):
+    """flash-attn's varlen kernels take fp16/bf16 only: a float32 model on CUDA stays on packed SDPA."""
+    import importlib.util
+
+    from hosted_tinker.rank import attention
+
+    attention.register()  # transformers imported before flash_attn is faked: it looks for it too
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a)
+    )
+    cuda = torch.device("cuda", 0)
+    assert attention.implementation(cuda, torch.bfloat16) == "flash_attention_2"
+    assert attention.implementation(cuda, torch.float16) == "flash_attention_2"
+    assert attention.implementation(cuda, torch.float32) == attention.PACKED_SDPA
+    assert attention.implementation(torch.device("cpu"), torch.bfloat16) == attention.PACKED_SDPA

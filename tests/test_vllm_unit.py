@@ -331,3 +331,12 @@ def test_max_lora_rank_must_be_a_size_vllm_accepts():
     assert ServerConfig(max_lora_rank=32).max_lora_rank == 32
     with pytest.raises(ValidationError, match="max_lora_rank must be one of"):
         ServerConfig(max_lora_rank=48)
+
+
+def test_vllm_shares_rank_0s_gpu_as_this_process_numbers_it():
+    """``cuda:N`` counts within this process's CUDA_VISIBLE_DEVICES; vLLM's own must name that GPU."""
+    from hosted_tinker.server.api.state import visible_gpu
+
+    assert visible_gpu("cuda:1", None) == "1" and visible_gpu("cuda", "") == "0"
+    assert visible_gpu("cuda:0", "2,3") == "2" and visible_gpu("cuda:1", "2, 3") == "3"
+    assert visible_gpu("cuda:0", "GPU-8f1c,GPU-77aa") == "GPU-8f1c"

@@ -10,7 +10,7 @@ one, ``packed_sdpa``, that the training tree of ``rank.model`` uses. It runs PyT
 and keeps PyTorch's fused kernels (the CPU flash kernel, FlashAttention / memory-efficient on
 CUDA). Its mask function builds no mask: a ``T × T`` mask is what packing exists to avoid.
 
-On CUDA with ``flash_attn`` installed, transformers' own ``flash_attention_2`` is used instead
+On CUDA with ``flash_attn`` installed and a 16-bit model, transformers' own ``flash_attention_2`` is used instead
 (varlen kernels over the same ``cu_seq_lens`` keyword arguments: one launch for all
 sequences). No GPU has run that path here; ``packed_sdpa`` is its CPU twin and is what the
 equality tests pin.
@@ -89,9 +89,14 @@ def register() -> None:
     AttentionMaskInterface.register(PACKED_SDPA, _no_mask)
 
 
-def implementation(device: torch.device) -> str:
-    """The attention implementation packed training runs on ``device``."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+def implementation(device: torch.device, dtype: torch.dtype) -> str:
+    """The attention implementation packed training runs on ``device`` for a ``dtype`` model
+    (flash-attn's kernels take 16-bit inputs only)."""
+    if (
+        device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and importlib.util.find_spec("flash_attn") is not None
+    ):
         return "flash_attention_2"
     register()
     return PACKED_SDPA

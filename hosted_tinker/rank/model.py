@@ -139,7 +139,7 @@ class HfLoraModel:
         # a deep copy would take the training adapters' hooks along.
         self.shareable_base = sharing_weights(self.base)
         # The training tree runs packed sequences (``rank.attention``); the sampler's keeps sdpa.
-        self.base.set_attn_implementation(attention.implementation(self.device))
+        self.base.set_attn_implementation(attention.implementation(self.device, self.base.dtype))
         from transformers.modeling_layers import GradientCheckpointingLayer  # the decoder layers
 
         self.layers = [m for m in self.base.modules() if isinstance(m, GradientCheckpointingLayer)]

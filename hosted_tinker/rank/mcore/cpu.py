@@ -1,7 +1,8 @@
 """megatron-core on CPU ranks (gloo): its tensor-parallel RNG tracker and rotary embedding call
 ``torch.cuda`` unconditionally. On a CPU rank those calls are pointed at the CPU generator and
 device; a CUDA rank is left untouched. (gpu-and-engines.md §2: with exactly these, TP=2 on gloo
-trains like TP=1.)"""
+trains like TP=1.) A CPU rank is patched also on a machine with a GPU: megatron would otherwise
+move its rotary frequencies to ``cuda:0`` under a CPU model, and seed a CUDA context there."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ _patched = False
 
 
 def use_cpu() -> None:
-    """Point megatron-core's CUDA RNG and device calls at the CPU, once per process."""
+    """Point megatron-core's CUDA RNG and device calls at the CPU, once per process (a CPU rank's:
+    a process runs one rank on one device)."""
     global _patched
-    if _patched or torch.cuda.is_available():
+    if _patched:
         return
     import megatron.core.tensor_parallel.random as mcore_random
 

@@ -50,7 +50,7 @@ class Options(ddp.Options):
     layers: Literal["auto", "te", "local"] = Field(
         "auto",
         description="transformer-engine layers (te, CUDA only) or megatron-core's PyTorch ones (local); "
-        "auto: te when transformer_engine is installed and the ranks are on GPUs",
+        "auto: te when transformer_engine is installed, the ranks are on GPUs and --dtype is 16-bit",
     )
     embedded_sampler: bool = Field(
         True,
@@ -87,10 +87,12 @@ class Options(ddp.Options):
             if not has_transformer_engine():
                 raise ValueError("--backend-option layers=te needs transformer-engine: pip install transformer-engine")
 
-    def uses_te(self, device: str) -> bool:
-        """Whether a rank on ``device`` builds transformer-engine layers."""
+    def uses_te(self, device: str, dtype: str) -> bool:
+        """Whether a rank on ``device`` builds transformer-engine layers for a ``dtype`` base.
+        ``auto`` leaves a float32 base on the local layers: TE's fused and flash attention take
+        16-bit inputs only, and its speed is in those kernels."""
         if self.layers == "auto":
-            return device.startswith("cuda") and has_transformer_engine()
+            return device.startswith("cuda") and dtype in ("bfloat16", "float16") and has_transformer_engine()
         return self.layers == "te"
 
 
@@ -109,10 +111,14 @@ class Plan(ddp.Plan):
         self.tp = options.tp
         self.embedded_sampler = options.embedded_sampler and rank == 0
         self.sequence_parallel = options.sequence_parallel
-        self.te = options.uses_te(self.device)
+        self.uses_te = options.uses_te  # decided per model: it depends on the base's dtype
         self.tp_rank = rank % self.tp
         self.replicas = self.world_size // self.tp
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp,
+            # its groups time out as the world group does (a timedelta of these minutes), not in 30 min
+            distributed_timeout_minutes=options.collective_timeout_s / 60,
+        )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.replica_group = parallel_state.get_data_parallel_group()
 
@@ -128,7 +134,7 @@ class Plan(ddp.Plan):
             lora_alpha=lora_alpha,
             sampler_base=self.embedded_sampler,
             sequence_parallel=self.sequence_parallel,
-            te=self.te,
+            te=self.uses_te(self.device, dtype),
         )
 
     def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:

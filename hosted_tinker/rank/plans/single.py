@@ -32,6 +32,8 @@ class Plan:
     def __init__(self, rank: int, devices: list[str], init_method: str, options: Options) -> None:
         self.device = devices[0]
         self.synthetic = options.synthetic
+        if self.device.startswith("cuda"):  # cuda:N, so that memory statistics and bare "cuda" mean it
+            torch.cuda.set_device(self.device)
 
     def build_model(self, model_path: str, *, dtype: str, lora_alpha: float) -> HfLoraModel:
         model = SyntheticLoraModel if self.synthetic else HfLoraModel

@@ -249,7 +249,7 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
         gpus, sharing_gpu = config.vllm_gpus, False
         training_device = config.training_devices()[0]
         if gpus is None and training_device.startswith("cuda"):  # default: rank 0's GPU, shared
-            gpus, sharing_gpu = training_device.partition(":")[2] or "0", True
+            gpus, sharing_gpu = visible_gpu(training_device, os.environ.get("CUDA_VISIBLE_DEVICES")), True
         launch = VllmLaunch(
             python=python,
             model=model_path,
@@ -316,3 +316,12 @@ def _server_secret(data_dir: Path) -> bytes:
     if len(secret) != SECRET_BYTES:
         raise SystemExit(f"{path} holds {len(secret)} bytes, not {SECRET_BYTES}: delete it to make a new one")
     return secret
+
+
+def visible_gpu(device: str, inherited: str | None) -> str:
+    """``cuda:N`` as a child's ``CUDA_VISIBLE_DEVICES`` must name it: the N-th entry of this
+    process's own list where it has one (``cuda:0`` under ``2,3`` is GPU 2), else N."""
+    index = int(device.partition(":")[2] or 0)
+    if not inherited or not inherited.strip():
+        return str(index)
+    return inherited.split(",")[index].strip()
