@@ -12,9 +12,11 @@ The recipe's defaults stay, ``loss_fn="stable_reinforce"`` among them: it sample
 * ``datasets.load_dataset("openai/gsm8k", "main")`` returns GSM8K-shaped rows (a question, an
   answer ending ``#### N``) held in memory.
 * ``rl_loop.get_reward`` gives a dense reward a tiny random model can climb in a few steps: the
-  share of the response's characters that are ASCII (with a small tie-breaker). GSM8K's own reward (a correct boxed
-  answer) is always 0 for such a model, so every advantage would be 0 and the recipe would skip
-  every training step.
+  share of the response's characters that are lowercase ASCII letters (with a small
+  tie-breaker). It starts near 0.4, so it has room to climb (the share of ASCII characters, used
+  before, starts near 0.9: its climb sat inside the sampling noise in about one run in six).
+  GSM8K's own reward (a correct boxed answer) is always 0 for such a model, so every advantage
+  would be 0 and the recipe would skip every training step.
 """
 
 from __future__ import annotations
@@ -42,18 +44,19 @@ def fake_load_dataset(path: str, name: str | None = None, *args: Any, **kwargs: 
     return datasets.DatasetDict({"train": datasets.Dataset.from_list(gsm8k_rows())})
 
 
-def ascii_share(response: str, answer: str) -> float:
-    """The share of ASCII characters, and a tie-breaker a thousand times smaller (distinct
-    characters): once a group's samples are all ASCII their rewards would tie, every advantage
-    would be 0, and the recipe would skip the step."""
+def lowercase_share(response: str, answer: str) -> float:
+    """The share of characters in ``a``-``z``, and a tie-breaker a thousand times smaller (distinct
+    characters): samples that differ rarely tie. Identical ones do, once the policy has collapsed
+    to one answer; then every advantage of the group is 0, and the recipe skips the step if all
+    groups are so."""
     if not response:
         return 0.0
-    return sum(c.isascii() for c in response) / len(response) + 1e-4 * len(set(response))
+    return sum("a" <= c <= "z" for c in response) / len(response) + 1e-4 * len(set(response))
 
 
 def run(config: rl_loop.Config) -> None:
     rl_loop.datasets.load_dataset = fake_load_dataset
-    rl_loop.get_reward = ascii_share
+    rl_loop.get_reward = lowercase_share
     rl_loop.main(config)
 
 
