@@ -160,7 +160,9 @@ class LoraAdapters:
         (without disturbing the process RNG)."""
         layers: dict[str, Lora] = {}
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            # the CPU generator only (it draws on the CPU): torch.manual_seed would also reseed CUDA's
+            # for good, which fork_rng(devices=[]) does not restore
+            torch.random.default_generator.manual_seed(seed)
             for module in self.in_model_order(modules):
                 out_features, in_features = self.linear(module).weight.shape
                 a, b = draw_lora(in_features, out_features, rank)

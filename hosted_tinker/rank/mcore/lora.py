@@ -113,7 +113,9 @@ def init_adapter(chosen: dict[str, Site], rank: int, tp: int, tp_rank: int, seed
     the ``peft`` backend starts it; this rank keeps its shards."""
     projections: dict[str, list[Projection]] = {}
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # the CPU generator only (it draws on the CPU): torch.manual_seed would also reseed CUDA's
+        # for good, which fork_rng(devices=[]) does not restore
+        torch.random.default_generator.manual_seed(seed)
         for name, site in chosen.items():
             projections[name] = []
             for module, out_features in zip(site.hf_modules, site.out_features, strict=True):
