@@ -35,3 +35,25 @@ def test_any_chunking_gives_the_float64_values_and_gradients(chunk: int):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
     torch.testing.assert_close(hidden.grad.double(), h64.grad, atol=1e-5, rtol=0)
     torch.testing.assert_close(head.weight.grad.double(), w64.grad, atol=1e-5, rtol=0)
+
+
+def test_the_log_probs_of_a_chunk_see_that_chunks_logits_only():
+    """The seam tensor-parallel ranks use (``from_logits``: megatron's vocab-parallel log-probs):
+    it is given one chunk's logits at a time, forward and in the backward pass's recomputation."""
+    from hosted_tinker.core.logprobs import full_vocab_logprobs
+
+    rows: list[int] = []
+
+    def from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows.append(logits.shape[0])
+        return full_vocab_logprobs(logits, targets)
+
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(150, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (150, 1))
+    target_logprobs(head, hidden, targets, 64, from_logits).sum().backward()
+    assert rows == [64, 64, 22] + [22, 64, 64]  # three chunks, then each again, last first
+    torch.testing.assert_close(
+        target_logprobs(head, hidden, targets, 64, from_logits), target_logprobs(head, hidden, targets, 150)
+    )

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from hosted_tinker.core.types import DatumInput
 
+Head = Callable[[Tensor], Tensor]  # hidden states (C, H) -> logits (C, V), or a rank's (C, V/tp)
+FromLogits = Callable[[Tensor, Tensor], Tensor]  # (logits, targets (C, K)) -> log-probs (C, K)
 
-def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor) -> Tensor:
-    logits = head(hidden).float()  # (C, V)
+
+def full_vocab_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``logits`` (C, V) over the whole vocabulary, ``targets`` (C, K) -> (C, K) float32."""
+    logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (C, 1)
-    return logits.gather(-1, targets) - lse  # (C, K)
+    return logits.gather(-1, targets) - lse
+
+
+def _chunk_logprobs(head: Head, hidden: Tensor, targets: Tensor, from_logits: FromLogits) -> Tensor:
+    return from_logits(head(hidden), targets)
 
 
 # One chunk's float32 logits: 2,048 positions of a vocabulary up to 32K; fewer of a larger one
@@ -28,12 +38,20 @@ def chunk_tokens_for(vocab: int) -> int:
     return max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab)))
 
 
-def target_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, chunk_tokens: int = MAX_CHUNK_TOKENS) -> Tensor:
+def target_logprobs(
+    head: Head,
+    hidden: Tensor,
+    targets: Tensor,
+    chunk_tokens: int = MAX_CHUNK_TOKENS,
+    from_logits: FromLogits = full_vocab_logprobs,
+) -> Tensor:
     """Log-probabilities of ``targets`` under ``log_softmax(head(hidden))``.
 
     hidden        ``(T, H)``: final hidden states of the positions to score
     targets       ``(T, K)`` int64: K target ids per position (K=1 for next-token targets)
     chunk_tokens  positions per chunk (``chunk_tokens_for(vocab)``)
+    from_logits   a chunk's logits and targets to their log-probs: ``full_vocab_logprobs``, or
+                  a tensor-parallel rank's over its slice of the vocabulary (``rank.mcore.vocab``)
     returns       ``(T, K)`` float32
 
     With autograd on, each chunk is recomputed in the backward pass, so peak memory holds the
@@ -43,9 +61,9 @@ def target_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, chunk_toke
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
+            parts.append(checkpoint(_chunk_logprobs, head, h, t, from_logits, use_reentrant=False))
         else:
-            parts.append(_chunk_logprobs(head, h, t))
+            parts.append(_chunk_logprobs(head, h, t, from_logits))
     return torch.cat(parts) if parts else hidden.new_zeros((0, targets.shape[-1]), dtype=torch.float32)
 
 

@@ -171,7 +171,30 @@ class TpLora:
         self.routes = Routes()
         self.sequence_parallel = sequence_parallel
         for name, site in self.sites.items():
-            site.layer.register_forward_hook(self._hook(name, site))
+            if name != "unembed":  # the output layer runs as ``head``, chunk by chunk
+                site.layer.register_forward_hook(self._hook(name, site))
+
+    def head(self, name: str, weight: Tensor) -> Callable[[Tensor], Tensor]:
+        """The output layer under adapter ``name`` alone: whole-sequence hidden states ``(C, H)``
+        (the same on every rank) to this rank's logits ``(C, V/tp)``, ``weight`` being its
+        ``(V/tp, H)`` shard (the embedding's when tied). ``core.logprobs`` calls it chunk by
+        chunk, and again for each chunk in the backward pass, so that no rank holds the logits
+        of every position at once; what megatron's ``ColumnParallelLinear`` would compute."""
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        adapter = self.adapters.get(name)
+        projections = adapter.projections.get("unembed") if adapter is not None else None
+
+        def apply(hidden: Tensor) -> Tensor:
+            # identity forward; backward, the input's gradient summed over the vocabulary slices
+            logits = copy_to_tensor_model_parallel_region(hidden) @ weight.T
+            if projections:
+                (p,) = projections
+                update = adapter.scale * column_delta(hidden.to(p.A.dtype), p)  # its own copy_to
+                logits = logits + update.to(logits.dtype)
+            return logits
+
+        return apply
 
     def _hook(self, name: str, site: Site):
         delta = column_delta if site.kind == COLUMN else row_delta

@@ -9,11 +9,15 @@ each adapter's sharded tensors. The process group and megatron's parallel state 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
 from hosted_tinker.core.errors import UserError
-from hosted_tinker.core.logprobs import packed_targets, unpacked
+from hosted_tinker.core.logprobs import chunk_tokens_for, packed_targets, target_logprobs, unpacked
 from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.activations import recomputed
@@ -138,11 +142,36 @@ class McoreLoraModel:
             max_seqlen_q=packed.max_len,
             max_seqlen_kv=packed.max_len,
         )
-        with recomputed(self.gpt.decoder.layers, recompute and torch.is_grad_enabled()):
-            logits = self.gpt(tokens[None].to(**on), positions[None].to(**on), None, packed_seq_params=params)
-        flat = logits[0, :total]  # (ΣN, V/tp), datum order
+        with recomputed(self.gpt.decoder.layers, recompute and torch.is_grad_enabled()), self._decoder_only():
+            hidden = self.gpt(tokens[None].to(**on), positions[None].to(**on), None, packed_seq_params=params)
+        if self.sequence_parallel:  # (S/tp, 1, H): whole on every rank; backward, each keeps its part
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        hidden = hidden[:total, 0]  # (ΣN, H), datum order, the final norm applied
         targets = packed_targets(data).to(self.device)
-        return unpacked(vocab_parallel_logprobs(flat, targets, self.tp_rank * flat.shape[-1]), data)
+        gpt = self.gpt
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        weight = gpt.output_layer.weight if weight is None else weight  # (V/tp, H)
+        from_logits = functools.partial(vocab_parallel_logprobs, vocab_start=self.tp_rank * weight.shape[0])
+        chunk = chunk_tokens_for(weight.shape[0])
+        parts = [
+            target_logprobs(self.lora.head(name, weight), hidden[s:e], targets[s:e], chunk, from_logits)
+            for s, e, name in self.lora.routes.segments
+            if s < total  # not the sequence-parallel filler
+        ]
+        return unpacked(torch.cat(parts), data)
+
+    @contextlib.contextmanager
+    def _decoder_only(self) -> Iterator[None]:
+        """``GPTModel.forward`` returns the decoder's output (its final norm included) rather than
+        logits while ``post_process`` is off: megatron's own switch, for a pipeline stage without
+        the output layer."""
+        self.gpt.post_process = False
+        try:
+            yield
+        finally:
+            self.gpt.post_process = True
 
 
 def _in_peft_order(projections: dict[str, list]) -> list:

@@ -5,7 +5,8 @@
 
 The max is a constant (all-reduced, no gradient); the two sums are all-reduced with megatron's
 ``reduce_from`` region (all-reduce forward, identity backward), so each rank's gradient lands
-on its own slice of the logits."""
+on its own slice of the logits. ``core.logprobs.target_logprobs`` calls it on one chunk of
+positions at a time (``rank.mcore.lora.TpLora.head`` gives that chunk's logits)."""
 
 from __future__ import annotations
 
