@@ -5,22 +5,25 @@
 #
 #   bash scripts/gpu_checks.sh wheels   here: the missing packages for Python 3.12 into .whl/
 #                                       (27 wheels, about 21 MB; .whl/ is git-ignored)
-#   bash scripts/gpu_checks.sh run      there (the device tool: carry .whl, timeout_s 450, which
-#                                       leaves a 15-minute lease room for a second run):
-#                                       results and logs under $OUT (default ./gpu-checks)
+#   bash scripts/gpu_checks.sh run [SECTION...]
+#                                       there (the device tool: carry .whl, timeout_s 450; with a
+#                                       start of 1-2 minutes that leaves ~5 of a lease's 15 for
+#                                       rerunning a section at once on the warm machine, e.g.
+#                                       `run megatron-tp`): results and logs under $OUT
+#                                       (default ./gpu-checks)
 #   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh run
 #                                       anywhere, on the CPU: the same steps on tiny shapes, to
 #                                       check the plumbing before spending GPU time
 #
-# run, in order of worth, each section under its own time limit (about 400 s in all) so that
-# one slow section leaves the others their time, and a GPU freed of stray workers between them:
-#   1. tests/test_gpu.py: peft, ddp over NCCL and megatron tp=1 on cuda:0 against the CPU;
-#      bfloat16 bases with float32 LoRA; transformer-engine's layers if it is importable
-#   2. Qwen3-8B's shape with random bf16 weights, written once (16 GB)
-#   3. benchmarks/megatron_tp.py: that model, LoRA r32, one 4K-token sequence, peft against
-#      megatron tp=1, one path at a time (a path that fails is recorded), MFU at the GPU's peak
-#   4. benchmarks/train_efficiency.py: tenants (8 x 256 tokens: one pass against one at a
-#      time) on the tiny model and Qwen3-8B's shape
+# run, in order of worth, each section under its own time limit (400 s in all) so that one
+# slow section leaves the others their time, and each in a session of its own, ended after it:
+#   1. gpu-tests: tests/test_gpu.py: peft, ddp over NCCL and megatron tp=1 on cuda:0 against
+#      the CPU; bfloat16 bases with float32 LoRA; transformer-engine's layers if importable
+#   2. model: Qwen3-8B's shape with random bf16 weights, written once (16 GB)
+#   3. megatron-tp: benchmarks/megatron_tp.py: that model, LoRA r32, one 4K-token sequence,
+#      peft against megatron tp=1, one path at a time (a failed path is recorded), MFU
+#   4. train-efficiency: benchmarks/train_efficiency.py: tenants (8 x 256 tokens: one pass
+#      against one at a time) on the tiny model and Qwen3-8B's shape
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,29 +45,22 @@ wheels() {
 }
 
 section() { # section NAME SECONDS COMMAND...: its output to $OUT/NAME.log; a failure or timeout is recorded, not fatal
-  local name="$1" limit=$(($2 * ${SLOWER:-1})) rc=0 started=$SECONDS
+  local name="$1" limit=$(($2 * ${SLOWER:-1})) rc=0 started=$SECONDS pid
   shift 2
+  if [ ${#ONLY[@]} -gt 0 ] && [[ " ${ONLY[*]} " != *" $name "* ]]; then return; fi
   echo "==> $name (at most ${limit}s)"
-  timeout --kill-after=5 "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  # A session of its own: what is left of it afterwards (workers finishing a step after timeout
+  # stopped their server, say) is ended with it, before the next section needs the GPU.
+  setsid timeout --kill-after=5 "$limit" "$@" >"$OUT/$name.log" 2>&1 &
+  pid=$!
+  wait "$pid" || rc=$?
+  kill -KILL -- "-$pid" 2>/dev/null || true
   tail -n 25 "$OUT/$name.log"
   echo "<== $name: exit $rc after $((SECONDS - started))s" | tee -a "$OUT/summary.txt"
-  free_gpu
 }
 
-free_gpu() { # workers outlive a main process that timeout stopped (they finish their step first): end them
-  [ -n "${GPU_CHECKS_SMALL:-}" ] && return
-  local pids
-  for _ in $(seq 20); do
-    pids="$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | tr -d ' ')"
-    [ -z "$pids" ] && return
-    sleep 0.5
-  done
-  echo "killing what still holds the GPU: $pids" | tee -a "$OUT/summary.txt"
-  # shellcheck disable=SC2086  # one pid a word
-  kill -9 $pids 2>/dev/null || true
-}
-
-run() {
+run() { # run [SECTION...]: all sections, or only those named
+  ONLY=("$@")
   OUT="${OUT:-$PWD/gpu-checks}"
   mkdir -p "$OUT"
   : >"$OUT/summary.txt"
@@ -100,6 +96,6 @@ run() {
 
 case "${1:-}" in
   wheels) wheels ;;
-  run) run ;;
-  *) sed -n '2,23p' "$0" && exit 2 ;;
+  run) shift && run "$@" ;;
+  *) sed -n '2,26p' "$0" && exit 2 ;;
 esac

@@ -36,8 +36,9 @@ def recorded_sequences(server: ServerProcess) -> int:
         return db.execute("SELECT count(*) FROM sampled_sequences").fetchone()[0]
 
 
-def rl_loop_rewards(server: ServerProcess, env: dict[str, str], log_path: Path) -> list[float]:
-    """Run the recipe for STEPS steps; its reward per step, once the run's bookkeeping is checked."""
+def rl_loop_run(server: ServerProcess, env: dict[str, str], log_path: Path) -> tuple[list[float], int]:
+    """Run the recipe for STEPS steps: its reward per step and how many steps trained, once the
+    run's bookkeeping is checked."""
     before = recorded_sequences(server)
     cmd = [
         str(DRIVER),
@@ -62,27 +63,27 @@ def rl_loop_rewards(server: ServerProcess, env: dict[str, str], log_path: Path) 
     # one answer per prompt (in about one run in three, from step 5 on), every advantage is 0.
     trained = sum(m.get("optimizer_step", 0) > 0 for m in metrics)
     assert out.count("all advantages zero, skipping training step") == STEPS - trained, out[-4000:]
-    assert trained >= STEPS // 2, rewards
     # 4 prompts x 4 samples per step, each recorded for stable_reinforce
     assert recorded_sequences(server) - before == STEPS * 16
-    return rewards
+    return rewards, trained
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
 def test_rl_loop_with_its_default_loss_learns(server: ServerProcess, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The reward of the last three steps is above that of the first three. Reinforcement
+    """The reward of the last three steps is above that of the first three, and at least half
+    the steps trained (not skipped by the recipe for a collapsed policy). Reinforcement
     learning from a random model is itself noisy: one of 27 runs of this setting drifted the wrong
     way (the others climbed from ~0.4 by 0.25 to 0.6), so a run that does gets one fresh run (new
     LoRA weights, new samples); both failing is then about one in 700."""
     env = offline_env(tmp_path / "hf_home", tiny_model_dir, server.base_url)
     runs = []
     for attempt in range(2):
-        rewards = rl_loop_rewards(server, env, tmp_path / f"rl_loop-{attempt}")
-        runs.append(rewards)
-        if sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3:
+        rewards, trained = rl_loop_run(server, env, tmp_path / f"rl_loop-{attempt}")
+        runs.append((rewards, trained))
+        if sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 and trained >= STEPS // 2:
             return
-    pytest.fail(f"the reward did not go up in two runs: {runs}")
+    pytest.fail(f"the reward did not go up in two runs (rewards, steps trained): {runs}")
 
 
 @pytest.mark.slow

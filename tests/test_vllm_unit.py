@@ -340,3 +340,5 @@ def test_vllm_shares_rank_0s_gpu_as_this_process_numbers_it():
     assert visible_gpu("cuda:1", None) == "1" and visible_gpu("cuda", "") == "0"
     assert visible_gpu("cuda:0", "2,3") == "2" and visible_gpu("cuda:1", "2, 3") == "3"
     assert visible_gpu("cuda:0", "GPU-8f1c,GPU-77aa") == "GPU-8f1c"
+    with pytest.raises(SystemExit, match="CUDA_VISIBLE_DEVICES=2 makes 1 GPU"):
+        visible_gpu("cuda:1", "2")

@@ -232,8 +232,8 @@ def span_updates(x: Tensor, spans: list[Span], out_features: int) -> Tensor:
         b = torch.stack([span.lora.B for span in spans])  # (S, out, r)
         scales = [span.scale for span in spans]
         scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=x.device)[:, None, None]
-        xs = x.reshape(count, length, x.shape[-1]).to(a.dtype)  # (S, L, in): a view, span by span
-        return (torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)) * scale).reshape(*x.shape[:-1], -1)
+        xs = x.reshape(count, length, x.shape[-1])  # (S, L, in): a view, span by span
+        return (torch.bmm(lora_down(xs, a), b.transpose(1, 2)) * scale).reshape(*x.shape[:-1], -1)
     updates = [
         _update(x, span)
         if span.lora is not None
@@ -259,5 +259,36 @@ def _batchable(x: Tensor, spans: list[Span]) -> bool:
 
 
 def _update(x: Tensor, span: Span) -> Tensor:
-    xs = x.narrow(-2, span.start, span.end - span.start).to(span.lora.A.dtype)
-    return F.linear(F.linear(xs, span.lora.A), span.lora.B) * span.scale
+    xs = x.narrow(-2, span.start, span.end - span.start)
+    return F.linear(lora_down(xs, span.lora.A), span.lora.B) * span.scale
+
+
+class _LoraDown(torch.autograd.Function):
+    """``x @ Aᵀ`` in A's dtype (float32), keeping ``x`` for the backward pass as it came: autograd
+    would keep the float32 copy that the product reads, which for a bfloat16 model is twice the
+    input's bytes, once per LoRA layer (q, k and v each made their own). Recast in the backward
+    pass; the same operations, so the same values as ``F.linear(x.to(A.dtype), A)``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, a: Tensor) -> Tensor:
+        ctx.save_for_backward(x, a)
+        return x.to(a.dtype) @ a.transpose(-1, -2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, a = ctx.saved_tensors
+        grad_x = (grad @ a).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_a = None
+        if ctx.needs_input_grad[1]:
+            xs = x.to(a.dtype)
+            if a.dim() == 2:  # (r, in): every leading dimension of x is positions
+                grad_a = grad.reshape(-1, grad.shape[-1]).T @ xs.reshape(-1, xs.shape[-1])
+            else:  # (S, r, in), stacked adapters: x (S, L, in)
+                grad_a = grad.transpose(-1, -2) @ xs
+        return grad_x, grad_a
+
+
+def lora_down(x: Tensor, a: Tensor) -> Tensor:
+    """``x`` ``(..., in)`` (the base model's dtype) times ``a`` ``(r, in)``, or stacked ``(S, r, in)``
+    with ``x`` ``(S, L, in)``: ``(..., r)`` in A's dtype (float32 master weights)."""
+    return _LoraDown.apply(x, a)

@@ -15,7 +15,8 @@ Each HF projection PEFT would wrap (``q_proj``, ..., ``down_proj``, ``lm_head``)
 The fused layers take their deltas in megatron's layout (``convert``): q, k and v interleaved
 query group by query group; gate then up. Deltas are added by forward hooks, one per layer, each
 span of tokens under its own adapter (several models in one pass); the base modules are never
-replaced.
+replaced. The output layer is the exception: it runs as ``TpLora.head``, chunk by chunk of
+positions, its LoRA update added there.
 
 Tensors are ``[sequence, batch, features]``, as megatron-core passes them.
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from hosted_tinker.rank.adapters import Routes, draw_lora
+from hosted_tinker.rank.adapters import Routes, draw_lora, lora_down
 from hosted_tinker.rank.mcore.convert import HfShape
 
 COLUMN, ROW = "column", "row"
@@ -129,15 +130,16 @@ def init_adapter(chosen: dict[str, Site], rank: int, tp: int, tp_rank: int, seed
 
 
 def column_delta(x: Tensor, p: Projection) -> Tensor:
+    """``x`` in the base model's dtype; the update in the adapter's (``lora_down``)."""
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-    return copy_to_tensor_model_parallel_region(x @ p.A.T) @ p.B.T
+    return copy_to_tensor_model_parallel_region(lora_down(x, p.A)) @ p.B.T
 
 
 def row_delta(x: Tensor, p: Projection) -> Tensor:
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-    return reduce_from_tensor_model_parallel_region(x @ p.A.T) @ p.B.T
+    return reduce_from_tensor_model_parallel_region(lora_down(x, p.A)) @ p.B.T
 
 
 # With sequence parallelism the activations between layers are split by sequence: a column
@@ -161,9 +163,9 @@ def _this_ranks_positions(x: Tensor) -> Tensor:
 
 
 class TpLora:
-    """The adapters on one ``GPTModel``: one forward hook per site adds to the base layer's
-    output each span's LoRA update under the adapter ``routes`` names for it (tokens are the
-    first dimension of megatron's ``[s, b, h]``)."""
+    """The adapters on one ``GPTModel``: one forward hook per site (the output layer's aside, see
+    ``head``) adds to the base layer's output each span's LoRA update under the adapter
+    ``routes`` names for it (tokens are the first dimension of megatron's ``[s, b, h]``)."""
 
     def __init__(self, gpt: nn.Module, shape: HfShape, tp: int, sequence_parallel: bool = False) -> None:
         self.sites = sites(gpt, shape, tp)
@@ -190,7 +192,7 @@ class TpLora:
             logits = copy_to_tensor_model_parallel_region(hidden) @ weight.T
             if projections:
                 (p,) = projections
-                update = adapter.scale * column_delta(hidden.to(p.A.dtype), p)  # its own copy_to
+                update = adapter.scale * column_delta(hidden, p)  # its own copy_to
                 logits = logits + update.to(logits.dtype)
             return logits
 
@@ -213,8 +215,7 @@ class TpLora:
                 if not projections:
                     updates.append(x.new_zeros((end - start, *x.shape[1:-1], out.shape[-1]), dtype=out.dtype))
                     continue
-                xs = x[start:end].to(projections[0].A.dtype)
-                updates.append(adapter.scale * site.fuse([delta(xs, p) for p in projections]))
+                updates.append(adapter.scale * site.fuse([delta(x[start:end], p) for p in projections]))
             update = torch.cat([u.to(out.dtype) for u in updates]) if len(updates) > 1 else updates[0].to(out.dtype)
             return out + (_this_ranks_positions(update) if scatter else update), bias
 

@@ -32,8 +32,9 @@ class Plan:
     def __init__(self, rank: int, devices: list[str], init_method: str, options: Options) -> None:
         self.device = devices[0]
         self.synthetic = options.synthetic
-        if self.device.startswith("cuda"):  # cuda:N, so that memory statistics and bare "cuda" mean it
-            torch.cuda.set_device(self.device)
+        index = torch.device(self.device).index
+        if self.device.startswith("cuda") and index is not None:  # cuda:N: memory statistics are its
+            torch.cuda.set_device(index)
 
     def build_model(self, model_path: str, *, dtype: str, lora_alpha: float) -> HfLoraModel:
         model = SyntheticLoraModel if self.synthetic else HfLoraModel

@@ -324,4 +324,7 @@ def visible_gpu(device: str, inherited: str | None) -> str:
     index = int(device.partition(":")[2] or 0)
     if not inherited or not inherited.strip():
         return str(index)
-    return inherited.split(",")[index].strip()
+    visible = inherited.split(",")
+    if index >= len(visible):
+        raise SystemExit(f"{device}: CUDA_VISIBLE_DEVICES={inherited} makes {len(visible)} GPU(s) visible")
+    return visible[index].strip()
