@@ -10,9 +10,9 @@ one, ``packed_sdpa``, that the training tree of ``rank.model`` uses. It runs PyT
 and keeps PyTorch's fused kernels (the CPU flash kernel, FlashAttention / memory-efficient on
 CUDA). Its mask function builds no mask: a ``T × T`` mask is what packing exists to avoid.
 
-On CUDA with ``flash_attn`` installed and a 16-bit model, transformers' own ``flash_attention_2`` is used instead
-(varlen kernels over the same ``cu_seq_lens`` keyword arguments: one launch for all
-sequences). No GPU has run that path here; ``packed_sdpa`` is its CPU twin and is what the
+On CUDA with ``flash_attn`` installed and a 16-bit model, transformers' own
+``flash_attention_2`` is used instead (varlen kernels over the same ``cu_seq_lens`` keyword
+arguments: one launch for all sequences). No GPU has run that path here; ``packed_sdpa`` is its CPU twin and is what the
 equality tests pin.
 """
 

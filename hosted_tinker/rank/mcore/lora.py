@@ -150,7 +150,9 @@ def row_delta(x: Tensor, p: Projection) -> Tensor:
 # are routed by span of the whole sequence (``rank.adapters.Routes``), between the two.
 
 
-def _whole_sequence(x: Tensor) -> Tensor:
+def whole_sequence(x: Tensor) -> Tensor:
+    """Sequence-split ``x`` whole on every rank; backward, each rank keeps its own part of the
+    gradient (already summed over the ranks by whoever used ``x``)."""
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
@@ -208,7 +210,7 @@ class TpLora:
             spans = [(s, e, self.adapters.get(a)) for s, e, a in self.routes.segments]
             if not any(adapter is not None and adapter.projections.get(name) for _, _, adapter in spans):
                 return output
-            x = _whole_sequence(args[0]) if gather else args[0]
+            x = whole_sequence(args[0]) if gather else args[0]
             updates = []
             for start, end, adapter in spans:
                 projections = adapter.projections.get(name) if adapter is not None else None

@@ -23,7 +23,7 @@ from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import lora_config, segments
 from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, block_spec, transformer_config
-from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter
+from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter, whole_sequence
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
 from hosted_tinker.rank.model import AdapterHandle, load_base, zero_adapter
 
@@ -144,15 +144,12 @@ class McoreLoraModel:
         )
         with recomputed(self.gpt.decoder.layers, recompute and torch.is_grad_enabled()), self._decoder_only():
             hidden = self.gpt(tokens[None].to(**on), positions[None].to(**on), None, packed_seq_params=params)
-        if self.sequence_parallel:  # (S/tp, 1, H): whole on every rank; backward, each keeps its part
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        if self.sequence_parallel:  # (S/tp, 1, H): whole on every rank, as a column layer's LoRA sees it
+            hidden = whole_sequence(hidden)
         hidden = hidden[:total, 0]  # (ΣN, H), datum order, the final norm applied
         targets = packed_targets(data).to(self.device)
-        gpt = self.gpt
-        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
-        weight = gpt.output_layer.weight if weight is None else weight  # (V/tp, H)
+        tied = self.gpt.share_embeddings_and_output_weights  # then the embedding's rows are the output's
+        weight = self.gpt.shared_embedding_or_output_weight() if tied else self.gpt.output_layer.weight  # (V/tp, H)
         from_logits = functools.partial(vocab_parallel_logprobs, vocab_start=self.tp_rank * weight.shape[0])
         chunk = chunk_tokens_for(weight.shape[0])
         parts = [
