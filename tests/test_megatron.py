@@ -234,9 +234,10 @@ def test_a_bfloat16_base_trains_float32_lora(tiny_model_dir: Path):
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
+    not torch.cuda.is_available(),
     reason="transformer-engine layers run on CUDA only (the CPU runs the local spec, checked above)",
 )
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="transformer-engine not installed")
 def test_transformer_engine_layers_train_as_the_local_ones(tiny_model_dir: Path):
     """The seam behind ``layers``: the same steps on TE's layers and on megatron-core's PyTorch
     ones (the CPU twin every other test here runs) agree, LoRA hooks included, on a bfloat16 base
