@@ -16,8 +16,8 @@ the same run:
 
     python benchmarks/train_efficiency.py                       # every scenario, CPU
     python benchmarks/train_efficiency.py --scenario long --lengths 2048,4096,8192
-    python benchmarks/train_efficiency.py --device cuda --peak-tflops 989 --tenants-shape qwen3-8b \\
-        --mixed-shape qwen3-8b --dtype bfloat16                 # on a GPU (none has run it yet)
+    python benchmarks/train_efficiency.py --device cuda --dtype bfloat16 --tenants-shape qwen3-8b \\
+        --mixed-shape qwen3-8b --padded-microbatch-tokens 4096  # on a GPU (scripts/gpu_checks.sh)
 
 It prints the FLOPs of a token (``benchmarks.shapes``: 6·P + attention, and what a LoRA step
 executes) and, given the device's peak (``--peak-tflops``; H100/H200 bf16 by default on CUDA),
@@ -95,6 +95,14 @@ def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
     return time.perf_counter() - start, value
 
 
+def free_cached(device: str) -> None:
+    """After a path ran out of memory: what the allocator caches goes back before the next path."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def efficiency(flops: dict[str, float], tokens: int, seconds: float, peak: float | None) -> dict[str, float]:
     out = {"tokens_per_s": tokens / seconds, "achieved_tflops_6p": flops["model_flops_6p"] * tokens / seconds / 1e12}
     if peak:
@@ -124,36 +132,56 @@ def scenario_mixed(args: argparse.Namespace) -> dict[str, Any]:
         return trainer.forward_backward("m", batch).loss_sum
 
     def padded() -> float:
-        with padded_path(trainer):
-            return trainer.forward_backward("m", batch).loss_sum
+        saved, trainer.microbatch_tokens = trainer.microbatch_tokens, padded_budget
+        try:
+            with padded_path(trainer):
+                return trainer.forward_backward("m", batch).loss_sum
+        finally:
+            trainer.microbatch_tokens = saved
 
+    # The padded path stores every layer's activations: on a large model its micro-batches may not
+    # fit (Qwen3-8B's shape, 16K-token micro-batches, an H200): a path that fails is recorded, and
+    # --padded-microbatch-tokens gives it micro-batches that fit.
+    padded_budget = args.padded_microbatch_tokens or trainer.microbatch_tokens
     seconds: dict[str, list[float]] = {"packed": [], "padded": []}
     losses: dict[str, float] = {}
+    failed: dict[str, str] = {}
     for round_ in range(args.rounds + 1):  # the first round warms up
         for name, fn in (("packed", packed), ("padded", padded)):
+            if name in failed:
+                continue
             path["now"] = name
             seen[name] = 0
-            t, losses[name] = timed(fn, args.device)
+            try:
+                t, losses[name] = timed(fn, args.device)
+            except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                failed[name] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"mixed {name} failed: {failed[name][:200]}", file=sys.stderr)
+                free_cached(args.device)
+                continue
             if round_:
                 seconds[name].append(t)
     hook.remove()
     flops = flops_per_token(model, mean_context(lengths), LORA_RANK)
     peak = peak_tflops(args)
-    median = {name: statistics.median(s) for name, s in seconds.items()}
-    padded_tokens = sum(len(group) * max(lengths[i] for i in group) for group in padded_microbatches(batch.data, 16384))
+    median = {name: statistics.median(s) for name, s in seconds.items() if name not in failed}
+    groups = padded_microbatches(batch.data, padded_budget)
+    both = not failed
     return {
         "model": args.mixed_shape,
         "lengths": lengths,
         "tokens": tokens,
         "flops_per_token": flops,
+        "padded_microbatch_tokens": padded_budget,
         "step_s_median": median,
         "paths": {name: efficiency(flops, tokens, s, peak) for name, s in median.items()},
-        "tokens_computed": dict(seen),
-        "pad_tokens_computed": {"packed": seen["packed"] - tokens, "padded": seen["padded"] - tokens},
-        "padded_tokens_by_grouping": padded_tokens,
-        "speedup_packed_over_padded": median["padded"] / median["packed"],
+        "failed": failed,
+        "tokens_computed": {name: seen[name] for name in median},
+        "pad_tokens_computed": {name: seen[name] - tokens for name in median},
+        "padded_tokens_by_grouping": sum(len(group) * max(lengths[i] for i in group) for group in groups),
+        "speedup_packed_over_padded": median["padded"] / median["packed"] if both else None,
         "loss_sum": losses,
-        "losses_equal_rtol_1e-5": bool(np.isclose(losses["packed"], losses["padded"], rtol=1e-5)),
+        "losses_equal_rtol_1e-5": bool(np.isclose(losses["packed"], losses["padded"], rtol=1e-5)) if both else None,
     }
 
 
@@ -316,6 +344,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak (default on H100/H200)")
     parser.add_argument("--mixed-shape", default="qwen3-h512-l4")
+    parser.add_argument(
+        "--padded-microbatch-tokens", type=int, default=None, help="the padded baseline's micro-batch (default: 16384)"
+    )
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--tenants-shape", default="qwen-0.5b", help="besides the tiny model ('' for none)")
     parser.add_argument("--long-shape", default="qwen3-h1024-l4")
@@ -340,8 +371,10 @@ def main() -> None:
         mixed = results["mixed"] = scenario_mixed(args)
         for name, e in mixed["paths"].items():
             rows.append((f"mixed {name}", _row(mixed["step_s_median"][name], e)))
+        rows += [(f"mixed {name}: FAILED", reason[:60]) for name, reason in mixed["failed"].items()]
         rows.append(("mixed: pad tokens computed (packed, padded)", str(tuple(mixed["pad_tokens_computed"].values()))))
-        rows.append(("mixed: packed speed-up over padded", f"{mixed['speedup_packed_over_padded']:.2f}x"))
+        if mixed["speedup_packed_over_padded"] is not None:
+            rows.append(("mixed: packed speed-up over padded", f"{mixed['speedup_packed_over_padded']:.2f}x"))
     if args.scenario in ("all", "tenants"):
         results["tenants"] = [scenario_tenants(args, None)]
         if args.tenants_shape:

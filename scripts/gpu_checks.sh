@@ -6,16 +6,16 @@
 #   bash scripts/gpu_checks.sh wheels   here: the missing packages for Python 3.12 into .whl/
 #                                       (27 wheels, about 21 MB; .whl/ is git-ignored)
 #   bash scripts/gpu_checks.sh run [SECTION...]
-#                                       there (the device tool: carry .whl, timeout_s 450; with a
-#                                       start of 1-2 minutes that leaves ~5 of a lease's 15 for
-#                                       rerunning a section at once on the warm machine, e.g.
-#                                       `run megatron-tp`): results and logs under $OUT
-#                                       (default ./gpu-checks)
+#                                       there (the device tool: carry .whl, timeout_s 520; on an
+#                                       H200 on 2026-11-26 the first four took 220 s in all and the
+#                                       start half a minute, which leaves time to rerun a section
+#                                       at once on the warm machine, e.g. `run megatron-tp`):
+#                                       results and logs under $OUT (default ./gpu-checks)
 #   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh run
 #                                       anywhere, on the CPU: the same steps on tiny shapes, to
 #                                       check the plumbing before spending GPU time
 #
-# run, in order of worth, each section under its own time limit (400 s in all) so that one
+# run, in order of worth, each section under its own time limit (470 s in all) so that one
 # slow section leaves the others their time, and each in a session of its own, ended after it:
 #   1. gpu-tests: tests/test_gpu.py: peft, ddp over NCCL and megatron tp=1 on cuda:0 against
 #      the CPU; bfloat16 bases with float32 LoRA; transformer-engine's layers if importable
@@ -24,6 +24,9 @@
 #      peft against megatron tp=1, one path at a time (a failed path is recorded), MFU
 #   4. train-efficiency: benchmarks/train_efficiency.py: tenants (8 x 256 tokens: one pass
 #      against one at a time) on the tiny model and Qwen3-8B's shape
+#   5. train-efficiency-mixed: the same script's mixed lengths (16 sequences of 64-4096 tokens)
+#      on Qwen3-8B's shape, packed against padded; the padded path stores every layer, so its
+#      micro-batches hold 4,096 tokens (16,384 ran an H200 out of memory)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,19 +86,22 @@ run() { # run [SECTION...]: all sections, or only those named
   python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "cuda", torch.version.cuda,
     "transformers", transformers.__version__, "peft", peft.__version__)' | tee -a "$OUT/device.txt"
 
-  section gpu-tests 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+  section gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
     tests/test_megatron.py::test_transformer_engine_layers_train_as_the_local_ones
   section model 60 python3 -c "from benchmarks.shapes import random_model; print(random_model('$shape', '$dtype'))"
-  section megatron-tp 130 python3 benchmarks/megatron_tp.py --device "$device" --shape "$shape" --dtype "$dtype" \
+  section megatron-tp 110 python3 benchmarks/megatron_tp.py --device "$device" --shape "$shape" --dtype "$dtype" \
     --tp 1 --batch 1 --seq-len "$seq" --min-len "$seq" --one-at-a-time --steps 2 --rounds 2 --warmup 1 \
     --out "$OUT/megatron_tp-$device.json"
-  section train-efficiency 90 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
+  section train-efficiency 60 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
     --scenario tenants --tenants-shape "$shape" --rounds 2 --out "$OUT/train_efficiency-tenants-$device.json"
+  section train-efficiency-mixed 90 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
+    --scenario mixed --mixed-shape "$shape" --padded-microbatch-tokens 4096 --rounds 2 \
+    --out "$OUT/train_efficiency-mixed-$device.json"
   cat "$OUT/summary.txt"
 }
 
 case "${1:-}" in
   wheels) wheels ;;
   run) shift && run "$@" ;;
-  *) sed -n '2,26p' "$0" && exit 2 ;;
+  *) sed -n '2,29p' "$0" && exit 2 ;;
 esac
