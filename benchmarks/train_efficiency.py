@@ -17,7 +17,7 @@ the same run:
     python benchmarks/train_efficiency.py                       # every scenario, CPU
     python benchmarks/train_efficiency.py --scenario long --lengths 2048,4096,8192
     python benchmarks/train_efficiency.py --device cuda --dtype bfloat16 --tenants-shape qwen3-8b \\
-        --mixed-shape qwen3-8b --padded-microbatch-tokens 4096  # on a GPU (scripts/gpu_checks.sh)
+        --mixed-shape qwen3-8b --microbatch-tokens 4096         # on a GPU (scripts/gpu_checks.sh)
 
 It prints the FLOPs of a token (``benchmarks.shapes``: 6·P + attention, and what a LoRA step
 executes) and, given the device's peak (``--peak-tflops``; H100/H200 bf16 by default on CUDA),
@@ -122,6 +122,7 @@ def scenario_mixed(args: argparse.Namespace) -> dict[str, Any]:
     batch = make_batch(lengths, vocab)
     tokens = sum(lengths)
     trainer = trainer_on(model, args.device, args.dtype)
+    trainer.microbatch_tokens = args.microbatch_tokens or trainer.microbatch_tokens
     trainer.create_adapter("m", _lora())
     seen = {"packed": 0, "padded": 0}
     embed = trainer.model.base.get_input_embeddings()
@@ -132,17 +133,13 @@ def scenario_mixed(args: argparse.Namespace) -> dict[str, Any]:
         return trainer.forward_backward("m", batch).loss_sum
 
     def padded() -> float:
-        saved, trainer.microbatch_tokens = trainer.microbatch_tokens, padded_budget
-        try:
-            with padded_path(trainer):
-                return trainer.forward_backward("m", batch).loss_sum
-        finally:
-            trainer.microbatch_tokens = saved
+        with padded_path(trainer):
+            return trainer.forward_backward("m", batch).loss_sum
 
     # The padded path stores every layer's activations: on a large model its micro-batches may not
     # fit (Qwen3-8B's shape, 16K-token micro-batches, an H200): a path that fails is recorded, and
-    # --padded-microbatch-tokens gives it micro-batches that fit.
-    padded_budget = args.padded_microbatch_tokens or trainer.microbatch_tokens
+    # --microbatch-tokens gives both paths micro-batches that fit (up to 8,192 tokens the packed
+    # path stores every layer too, so the two then differ in their padding alone).
     seconds: dict[str, list[float]] = {"packed": [], "padded": []}
     losses: dict[str, float] = {}
     failed: dict[str, str] = {}
@@ -165,14 +162,14 @@ def scenario_mixed(args: argparse.Namespace) -> dict[str, Any]:
     flops = flops_per_token(model, mean_context(lengths), LORA_RANK)
     peak = peak_tflops(args)
     median = {name: statistics.median(s) for name, s in seconds.items() if name not in failed}
-    groups = padded_microbatches(batch.data, padded_budget)
+    groups = padded_microbatches(batch.data, trainer.microbatch_tokens)
     both = not failed
     return {
         "model": args.mixed_shape,
         "lengths": lengths,
         "tokens": tokens,
         "flops_per_token": flops,
-        "padded_microbatch_tokens": padded_budget,
+        "microbatch_tokens": trainer.microbatch_tokens,
         "step_s_median": median,
         "paths": {name: efficiency(flops, tokens, s, peak) for name, s in median.items()},
         "failed": failed,
@@ -345,7 +342,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak (default on H100/H200)")
     parser.add_argument("--mixed-shape", default="qwen3-h512-l4")
     parser.add_argument(
-        "--padded-microbatch-tokens", type=int, default=None, help="the padded baseline's micro-batch (default: 16384)"
+        "--microbatch-tokens", type=int, default=None, help="the mixed scenario's micro-batches (default: 16384)"
     )
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--tenants-shape", default="qwen-0.5b", help="besides the tiny model ('' for none)")

@@ -6,27 +6,34 @@
 #   bash scripts/gpu_checks.sh wheels   here: the missing packages for Python 3.12 into .whl/
 #                                       (27 wheels, about 21 MB; .whl/ is git-ignored)
 #   bash scripts/gpu_checks.sh run [SECTION...]
-#                                       there (the device tool: carry .whl, timeout_s 520; on an
-#                                       H200 on 2026-11-26 the first four took 220 s in all and the
-#                                       start half a minute, which leaves time to rerun a section
-#                                       at once on the warm machine, e.g. `run megatron-tp`):
-#                                       results and logs under $OUT (default ./gpu-checks)
+#                                       there (the device tool: carry .whl, timeout_s 590; on an
+#                                       H200 on 2026-11-26 sections 1, 2, 3 and 6 took 220 s in all
+#                                       and the start half a minute; sections 4, 5 and 7 and the
+#                                       budget test of 1 have not run on a GPU yet: `run gpu-tests
+#                                       model activation-memory profile train-efficiency-mixed`
+#                                       runs those alone): results and logs under $OUT (default
+#                                       ./gpu-checks)
 #   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh run
 #                                       anywhere, on the CPU: the same steps on tiny shapes, to
 #                                       check the plumbing before spending GPU time
 #
-# run, in order of worth, each section under its own time limit (470 s in all) so that one
+# run, in order of worth, each section under its own time limit (570 s in all) so that one
 # slow section leaves the others their time, and each in a session of its own, ended after it:
-#   1. gpu-tests: tests/test_gpu.py: peft, ddp over NCCL and megatron tp=1 on cuda:0 against
-#      the CPU; bfloat16 bases with float32 LoRA; transformer-engine's layers if importable
+#   1. gpu-tests: tests/test_gpu.py: peft (also with activation_memory_gib=auto), ddp over NCCL
+#      and megatron tp=1 on cuda:0 against the CPU; bfloat16 bases with float32 LoRA;
+#      transformer-engine's layers if importable
 #   2. model: Qwen3-8B's shape with random bf16 weights, written once (16 GB)
 #   3. megatron-tp: benchmarks/megatron_tp.py: that model, LoRA r32, one 4K-token sequence,
 #      peft against megatron tp=1, one path at a time (a failed path is recorded), MFU
-#   4. train-efficiency: benchmarks/train_efficiency.py: tenants (8 x 256 tokens: one pass
+#   4. activation-memory: benchmarks/activation_memory.py: that model, 4 x 4K tokens, every layer
+#      recomputed against activation_memory_gib=auto (as many layers stored as fit)
+#   5. profile: benchmarks/profile_step.py: one step of that model on a 4K-token sequence under
+#      PyTorch's profiler: the GPU's busy time by kind of kernel, the busiest kernels
+#   6. train-efficiency: benchmarks/train_efficiency.py: tenants (8 x 256 tokens: one pass
 #      against one at a time) on the tiny model and Qwen3-8B's shape
-#   5. train-efficiency-mixed: the same script's mixed lengths (16 sequences of 64-4096 tokens)
-#      on Qwen3-8B's shape, packed against padded; the padded path stores every layer, so its
-#      micro-batches hold 4,096 tokens (16,384 ran an H200 out of memory)
+#   7. train-efficiency-mixed: the same script's mixed lengths (16 sequences of 64-4096 tokens)
+#      on Qwen3-8B's shape, packed against padded, in micro-batches of 4,096 tokens (the padded
+#      path stores every layer: 16,384 ran an H200 out of memory)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -75,9 +82,9 @@ run() { # run [SECTION...]: all sections, or only those named
   fi
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   # MFU's peak: the benchmarks know the H100's and H200's dense bf16 peaks by the device's name
-  local device=cuda shape=qwen3-8b dtype=bfloat16 seq=4096
+  local device=cuda shape=qwen3-8b dtype=bfloat16 seq=4096 seqs=4
   if [ -n "${GPU_CHECKS_SMALL:-}" ]; then
-    device=cpu shape=qwen3-h512-l4 dtype=float32 seq=256
+    device=cpu shape=qwen3-h512-l4 dtype=float32 seq=256 seqs=2
     SLOWER=4 # the limits are the GPU's
     export HT_TEST_GPU_DEVICE=cpu # tests/test_gpu.py's tests, run on the CPU
   else
@@ -86,16 +93,20 @@ run() { # run [SECTION...]: all sections, or only those named
   python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "cuda", torch.version.cuda,
     "transformers", transformers.__version__, "peft", peft.__version__)' | tee -a "$OUT/device.txt"
 
-  section gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+  section gpu-tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
     tests/test_megatron.py::test_transformer_engine_layers_train_as_the_local_ones
   section model 60 python3 -c "from benchmarks.shapes import random_model; print(random_model('$shape', '$dtype'))"
-  section megatron-tp 110 python3 benchmarks/megatron_tp.py --device "$device" --shape "$shape" --dtype "$dtype" \
+  section megatron-tp 100 python3 benchmarks/megatron_tp.py --device "$device" --shape "$shape" --dtype "$dtype" \
     --tp 1 --batch 1 --seq-len "$seq" --min-len "$seq" --one-at-a-time --steps 2 --rounds 2 --warmup 1 \
     --out "$OUT/megatron_tp-$device.json"
-  section train-efficiency 60 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
+  section activation-memory 80 python3 benchmarks/activation_memory.py --device "$device" --shape "$shape" \
+    --dtype "$dtype" --seqs "$seqs" --seq-len "$seq" --rounds 1 --out "$OUT/activation_memory-$device.json"
+  section profile 50 python3 benchmarks/profile_step.py --device "$device" --shape "$shape" --dtype "$dtype" \
+    --batch 1 --seq-len "$seq" --out "$OUT/profile_step-$device.json"
+  section train-efficiency 50 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
     --scenario tenants --tenants-shape "$shape" --rounds 2 --out "$OUT/train_efficiency-tenants-$device.json"
-  section train-efficiency-mixed 90 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
-    --scenario mixed --mixed-shape "$shape" --padded-microbatch-tokens 4096 --rounds 2 \
+  section train-efficiency-mixed 60 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
+    --scenario mixed --mixed-shape "$shape" --microbatch-tokens 4096 --rounds 2 \
     --out "$OUT/train_efficiency-mixed-$device.json"
   cat "$OUT/summary.txt"
 }
@@ -103,5 +114,5 @@ run() { # run [SECTION...]: all sections, or only those named
 case "${1:-}" in
   wheels) wheels ;;
   run) shift && run "$@" ;;
-  *) sed -n '2,29p' "$0" && exit 2 ;;
+  *) sed -n '2,36p' "$0" && exit 2 ;;
 esac

@@ -84,6 +84,12 @@ def test_devices_and_options_are_checked_at_start_up(tmp_path):
     assert "train devices 'gpu:1'" in serve_fails(tmp_path, "--backend", "ddp", "--train-devices", "gpu:1")
     said = serve_fails(tmp_path, "--backend-option", "microbatch_tokens=many")
     assert "microbatch_tokens" in said
+    said = serve_fails(tmp_path, "--backend-option", "activation_memory_gib=auto")
+    assert "activation_memory_gib=auto needs GPU ranks" in said
+    said = serve_fails(
+        tmp_path, "--backend-option", "activation_memory_gib=4", "--backend-option", "recompute_above_tokens=0"
+    )
+    assert "activation_memory_gib or recompute_above_tokens, not both" in said
     said = serve_fails(tmp_path, "--backend", "ddp", "--train-devices", "cpu:2", "--worker-timeout", "600")
     assert "collective_timeout_s=1800 must be below --worker-timeout (600 s)" in said
     megatron = ("--backend", "megatron", "--train-devices")

@@ -1,6 +1,7 @@
 """The GPU path of every backend, against the CPU twin the rest of the suite checks: the same
-steps on ``cuda:0`` (peft; ddp over NCCL; megatron tp=1) give the CPU's log-probs, ``loss:sum``
-and gradient norm; a bfloat16 base trains float32 LoRA with float32 optimizer state on each.
+steps on ``cuda:0`` (peft, also with ``activation_memory_gib=auto``; ddp over NCCL; megatron tp=1)
+give the CPU's log-probs, ``loss:sum`` and gradient norm; a bfloat16 base trains float32 LoRA
+with float32 optimizer state on each.
 
 Skipped without CUDA (this project's CI has none): ``scripts/gpu_checks.sh`` runs it on a lent
 GPU machine, with the GPU benchmarks. ``HT_TEST_GPU_DEVICE=cpu`` runs the same tests on the CPU,
@@ -31,8 +32,10 @@ pytestmark = [
 
 TOL = 1e-3  # float32 on the GPU sums in other orders than on the CPU (TF32 is off for matmuls)
 HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+BUDGET = "auto" if DEVICE.startswith("cuda") else "0.001"  # activation_memory_gib: auto reads a GPU's free memory
 BACKENDS = [
     pytest.param("peft", {"device": DEVICE}, id="peft"),
+    pytest.param("peft", {"device": DEVICE, "backend_options": {"activation_memory_gib": BUDGET}}, id="peft-budget"),
     pytest.param("ddp", {"train_devices": DEVICE}, id="ddp-nccl"),
     pytest.param(
         "megatron",

@@ -11,6 +11,7 @@ checkpoint is a PEFT checkpoint whichever plan wrote it.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,18 +52,17 @@ class LoraModel(Protocol):
     arch: str  # the base model's architecture class, e.g. Qwen3ForCausalLM
     vocab_size: int
     max_positions: int
+    layers: Sequence[nn.Module]  # the decoder layers, first to last (``rank.activations``)
 
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle: ...
 
     def remove_adapter(self, handle: AdapterHandle) -> None: ...
 
-    def logprobs(
-        self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False
-    ) -> list[Tensor]:
+    def logprobs(self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: int = 0) -> list[Tensor]:
         """Per datum ``(N,)`` (or ``(N, K)`` for top-K targets) log-probs of its targets under its
         own adapter (``handles[i]`` for ``data[i]``), in autograd when it is enabled; the data
-        run packed, in one pass over the base. ``recompute``: checkpoint each decoder layer's
-        activations (``rank.activations``)."""
+        run packed, in one pass over the base. ``recompute``: how many of the first decoder
+        layers keep only their input and run again in the backward pass (``rank.activations``)."""
         ...
 
     def adapter_config(self, handle: AdapterHandle) -> dict:
@@ -170,9 +170,7 @@ class HfLoraModel:
         out_features, in_features = self.shareable_base.get_submodule(target).weight.shape  # the clean tree
         return zero_adapter(target, out_features, in_features, self.base.config.name_or_path)
 
-    def logprobs(
-        self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False
-    ) -> list[Tensor]:
+    def logprobs(self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: int = 0) -> list[Tensor]:
         for handle in {h.name: h for h in handles}.values():  # trainability is the trainer's
             for p in handle.params:
                 p.requires_grad_(True)
@@ -181,7 +179,7 @@ class HfLoraModel:
         routes = self.adapters.routes
         routes.segments = segments([h.name for h in handles], [d.num_tokens for d in data])
         decoder = getattr(lm, lm.base_model_prefix)
-        with recomputed(self.layers, recompute and torch.is_grad_enabled()):
+        with recomputed(self.layers, recompute):
             hidden = decoder(
                 input_ids=packed.tokens[None].to(self.device),
                 position_ids=packed.positions[None].to(self.device),
@@ -202,7 +200,5 @@ class SyntheticLoraModel(HfLoraModel):
     of the right shapes at once, without running the model (no gradient, so a step changes
     nothing). Never used where results must be right."""
 
-    def logprobs(
-        self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False
-    ) -> list[Tensor]:
+    def logprobs(self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: int = 0) -> list[Tensor]:
         return [torch.full(tuple(d.target_tokens.shape), -1.0) for d in data]

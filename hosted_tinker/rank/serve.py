@@ -102,7 +102,10 @@ def build_rank(spec: RankSpec) -> Rank:
     model_path = model_here(spec)
     plan = plan_module(spec.backend).Plan(spec.rank, list(spec.devices), spec.init_method, spec.options)
     model = plan.build_model(model_path, dtype=spec.dtype, lora_alpha=spec.lora_alpha)
-    trainer = Trainer(model, plan, spec.options.microbatch_tokens, spec.options.recompute_above_tokens)
+    options = spec.options
+    budget = options.activation_memory_gib
+    activation_memory = budget * 2**30 if isinstance(budget, float) else budget  # bytes, "auto" or None
+    trainer = Trainer(model, plan, options.microbatch_tokens, options.recompute_above_tokens, activation_memory)
     shared = getattr(model, "shareable_base", None)  # a tree over the trainer's own weights, if it has one
     sampler = EmbeddedSampler(shared, model_path) if spec.rank == 0 and shared is not None else None
     max_seq_len = spec.max_seq_len or model.max_positions

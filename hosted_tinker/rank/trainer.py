@@ -6,8 +6,9 @@ What makes a step Tinker's lives here and nowhere else:
   on every rank (``plan.all_succeeded``): a failed request leaves no partial gradient anywhere;
 - losses are the loss table's plain sums over tokens and datums (``core.losses``), evaluated
   per micro-batch of at most ``microbatch_tokens`` tokens, packed (``core.packing``: no pad
-  token is computed), with each decoder layer's activations recomputed in the backward pass
-  when a micro-batch holds more than ``recompute_above_tokens``;
+  token is computed), with decoder layers' activations recomputed in the backward pass
+  (``layers_to_recompute``: all of them above ``recompute_above_tokens``, or as few as keep
+  the rest within ``activation_memory``);
 - ``optim_step`` reduces gradients over the ranks (``plan.reduce_gradients``), refuses a
   non-finite norm, clips *to* ``grad_clip_norm`` exactly, and takes a step of the model's
   optimizer (AdamW or Dimuon, ``rank.optimizers``, fixed at creation) with the request's
@@ -21,9 +22,11 @@ returns or raises; a failed call leaves the trainer as it was before it (``core.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -42,10 +45,18 @@ from hosted_tinker.core.types import (
     optimizer_family,
 )
 from hosted_tinker.rank import optimizers
+from hosted_tinker.rank.activations import SavedBytes, free_device_bytes, layers_to_store
 from hosted_tinker.rank.model import AdapterHandle, LoraModel
 from hosted_tinker.rank.plans import ParallelPlan
 
 log = logging.getLogger(__name__)
+
+GIB = 2**30
+# activation_memory=auto: what a pass may not count on of the GPU's free memory: the output
+# layer's chunks (``core.logprobs``, ~256 MB of float32 logits and their gradient) and the
+# allocator's fragments
+AUTO_RESERVE_BYTES = 2 * GIB
+AUTO_FREE_FRACTION = 0.9
 
 
 class _Outcome:
@@ -98,12 +109,19 @@ class Trainer:
     SERVED_AS = "trainer"  # its name in calls to the worker (``rank.serve.Rank``)
 
     def __init__(
-        self, model: LoraModel, plan: ParallelPlan, microbatch_tokens: int = 16384, recompute_above_tokens: int = 8192
+        self,
+        model: LoraModel,
+        plan: ParallelPlan,
+        microbatch_tokens: int = 16384,
+        recompute_above_tokens: int = 8192,
+        activation_memory: float | Literal["auto"] | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
         self.microbatch_tokens = microbatch_tokens
         self.recompute_above_tokens = recompute_above_tokens
+        self.activation_memory = activation_memory  # bytes, "auto" or None (``layers_to_recompute``)
+        self.layer_bytes_per_token: float | None = None  # what a stored layer keeps, once measured
         self.adapters: dict[str, _Adapter] = {}
 
     # ---- adapters ---------------------------------------------------------------------------
@@ -243,10 +261,12 @@ class Trainer:
         outs = [_Outcome(batch) for _, batch in requests]
         forward_only = requests[0][1].forward_only
         for indices in microbatches(data, self.microbatch_tokens):
-            recompute = sum(data[i].num_tokens for i in indices) > self.recompute_above_tokens
+            tokens = sum(data[i].num_tokens for i in indices)
+            recompute = 0 if forward_only else self.layers_to_recompute(tokens)
             with torch.set_grad_enabled(not forward_only):
                 chosen = [handles[i] for i in indices], [data[i] for i in indices]
-                lps = self.model.logprobs(*chosen, recompute=recompute)
+                with self._measuring(recompute, tokens, forward_only):
+                    lps = self.model.logprobs(*chosen, recompute=recompute)
                 total = None
                 for r in sorted({owner[i] for i in indices}):
                     mine = [(i - first[r], lp) for i, lp in zip(indices, lps, strict=True) if owner[i] == r]
@@ -255,6 +275,43 @@ class Trainer:
                 if not forward_only and total.requires_grad:  # a loss free of lp has no gradient
                     total.backward()
         return [out.result() for out in outs]
+
+    # ---- activation memory --------------------------------------------------------------------
+
+    def layers_to_recompute(self, tokens: int) -> int:
+        """How many of the first decoder layers a training micro-batch of ``tokens`` recomputes
+        (``rank.activations``). Without a memory budget: all of them above
+        ``recompute_above_tokens``, none below. With one: as few as keep the other layers'
+        activations within it, at the bytes per token a stored layer was measured to keep; until
+        that is known, only the last layer is stored (and measured)."""
+        layers = len(self.model.layers)
+        if self.activation_memory is None:
+            return layers if tokens > self.recompute_above_tokens else 0
+        if self.layer_bytes_per_token is None:
+            return layers - 1
+        return layers - layers_to_store(tokens, layers, self.layer_bytes_per_token, self._activation_budget())
+
+    def _activation_budget(self) -> float:
+        if self.activation_memory != "auto":
+            return float(self.activation_memory)
+        free = free_device_bytes(self.model.device)
+        if free is None:  # refused at start-up (PlanOptions.check); a trainer built by hand
+            raise ValueError("activation_memory='auto' needs a GPU")
+        return self.plan.least(max(free * AUTO_FREE_FRACTION - AUTO_RESERVE_BYTES, 0.0))
+
+    @contextlib.contextmanager
+    def _measuring(self, recompute: int, tokens: int, forward_only: bool):
+        """Around a pass: the first under a memory budget that stores a layer measures what a
+        stored layer keeps per token (the most over a tensor-parallel group, so that its ranks go
+        on choosing alike)."""
+        stored = self.model.layers[recompute:]
+        if forward_only or self.activation_memory is None or self.layer_bytes_per_token is not None or not stored:
+            yield
+            return
+        with SavedBytes(stored) as saved:
+            yield
+        self.layer_bytes_per_token = -self.plan.least(-saved.bytes / (tokens * len(stored)))
+        log.info("a stored decoder layer keeps %.0f bytes per token", self.layer_bytes_per_token)
 
     # ---- optimizer ----------------------------------------------------------------------------
 

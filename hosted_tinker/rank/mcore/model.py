@@ -72,6 +72,7 @@ class McoreLoraModel:
         self.gpt.load_state_dict(HfWeights(model_path, shape, tp, tp_rank).state_dict(), strict=False)
         self.gpt.to(self.device).eval()
         self.gpt.requires_grad_(False)
+        self.layers = list(self.gpt.decoder.layers)
         self.arch = shape.arch
         self.vocab_size = shape.vocab
         self.max_positions = shape.max_positions
@@ -119,9 +120,7 @@ class McoreLoraModel:
 
     # ---- scoring -------------------------------------------------------------------------------
 
-    def logprobs(
-        self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: bool = False
-    ) -> list[Tensor]:
+    def logprobs(self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: int = 0) -> list[Tensor]:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         packed = pack(data)
@@ -142,7 +141,7 @@ class McoreLoraModel:
             max_seqlen_q=packed.max_len,
             max_seqlen_kv=packed.max_len,
         )
-        with recomputed(self.gpt.decoder.layers, recompute and torch.is_grad_enabled()), self._decoder_only():
+        with recomputed(self.layers, recompute), self._decoder_only():
             hidden = self.gpt(tokens[None].to(**on), positions[None].to(**on), None, packed_seq_params=params)
         if self.sequence_parallel:  # (S/tp, 1, H): whole on every rank, as a column layer's LoRA sees it
             hidden = whole_sequence(hidden)

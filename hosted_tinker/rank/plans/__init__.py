@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Annotated, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hosted_tinker.core.config import ServerConfig
 
@@ -50,9 +50,27 @@ class PlanOptions(BaseModel):
         description="recompute each decoder layer's activations in the backward pass when a micro-batch holds more "
         "tokens than this (0: always; at least microbatch_tokens: only for a longer single sequence)",
     )
+    activation_memory_gib: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
+        None,
+        description="instead of recompute_above_tokens: the memory a micro-batch's stored activations may take; "
+        "it recomputes as few of the first decoder layers as keep the others within it (auto: what the GPU has "
+        "free at that moment, less a margin, the least over a tensor-parallel group; GPU ranks only)",
+    )
+
+    @model_validator(mode="after")
+    def _one_recompute_rule(self) -> PlanOptions:
+        if self.activation_memory_gib is not None and "recompute_above_tokens" in self.model_fields_set:
+            raise ValueError("give activation_memory_gib or recompute_above_tokens, not both: each decides alone")
+        return self
 
     def check(self, devices: list[str], worker_timeout_s: float) -> None:
-        """Raise ``ValueError`` if these options cannot run on ``devices`` (checked at start-up)."""
+        """Raise ``ValueError`` if these options cannot run on ``devices`` (checked at start-up);
+        a plan's ``Options`` that adds checks calls this first."""
+        if self.activation_memory_gib == "auto" and not all(d.startswith("cuda") for d in devices):
+            raise ValueError(
+                "--backend-option activation_memory_gib=auto needs GPU ranks (it reads the GPU's free memory); "
+                "give a number of GiB on CPU ranks"
+            )
 
 
 class ParallelPlan(Protocol):
@@ -67,6 +85,11 @@ class ParallelPlan(Protocol):
 
     def all_succeeded(self, succeeded: bool) -> bool:
         """Whether a call succeeded on every rank (a collective, where there are several)."""
+        ...
+
+    def least(self, value: float) -> float:
+        """The least of ``value`` over the ranks whose passes must run the same layers the same
+        way (a tensor-parallel group: a collective there; the identity where ranks run alone)."""
         ...
 
     def broadcast_initial(self, params: list[nn.Parameter]) -> None:

@@ -37,7 +37,11 @@ from hosted_tinker.rank.plans.single import local_norm
 
 DEVICES = "one per rank: --train-devices cpu:N | cuda:0,1,..."  # what `hosted-tinker backends` says of where it trains
 # tests/test_plans.py: two CPU ranks as they come, and recomputing every layer over small micro-batches.
-CHECKED_LAYOUTS = [(None, {}), (None, {"recompute_above_tokens": "0", "microbatch_tokens": "48"})]
+CHECKED_LAYOUTS = [
+    (None, {}),
+    (None, {"recompute_above_tokens": "0", "microbatch_tokens": "48"}),
+    (None, {"activation_memory_gib": "0.001", "microbatch_tokens": "48"}),  # some micro-batches store, some not
+]
 
 
 class Options(PlanOptions):
@@ -48,6 +52,7 @@ class Options(PlanOptions):
     )
 
     def check(self, devices: list[str], worker_timeout_s: float) -> None:
+        super().check(devices, worker_timeout_s)
         if self.collective_timeout_s >= worker_timeout_s:
             # A hung rank must be caught by the collective that waits for it, which names it.
             raise ValueError(
@@ -93,6 +98,9 @@ class Plan:
             flag = torch.tensor([1 if succeeded else 0], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             return bool(flag.item())
+
+    def least(self, value: float) -> float:
+        return value  # replicas run their own shards' passes: theirs need not match
 
     def broadcast_initial(self, params: list[nn.Parameter]) -> None:
         if self.replicas == 1:

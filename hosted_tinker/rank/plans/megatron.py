@@ -33,12 +33,13 @@ DEVICES = "tp x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option
 # The releases rank.mcore is built on and tested with (as pyproject's extra pins): 0.17 changed the
 # layer specs it reads, and pip gives Python 3.12 the newest unless told.
 MCORE_SUPPORTED = SpecifierSet(">=0.16.1,<0.17")
-# tests/test_plans.py: tensor-parallel alone, with sequence parallelism, and with two data-parallel
-# replicas that recompute every layer's activations.
+# tests/test_plans.py: tensor-parallel alone, with sequence parallelism, with two data-parallel
+# replicas that recompute every layer's activations, and with a memory budget that stores some.
 CHECKED_LAYOUTS = [
     ("cpu:2", {"tp": "2"}),
     ("cpu:2", {"tp": "2", "sequence_parallel": "true"}),
     ("cpu:4", {"tp": "2", "recompute_above_tokens": "0"}),
+    ("cpu:2", {"tp": "2", "activation_memory_gib": "0.0005", "microbatch_tokens": "48"}),
 ]
 
 
@@ -136,6 +137,14 @@ class Plan(ddp.Plan):
             sequence_parallel=self.sequence_parallel,
             te=self.uses_te(self.device, dtype),
         )
+
+    def least(self, value: float) -> float:
+        if self.tp == 1:
+            return value
+        with ddp._collective("the tensor-parallel group's agreement on which layers to recompute"):
+            t = torch.tensor([value], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
+            return float(t.item())
 
     def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
         squares = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sharded, replicated]

@@ -20,6 +20,7 @@ class Options(PlanOptions):
     )
 
     def check(self, devices: list[str], worker_timeout_s: float) -> None:
+        super().check(devices, worker_timeout_s)
         if len(devices) != 1:
             raise ValueError(f"the peft backend trains on one device, not {len(devices)}; use --backend ddp")
 
@@ -42,6 +43,9 @@ class Plan:
 
     def all_succeeded(self, succeeded: bool) -> bool:
         return succeeded
+
+    def least(self, value: float) -> float:
+        return value
 
     def broadcast_initial(self, params: list[nn.Parameter]) -> None:
         pass

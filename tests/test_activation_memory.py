@@ -1,0 +1,150 @@
+"""Recomputing as few decoder layers as a memory budget needs (``activation_memory_gib``):
+what a stored layer keeps per token is measured right (against the sum of what its operations
+save, derived by hand), the trainer stores as many layers as fit the budget and recomputes the
+first of the rest, and every split gives the stored path's results. The tensor-parallel group's
+agreement runs in ``test_plans.py`` (megatron's ``CHECKED_LAYOUTS``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hosted_tinker.core.tiny_model import build_tiny_model
+from hosted_tinker.core.types import LoraSpec
+from hosted_tinker.rank.activations import SavedBytes, layers_to_store
+from hosted_tinker.rank.plans import PlanOptions
+from hosted_tinker.rank.plans.single import Options as SingleOptions
+from hosted_tinker.rank.serve import local_rank
+from hosted_tinker.rank.trainer import Trainer
+from tests.batches import random_batch
+
+pytestmark = pytest.mark.fast
+LORA = LoraSpec(rank=8, seed=4)
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny-4", num_layers=4)
+
+
+def test_layers_to_store_fit_the_budget_with_room_for_one_recomputed_layer():
+    assert layers_to_store(100, 4, 10.0, budget_bytes=4000) == 4  # all fit: nothing is recomputed
+    assert layers_to_store(100, 4, 10.0, budget_bytes=3999) == 2  # 3 fit: 2 stored, 1 being recomputed
+    assert layers_to_store(100, 4, 10.0, budget_bytes=2000) == 1
+    assert layers_to_store(100, 4, 10.0, budget_bytes=1999) == 0
+    assert layers_to_store(100, 4, 10.0, budget_bytes=0) == 0
+    assert layers_to_store(0, 4, 10.0, budget_bytes=0) == 4  # no tokens, nothing to keep
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_stored_layer_keeps_what_its_operations_save(tiny_model_dir: Path, dtype: str):
+    """A Qwen3 layer of a ``dtype`` base with LoRA on its seven projections keeps per token: the
+    two RMSNorms' float32 inputs and their ``dtype`` outputs; q_norm's and k_norm's float32
+    inputs; q, k and v expanded to all heads, the attention's output and o_proj's input; the MLP's
+    gate, up, SiLU and product; and each LoRA's float32 ``x A`` (rank wide)."""
+    rank = local_rank(str(tiny_model_dir), dtype=dtype)
+    rank.trainer.create_adapter("m", LORA)
+    model = rank.trainer.model
+    c = model.base.config
+    e, f, r = torch.finfo(getattr(torch, dtype)).bits // 8, 4, LORA.rank
+    h, q, kv, i = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    )
+    by_hand = 2 * f * h + 2 * e * h + f * (q + kv) + 5 * e * q + 4 * e * i + 7 * f * r
+    n = 512
+    data = random_batch(np.random.default_rng(0), 1, lengths=(n, n + 1)).data
+    for k in (0, 1):  # all layers stored; the last one stored
+        with SavedBytes(model.layers[k:]) as saved:
+            model.logprobs([rank.trainer.adapters["m"].handle], data, recompute=k)
+        per_token = saved.bytes / n / (len(model.layers) - k)
+        # above by the adapters' own A and B (views kept by their products: a constant per layer)
+        assert by_hand <= per_token <= by_hand * 1.05, (per_token, by_hand)
+
+
+def counting_layer_runs(trainer: Trainer) -> tuple[list[int], list]:
+    """How often each decoder layer's insides ran (a recomputed layer runs twice a step)."""
+    runs = [0] * len(trainer.model.layers)
+    hooks = []
+    for j, layer in enumerate(trainer.model.layers):
+        inside = next(layer.children())  # the layer's own hooks stay outside the checkpoint
+
+        def count(*_, j: int = j) -> None:
+            runs[j] += 1
+
+        hooks.append(inside.register_forward_pre_hook(count))
+    return runs, hooks
+
+
+def test_a_budget_stores_as_many_layers_as_fit_and_recomputes_the_first(four_layers: Path):
+    trainer = local_rank(str(four_layers)).trainer
+    trainer.activation_memory = 1e12  # plenty: but before the measurement only the last is stored
+    trainer.create_adapter("m", LORA)
+    batch = random_batch(np.random.default_rng(1), 2, lengths=(60, 61))
+    tokens = sum(d.num_tokens for d in batch.data)
+    runs, hooks = counting_layer_runs(trainer)
+    try:
+        trainer.forward_backward("m", batch)
+        assert runs == [2, 2, 2, 1]  # the first pass measured its last layer
+        per_layer = tokens * trainer.layer_bytes_per_token
+        assert trainer.layer_bytes_per_token > 0
+        for budget, recomputed in [(1e12, 0), (4 * per_layer, 0), (3.5 * per_layer, 2), (2 * per_layer, 3), (0, 4)]:
+            trainer.activation_memory = budget
+            runs[:] = [0] * 4
+            trainer.forward_backward("m", batch)
+            assert runs == [2] * recomputed + [1] * (4 - recomputed), budget
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_every_split_gives_the_stored_results(four_layers: Path):
+    """Three steps (forward_backward + optim_step) under budgets that recompute 0, 2 and 4 of the
+    four layers: the same log-probs, losses and updated weights as storing them all."""
+    from hosted_tinker.core.types import AdamParams
+
+    def three_steps(budget: float | None) -> tuple[list, list]:
+        trainer = local_rank(str(four_layers)).trainer
+        trainer.activation_memory = None if budget is None else 1e12
+        trainer.create_adapter("m", LORA)
+        trainer.forward_backward("m", random_batch(np.random.default_rng(9), 1))  # measures, if budgeted
+        for p in trainer.adapters["m"].handle.params:
+            p.grad = None
+        if budget is not None:
+            trainer.activation_memory = budget * trainer.layer_bytes_per_token * 100
+        out = []
+        for step in range(3):
+            batch = random_batch(np.random.default_rng(step), 3, lengths=(30, 40))
+            if budget is not None:
+                tokens = sum(d.num_tokens for d in batch.data)
+                assert trainer.layers_to_recompute(tokens) == {10.0: 0, 3.5: 2, 0.0: 4}[budget]
+            result = trainer.forward_backward("m", batch)
+            out.append((result.loss_sum, [lp.copy() for lp in result.logprobs]))
+            trainer.optim_step("m", AdamParams(learning_rate=1e-2))
+        return out, [p.detach().clone() for p in trainer.adapters["m"].handle.params]
+
+    stored, stored_weights = three_steps(None)
+    for layers_fitting in (10.0, 3.5, 0.0):  # ~100 tokens a step: all stored; 2 recomputed; all
+        got, weights = three_steps(layers_fitting)
+        for (loss, lps), (loss_s, lps_s) in zip(got, stored, strict=True):
+            assert loss == pytest.approx(loss_s, rel=1e-6)
+            for a, b in zip(lps, lps_s, strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        for a, b in zip(weights, stored_weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_one_rule_at_a_time_and_auto_needs_a_gpu():
+    with pytest.raises(ValueError, match="activation_memory_gib or recompute_above_tokens, not both"):
+        PlanOptions(activation_memory_gib=8, recompute_above_tokens=1024)
+    with pytest.raises(ValueError, match="activation_memory_gib"):
+        PlanOptions(activation_memory_gib=0)
+    assert PlanOptions(activation_memory_gib="1.5").activation_memory_gib == 1.5  # as --backend-option gives it
+    with pytest.raises(ValueError, match="activation_memory_gib=auto needs GPU ranks"):
+        SingleOptions(activation_memory_gib="auto").check(["cpu"], 3600)
+    SingleOptions(activation_memory_gib="auto").check(["cuda:0"], 3600)
