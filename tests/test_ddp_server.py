@@ -30,12 +30,21 @@ ADAM = types.AdamParams(learning_rate=1e-2)
 
 # backend -> its extra options, and every option as /healthz then shows it
 BACKENDS = {
-    "ddp": ((), {"microbatch_tokens": 4096, "recompute_above_tokens": 8192, "collective_timeout_s": 1800.0}),
+    "ddp": (
+        (),
+        {
+            "microbatch_tokens": 4096,
+            "recompute_above_tokens": 8192,
+            "activation_memory_gib": None,
+            "collective_timeout_s": 1800.0,
+        },
+    ),
     "megatron": (
         ("--backend-option", "tp=2"),
         {
             "microbatch_tokens": 4096,
             "recompute_above_tokens": 8192,
+            "activation_memory_gib": None,
             "collective_timeout_s": 1800.0,
             "tp": 2,
             "sequence_parallel": False,

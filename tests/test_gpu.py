@@ -21,6 +21,7 @@ from hosted_tinker.core.config import ServerConfig
 from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.server.workers.backend import ProcessBackend
 from hosted_tinker.server.workers.launch import rank_factories
+from tests.test_activation_memory import stored_bytes_per_token
 from tests.test_megatron import LORA, steps
 
 DEVICE = os.environ.get("HT_TEST_GPU_DEVICE", "cuda:0")
@@ -103,3 +104,14 @@ def test_a_bfloat16_base_trains_float32_lora_on_the_gpu(
     assert loss_g == pytest.approx(loss_c, rel=2e-2)
     assert norm_g == pytest.approx(norm_c, rel=2e-2)
     assert all(np.isfinite(loss) and np.isfinite(norm) for _, loss, norm in got)
+
+
+def test_a_stored_layer_keeps_per_token_what_it_keeps_on_the_cpu(tiny_model_dir: Path) -> None:
+    """What ``activation_memory_gib`` counts a stored layer to keep (``rank.activations``), with
+    the GPU's attention kernels on a bfloat16 base, against the CPU's: the same tensors, give or
+    take a kernel's small state (its random seed, its log-sum-exp's layout)."""
+    passes = [(512, 1), (2048, 1)]
+    gpu = stored_bytes_per_token(tiny_model_dir, "bfloat16", DEVICE, passes)
+    cpu = stored_bytes_per_token(tiny_model_dir, "bfloat16", "cpu", passes)
+    assert gpu[1] == pytest.approx(gpu[0], rel=0.02)  # per token on the GPU too: no T x T matrix kept
+    assert gpu[1] == pytest.approx(cpu[1], rel=0.1)

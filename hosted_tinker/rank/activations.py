@@ -4,19 +4,21 @@ backward pass and runs again there, for one more forward pass of its compute.
 How many layers a micro-batch recomputes is the trainer's choice (``Trainer.layers_to_recompute``):
 all of them above a token threshold, or, given a memory budget, as few as keep the others'
 stored activations within it. For that it needs what one layer stores per token, which this
-module measures on a real pass (:class:`SavedBytes`) rather than predicting it from a config: it
-is exact for any architecture, dtype and sharding, and it is the same on every rank of a
-tensor-parallel group (their shards have one shape), so their choices agree.
+module measures on real passes (:class:`SavedBytes`: the bytes autograd saves inside the stored
+layers) rather than predicting it from a config, so that it holds for the architecture, dtype,
+attention kernel and shard at hand; it is the same on every rank of a tensor-parallel group
+(their shards have one shape), so their choices agree. It is a figure per token: what grows
+faster than the tokens (an attention kernel that keeps a ``T x T`` matrix) it under-counts for
+sequences longer than the ones it was measured on.
 
 The first ``count`` layers are the ones recomputed (megatron's "block" method): the backward pass
-reaches them last, when the stored layers after them have already freed their activations, so a
-recomputed layer's transient and the stored layers' activations are never held at once.
+reaches them last, after the stored layers after them have freed their activations.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -41,18 +43,20 @@ def recomputed(layers: Sequence[nn.Module], count: int) -> Iterator[None]:
 
 class SavedBytes:
     """Counts the bytes autograd keeps for the backward pass while ``layers`` run, each storage
-    once. The layers' parameters are not activations and are left out (an adapter's, held
-    outside the layer, count: a few MB a layer, a constant that errs on the safe side). A
-    recomputed layer's checkpoint keeps its saved tensors out of sight: only stored layers count.
+    once. Parameters are not activations: the layers' own and those in ``exclude`` (adapters
+    held outside the layers) are left out; what else does not grow with the tokens (a stack of
+    several adapters' matrices) counts, a constant that errs on the safe side. A recomputed
+    layer's checkpoint keeps its saved tensors out of sight: only stored layers count.
 
-        with SavedBytes(model.layers[k:]) as saved:
+        with SavedBytes(model.layers[k:], exclude=adapter_params) as saved:
             loss = ...forward...
         saved.bytes  # what those layers keep until the backward pass
     """
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[nn.Module], exclude: Iterable[Tensor] = ()) -> None:
         self.layers = list(layers)
-        self.params = {p.untyped_storage().data_ptr() for layer in self.layers for p in layer.parameters()}
+        params = [p for layer in self.layers for p in layer.parameters()] + list(exclude)
+        self.params = {p.untyped_storage().data_ptr() for p in params}
         self.bytes = 0
         self._seen: set[int] = set()
         self._inside = 0
@@ -85,9 +89,10 @@ class SavedBytes:
 
 
 def layers_to_store(tokens: int, layers: int, bytes_per_token_layer: float, budget_bytes: float) -> int:
-    """How many of a micro-batch's ``layers`` decoder layers may keep their activations: as many
-    as fit ``budget_bytes`` at ``bytes_per_token_layer``, keeping room for one more (the layer
-    the backward pass recomputes at a time, when any is recomputed)."""
+    """How many of a micro-batch's ``layers`` decoder layers may keep their activations: all if
+    they fit ``budget_bytes`` at ``bytes_per_token_layer``; else as many as fit less one, a
+    margin for what the backward pass holds beside them (the layer it recomputes at a time, its
+    gradients) and for the recomputed layers' kept inputs."""
     per_layer = tokens * bytes_per_token_layer
     if per_layer * layers <= budget_bytes:
         return layers

@@ -122,6 +122,7 @@ class Trainer:
         self.recompute_above_tokens = recompute_above_tokens
         self.activation_memory = activation_memory  # bytes, "auto" or None (``layers_to_recompute``)
         self.layer_bytes_per_token: float | None = None  # what a stored layer keeps, once measured
+        self._measured_tokens = 0  # the micro-batch it was measured on (the largest so far)
         self.adapters: dict[str, _Adapter] = {}
 
     # ---- adapters ---------------------------------------------------------------------------
@@ -265,7 +266,7 @@ class Trainer:
             recompute = 0 if forward_only else self.layers_to_recompute(tokens)
             with torch.set_grad_enabled(not forward_only):
                 chosen = [handles[i] for i in indices], [data[i] for i in indices]
-                with self._measuring(recompute, tokens, forward_only):
+                with self._measuring(recompute, tokens, forward_only, chosen[0]):
                     lps = self.model.logprobs(*chosen, recompute=recompute)
                 total = None
                 for r in sorted({owner[i] for i in indices}):
@@ -300,18 +301,23 @@ class Trainer:
         return self.plan.least(max(free * AUTO_FREE_FRACTION - AUTO_RESERVE_BYTES, 0.0))
 
     @contextlib.contextmanager
-    def _measuring(self, recompute: int, tokens: int, forward_only: bool):
-        """Around a pass: the first under a memory budget that stores a layer measures what a
-        stored layer keeps per token (the most over a tensor-parallel group, so that its ranks go
-        on choosing alike)."""
-        stored = self.model.layers[recompute:]
-        if forward_only or self.activation_memory is None or self.layer_bytes_per_token is not None or not stored:
+    def _measuring(self, recompute: int, tokens: int, forward_only: bool, handles: list[AdapterHandle]):
+        """Around a training pass under a memory budget that stores a layer and holds more tokens
+        than any measured before: measure what a stored layer keeps per token. The largest
+        micro-batch's figure is kept (what does not grow with tokens weighs least there); over a
+        tensor-parallel group its most, so that the group's ranks go on choosing alike."""
+        # not the first layer: its input needs no gradient (the base's embedding), so it keeps less
+        stored = self.model.layers[max(recompute, 1) :]
+        if forward_only or self.activation_memory is None or tokens <= self._measured_tokens or not stored:
             yield
             return
-        with SavedBytes(stored) as saved:
+        adapters = [p for handle in {h.name: h for h in handles}.values() for p in handle.params]
+        with SavedBytes(stored, exclude=adapters) as saved:
             yield
-        self.layer_bytes_per_token = -self.plan.least(-saved.bytes / (tokens * len(stored)))
-        log.info("a stored decoder layer keeps %.0f bytes per token", self.layer_bytes_per_token)
+        per_token = -self.plan.least(-saved.bytes / (tokens * len(stored)))
+        if per_token > 0:  # nothing seen (layers whose saved tensors no hook sees): not a measurement
+            self.layer_bytes_per_token, self._measured_tokens = per_token, tokens
+            log.info("a stored decoder layer keeps %.0f bytes per token (%d tokens)", per_token, tokens)
 
     # ---- optimizer ----------------------------------------------------------------------------
 

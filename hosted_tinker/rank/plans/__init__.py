@@ -50,7 +50,7 @@ class PlanOptions(BaseModel):
         description="recompute each decoder layer's activations in the backward pass when a micro-batch holds more "
         "tokens than this (0: always; at least microbatch_tokens: only for a longer single sequence)",
     )
-    activation_memory_gib: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
+    activation_memory_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] | None = Field(
         None,
         description="instead of recompute_above_tokens: the memory a micro-batch's stored activations may take; "
         "it recomputes as few of the first decoder layers as keep the others within it (auto: what the GPU has "
