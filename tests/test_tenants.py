@@ -96,7 +96,9 @@ def test_requests_without_a_valid_key_get_401_with_a_body(keyed):
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
     with openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=key_a, max_retries=0) as client:  # Bearer
-        assert client.completions.create(model=ALIAS, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        answer = client.completions.create(model=ALIAS, prompt="hi", max_tokens=2)
+        # sampled: the tiny model may end at once (EOS is 1 of its 512 tokens)
+        assert 1 <= answer.usage.completion_tokens <= 2 and answer.choices[0].finish_reason in ("length", "stop")
 
 
 def _rss_kib(pid: int) -> int:
