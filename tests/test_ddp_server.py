@@ -39,12 +39,14 @@ BACKENDS = {
             "collective_timeout_s": 1800.0,
         },
     ),
+    # megatron under a memory budget (rank.activations: a first pass stores one layer and measures
+    # it, then the budget decides): its tensor-parallel ranks must agree on what they recompute
     "megatron": (
-        ("--backend-option", "tp=2"),
+        ("--backend-option", "tp=2", "--backend-option", "activation_memory_gib=0.0005"),
         {
             "microbatch_tokens": 4096,
             "recompute_above_tokens": 8192,
-            "activation_memory_gib": None,
+            "activation_memory_gib": 0.0005,
             "collective_timeout_s": 1800.0,
             "tp": 2,
             "sequence_parallel": False,
