@@ -18,7 +18,6 @@ Writes benchmarks/results/activation_memory-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -30,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, print_table, result_header, write_results  # noqa: E402
-from benchmarks.shapes import SHAPES, flops_per_token, peak_tflops, random_model  # noqa: E402
+from benchmarks.shapes import SHAPES, flops_per_token, peak_tflops, random_model, vocab_size  # noqa: E402
 from benchmarks.train_efficiency import (  # noqa: E402
     LORA_RANK,
-    _lora,
     efficiency,
+    lora_spec,
     make_batch,
     mean_context,
     timed,
@@ -58,12 +57,11 @@ def main() -> None:
 
     on_cuda = args.device.startswith("cuda")
     model = random_model(args.shape, args.dtype)
-    vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
     lengths = [args.seq_len] * args.seqs
     tokens = sum(lengths)
-    batch = make_batch(lengths, vocab)
+    batch = make_batch(lengths, vocab_size(model))
     trainer = trainer_on(model, args.device, args.dtype, microbatch_tokens=max(tokens, 16384))
-    trainer.create_adapter("m", _lora())
+    trainer.create_adapter("m", lora_spec())
     layers = len(trainer.model.layers)
 
     trainer.activation_memory = float("inf")  # the warm-up pass measures what a stored layer keeps

@@ -36,7 +36,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_scaling import LORA, devices_for, make_batch, measure, worker_backend, workload  # noqa: E402
-from benchmarks.report import add_common_args, print_table, result_header, setup, write_results  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    add_common_args,
+    print_table,
+    record_failure,
+    result_header,
+    setup,
+    write_results,
+)
 from benchmarks.shapes import SHAPES, flops_per_token, peak_tflops, random_model  # noqa: E402
 from hosted_tinker.core.types import AdamParams, TrainingBackend  # noqa: E402
 
@@ -89,8 +96,7 @@ def main() -> None:
             try:
                 timings |= measure({name: make}, batch, adam, args)
             except Exception as e:  # noqa: BLE001 - reported in the results, not raised
-                failed[name] = f"{type(e).__name__}: {e}"[:2000]
-                print(f"{name} failed: {failed[name]}", file=sys.stderr)
+                record_failure(failed, name, e)
         if not timings:
             raise SystemExit(f"every path failed: {failed}")
     else:

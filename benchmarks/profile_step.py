@@ -16,7 +16,6 @@ unsorted. Writes benchmarks/results/profile_step-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -27,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, print_table, result_header, setup, write_results  # noqa: E402
-from benchmarks.shapes import SHAPES, flops_per_token, peak_tflops, random_model  # noqa: E402
-from benchmarks.train_efficiency import LORA_RANK, make_batch, mean_context, sync, trainer_on  # noqa: E402
+from benchmarks.shapes import SHAPES, flops_per_token, peak_tflops, random_model, vocab_size  # noqa: E402
+from benchmarks.train_efficiency import LORA_RANK, lora_spec, make_batch, mean_context, sync, trainer_on  # noqa: E402
 
 # Kinds of device work by kernel (or, on the CPU, operator) name; the first match wins.
 KINDS: list[tuple[str, re.Pattern[str]]] = [
@@ -78,14 +77,11 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from hosted_tinker.core.types import LoraSpec
-
     model = random_model(args.shape, args.dtype) if args.shape else setup(args.model)[1]
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     trainer = trainer_on(model, args.device, args.dtype)
-    trainer.create_adapter("m", LoraSpec(rank=LORA_RANK, seed=0))
+    trainer.create_adapter("m", lora_spec())
     lengths = [args.seq_len] * args.batch
-    batch = make_batch(lengths, vocab)
+    batch = make_batch(lengths, vocab_size(model))
     trainer.forward_backward("m", batch)  # warm-up: kernels chosen, allocator's pools filled
     sync(args.device)
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,13 @@ def device_name(device: str) -> str:
 
         return torch.cuda.get_device_name()
     return f"cpu ({os.cpu_count()} cores, {platform.machine()})"
+
+
+def record_failure(failed: dict[str, str], name: str, error: BaseException) -> None:
+    """A benchmark path that failed (out of memory, say): into ``failed`` and onto stderr; the
+    other paths still run, and the result file says which failed and why."""
+    failed[name] = f"{type(error).__name__}: {error}"[:2000]
+    print(f"{name} failed: {failed[name][:500]}", file=sys.stderr)
 
 
 def print_table(title: str, rows: list[tuple[str, str]], width: int | None = None) -> None:

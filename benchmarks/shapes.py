@@ -108,6 +108,11 @@ def random_model(shape: str, dtype: str, root: Path = MODEL_CACHE) -> str:
     return str(out)
 
 
+def vocab_size(model: str) -> int:
+    """The vocabulary of the model folder ``model`` (its config.json)."""
+    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+
+
 def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str, float]:
     """FLOPs per trained token of the HF model at ``model`` (see the module docstring)."""
     c = json.loads((Path(model) / "config.json").read_text())

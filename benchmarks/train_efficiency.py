@@ -42,8 +42,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import add_common_args, print_table, result_header, write_results  # noqa: E402
-from benchmarks.shapes import flops_per_token, peak_tflops, random_model  # noqa: E402
+from benchmarks.report import add_common_args, print_table, record_failure, result_header, write_results  # noqa: E402
+from benchmarks.shapes import flops_per_token, peak_tflops, random_model, vocab_size  # noqa: E402
 from hosted_tinker.rank import memory  # noqa: E402
 
 LORA_RANK = 32
@@ -117,13 +117,13 @@ def scenario_mixed(args: argparse.Namespace) -> dict[str, Any]:
     from tests.batches import padded_microbatches, padded_path
 
     model = random_model(args.mixed_shape, args.dtype)
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(model)
     lengths = lengths_skewed(16, 64, 4096, seed=1)
     batch = make_batch(lengths, vocab)
     tokens = sum(lengths)
     trainer = trainer_on(model, args.device, args.dtype)
     trainer.microbatch_tokens = args.microbatch_tokens or trainer.microbatch_tokens
-    trainer.create_adapter("m", _lora())
+    trainer.create_adapter("m", lora_spec())
     seen = {"packed": 0, "padded": 0}
     embed = trainer.model.base.get_input_embeddings()
     path = {"now": "packed"}
@@ -152,8 +152,7 @@ def scenario_mixed(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 t, losses[name] = timed(fn, args.device)
             except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-                failed[name] = f"{type(e).__name__}: {e}"[:2000]
-                print(f"mixed {name} failed: {failed[name][:200]}", file=sys.stderr)
+                record_failure(failed, name, e)
                 free_cached(args.device)
                 continue
             if round_:
@@ -189,11 +188,11 @@ def scenario_tenants(args: argparse.Namespace, shape: str | None) -> dict[str, A
     from hosted_tinker.core.tiny_model import build_tiny_model
 
     model = random_model(shape, args.dtype) if shape else str(build_tiny_model(ROOT / ".bench-tiny" / "tiny-qwen3"))
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(model)
     trainer = trainer_on(model, args.device, args.dtype)
     ids = [f"t{i}" for i in range(args.tenants)]
     for i, model_id in enumerate(ids):
-        trainer.create_adapter(model_id, _lora(seed=i))
+        trainer.create_adapter(model_id, lora_spec(seed=i))
     batches = {model_id: make_batch([256], vocab, seed=i) for i, model_id in enumerate(ids)}
     tokens = 256 * len(ids)
 
@@ -242,10 +241,10 @@ def long_child(args: argparse.Namespace) -> None:
     import torch
 
     model = random_model(args.long_shape, args.dtype)
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(model)
     threshold = 0 if args.child_recompute else 10**9
     trainer = trainer_on(model, args.device, args.dtype, recompute_above_tokens=threshold, microbatch_tokens=10**6)
-    trainer.create_adapter("long", _lora())
+    trainer.create_adapter("long", lora_spec())
     trainer.forward_backward("long", make_batch([64], vocab, seed=1))  # weights paged in, allocator warm
     batch = make_batch([args.child_tokens], vocab)
     before = memory.rss_bytes()
@@ -320,7 +319,7 @@ def scenario_adapters(args: argparse.Namespace) -> dict[str, Any]:
     marks = sorted({1, args.adapters // 4, args.adapters})
     seconds: dict[str, dict[int, float]] = {"ours": {}, "peft": {}}
     for i in range(1, args.adapters + 1):
-        t_ours, _ = timed(lambda i=i: trainer.create_adapter(f"m{i}", _lora(seed=i)), args.device)
+        t_ours, _ = timed(lambda i=i: trainer.create_adapter(f"m{i}", lora_spec(seed=i)), args.device)
         t_peft, _ = timed(lambda i=i: peft.add_adapter(f"p{i}", peft.peft_config["p0"]), args.device)
         if i in marks:  # i - 1 adapters resident before it
             seconds["ours"][i], seconds["peft"][i] = t_ours, t_peft
@@ -328,7 +327,7 @@ def scenario_adapters(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.adapters_shape, "add_s_by_count": seconds}
 
 
-def _lora(seed: int = 0):
+def lora_spec(seed: int = 0):
     from hosted_tinker.core.types import LoraSpec
 
     return LoraSpec(rank=LORA_RANK, seed=seed)
