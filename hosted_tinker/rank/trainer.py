@@ -266,7 +266,7 @@ class Trainer:
             recompute = 0 if forward_only else self.layers_to_recompute(tokens)
             with torch.set_grad_enabled(not forward_only):
                 chosen = [handles[i] for i in indices], [data[i] for i in indices]
-                with self._measuring(recompute, tokens, forward_only, chosen[0]):
+                with self._measuring(recompute, tokens, forward_only):
                     lps = self.model.logprobs(*chosen, recompute=recompute)
                 total = None
                 for r in sorted({owner[i] for i in indices}):
@@ -301,7 +301,7 @@ class Trainer:
         return self.plan.least(max(free * AUTO_FREE_FRACTION - AUTO_RESERVE_BYTES, 0.0))
 
     @contextlib.contextmanager
-    def _measuring(self, recompute: int, tokens: int, forward_only: bool, handles: list[AdapterHandle]):
+    def _measuring(self, recompute: int, tokens: int, forward_only: bool):
         """Around a training pass under a memory budget that stores a layer and holds more tokens
         than any measured before: measure what a stored layer keeps per token. The largest
         micro-batch's figure is kept (what does not grow with tokens weighs least there); over a
@@ -311,7 +311,7 @@ class Trainer:
         if forward_only or self.activation_memory is None or tokens <= self._measured_tokens or not stored:
             yield
             return
-        adapters = [p for handle in {h.name: h for h in handles}.values() for p in handle.params]
+        adapters = [p for adapter in self.adapters.values() for p in adapter.handle.params]
         with SavedBytes(stored, exclude=adapters) as saved:
             yield
         per_token = -self.plan.least(-saved.bytes / (tokens * len(stored)))
