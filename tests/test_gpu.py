@@ -1,7 +1,7 @@
 """The GPU path of every backend, against the CPU twin the rest of the suite checks: the same
 steps on ``cuda:0`` (peft, also with ``activation_memory_gib=auto``; ddp over NCCL; megatron tp=1)
 give the CPU's log-probs, ``loss:sum`` and gradient norm; a bfloat16 base trains float32 LoRA
-with float32 optimizer state on each.
+with float32 optimizer state on each; no decoder layer makes the host wait for the GPU.
 
 Skipped without CUDA (this project's CI has none): ``scripts/gpu_checks.sh`` runs it on a lent
 GPU machine, with the GPU benchmarks. ``HT_TEST_GPU_DEVICE=cpu`` runs the same tests on the CPU,
@@ -10,7 +10,10 @@ to check them where no GPU is (``GPU_CHECKS_SMALL=1 scripts/gpu_checks.sh run`` 
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
+import traceback
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,7 @@ from hosted_tinker.core.config import ServerConfig
 from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.server.workers.backend import ProcessBackend
 from hosted_tinker.server.workers.launch import rank_factories
+from tests.batches import random_batch
 from tests.test_activation_memory import stored_bytes_per_token
 from tests.test_megatron import LORA, steps
 
@@ -115,3 +119,44 @@ def test_a_stored_layer_keeps_per_token_what_it_keeps_on_the_cpu(tiny_model_dir:
     cpu = stored_bytes_per_token(tiny_model_dir, "bfloat16", "cpu", passes)
     assert gpu[1] == pytest.approx(gpu[0], rel=0.02)  # per token on the GPU too: no T x T matrix kept
     assert gpu[1] == pytest.approx(cpu[1], rel=0.1)
+
+
+def layer_synchronisations(model_dir: str, backend: str, settings: dict) -> str:
+    """One packed forward pass of three sequences with CUDA's sync debug mode at "error" while
+    the decoder layers run: the error, or "" when no layer made the host wait for the device.
+    Run in a process of its own: megatron's parallel state is one per process."""
+    strict = torch.cuda.set_sync_debug_mode if DEVICE.startswith("cuda") else lambda mode: None
+    config = ServerConfig(model=model_dir, backend=backend, **settings)
+    group = rank_factories(config, model_dir)  # holds the rendezvous' store while the rank joins
+    rank = group()[0]()
+    rank.trainer.create_adapter("m", LORA)
+    model, handle = rank.trainer.model, rank.trainer.adapters["m"].handle
+    model.layers[0].register_forward_pre_hook(lambda *_: strict("error"))
+    model.layers[-1].register_forward_hook(lambda *_: strict("default"))
+    data = random_batch(np.random.default_rng(0), 3, lengths=(20, 60)).data
+    try:
+        model.logprobs([handle] * 3, data)
+    except RuntimeError:
+        return traceback.format_exc()
+    finally:
+        strict("default")
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("backend", "settings"),
+    [
+        pytest.param("peft", {"device": DEVICE}, id="peft"),
+        pytest.param(
+            "megatron",
+            {"train_devices": DEVICE, "backend_options": {"layers": "local"}},
+            id="megatron-tp1",
+            marks=pytest.mark.skipif(not HAS_MCORE, reason="needs megatron-core"),
+        ),
+    ],
+)
+def test_no_decoder_layer_waits_for_the_gpu(backend: str, settings: dict, tiny_model_dir: Path) -> None:
+    """Each layer's attention (and megatron's RoPE) cuts the packed row by the sequences' bounds
+    in Python: read from the GPU, every layer would stall the host until the device caught up."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert pool.submit(layer_synchronisations, str(tiny_model_dir), backend, settings).result() == ""

@@ -137,3 +137,16 @@ def test_flash_attention_only_for_16_bit_models_on_cuda(monkeypatch):
     assert attention.implementation(cuda, torch.float16) == "flash_attention_2"
     assert attention.implementation(cuda, torch.float32) == attention.PACKED_SDPA
     assert attention.implementation(torch.device("cpu"), torch.bfloat16) == attention.PACKED_SDPA
+
+
+def test_packed_sdpa_reads_the_bounds_on_the_host():
+    """Packed SDPA cuts the row in Python in every layer: its bounds stay on the host (read from a
+    GPU, each layer would wait for it); flash-attn's kernels read them on the device ("meta"
+    stands in for a GPU here; tests/test_gpu.py checks the layers on one)."""
+    from hosted_tinker.rank import attention
+
+    cu_seqlens, device = torch.tensor([0, 3, 8], dtype=torch.int32), torch.device("meta")
+    host = attention.packing_kwargs(cu_seqlens, 5, attention.PACKED_SDPA, device)
+    assert host["cu_seq_lens_q"].device.type == "cpu" and host["max_length_q"] == 5
+    flash = attention.packing_kwargs(cu_seqlens, 5, "flash_attention_2", device)
+    assert flash["cu_seq_lens_q"].device.type == "meta" and flash["cu_seq_lens_k"].device.type == "meta"

@@ -102,7 +102,12 @@ def implementation(device: torch.device, dtype: torch.dtype) -> str:
     return PACKED_SDPA
 
 
-def packing_kwargs(cu_seqlens: Tensor, max_len: int) -> dict:
+def packing_kwargs(cu_seqlens: Tensor, max_len: int, implementation: str, device: torch.device) -> dict:
     """The keyword arguments a transformers model forwards to its attention for packed rows
-    (the names of transformers' ``FlashAttentionKwargs``)."""
+    (the names of transformers' ``FlashAttentionKwargs``). ``packed_sdpa`` reads the bounds in
+    Python, so its ``cu_seqlens`` stay on the host: read from a GPU in every layer they would make
+    the host wait for the device each time, leaving it idle while the next kernels are queued.
+    flash-attn's varlen kernels read them on the device."""
+    if implementation != PACKED_SDPA:
+        cu_seqlens = cu_seqlens.to(device)
     return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}

@@ -139,7 +139,8 @@ class HfLoraModel:
         # a deep copy would take the training adapters' hooks along.
         self.shareable_base = sharing_weights(self.base)
         # The training tree runs packed sequences (``rank.attention``); the sampler's keeps sdpa.
-        self.base.set_attn_implementation(attention.implementation(self.device, self.base.dtype))
+        self.attention_impl = attention.implementation(self.device, self.base.dtype)
+        self.base.set_attn_implementation(self.attention_impl)
         from transformers.modeling_layers import GradientCheckpointingLayer  # the decoder layers
 
         self.layers = [m for m in self.base.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -183,7 +184,7 @@ class HfLoraModel:
             hidden = decoder(
                 input_ids=packed.tokens[None].to(self.device),
                 position_ids=packed.positions[None].to(self.device),
-                **attention.packing_kwargs(packed.cu_seqlens.to(self.device), packed.max_len),
+                **attention.packing_kwargs(packed.cu_seqlens, packed.max_len, self.attention_impl, self.device),
             ).last_hidden_state[0]  # (ΣN, H), datum order
         targets = packed_targets(data).to(self.device)
         head = lm.get_output_embeddings()

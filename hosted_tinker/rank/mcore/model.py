@@ -80,6 +80,7 @@ class McoreLoraModel:
         self.lora_alpha = lora_alpha
         self.lora = TpLora(self.gpt, shape, tp, sequence_parallel)
         self.sequence_parallel = sequence_parallel
+        self.te = te
         self._next = 0
         self.shareable_base = load_base(model_path, self.device, dtype) if sampler_base else None
 
@@ -134,10 +135,14 @@ class McoreLoraModel:
         names = [h.name for h in handles] + ([""] if short else [])  # "": no adapter on the filler
         self.lora.routes.segments = segments(names, [d.num_tokens for d in data] + ([short] if short else []))
         on = {"device": self.device}
+        # transformer-engine reads the bounds on the device. Megatron's own layers (its unfused
+        # RoPE, our attention) read them in Python in every layer: on the host they make no layer
+        # wait for the GPU (a device tensor's .tolist() would).
+        bounds = cu_seqlens.to(**on) if self.te else cu_seqlens
         params = PackedSeqParams(
             qkv_format="thd",
-            cu_seqlens_q=cu_seqlens.to(**on),
-            cu_seqlens_kv=cu_seqlens.to(**on),
+            cu_seqlens_q=bounds,
+            cu_seqlens_kv=bounds,
             max_seqlen_q=packed.max_len,
             max_seqlen_kv=packed.max_len,
         )
