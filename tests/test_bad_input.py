@@ -16,6 +16,7 @@ import http.client
 import json
 import math
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -112,11 +113,24 @@ def _new_session_and_model(w: World) -> World:
     return replace(w, session_id=session, model_id=model_id, seq=1)
 
 
+def strict_chat_template(model: Path, to: Path) -> Path:
+    """The tiny model with a chat template that, as Qwen3-2507's, refuses a conversation
+    without a user message (its own ``raise_exception``)."""
+    shutil.copytree(model, to)
+    config = json.loads((to / "tokenizer_config.json").read_text())
+    guard = "{%- if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
+    refusal = "{{ raise_exception('No user query found in messages.') }}{%- endif %}"
+    config["chat_template"] = guard + refusal + config["chat_template"]
+    (to / "tokenizer_config.json").write_text(json.dumps(config))
+    return to
+
+
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[World]:
     """The server and what every test may share: checkpoints, a sampler, the SDK clients."""
     data_dir = tmp_path_factory.mktemp("bad-input")
-    server = start_server(data_dir, "--model", str(tiny_model_dir), "--max-seq-len", str(MAX_SEQ_LEN))
+    model = strict_chat_template(tiny_model_dir, data_dir / "model")
+    server = start_server(data_dir, "--model", str(model), "--max-seq-len", str(MAX_SEQ_LEN))
     http = httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60)
     try:
         caps = http.get("/healthz").json()["capabilities"]
@@ -585,6 +599,10 @@ CASES: list[Case] = [
     Case("sample stop token id >= vocab", sample({"stop": [2, 99999]}), 400, "sampling_params.stop"),
     Case("sample stop token id negative", sample({"stop": [-2]}), 400, "sampling_params.stop"),
     Case("sample empty stop string", sample({"stop": ["\n", ""]}), 400, "sampling_params.stop"),
+    Case("sample 17 stop strings", sample({"stop": [f"<{i}>" for i in range(17)]}), 400, "sampling_params.stop"),
+    Case("sample stop string of 129 characters", sample({"stop": ["x" * 129]}), 400, "sampling_params.stop"),
+    Case("sample seq_id over int64", sample(seq_id=2**63), 422, "seq_id"),
+    Case("sample negative seq_id", sample(seq_id=-1), 422, "seq_id"),
     Case("sample negative max_tokens", sample({"max_tokens": -1}), 400, "max_tokens"),
     Case("sample huge max_tokens", sample({"max_tokens": 10**9}), 400, "max_tokens"),
     Case("sample num_samples 0", sample(num_samples=0), 400, "num_samples"),
@@ -1120,6 +1138,25 @@ CASES: list[Case] = [
     Case("completion logprobs 50", openai("completions", logprobs=50), 400, "logprobs"),
     Case("completion echo", openai("completions", echo=True), 400, "echo"),
     Case("completion empty stop string", openai("completions", stop=[""]), 400, "stop"),
+    Case("completion 500 stop strings", openai("completions", stop=[str(i) for i in range(500)]), 400, "stop"),
+    Case(
+        "completion text over 32 characters per token of context",
+        openai("completions", prompt="x" * (32 * MAX_SEQ_LEN + 1)),
+        400,
+        "prompt",
+    ),
+    Case(
+        "chat the model's template refuses",
+        openai("chat/completions", messages=[{"role": "system", "content": "be brief"}]),
+        400,
+        "No user query found in messages.",
+    ),
+    Case(
+        "chat text over 32 characters per token of context",
+        openai("chat/completions", messages=[{"role": "user", "content": "x" * (32 * MAX_SEQ_LEN + 1)}]),
+        400,
+        "messages",
+    ),
     Case("completion negative max_tokens", openai("completions", max_tokens=-3), 400, "max_tokens"),
     Case(
         "completion unknown tinker:// model", openai("completions", model="tinker://../sampler_weights/x"), 404, "model"

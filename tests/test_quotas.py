@@ -14,6 +14,7 @@ import tinker
 from tinker import types
 
 from tests.conftest import ALIAS, start_server
+from tests.test_http_protocol import Api, fwdbwd_body
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -35,6 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
         "plain": key("plain").strip(),
         "tight": key("tight", "models=1", "lora_rank=8", "metadata_bytes=200", "checkpoint_bytes=1").strip(),
         "slow": key("slow", "requests_per_s=1").strip(),
+        "queue": key("queue", "pending=3").strip(),
     }
     srv = start_server(data, "--model", str(tiny_model_dir), "--key-limit", "sessions=2")
     yield srv, keys, data
@@ -132,3 +134,25 @@ def test_requests_per_second_are_limited_by_a_429_the_sdk_waits_out(server):
         assert other.status_code == 200
     with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["slow"]) as sc:  # retried past the 429s
         sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+
+
+def test_one_key_cannot_fill_the_servers_queue(server):
+    """pending=3: requests of a key that wait for a seq_id it has not sent hold at most 3 places
+    (else one key could take all of --max-pending, for good); the next is a 429 naming the limit
+    while another key trains; the awaited request still gets in, and runs the rest."""
+    srv, keys, _ = server
+    api = Api(srv.base_url)
+    api.http.headers["X-API-Key"] = keys["queue"]
+    model = api.new_model()
+    waiting = [api.fwdbwd(fwdbwd_body(model, seq)) for seq in (2, 3, 4)]  # each waits for seq 1
+    proto = {"Content-Type": "application/x-protobuf"}
+    refused = api.post("forward_backward", content=fwdbwd_body(model, 5), headers=proto)
+    assert refused.status_code == 429 and refused.headers["retry-after"], refused.text
+    assert "limit pending reached: this key has 3 requests pending" in refused.json()["detail"]
+    assert httpx.get(f"{srv.base_url}/healthz").json()["queue"]["pending_busiest_key"] == 3
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["plain"]) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        assert tc.forward_backward([datum()], "cross_entropy").result().metrics["loss:sum"] > 0
+    for request_id in (api.fwdbwd(fwdbwd_body(model, 1)), *waiting):  # over the limit, but awaited
+        assert not isinstance(api.result(request_id), dict)  # a ForwardBackwardOutput, not an error
+    assert not isinstance(api.result(api.fwdbwd(fwdbwd_body(model, 5))), dict)  # seq 5 was not used up

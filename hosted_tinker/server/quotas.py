@@ -13,6 +13,7 @@ limit                what it bounds                                         refu
 ``metadata_bytes``   a ``user_metadata`` object, as JSON                    400
 ``checkpoint_bytes`` the key's stored checkpoints (a save past it: 403)     403
 ``requests_per_s``   calls per second, in bursts of ``BURST_S`` seconds'    429
+``pending``          requests accepted and unfinished (queued or running)   429
 ===================  =====================================================  ======
 
 A server without keys (open, for one user on loopback) has no per-key limits. Sessions and
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hosted_tinker.core.errors import ApiError
 from hosted_tinker.server.keys import OPEN
+from hosted_tinker.server.protocol.ordering import is_text
 from hosted_tinker.server.store import Store
 
 LIVE_S = 120.0  # the SDK heartbeats every 10 s and warns after 2 min without one
@@ -48,6 +50,9 @@ class Limits(BaseModel):
     metadata_bytes: int = Field(64 << 10, ge=0)
     checkpoint_bytes: int = Field(1 << 40, ge=0)
     requests_per_s: float = Field(100.0, ge=0)  # 0: unlimited
+    # A quarter of the server's default --max-pending: one key cannot fill it (with requests that
+    # wait for a seq_id it never sends, say) and leave the others only 429s.
+    pending: int = Field(256, ge=1)
 
 
 def parse_limits(items: list[str], where: str) -> dict[str, Any]:
@@ -94,6 +99,16 @@ class Quotas:
                     self._buckets.clear()
             self._own[tenant] = cached
         return cached[1]
+
+    # ---- pending requests (the scheduler's ``KeyBounds``) -------------------------------------
+
+    def owner(self, subject: str) -> str | None:
+        """The key that opened the session a model or sampler id starts with."""
+        return self.store.session_owner(subject.partition(":")[0]) if is_text(subject) else None
+
+    def pending(self, owner: str) -> int | None:
+        limits = self.of(owner)
+        return limits.pending if limits is not None else None
 
     # ---- rate (KeyCheck) --------------------------------------------------------------------
 

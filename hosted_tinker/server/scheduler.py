@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hosted_tinker.core.errors import ApiError, ServerError, too_many
 from hosted_tinker.server.metrics import ServerMetrics
@@ -49,6 +50,20 @@ class QueueLimits:
     max_pending_per_model: int = 64  # per training model or sampling session
 
 
+class KeyBounds(Protocol):
+    """Who owns a request, and how many pending requests that owner may have (``server.quotas``):
+    one key must not fill the server's bound, e.g. with requests that wait for a ``seq_id`` it
+    never sends."""
+
+    def owner(self, subject: str) -> str | None:
+        """The key that opened the session a model or sampler id names (None: nobody's)."""
+        ...
+
+    def pending(self, owner: str) -> int | None:
+        """The most requests ``owner`` may have accepted and unfinished (None: no bound)."""
+        ...
+
+
 @dataclass
 class _ModelQueue:
     next_seq: int
@@ -56,12 +71,21 @@ class _ModelQueue:
 
 
 class Scheduler:
-    def __init__(self, store: Store, limits: QueueLimits = QueueLimits(), metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        limits: QueueLimits = QueueLimits(),
+        metrics: ServerMetrics | None = None,
+        keys: KeyBounds | None = None,
+    ) -> None:
         self.store = store
         self.limits = limits
+        self.keys = keys
         self.metrics = metrics or ServerMetrics()  # the server's counters, for every service that has the scheduler
         self._pending: dict[str, str | None] = {}  # request id -> its model, until it finishes
         self._pending_per_model: dict[str | None, int] = {}
+        self._owners: dict[str, str] = {}  # request id -> the key it counts against (``keys``)
+        self._pending_per_key: dict[str, int] = {}
         self.refused = 0  # submits answered 429
         # Per model, the seq_ids of its jobs dispatched and not yet started, in order.
         self._unstarted: dict[str, deque[int]] = {}
@@ -86,8 +110,9 @@ class Scheduler:
         """The request id already registered for ``(model_id, seq_id)``, if any."""
         return self.store.find_future(model_id, seq_id)
 
-    def check_capacity(self, model_id: str, seq_id: int | None) -> None:
-        """Refuse, for now, a request over a queue bound (429: the SDK retries it after Retry-After).
+    def check_capacity(self, model_id: str, seq_id: int | None, owner: str | None = None) -> None:
+        """Refuse, for now, a request over a queue bound (429: the SDK retries it after Retry-After):
+        the server's, its model's, or its key's (``owner``, else the owner of ``model_id``).
 
         The request a model's queue is waiting for is always let in: refusing it while its
         successors hold the slots would leave them waiting forever.
@@ -104,8 +129,15 @@ class Scheduler:
             raise self._refuse(
                 f"{model_id} has {self.limits.max_pending_per_model} requests pending (the per-model bound)"
             )
+        owner = owner or self._owner(model_id)
+        limit = self.keys.pending(owner) if self.keys is not None and owner is not None else None
+        if limit is not None and self._pending_per_key.get(owner, 0) >= limit:
+            raise self._refuse(f"limit pending reached: this key has {limit} requests pending (accepted, unfinished)")
         if len(self._pending) >= self.limits.max_pending:
             raise self._refuse(f"the server has {self.limits.max_pending} requests pending (its global bound)")
+
+    def _owner(self, subject: str | None) -> str | None:
+        return self.keys.owner(subject) if self.keys is not None and subject is not None else None
 
     def _refuse(self, detail: str) -> ApiError:
         self.refused += 1
@@ -117,6 +149,7 @@ class Scheduler:
             "in_flight": self.in_flight,
             "pending": len(self._pending),
             "pending_busiest_model": max(self._pending_per_model.values(), default=0),
+            "pending_busiest_key": max(self._pending_per_key.values(), default=0),
             "max_pending": self.limits.max_pending,
             "max_pending_per_model": self.limits.max_pending_per_model,
             "refused": self.refused,
@@ -207,34 +240,36 @@ class Scheduler:
         request_id = f"req-{secrets.token_urlsafe(12)}"
         self.store.add_future(request_id, kind=kind, model_id=model_id, seq_id=seq_id)
         self._events[request_id] = asyncio.Event()
-        self._hold(request_id, model_id)
+        self._hold(request_id, model_id, self._owner(model_id))
         return request_id
 
     @contextmanager
-    def slot(self, key: str) -> Iterator[None]:
+    def slot(self, key: str, owner: str | None = None) -> Iterator[None]:
         """A place under the bounds for a request that has no future (an OpenAI completion,
         answered on its own connection), held while it runs; 429 when there is none. ``key`` is
-        what the per-model bound counts it against."""
-        self.check_capacity(key, None)
+        what the per-model bound counts it against, ``owner`` the key's."""
+        self.check_capacity(key, None, owner)
         token = f"slot-{secrets.token_urlsafe(12)}"
-        self._hold(token, key)
+        self._hold(token, key, owner)
         try:
             yield
         finally:
             self._release(token)
 
-    def _hold(self, request_id: str, model_id: str | None) -> None:
+    def _hold(self, request_id: str, model_id: str | None, owner: str | None) -> None:
         with self._count_lock:
             self._pending[request_id] = model_id
             self._pending_per_model[model_id] = self._pending_per_model.get(model_id, 0) + 1
+            if owner is not None:
+                self._owners[request_id] = owner
+                self._pending_per_key[owner] = self._pending_per_key.get(owner, 0) + 1
 
     def _release(self, request_id: str) -> None:
         with self._count_lock:
             if request_id in self._pending:
-                model_id = self._pending.pop(request_id)
-                left = self._pending_per_model.pop(model_id) - 1
-                if left:
-                    self._pending_per_model[model_id] = left
+                _decrement(self._pending_per_model, self._pending.pop(request_id))
+            if request_id in self._owners:
+                _decrement(self._pending_per_key, self._owners.pop(request_id))
 
     def complete(self, request_id: str, payload: bytes, media_type: str) -> None:
         self._finish(request_id, payload=payload, media_type=media_type)
@@ -359,3 +394,9 @@ class Scheduler:
         except TimeoutError:
             pass
         return self.store.get_future(request_id)
+
+
+def _decrement(counts: dict, key: object) -> None:
+    left = counts.pop(key) - 1
+    if left:
+        counts[key] = left

@@ -113,7 +113,12 @@ def build_state(config: ServerConfig) -> ServerState:
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s, _cluster(config))
-    scheduler = Scheduler(store, QueueLimits(config.max_pending, config.max_pending_per_model), ServerMetrics())
+    # A key may hold a quarter of the pending requests the server takes, unless told otherwise.
+    quotas = Quotas(
+        store, Limits(**{"pending": max(config.max_pending // 4, 1), **config.key_limits}), config.max_lora_rank
+    )
+    limits = QueueLimits(config.max_pending, config.max_pending_per_model)
+    scheduler = Scheduler(store, limits, ServerMetrics(), keys=quotas)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     caps = backend.capabilities
     pids = backend.status()["pids"]
@@ -185,7 +190,7 @@ def build_state(config: ServerConfig) -> ServerState:
         futures=FuturesService(store, scheduler, config.poll_timeout_s),
         sampling=sampling,
         openai=openai,
-        quotas=Quotas(store, Limits(**config.key_limits), config.max_lora_rank),
+        quotas=quotas,
         run_metrics=run_metrics,
         console=ConsoleSignIn(_server_secret(config.data_dir)),
         vllm=vllm,

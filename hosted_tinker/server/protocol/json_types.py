@@ -327,7 +327,7 @@ class SampleRequest(Request):
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: int | None = Field(default=None, ge=0, lt=2**63)  # a clone's reach 10^18: int64
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0

@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
 
 from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request
@@ -27,6 +30,10 @@ from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.store import Store
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+# Text longer than this many characters per token of context is refused before it is tokenized
+# (no token of a real vocabulary is that long on average): a prompt costs its tokenizer's time
+# and memory (GBs for tens of MB of text) before its token count is known.
+MAX_CHARS_PER_TOKEN = 32
 
 
 def model_not_found(name: str) -> ApiError:
@@ -57,6 +64,9 @@ class OpenAIService:
         self.store = store
         self.served_names = served_names
         self.tokenizer = sampling.tokenizer
+        # Prompts are tokenized off the event loop, one at a time: a fast tokenizer's settings
+        # are shared state that concurrent calls could find half-changed.
+        self._tokenizing = threading.Lock()
 
     # ---- models -----------------------------------------------------------------------------
 
@@ -81,7 +91,7 @@ class OpenAIService:
     def slot(self, name: str, tenant: str) -> AbstractContextManager[None]:
         """A place for one request on model ``name`` under the server's queue bounds (429 when
         none is free), counted per tenant and model like a sampling session's requests."""
-        return self.sampling.scheduler.slot(f"{tenant}/v1/{name}")
+        return self.sampling.scheduler.slot(f"{tenant}/v1/{name}", owner=tenant)
 
     def resolve(self, name: str, tenant: str) -> WeightsRef:
         """The weights a ``model`` name stands for, if ``tenant`` may sample them (else a 404)."""
@@ -130,7 +140,9 @@ class OpenAIService:
         if req.echo:
             raise bad_request("echo is not supported")
         if isinstance(req.prompt, str):
-            return self.tokenizer.encode(req.prompt, add_special_tokens=False)
+            self._check_length(len(req.prompt), "prompt")
+            with self._tokenizing:
+                return self.tokenizer.encode(req.prompt, add_special_tokens=False)
         return list(req.prompt)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -142,9 +154,22 @@ class OpenAIService:
                     raise bad_request(f"messages[{i}].content: only text parts, each with a string text, are supported")
                 content = "".join(part["text"] for part in content)
             messages.append({"role": m.role, "content": content})
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        self._check_length(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            with self._tokenizing:
+                return self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+        except TemplateError as e:  # the template's own raise_exception: what it wants of the messages
+            raise bad_request(f"messages: the model's chat template refused them: {e}") from None
+
+    def _check_length(self, chars: int, field: str) -> None:
+        context = self.sampling.backend.capabilities.max_seq_len
+        if chars > MAX_CHARS_PER_TOKEN * context:
+            raise bad_request(
+                f"{field} has {chars} characters, more than {MAX_CHARS_PER_TOKEN} per token of the "
+                f"{context}-token context"
+            )
 
     # ---- text -------------------------------------------------------------------------------
 
@@ -196,13 +221,15 @@ class OpenAIService:
         top = [{self._token_str(t): v for t, v in zip(*alt, strict=True)} for alt in seq.topk] if seq.topk else None
         return {"tokens": tokens, "token_logprobs": seq.logprobs, "top_logprobs": top, "text_offset": offsets}
 
-    def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SampleSpec]:
-        """The prompt tokens and sampling spec of a request (validated: a 4xx before any output)."""
+    async def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SampleSpec]:
+        """The prompt tokens and sampling spec of a request (validated: a 4xx before any output).
+        Tokenizing runs on a thread (a fast tokenizer lets go of the GIL): a long prompt does not
+        hold up the event loop, and with it every other request."""
         if isinstance(req, ChatCompletionRequest):
-            prompt = self._chat_prompt(req)
+            prompt = await asyncio.to_thread(self._chat_prompt, req)
             topk = (req.top_logprobs or 0) if req.logprobs else 0
             return prompt, self._spec(req, prompt, req.max_completion_tokens or req.max_tokens, topk)
-        prompt = self._completion_prompt(req)
+        prompt = await asyncio.to_thread(self._completion_prompt, req)
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
         return prompt, self._spec(req, prompt, max_tokens, req.logprobs or 0)
 
@@ -211,7 +238,7 @@ class OpenAIService:
     async def respond(self, req: CompletionRequest | ChatCompletionRequest, tenant: str) -> dict:
         """A whole completion or chat completion: every choice, its text, logprobs and usage."""
         chat = isinstance(req, ChatCompletionRequest)
-        prompt, spec = self._prepare(req)
+        prompt, spec = await self._prepare(req)
         weights = self.resolve(req.model, tenant)
         with self.slot(req.model, tenant):
             output = await self.sampling.run(weights, spec)
@@ -243,7 +270,7 @@ class OpenAIService:
         Validation happens before the first chunk, so a bad request is still a plain 4xx.
         """
         chat = isinstance(req, ChatCompletionRequest)
-        prompt, spec = self._prepare(req)
+        prompt, spec = await self._prepare(req)
         weights = self.resolve(req.model, tenant)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()

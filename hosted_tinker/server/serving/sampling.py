@@ -34,6 +34,10 @@ from hosted_tinker.server.store import Store
 DEFAULT_MAX_TOKENS = 256
 MAX_NUM_SAMPLES = 128
 MAX_TOPK = 64
+# Each stop string is looked for after every sampled token of every row (in the decoded tail as
+# long as the longest): what the list may cost is bounded. OpenAI takes 4 stop sequences.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 128
 
 
 def check_num_samples(num_samples: int) -> None:
@@ -157,6 +161,11 @@ class SamplingService:
             else:
                 if any(s == "" for s in stops):
                     raise bad_request("sampling_params.stop contains an empty string")
+                if len(stops) > MAX_STOP_STRINGS or max(map(len, stops), default=0) > MAX_STOP_CHARS:
+                    raise bad_request(
+                        f"sampling_params.stop takes at most {MAX_STOP_STRINGS} strings of at most "
+                        f"{MAX_STOP_CHARS} characters each"
+                    )
                 stop_ids, stop_strings = frozenset(), tuple(stops)
         for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
             if not 0 <= k <= MAX_TOPK:
