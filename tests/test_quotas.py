@@ -37,6 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
         "tight": key("tight", "models=1", "lora_rank=8", "metadata_bytes=200", "checkpoint_bytes=1").strip(),
         "slow": key("slow", "requests_per_s=1").strip(),
         "queue": key("queue", "pending=3").strip(),
+        "beats": key("beats", "requests_per_s=1").strip(),
     }
     srv = start_server(data, "--model", str(tiny_model_dir), "--key-limit", "sessions=2")
     yield srv, keys, data
@@ -156,3 +157,15 @@ def test_one_key_cannot_fill_the_servers_queue(server):
     for request_id in (api.fwdbwd(fwdbwd_body(model, 1)), *waiting):  # over the limit, but awaited
         assert not isinstance(api.result(request_id), dict)  # a ForwardBackwardOutput, not an error
     assert not isinstance(api.result(api.fwdbwd(fwdbwd_body(model, 5))), dict)  # seq 5 was not used up
+
+
+def test_heartbeats_are_rated_in_a_bucket_of_their_own(server):
+    """A flood of heartbeats (each a database write) is held to the key's rate, in its own bucket:
+    the key's other calls go on, and a busy key's heartbeats are not refused for its other calls."""
+    srv, keys, _ = server
+    with httpx.Client(base_url=srv.base_url, headers={"X-API-Key": keys["beats"]}) as c:
+        session = c.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        beats = [c.post("/api/v1/session_heartbeat", json={"session_id": session}) for _ in range(15)]
+        assert all(r.status_code == 200 for r in beats[:10]), [r.text for r in beats[:10]]
+        assert any(r.status_code == 429 and "requests_per_s" in r.json()["detail"] for r in beats[10:])
+        assert c.get("/api/v1/training_runs").status_code == 200  # the other bucket is untouched

@@ -81,7 +81,7 @@ class Quotas:
         self.max_lora_rank = max_lora_rank
         self._clock = clock
         self._own: dict[str, tuple[float, Limits]] = {}  # tenant -> (read at, limits)
-        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
+        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (tenant, bucket) -> (tokens, at)
         self._lock = threading.Lock()
 
     def of(self, tenant: str) -> Limits | None:
@@ -112,22 +112,23 @@ class Quotas:
 
     # ---- rate (KeyCheck) --------------------------------------------------------------------
 
-    def admit(self, tenant: str) -> ApiError | None:
-        """Take one request from ``tenant``'s bucket; a 429 (with Retry-After) when it is empty."""
+    def admit(self, tenant: str, bucket: str = "requests") -> ApiError | None:
+        """Take one request from ``tenant``'s ``bucket`` (each holds ``requests_per_s``); a 429
+        (with Retry-After) when it is empty."""
         limits = self.of(tenant)
         if limits is None or limits.requests_per_s == 0:
             return None
         rate, now = limits.requests_per_s, self._clock()
         with self._lock:
-            tokens, at = self._buckets.get(tenant, (rate * BURST_S, now))
+            tokens, at = self._buckets.get((tenant, bucket), (rate * BURST_S, now))
             tokens = min(rate * BURST_S, tokens + (now - at) * rate)
             if tokens < 1:
-                self._buckets[tenant] = (tokens, now)
+                self._buckets[(tenant, bucket)] = (tokens, now)
                 wait = (1 - tokens) / rate
                 over = _over("requests_per_s", rate, f"requests per second for this key; retry in {wait:.2f} s", 429)
                 over.headers["Retry-After"] = str(max(1, round(wait)))
                 return over
-            self._buckets[tenant] = (tokens - 1, now)
+            self._buckets[(tenant, bucket)] = (tokens - 1, now)
         return None
 
     # ---- counts and sizes (routes) ----------------------------------------------------------

@@ -17,8 +17,9 @@ from hosted_tinker.server.quotas import Quotas
 
 KEYLESS = frozenset({"/api/v1/healthz"})  # besides everything outside /api/v1, /v1 and the docs
 KEYLESS_PREFIXES = ("/api/v1/files/",)  # signed download links: the signature is the key
-# Heartbeats are not rated: a busy key's sessions must not lapse (sessions are counted instead).
-UNRATED = frozenset({"/api/v1/session_heartbeat"})
+# Heartbeats have a bucket of their own: a busy key's sessions must not lapse, and a flood of
+# them (each a database write) is still held to the key's rate.
+OWN_BUCKET = {"/api/v1/session_heartbeat": "heartbeats"}
 # The API's description: on a server with keys, for key holders only, unless --public-docs.
 DOCS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
@@ -64,8 +65,8 @@ class KeyCheck:
                 response = error_response(scope["path"], 401, refusal(key), code="invalid_api_key", headers=headers)
                 await response(scope, receive, send)
                 return
-            if self.quotas is not None and scope["path"] not in UNRATED:
-                over = self.quotas.admit(tenant)
+            if self.quotas is not None:
+                over = self.quotas.admit(tenant, OWN_BUCKET.get(scope["path"], "requests"))
                 if over is not None:
                     headers = {**over.headers, "Connection": "close"}  # its body is not read either
                     response = error_response(scope["path"], 429, over.detail, headers=headers)

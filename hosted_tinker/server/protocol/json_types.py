@@ -28,22 +28,29 @@ class Request(BaseModel):
         return data
 
 
-def _unpaired_surrogate(value: Any, where: str = "") -> str | None:
-    """The path of the first string (or key) in ``value`` that cannot be encoded as UTF-8."""
+def _unpaired_surrogate(value: Any, path: tuple[str | int, ...] = ()) -> str | None:
+    """The path of the first string (or key) in ``value`` that cannot be encoded as UTF-8. Its
+    path is spelled only once found: a body's token lists hold millions of numbers."""
     if isinstance(value, str):
-        return None if is_text(value) else where
+        return None if is_text(value) else _spelled(path)
     if isinstance(value, dict):
         for key, item in value.items():
-            found = _unpaired_surrogate(key, where) if isinstance(key, str) else None
-            found = found if found is not None else _unpaired_surrogate(item, f"{where}.{key}".lstrip("."))
-            if found is not None:
+            if isinstance(key, str) and not is_text(key):
+                return _spelled(path)
+            if type(item) in _NESTED and (found := _unpaired_surrogate(item, (*path, key))) is not None:
                 return found
     if isinstance(value, list):
         for i, item in enumerate(value):
-            found = _unpaired_surrogate(item, f"{where}[{i}]")
-            if found is not None:
+            if type(item) in _NESTED and (found := _unpaired_surrogate(item, (*path, i))) is not None:
                 return found
     return None
+
+
+_NESTED = (str, dict, list)  # what JSON decodes to that may hold a string
+
+
+def _spelled(path: tuple[str | int, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
 
 
 class Response(BaseModel):

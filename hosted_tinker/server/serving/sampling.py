@@ -45,14 +45,17 @@ def check_num_samples(num_samples: int) -> None:
         raise bad_request(f"num_samples must be between 1 and {MAX_NUM_SAMPLES}, got {num_samples}")
 
 
-def prompt_tokens(prompt: wire.ModelInput) -> list[int]:
+def prompt_tokens(prompt: wire.ModelInput, context: int) -> list[int]:
     """The prompt's token ids. Chunks arrive loosely typed (so that an image is refused by name
-    here), so each text chunk is validated now and its errors are reported against it."""
+    here), so each text chunk is validated now and its errors are reported against it; one
+    longer than the ``context`` before its numbers are."""
     tokens: list[int] = []
     for i, chunk in enumerate(prompt.chunks):
         where = f"prompt.chunks[{i}]"
         if chunk.get("type", "encoded_text") != "encoded_text":
             raise bad_request(f"{where}: {chunk.get('type')} chunks are not supported (text only)")
+        if isinstance(raw := chunk.get("tokens"), list) and len(tokens) + len(raw) >= context:
+            raise bad_request(f"prompt has {len(tokens) + len(raw)} tokens or more; the context holds {context} in all")
         try:
             tokens += wire.EncodedTextChunk.model_validate(chunk).tokens
         except ValidationError as e:
@@ -289,7 +292,7 @@ class SamplingService:
         sequence_ids = [f"{request_key}:{i}" for i in range(req.num_samples)]
         if (existing := self.scheduler.find(sampler.sampler_id, seq_id)) is not None:  # a resend
             return existing, sequence_ids
-        prompt = prompt_tokens(req.prompt)
+        prompt = prompt_tokens(req.prompt, self.backend.capabilities.max_seq_len)
         target_ids, target_layout = None, None
         if req.target_prompt_logprobs is not None and prompt:  # an empty prompt: spec() says so
             if req.target_prompt_logprobs.dtype != "int64":
@@ -365,11 +368,25 @@ class SamplingService:
             self.scheduler.fail(request_id, "the server stopped while sampling; retry", "server")
             raise
         else:
-            payload = encode_sample_response(output, target_layout)
+            await self._complete(request_id, output, target_layout)
+
+    async def _complete(self, request_id: str, output: SampleOutput, target_layout: pb.Tensor | None) -> None:
+        """Encode and store a result on a thread: one of many samples' top-k rows (tens of MB)
+        would hold up the event loop, and every other request with it. A cancel that comes
+        meanwhile finds the result on its way (shielded): the future ends either way."""
+
+        def finish() -> None:
             try:
+                payload = encode_sample_response(output, target_layout)
                 self.scheduler.complete(request_id, payload, "application/x-protobuf")
             except Exception as e:  # e.g. the database stayed locked: the future must still end
                 self.scheduler.fail_with(request_id, e)
+
+        try:
+            await asyncio.shield(asyncio.to_thread(finish))
+        except asyncio.CancelledError:
+            self._cancelled.discard(request_id)  # too late to cancel: its result is being stored
+            raise
 
     def uses_vllm(self, spec: SampleSpec) -> bool:
         return self.vllm is not None and not needs_embedded(spec)
