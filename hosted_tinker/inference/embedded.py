@@ -22,6 +22,10 @@ from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, Tok
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 
 MAX_BATCH_ROWS = 64  # sequences decoded together in one run
+# Newcomers join a run during its first this many decode steps only: a run then ends within
+# ADMIT_STEPS + max_tokens steps however requests keep coming (each late one would otherwise
+# hold the worker, and the training requests queued behind the run, up to max_tokens more).
+ADMIT_STEPS = 256
 
 
 @dataclass
@@ -129,14 +133,15 @@ class EmbeddedEngine:
     def _sample_group(self, weights: WeightsRef) -> None:
         items = self._take(weights.key, MAX_BATCH_ROWS, at_least_one=True)
         budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)  # below 0 after a large one: none admitted
-
+        steps = 0
         dropped: set[int] = set()
 
-        def admit() -> Admission:
-            nonlocal budget
+        def admit() -> Admission:  # between decode steps
+            nonlocal budget, steps
+            steps += 1
             gone = [n for n, item in enumerate(items) if item.abandoned and n not in dropped]
             dropped.update(gone)
-            arrivals = self._take(weights.key, budget) if budget > 0 else []
+            arrivals = self._take(weights.key, budget) if budget > 0 and steps <= ADMIT_STEPS else []
             budget -= sum(i.spec.num_samples for i in arrivals)
             items.extend(arrivals)
             return Admission([i.spec for i in arrivals], tuple(gone))
