@@ -253,7 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-bytes",
         type=int,
         default=256 << 20,
-        help="largest body of forward_backward, sampling and completions, after zstd (413 above)",
+        help="largest body of forward_backward, after zstd (413 above)",
+    )
+    serve.add_argument(
+        "--max-prompt-body-bytes",
+        type=int,
+        default=32 << 20,
+        help="largest body of sampling and completions (JSON prompts; at most --max-body-bytes; 413 above)",
     )
     serve.add_argument(
         "--max-control-body-bytes",

@@ -587,6 +587,12 @@ CASES: list[Case] = [
     ),
     Case("JSON body over the limit", declared_oversize("asample", "application/json"), 413, "body"),
     Case(
+        "sample body over the prompt limit",
+        declared_oversize("asample", "application/json", size=(32 << 20) + 1),
+        413,
+        "--max-prompt-body-bytes",
+    ),
+    Case(
         "JSON route gzip Content-Encoding",
         post_raw("optim_step", b"\x1f\x8b\x08\x00", {"Content-Type": "application/json", "Content-Encoding": "gzip"}),
         415,
@@ -1442,7 +1448,11 @@ def test_body_limit_cuts_off_a_body_without_content_length():
     async def batch(name: str, request: Request) -> dict:
         return {"bytes": len(await request.body())}
 
-    app.add_middleware(BodyLimit, max_bytes=1000, max_control_bytes=100)
+    @app.post("/api/v1/prompt", **large_body("prompt"))
+    async def prompt(request: Request) -> dict:
+        return {"bytes": len(await request.body())}
+
+    app.add_middleware(BodyLimit, max_bytes=1000, max_control_bytes=100, max_prompt_bytes=300)
     client = TestClient(app)
     headers = {"Content-Type": "application/json"}
     for path in ("echo", "raw"):
@@ -1455,3 +1465,6 @@ def test_body_limit_cuts_off_a_body_without_content_length():
     over = client.post("/api/v1/batch/b", content=iter([b"x" * 600, b"x" * 600]))
     assert over.status_code == 413 and "1000 bytes (--max-body-bytes)" in over.json()["detail"], over.text
     assert client.post("/api/v1/batch/b", content=b"x" * 1001).status_code == 413  # declared
+    assert client.post("/api/v1/prompt", content=iter([b"x" * 150, b"x" * 150])).json() == {"bytes": 300}
+    over = client.post("/api/v1/prompt", content=iter([b"x" * 200, b"x" * 200]))
+    assert over.status_code == 413 and "300 bytes (--max-prompt-body-bytes" in over.json()["detail"], over.text

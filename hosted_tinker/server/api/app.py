@@ -67,7 +67,10 @@ def create_app(state: ServerState) -> FastAPI:
     # What each route declares (errors.route_mark), for the middleware that runs before routing.
     app.state.declared_routes = [route for router, _ in routers for route in router.routes]
     app.add_middleware(
-        BodyLimit, max_bytes=state.config.max_body_bytes, max_control_bytes=state.config.max_control_body_bytes
+        BodyLimit,
+        max_bytes=state.config.max_body_bytes,
+        max_control_bytes=state.config.max_control_body_bytes,
+        max_prompt_bytes=state.config.max_prompt_body_bytes,
     )
     # Before any body is read: the key, and its rate (quotas.admit).
     app.add_middleware(

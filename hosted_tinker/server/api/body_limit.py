@@ -1,5 +1,6 @@
 """``BodyLimit``: the bound on a request body's size, enforced before any route buffers it: the
-large one for routes declared ``large_body`` (batches, prompts), a small one for control calls."""
+large one for routes declared ``large_body`` (batches), a middle one for prompts, a small one
+for control calls."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ class _BodyTooLarge(Exception):
 
 class BodyLimit:
     """Every route buffers its whole body, so its size is bounded before that happens. The bound
-    is ``max_bytes`` on a route declared ``large_body`` and ``max_control_bytes`` (at most
-    ``max_bytes``) on every other, so that a session, a heartbeat or a save cannot make the
-    server buffer hundreds of MiB. A declared Content-Length over it is a 413 at once, without
-    reading the body; a body without one (chunked) is cut off with a 413 as soon as it passes
-    the limit. A Content-Encoding other
-    than zstd (which forward_backward inflates itself, under the same limit) is a 415: nothing
-    here could decode it, and a JSON parser would only report garbage.
+    is ``max_bytes`` on a route declared ``large_body``, ``max_prompt_bytes`` on one declared
+    ``large_body("prompt")`` (its JSON is parsed on the event loop: the bound is what a request
+    may hold up every other for) and ``max_control_bytes`` on every other, so that a session, a
+    heartbeat or a save cannot make the server buffer hundreds of MiB (both at most
+    ``max_bytes``). A declared Content-Length over it is a 413 at once, without reading the
+    body; a body without one (chunked) is cut off with a 413 as soon as it passes the limit. A
+    Content-Encoding other than zstd (which forward_backward inflates itself, under the same
+    limit) is a 415: nothing here could decode it, and a JSON parser would only report garbage.
 
     A request ordered by ``seq_id``, sent with a valid key, is the one exception to "without
     reading": the head of its body (until it names the seq_id; a few hundred KiB and
@@ -39,14 +41,24 @@ class BodyLimit:
 
     ENCODINGS = ("identity", "zstd")
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_control_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        max_control_bytes: int | None = None,
+        max_prompt_bytes: int | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_control_bytes = min(max_bytes, max_control_bytes or max_bytes)
+        self.max_prompt_bytes = min(max_bytes, max_prompt_bytes or max_bytes)
 
     def limit_of(self, scope: Scope) -> tuple[int, str]:
         """The bound on this request's body, and the setting that gives it."""
-        if route_mark(Request(scope), LARGE_BODY):
+        declared = route_mark(Request(scope), LARGE_BODY)
+        if declared == "prompt":
+            return self.max_prompt_bytes, "--max-prompt-body-bytes, for a prompt"
+        if declared:
             return self.max_bytes, "--max-body-bytes"
         return self.max_control_bytes, "--max-control-body-bytes, for a control call"
 

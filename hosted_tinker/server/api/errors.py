@@ -6,7 +6,7 @@ exceptions). Every 4xx has a body that names what was wrong; nothing a user send
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -93,15 +93,16 @@ def ordered(kind: str, *, large_body: bool = False) -> dict[str, Any]:
     shows in ``/openapi.json`` as the operation's ``x-ordered``."""
     extra: dict[str, Any] = {ORDERED: kind}
     if large_body:
-        extra[LARGE_BODY] = True
+        extra[LARGE_BODY] = "batch"
     return {"openapi_extra": extra}
 
 
-def large_body() -> dict[str, Any]:
-    """Route options that declare a route carrying data (a batch, a prompt), whose body may be
-    as large as ``--max-body-bytes``; every other route is a control call, held to the much
-    smaller ``--max-control-body-bytes`` (``BodyLimit``). Shows as ``x-large-body``."""
-    return {"openapi_extra": {LARGE_BODY: True}}
+def large_body(what: Literal["batch", "prompt"] = "batch") -> dict[str, Any]:
+    """Route options that declare a route carrying data, whose body may be as large as
+    ``--max-body-bytes`` (a batch) or ``--max-prompt-body-bytes`` (a prompt: JSON, which is
+    parsed on the event loop); every other route is a control call, held to the much smaller
+    ``--max-control-body-bytes`` (``BodyLimit``). Shows as ``x-large-body``."""
+    return {"openapi_extra": {LARGE_BODY: what}}
 
 
 def route_mark(request: Request, mark: str) -> Any:

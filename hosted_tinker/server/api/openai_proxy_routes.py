@@ -22,7 +22,7 @@ router.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(rsp
     response_model=None,
     # vLLM's answer, passed through as it sent it: JSON or server-sent events.
     responses={200: {"content": {"application/json": {"schema": {"type": "object"}}, **rsp.SSE}}},
-    **large_body(),  # prompts
+    **large_body("prompt"),
 )
 async def forward(path: str, request: Request) -> Response:
     """Completions, chat completions, and vLLM's other OpenAI-style routes."""

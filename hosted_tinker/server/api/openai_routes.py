@@ -23,7 +23,7 @@ async def list_models(request: Request) -> dict:
     return server_state(request).openai.list_models(tenant_of(request))
 
 
-@router.post("/completions", **rsp.as_built(rsp.Completion), responses=_OR_STREAM, **large_body())
+@router.post("/completions", **rsp.as_built(rsp.Completion), responses=_OR_STREAM, **large_body("prompt"))
 async def completions(req: CompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:
@@ -31,7 +31,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     return await service.respond(req, tenant_of(request))
 
 
-@router.post("/chat/completions", **rsp.as_built(rsp.ChatCompletion), responses=_OR_STREAM, **large_body())
+@router.post("/chat/completions", **rsp.as_built(rsp.ChatCompletion), responses=_OR_STREAM, **large_body("prompt"))
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:

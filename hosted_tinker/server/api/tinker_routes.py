@@ -252,7 +252,7 @@ async def join_sampling_session(req: wire.JoinSamplingSessionRequest, request: R
     return {"type": "join_sampling_session", "client_counter": counter}
 
 
-@router.post("/asample", response_model=rsp.SampleFuture, **large_body())
+@router.post("/asample", response_model=rsp.SampleFuture, **large_body("prompt"))
 async def asample(req: wire.SampleRequest, request: Request) -> rsp.SampleFuture:
     state = server_state(request)
     note(request, sampling_session_id=req.sampling_session_id, seq_id=req.seq_id, num_samples=req.num_samples)
