@@ -152,6 +152,25 @@ def test_requests_admitted_mid_decode_match_solo_runs(rank: Rank):
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_each_request_gets_its_own_top_k_from_one_pass_over_the_rows(rank: Rank):
+    """Rows asking for different k (and none) in one decode: each gets its k best tokens, best
+    first, as arrays; the greedy token is the best one, with its own log-prob."""
+    from hosted_tinker.core.sampling import SampleSpec
+
+    specs = [
+        SampleSpec(prompt=list(range(10, 30)), max_tokens=5, temperature=0.0, topk_sample_logprobs=k) for k in (3, 0, 7)
+    ]
+    outputs = rank.sampler.generate(None, specs)
+    assert outputs[1].sequences[0].topk is None
+    for k, out in ((3, outputs[0]), (7, outputs[2])):
+        seq = out.sequences[0]
+        ids, lps = seq.topk
+        assert ids.shape == lps.shape == (5, k) and ids.dtype == np.int32 and lps.dtype == np.float32
+        assert (np.diff(lps, axis=1) <= 0).all() and ids[:, 0].tolist() == seq.tokens
+        np.testing.assert_allclose(lps[:, 0], seq.logprobs, rtol=1e-6)
+    np.testing.assert_array_equal(outputs[0].sequences[0].topk[0], outputs[2].sequences[0].topk[0][:, :3])
+
+
 def test_dropped_requests_leave_the_decode_and_the_others_are_unchanged(rank: Rank):
     from hosted_tinker.core.sampling import Admission, SampleSpec
 

@@ -88,7 +88,8 @@ def test_parse_response_orders_choices_and_keeps_the_top_k():
     out = parse_response(body, spec)
     assert [s.tokens for s in out.sequences] == [[5, 5], [7, 2]]
     assert [s.stop_reason for s in out.sequences] == ["length", "stop"]
-    assert out.sequences[1].topk[0] == ([5, 6], [-0.5, -1.0])
+    ids, lps = out.sequences[1].topk
+    assert ids[0].tolist() == [5, 6] and lps[0].tolist() == [-0.5, -1.0]
     assert out.sequences[1].logprobs == [-3.0, -0.1]
 
 

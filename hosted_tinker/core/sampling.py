@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 from torch import Tensor
 
 MASK_LOGPROB = -99999.0  # the SDK's marker for an empty top-k cell
@@ -57,7 +58,10 @@ class SampledSequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = "length"  # or "stop"
-    topk: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token, if asked
+    # If asked, the k best tokens at each sampled position: ids int32 (L, k), log-probs float32
+    # (L, k), MASK_LOGPROB in a cell no token fills. Arrays: as Python lists, many long samples'
+    # (millions of numbers) held the GIL, and the event loop, while they crossed the worker pipe.
+    topk: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass

@@ -15,9 +15,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from hosted_tinker.core.errors import EngineUnavailable, UserError
-from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpec
+from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.inference.vllm_adapters import AdapterRegistry, remove_dir, spawn
@@ -203,9 +204,13 @@ def parse_response(body: dict, spec: SampleSpec) -> SampleOutput:
             stop_reason="stop" if choice["finish_reason"] == "stop" else "length",
         )
         if spec.topk_sample_logprobs:
+            k = spec.topk_sample_logprobs
+            rows = logprobs["top_logprobs"]
+            ids, lps = np.zeros((len(rows), k), dtype=np.int32), np.full((len(rows), k), MASK_LOGPROB, np.float32)
             # vLLM's dict holds the top k plus the sampled token: keep the k best.
-            for top in logprobs["top_logprobs"]:
-                best = sorted(((v, _token_id(k)) for k, v in top.items()), reverse=True)[: spec.topk_sample_logprobs]
-                seq.topk.append(([t for _, t in best], [v for v, _ in best]))
+            for r, top in enumerate(rows):
+                best = sorted(((v, _token_id(t)) for t, v in top.items()), reverse=True)[:k]
+                ids[r, : len(best)], lps[r, : len(best)] = [t for _, t in best], [v for v, _ in best]
+            seq.topk = (ids, lps)
         sequences.append(seq)
     return SampleOutput(sequences)

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -223,18 +224,19 @@ def generate(
         return live
 
     live = prefill(specs)
+    best: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}  # (request, sample) -> per token
     while live.rows:
         logits = head(live.last).float()  # (R, V)
         logp = torch.log_softmax(logits, -1)
+        top = _top_k_rows(logp, [specs[i].topk_sample_logprobs for i, _ in live.rows])
         chosen, keep = [], []
         for r, (i, s) in enumerate(live.rows):
             spec, seq = specs[i], outputs[i].sequences[s]
             token = _choose(logits[r], spec, live.generators[r])
             seq.tokens.append(token)
             seq.logprobs.append(float(logp[r, token]))
-            if spec.topk_sample_logprobs:
-                values, indices = torch.topk(logp[r], min(spec.topk_sample_logprobs, logp.shape[-1]))
-                seq.topk.append((indices.tolist(), values.tolist()))
+            if r in top:
+                best.setdefault((i, s), []).append(top[r])
             if spec.stream and on_token is not None:
                 on_token(i, s, token, seq.logprobs[-1])
             if token in spec.stop_token_ids or _hit_stop_string(seq.tokens, spec.stop_strings, decode):
@@ -269,7 +271,20 @@ def generate(
                 live.merge(joined)
             else:
                 live = joined
+    for (i, s), rows in best.items():
+        outputs[i].sequences[s].topk = (np.stack([ids for ids, _ in rows]), np.stack([lps for _, lps in rows]))
     return outputs
+
+
+def _top_k_rows(logp: Tensor, ks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Row r's ``ks[r]`` best token ids (int32) and log-probs (float32) of ``logp`` ``(R, V)``,
+    for the rows that ask (k > 0): one top-k over them all and one copy to the host per step."""
+    asked = [r for r, k in enumerate(ks) if k > 0]
+    if not asked:
+        return {}
+    values, indices = torch.topk(logp[asked], min(max(ks), logp.shape[-1]), dim=-1)  # sorted, best first
+    ids, lps = indices.to(torch.int32).cpu().numpy(), values.cpu().numpy()
+    return {r: (ids[j, : ks[r]], lps[j, : ks[r]]) for j, r in enumerate(asked)}
 
 
 def _hit_stop_string(tokens: list[int], stops: tuple[str, ...], decode: Callable[[list[int]], str]) -> bool:

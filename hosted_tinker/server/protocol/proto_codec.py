@@ -262,13 +262,10 @@ def encode_sample_response(output: SampleOutput, target_layout: pb.Tensor | None
             tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
             logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
         )
-        if seq.topk:
-            k = max(len(ids) for ids, _ in seq.topk)
-            ids = np.zeros((len(seq.topk), k), dtype="<i4")
-            lps = np.full((len(seq.topk), k), -99999.0, dtype="<f4")  # the SDK's empty-cell marker
-            for row, (row_ids, row_lps) in enumerate(seq.topk):
-                ids[row, : len(row_ids)], lps[row, : len(row_lps)] = row_ids, row_lps
-            out.topk_sampled_logprobs.token_ids, out.topk_sampled_logprobs.logprobs = ids.tobytes(), lps.tobytes()
+        if seq.topk is not None:
+            ids, lps = seq.topk
+            out.topk_sampled_logprobs.token_ids = np.ascontiguousarray(ids, dtype="<i4").tobytes()
+            out.topk_sampled_logprobs.logprobs = np.ascontiguousarray(lps, dtype="<f4").tobytes()
             out.topk_sampled_logprobs.length, out.topk_sampled_logprobs.k = ids.shape
     if output.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(output.prompt_logprobs, dtype="<f4").tobytes()

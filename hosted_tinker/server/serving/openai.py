@@ -21,7 +21,7 @@ from jinja2 import TemplateError
 
 from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request
-from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpec
+from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
@@ -38,6 +38,15 @@ MAX_CHARS_PER_TOKEN = 32
 
 def model_not_found(name: str) -> ApiError:
     return ApiError(404, f"The model {name!r} does not exist", code="model_not_found")
+
+
+def _alternatives(seq: SampledSequence, i: int) -> tuple[list[int], list[float]]:
+    """The top-k tokens and log-probs at ``seq``'s ``i``-th sampled token (none if not asked)."""
+    if seq.topk is None:
+        return [], []
+    ids, lps = seq.topk[0][i].tolist(), seq.topk[1][i].tolist()
+    filled = [j for j, lp in enumerate(lps) if lp != MASK_LOGPROB]
+    return [ids[j] for j in filled], [lps[j] for j in filled]
 
 
 @dataclass
@@ -198,7 +207,7 @@ class OpenAIService:
         content = []
         for i, (token, lp) in enumerate(zip(seq.tokens, seq.logprobs, strict=True)):
             text = self._token_str(token)
-            alternatives = seq.topk[i] if seq.topk else ([], [])
+            alternatives = _alternatives(seq, i)
             content.append(
                 {
                     "token": text,
@@ -218,7 +227,12 @@ class OpenAIService:
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        top = [{self._token_str(t): v for t, v in zip(*alt, strict=True)} for alt in seq.topk] if seq.topk else None
+        top = None
+        if seq.topk is not None:
+            top = [
+                {self._token_str(t): v for t, v in zip(*_alternatives(seq, i), strict=True)}
+                for i in range(len(seq.tokens))
+            ]
         return {"tokens": tokens, "token_logprobs": seq.logprobs, "top_logprobs": top, "text_offset": offsets}
 
     async def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SampleSpec]:
