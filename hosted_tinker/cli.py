@@ -244,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
     serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")
     serve.add_argument(
+        "--max-pending-bytes",
+        type=int,
+        default=4 << 30,
+        help="bytes of forward_backward batches those may hold, as sent after zstd (429 above; one always fits)",
+    )
+    serve.add_argument(
         "--joint-pass-tokens",
         type=int,
         default=32768,

@@ -38,6 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
         "slow": key("slow", "requests_per_s=1").strip(),
         "queue": key("queue", "pending=3").strip(),
         "beats": key("beats", "requests_per_s=1").strip(),
+        "bytes": key("bytes", "pending_bytes=20000").strip(),
     }
     srv = start_server(data, "--model", str(tiny_model_dir), "--key-limit", "sessions=2")
     yield srv, keys, data
@@ -169,3 +170,22 @@ def test_heartbeats_are_rated_in_a_bucket_of_their_own(server):
         assert all(r.status_code == 200 for r in beats[:10]), [r.text for r in beats[:10]]
         assert any(r.status_code == 429 and "requests_per_s" in r.json()["detail"] for r in beats[10:])
         assert c.get("/api/v1/training_runs").status_code == 200  # the other bucket is untouched
+
+
+def test_one_key_cannot_fill_the_servers_memory_with_waiting_batches(server):
+    """pending_bytes: the batches of a key's pending forward_backward requests hold at most that
+    many bytes (an early arrival keeps its decoded batch until its turn); past it a 429 names the
+    limit; the awaited request still gets in, and the refused seq_id is not used up."""
+    srv, keys, _ = server
+    api = Api(srv.base_url)
+    api.http.headers["X-API-Key"] = keys["bytes"]
+    model = api.new_model()
+    bodies = {seq: fwdbwd_body(model, seq, n_datums=4, length=128) for seq in range(1, 5)}
+    assert 6000 < len(bodies[2]) < 10000  # two fit in 20,000 bytes, three do not
+    waiting = [api.fwdbwd(bodies[seq]) for seq in (2, 3)]
+    proto = {"Content-Type": "application/x-protobuf"}
+    refused = api.post("forward_backward", content=bodies[4], headers=proto)
+    assert refused.status_code == 429 and "limit pending_bytes reached" in refused.json()["detail"], refused.text
+    assert httpx.get(f"{srv.base_url}/healthz").json()["queue"]["pending_bytes"] == len(bodies[2]) + len(bodies[3])
+    for request_id in (api.fwdbwd(bodies[1]), *waiting, api.fwdbwd(bodies[4])):
+        assert not isinstance(api.result(request_id), dict)  # a ForwardBackwardOutput, not an error

@@ -82,6 +82,7 @@ class ServerConfig(BaseModel):
     max_prompt_body_bytes: int = Field(32 << 20, ge=1024)
     max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
     max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
+    max_pending_bytes: int = Field(4 << 30, ge=1)  # the forward_backward batches they hold (429 above)
     # Several models' forward_backward requests, up to this many tokens, in one pass over the
     # base (server.serving.joint_passes); 0: each runs alone.
     joint_pass_tokens: int = Field(32768, ge=0)

@@ -14,6 +14,7 @@ limit                what it bounds                                         refu
 ``checkpoint_bytes`` the key's stored checkpoints (a save past it: 403)     403
 ``requests_per_s``   calls per second, in bursts of ``BURST_S`` seconds'    429
 ``pending``          requests accepted and unfinished (queued or running)   429
+``pending_bytes``    the forward_backward batches those hold, in bytes      429
 ===================  =====================================================  ======
 
 A server without keys (open, for one user on loopback) has no per-key limits. Sessions and
@@ -53,6 +54,7 @@ class Limits(BaseModel):
     # A quarter of the server's default --max-pending: one key cannot fill it (with requests that
     # wait for a seq_id it never sends, say) and leave the others only 429s.
     pending: int = Field(256, ge=1)
+    pending_bytes: int = Field(1 << 30, ge=1)  # a quarter of the default --max-pending-bytes
 
 
 def parse_limits(items: list[str], where: str) -> dict[str, Any]:
@@ -106,9 +108,9 @@ class Quotas:
         """The key that opened the session a model or sampler id starts with."""
         return self.store.session_owner(subject.partition(":")[0]) if is_text(subject) else None
 
-    def pending(self, owner: str) -> int | None:
+    def pending(self, owner: str) -> tuple[int, int] | None:
         limits = self.of(owner)
-        return limits.pending if limits is not None else None
+        return (limits.pending, limits.pending_bytes) if limits is not None else None
 
     # ---- rate (KeyCheck) --------------------------------------------------------------------
 

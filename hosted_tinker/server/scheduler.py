@@ -48,6 +48,9 @@ class QueueLimits:
 
     max_pending: int = 1024  # over all models and samplers
     max_pending_per_model: int = 64  # per training model or sampling session
+    # The forward_backward batches they hold, in request bytes (about 2.5x that in memory once
+    # decoded): 256 waiting batches of 256 MiB would otherwise be allowed.
+    max_pending_bytes: int = 4 << 30
 
 
 class KeyBounds(Protocol):
@@ -59,8 +62,9 @@ class KeyBounds(Protocol):
         """The key that opened the session a model or sampler id names (None: nobody's)."""
         ...
 
-    def pending(self, owner: str) -> int | None:
-        """The most requests ``owner`` may have accepted and unfinished (None: no bound)."""
+    def pending(self, owner: str) -> tuple[int, int] | None:
+        """The most requests ``owner`` may have accepted and unfinished, and the most bytes of
+        batches they may hold (None: no bound)."""
         ...
 
 
@@ -86,6 +90,9 @@ class Scheduler:
         self._pending_per_model: dict[str | None, int] = {}
         self._owners: dict[str, str] = {}  # request id -> the key it counts against (``keys``)
         self._pending_per_key: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}  # request id -> the bytes of the batch it holds
+        self._pending_bytes = 0
+        self._pending_bytes_per_key: dict[str, int] = {}
         self.refused = 0  # submits answered 429
         # Per model, the seq_ids of its jobs dispatched and not yet started, in order.
         self._unstarted: dict[str, deque[int]] = {}
@@ -110,12 +117,14 @@ class Scheduler:
         """The request id already registered for ``(model_id, seq_id)``, if any."""
         return self.store.find_future(model_id, seq_id)
 
-    def check_capacity(self, model_id: str, seq_id: int | None, owner: str | None = None) -> None:
+    def check_capacity(self, model_id: str, seq_id: int | None, owner: str | None = None, size: int = 0) -> None:
         """Refuse, for now, a request over a queue bound (429: the SDK retries it after Retry-After):
-        the server's, its model's, or its key's (``owner``, else the owner of ``model_id``).
+        the server's, its model's, or its key's (``owner``, else the owner of ``model_id``), in
+        requests and in the ``size`` bytes of the batch it holds.
 
         The request a model's queue is waiting for is always let in: refusing it while its
-        successors hold the slots would leave them waiting forever.
+        successors hold the slots would leave them waiting forever. So is a batch when nothing
+        else holds bytes: one as large as the body limit allows must be able to run.
         """
         queue = self._queues.get(model_id)
         if queue is not None and seq_id == queue.next_seq and queue.waiting:
@@ -130,11 +139,25 @@ class Scheduler:
                 f"{model_id} has {self.limits.max_pending_per_model} requests pending (the per-model bound)"
             )
         owner = owner or self._owner(model_id)
-        limit = self.keys.pending(owner) if self.keys is not None and owner is not None else None
-        if limit is not None and self._pending_per_key.get(owner, 0) >= limit:
-            raise self._refuse(f"limit pending reached: this key has {limit} requests pending (accepted, unfinished)")
+        limits = self.keys.pending(owner) if self.keys is not None and owner is not None else None
+        if limits is not None:
+            count, held = limits
+            if self._pending_per_key.get(owner, 0) >= count:
+                raise self._refuse(
+                    f"limit pending reached: this key has {count} requests pending (accepted, unfinished)"
+                )
+            if _over(self._pending_bytes_per_key.get(owner, 0), size, held):
+                raise self._refuse(
+                    f"limit pending_bytes reached: this key's pending batches hold "
+                    f"{self._pending_bytes_per_key[owner]} bytes; this one's {size} would pass {held}"
+                )
         if len(self._pending) >= self.limits.max_pending:
             raise self._refuse(f"the server has {self.limits.max_pending} requests pending (its global bound)")
+        if _over(self._pending_bytes, size, self.limits.max_pending_bytes):
+            raise self._refuse(
+                f"the server's pending batches hold {self._pending_bytes} bytes; this one's {size} would pass "
+                f"its bound of {self.limits.max_pending_bytes} (--max-pending-bytes)"
+            )
 
     def _owner(self, subject: str | None) -> str | None:
         return self.keys.owner(subject) if self.keys is not None and subject is not None else None
@@ -150,6 +173,8 @@ class Scheduler:
             "pending": len(self._pending),
             "pending_busiest_model": max(self._pending_per_model.values(), default=0),
             "pending_busiest_key": max(self._pending_per_key.values(), default=0),
+            "pending_bytes": self._pending_bytes,
+            "max_pending_bytes": self.limits.max_pending_bytes,
             "max_pending": self.limits.max_pending,
             "max_pending_per_model": self.limits.max_pending_per_model,
             "refused": self.refused,
@@ -171,8 +196,11 @@ class Scheduler:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self.close_model, model_id, why, category)
 
-    def submit(self, kind: str, job: Job, *, model_id: str | None = None, seq_id: int | None = None) -> str:
-        """Register a future for ``job`` and queue it; return its request id.
+    def submit(
+        self, kind: str, job: Job, *, model_id: str | None = None, seq_id: int | None = None, size: int = 0
+    ) -> str:
+        """Register a future for ``job`` (holding a batch of ``size`` bytes) and queue it; return
+        its request id.
 
         A resent ``(model_id, seq_id)`` returns the original request id and queues nothing.
         Synchronous on purpose: with no await inside, two identical submits cannot race.
@@ -181,7 +209,7 @@ class Scheduler:
             existing = self.find(model_id, seq_id)
             if existing is not None:
                 return existing
-        request_id = self.register(kind, model_id=model_id, seq_id=seq_id)
+        request_id = self.register(kind, model_id=model_id, seq_id=seq_id, size=size)
         job = self._timed(kind, job)
         queue = self._queues.get(model_id) if model_id is not None else None
         if queue is None or seq_id is None:
@@ -235,12 +263,12 @@ class Scheduler:
         with self._count_lock:
             return {model: n for model, n in self._pending_per_model.items() if model is not None}
 
-    def register(self, kind: str, *, model_id: str | None = None, seq_id: int | None = None) -> str:
+    def register(self, kind: str, *, model_id: str | None = None, seq_id: int | None = None, size: int = 0) -> str:
         """A new pending future whose outcome someone will report with ``complete``/``fail``."""
         request_id = f"req-{secrets.token_urlsafe(12)}"
         self.store.add_future(request_id, kind=kind, model_id=model_id, seq_id=seq_id)
         self._events[request_id] = asyncio.Event()
-        self._hold(request_id, model_id, self._owner(model_id))
+        self._hold(request_id, model_id, self._owner(model_id), size)
         return request_id
 
     @contextmanager
@@ -256,20 +284,30 @@ class Scheduler:
         finally:
             self._release(token)
 
-    def _hold(self, request_id: str, model_id: str | None, owner: str | None) -> None:
+    def _hold(self, request_id: str, model_id: str | None, owner: str | None, size: int = 0) -> None:
         with self._count_lock:
             self._pending[request_id] = model_id
             self._pending_per_model[model_id] = self._pending_per_model.get(model_id, 0) + 1
             if owner is not None:
                 self._owners[request_id] = owner
                 self._pending_per_key[owner] = self._pending_per_key.get(owner, 0) + 1
+            if size:
+                self._sizes[request_id] = size
+                self._pending_bytes += size
+                if owner is not None:
+                    self._pending_bytes_per_key[owner] = self._pending_bytes_per_key.get(owner, 0) + size
 
     def _release(self, request_id: str) -> None:
         with self._count_lock:
             if request_id in self._pending:
                 _decrement(self._pending_per_model, self._pending.pop(request_id))
+            size = self._sizes.pop(request_id, 0)
+            self._pending_bytes -= size
             if request_id in self._owners:
-                _decrement(self._pending_per_key, self._owners.pop(request_id))
+                owner = self._owners.pop(request_id)
+                _decrement(self._pending_per_key, owner)
+                if size:
+                    _decrement(self._pending_bytes_per_key, owner, size)
 
     def complete(self, request_id: str, payload: bytes, media_type: str) -> None:
         self._finish(request_id, payload=payload, media_type=media_type)
@@ -396,7 +434,13 @@ class Scheduler:
         return self.store.get_future(request_id)
 
 
-def _decrement(counts: dict, key: object) -> None:
-    left = counts.pop(key) - 1
+def _decrement(counts: dict, key: object, by: int = 1) -> None:
+    left = counts.pop(key) - by
     if left:
         counts[key] = left
+
+
+def _over(held: int, size: int, bound: int) -> bool:
+    """Whether a batch of ``size`` bytes would take what is held past ``bound``; one always fits
+    when nothing is held."""
+    return size > 0 and held > 0 and held + size > bound

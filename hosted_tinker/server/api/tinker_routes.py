@@ -16,7 +16,7 @@ from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.ordering import head_limit
-from hosted_tinker.server.protocol.proto_codec import decode_forward_backward, decompress
+from hosted_tinker.server.protocol.proto_codec import WireForwardBackward, decode_forward_backward, decompress
 from hosted_tinker.server.serving.futures import check_cancellable
 from hosted_tinker.server.serving.training import Admit
 
@@ -156,14 +156,19 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
     # The app's BodyLimit has already bounded the body; the same limit bounds its inflated size.
     limit = state.config.max_body_bytes
     body, encoding = await request.body(), request.headers.get("content-encoding")
+
+    def decode() -> tuple[WireForwardBackward, int]:
+        raw = decompress(body, encoding, limit)
+        return decode_forward_backward(raw), len(raw)
+
     try:  # inflating and parsing up to the limit takes a while: not on the event loop
-        req = await asyncio.to_thread(lambda: decode_forward_backward(decompress(body, encoding, limit)))
+        req, size = await asyncio.to_thread(decode)
     except UserError as e:  # unreadable: the seq_id its head names is still used up
         refused = ApiError(e.status, str(e), headers=e.headers, code=e.code)
         raise refuse_unparsed(request, body[: head_limit(encoding)], refused) from None
     note(request, model_id=req.model_id, seq_id=req.seq_id, loss_fn=req.loss_fn, datums=len(req.raw_data))
     state.tenancy.model(tenant_of(request), req.model_id)
-    return _future(request, state.training.forward_backward(req), req.model_id)
+    return _future(request, state.training.forward_backward(req, size), req.model_id)
 
 
 @router.post("/optim_step", **ordered("optim_step"))

@@ -261,7 +261,7 @@ class TrainingService:
 
     # ---- forward / backward ---------------------------------------------------------------
 
-    def submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Callable[[], Job]) -> str:
+    def submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Callable[[], Job], size: int = 0) -> str:
         """Validate (``prepare``) and queue one of a model's requests.
 
         A rejected request still consumes its ``seq_id``, as a failed future: the SDK has
@@ -272,13 +272,14 @@ class TrainingService:
         if (existing := self.scheduler.find(model_id, seq_id)) is not None:  # a resend
             return existing
         self.live_model(model_id)
-        self.scheduler.check_capacity(model_id, seq_id)
+        self.scheduler.check_capacity(model_id, seq_id, size=size)
         try:
             job = prepare()
         except ApiError as e:
             self.scheduler.submit(kind, _failing(e.detail), model_id=model_id, seq_id=seq_id)
             raise
-        return self.scheduler.submit(kind, self.residency.around(model_id, job), model_id=model_id, seq_id=seq_id)
+        job = self.residency.around(model_id, job)
+        return self.scheduler.submit(kind, job, model_id=model_id, seq_id=seq_id, size=size)
 
     def refuse_ordered(self, kind: str, model_id: str, seq_id: int, error: ApiError) -> str:
         """Refuse one of a model's requests that failed before its ``prepare`` (a body that did not
@@ -290,7 +291,9 @@ class TrainingService:
 
         return self.submit_ordered(kind, model_id, seq_id, prepare)
 
-    def forward_backward(self, req: WireForwardBackward) -> str:
+    def forward_backward(self, req: WireForwardBackward, size: int = 0) -> str:
+        """``size``: the request's bytes (as sent, inflated), what its batch holds until it runs."""
+
         def prepare() -> Job:
             batch = self._validate_batch(req)
             entry = self.joint.register(req.model_id, req.seq_id, batch)
@@ -319,7 +322,7 @@ class TrainingService:
             return job
 
         kind = "forward" if req.forward_only else "forward_backward"
-        return self.submit_ordered(kind, req.model_id, req.seq_id, prepare)
+        return self.submit_ordered(kind, req.model_id, req.seq_id, prepare, size)
 
     def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
         caps = self.backend.capabilities
