@@ -143,18 +143,7 @@ def layer_synchronisations(model_dir: str, backend: str, settings: dict) -> str:
     return ""
 
 
-@pytest.mark.parametrize(
-    ("backend", "settings"),
-    [
-        pytest.param("peft", {"device": DEVICE}, id="peft"),
-        pytest.param(
-            "megatron",
-            {"train_devices": DEVICE, "backend_options": {"layers": "local"}},
-            id="megatron-tp1",
-            marks=pytest.mark.skipif(not HAS_MCORE, reason="needs megatron-core"),
-        ),
-    ],
-)
+@pytest.mark.parametrize(("backend", "settings"), [p for p in BACKENDS if p.id in ("peft", "megatron-tp1")])
 def test_no_decoder_layer_waits_for_the_gpu(backend: str, settings: dict, tiny_model_dir: Path) -> None:
     """Each layer's attention (and megatron's RoPE) cuts the packed row by the sequences' bounds
     in Python: read from the GPU, every layer would stall the host until the device caught up."""
