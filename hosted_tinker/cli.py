@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-pending-bytes",
         type=int,
         default=4 << 30,
-        help="bytes of forward_backward batches those may hold, as sent after zstd (429 above; one always fits)",
+        help="bytes of forward_backward batches those may hold, once inflated (429 above; one always fits)",
     )
     serve.add_argument(
         "--joint-pass-tokens",

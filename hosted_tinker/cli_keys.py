@@ -98,5 +98,10 @@ def _show_limits(store: Store, key_id: str) -> None:
         if name in own:
             print(f"  {name:18} {own[name]}  (this key's own)")
         else:
-            shown = "--max-lora-rank" if name == "lora_rank" else field.default
+            derived = {
+                "lora_rank": "--max-lora-rank",
+                "pending": "--max-pending / 4",
+                "pending_bytes": "--max-pending-bytes / 4",
+            }
+            shown = derived.get(name, field.default)
             print(f"  {name:18} {shown}  (the server's default, unless serve --key-limit {name}=... sets another)")

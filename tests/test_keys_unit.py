@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hosted_tinker.server.keys import OPEN, KeyRing, create_key, key_hash, read_keys_file
+from hosted_tinker.server.quotas import Limits, Quotas
 from hosted_tinker.server.store import Store
 
 pytestmark = pytest.mark.fast
@@ -70,3 +71,15 @@ def test_a_data_dir_from_before_keys_gains_owners(tmp_path: Path):
         "sess-new", owner="key-1", tags=[], user_metadata={}, project_id=None, display_name=None, sdk_version=None
     )
     assert store.list_sessions("key-1", 10, 0) == ["sess-new"] and store.list_sessions(OPEN, 10, 0) == ["sess-old"]
+
+
+def test_a_slow_rate_still_admits_a_request_now_and_then(tmp_path: Path):
+    """requests_per_s below 0.1 makes a bucket of less than one request (BURST_S = 10 s): its
+    first request, and one per 1/rate seconds, must still get in; each bucket (requests,
+    heartbeats) on its own."""
+    now = [0.0]
+    quotas = Quotas(Store(tmp_path / "db.sqlite"), Limits(requests_per_s=0.05), 64, clock=lambda: now[0])
+    assert quotas.admit("t") is None and quotas.admit("t", "heartbeats") is None
+    assert quotas.admit("t") is not None  # the bucket is empty now
+    now[0] = 20.0  # one request's worth at 0.05/s
+    assert quotas.admit("t") is None and quotas.admit("t") is not None

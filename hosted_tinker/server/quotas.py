@@ -122,8 +122,9 @@ class Quotas:
             return None
         rate, now = limits.requests_per_s, self._clock()
         with self._lock:
-            tokens, at = self._buckets.get((tenant, bucket), (rate * BURST_S, now))
-            tokens = min(rate * BURST_S, tokens + (now - at) * rate)
+            burst = max(rate * BURST_S, 1.0)  # below 0.1/s a bucket of less than one would refuse all
+            tokens, at = self._buckets.get((tenant, bucket), (burst, now))
+            tokens = min(burst, tokens + (now - at) * rate)
             if tokens < 1:
                 self._buckets[(tenant, bucket)] = (tokens, now)
                 wait = (1 - tokens) / rate

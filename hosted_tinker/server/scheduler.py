@@ -146,16 +146,18 @@ class Scheduler:
                 raise self._refuse(
                     f"limit pending reached: this key has {count} requests pending (accepted, unfinished)"
                 )
-            if _over(self._pending_bytes_per_key.get(owner, 0), size, held):
+            holding = self._pending_bytes_per_key.get(owner, 0)  # once: the dispatch thread releases
+            if _over(holding, size, held):
                 raise self._refuse(
-                    f"limit pending_bytes reached: this key's pending batches hold "
-                    f"{self._pending_bytes_per_key[owner]} bytes; this one's {size} would pass {held}"
+                    f"limit pending_bytes reached: this key's pending batches hold {holding} bytes; "
+                    f"this one's {size} would pass {held}"
                 )
         if len(self._pending) >= self.limits.max_pending:
             raise self._refuse(f"the server has {self.limits.max_pending} requests pending (its global bound)")
-        if _over(self._pending_bytes, size, self.limits.max_pending_bytes):
+        holding = self._pending_bytes
+        if _over(holding, size, self.limits.max_pending_bytes):
             raise self._refuse(
-                f"the server's pending batches hold {self._pending_bytes} bytes; this one's {size} would pass "
+                f"the server's pending batches hold {holding} bytes; this one's {size} would pass "
                 f"its bound of {self.limits.max_pending_bytes} (--max-pending-bytes)"
             )
 
@@ -266,9 +268,10 @@ class Scheduler:
     def register(self, kind: str, *, model_id: str | None = None, seq_id: int | None = None, size: int = 0) -> str:
         """A new pending future whose outcome someone will report with ``complete``/``fail``."""
         request_id = f"req-{secrets.token_urlsafe(12)}"
+        owner = self._owner(model_id)  # before the row: a future stored must be held, and end
         self.store.add_future(request_id, kind=kind, model_id=model_id, seq_id=seq_id)
         self._events[request_id] = asyncio.Event()
-        self._hold(request_id, model_id, self._owner(model_id), size)
+        self._hold(request_id, model_id, owner, size)
         return request_id
 
     @contextmanager

@@ -9,13 +9,15 @@ Streaming is real: tokens reach the client as the engine produces them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from jinja2 import TemplateError
 
@@ -28,6 +30,8 @@ from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, Co
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.store import Store
+
+T = TypeVar("T")
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 # Text longer than this many characters per token of context is refused before it is tokenized
@@ -73,9 +77,11 @@ class OpenAIService:
         self.store = store
         self.served_names = served_names
         self.tokenizer = sampling.tokenizer
-        # Prompts are tokenized off the event loop, one at a time: a fast tokenizer's settings
-        # are shared state that concurrent calls could find half-changed.
-        self._tokenizing = threading.Lock()
+        # Prompts are tokenized, and whole answers' texts and logprobs built, off the event loop
+        # (a fast tokenizer lets go of the GIL), on a thread of their own: one at a time (a fast
+        # tokenizer's settings are shared state that concurrent calls could find half-changed),
+        # and not in the pool every other to_thread waits on.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     # ---- models -----------------------------------------------------------------------------
 
@@ -150,8 +156,7 @@ class OpenAIService:
             raise bad_request("echo is not supported")
         if isinstance(req.prompt, str):
             self._check_length(len(req.prompt), "prompt")
-            with self._tokenizing:
-                return self.tokenizer.encode(req.prompt, add_special_tokens=False)
+            return self.tokenizer.encode(req.prompt, add_special_tokens=False)
         return list(req.prompt)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -165,10 +170,9 @@ class OpenAIService:
             messages.append({"role": m.role, "content": content})
         self._check_length(sum(len(m["content"]) for m in messages), "messages")
         try:
-            with self._tokenizing:
-                return self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         except TemplateError as e:  # the template's own raise_exception: what it wants of the messages
             raise bad_request(f"messages: the model's chat template refused them: {e}") from None
 
@@ -235,15 +239,19 @@ class OpenAIService:
             ]
         return {"tokens": tokens, "token_logprobs": seq.logprobs, "top_logprobs": top, "text_offset": offsets}
 
+    async def _on_tokenizer_thread(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, functools.partial(fn, *args))
+
     async def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SampleSpec]:
-        """The prompt tokens and sampling spec of a request (validated: a 4xx before any output).
-        Tokenizing runs on a thread (a fast tokenizer lets go of the GIL): a long prompt does not
-        hold up the event loop, and with it every other request."""
+        """The prompt tokens and sampling spec of a request (validated: a 4xx before any output),
+        tokenized on the tokenizer's thread: a long prompt does not hold up the event loop, and
+        with it every other request. Called with the request's slot held, so that what waits
+        for that thread is bounded by the queue bounds."""
         if isinstance(req, ChatCompletionRequest):
-            prompt = await asyncio.to_thread(self._chat_prompt, req)
+            prompt = await self._on_tokenizer_thread(self._chat_prompt, req)
             topk = (req.top_logprobs or 0) if req.logprobs else 0
             return prompt, self._spec(req, prompt, req.max_completion_tokens or req.max_tokens, topk)
-        prompt = await asyncio.to_thread(self._completion_prompt, req)
+        prompt = await self._on_tokenizer_thread(self._completion_prompt, req)
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
         return prompt, self._spec(req, prompt, max_tokens, req.logprobs or 0)
 
@@ -251,11 +259,17 @@ class OpenAIService:
 
     async def respond(self, req: CompletionRequest | ChatCompletionRequest, tenant: str) -> dict:
         """A whole completion or chat completion: every choice, its text, logprobs and usage."""
-        chat = isinstance(req, ChatCompletionRequest)
-        prompt, spec = await self._prepare(req)
         weights = self.resolve(req.model, tenant)
         with self.slot(req.model, tenant):
+            prompt, spec = await self._prepare(req)
             output = await self.sampling.run(weights, spec)
+        # The texts and logprobs of many long choices: a tokenizer.decode per token and per alternative.
+        return await self._on_tokenizer_thread(self._answer, req, prompt, spec, output)
+
+    def _answer(
+        self, req: CompletionRequest | ChatCompletionRequest, prompt: list[int], spec: SampleSpec, output: SampleOutput
+    ) -> dict:
+        chat = isinstance(req, ChatCompletionRequest)
         choices = []
         for i, seq in enumerate(output.sequences):
             text, _ = self._text(seq.tokens, spec)
@@ -284,16 +298,20 @@ class OpenAIService:
         Validation happens before the first chunk, so a bad request is still a plain 4xx.
         """
         chat = isinstance(req, ChatCompletionRequest)
-        prompt, spec = await self._prepare(req)
         weights = self.resolve(req.model, tenant)
+        held = ExitStack()  # the slot is held while the engine works, whether or not the client reads
+        held.enter_context(self.slot(req.model, tenant))
+        try:
+            prompt, spec = await self._prepare(req)
+        except BaseException:
+            held.close()
+            raise
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def on_token(sample: int, token: int, logprob: float) -> None:  # on the dispatch thread
             loop.call_soon_threadsafe(events.put_nowait, (sample, token, logprob))
 
-        held = ExitStack()  # the slot is held while the engine works, whether or not the client reads
-        held.enter_context(self.slot(req.model, tenant))
         task = asyncio.ensure_future(self.sampling.run(weights, spec, on_token))
 
         def finished(_: asyncio.Future) -> None:

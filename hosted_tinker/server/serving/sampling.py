@@ -104,6 +104,7 @@ class SamplingService:
         self.served_names = served_names  # what a sampling session on the base model may name
         self._running: dict[str, asyncio.Task] = {}  # request id -> its sampling, until it ends
         self._cancelled: set[str] = set()
+        self._finishing: set[str] = set()  # results being stored: too late to cancel
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -333,7 +334,7 @@ class SamplingService:
         ``category: user``, and the engine drops its rows (vLLM: the request is aborted). False
         if it had already finished."""
         task = self._running.get(request_id)
-        if task is None or task.done():
+        if task is None or task.done() or request_id in self._finishing:
             return False
         self._cancelled.add(request_id)
         task.cancel()
@@ -382,11 +383,11 @@ class SamplingService:
             except Exception as e:  # e.g. the database stayed locked: the future must still end
                 self.scheduler.fail_with(request_id, e)
 
+        self._finishing.add(request_id)  # too late to cancel (``cancel`` says so): it is being stored
         try:
             await asyncio.shield(asyncio.to_thread(finish))
-        except asyncio.CancelledError:
-            self._cancelled.discard(request_id)  # too late to cancel: its result is being stored
-            raise
+        finally:
+            self._finishing.discard(request_id)
 
     def uses_vllm(self, spec: SampleSpec) -> bool:
         return self.vllm is not None and not needs_embedded(spec)
