@@ -114,9 +114,11 @@ def test_stops_seeds_and_prompt_logprobs(trained):
     ).result()
     assert scored.prompt_logprobs[0] is None and all(isinstance(x, float) for x in scored.prompt_logprobs[1:])
     assert scored.topk_prompt_logprobs[0] is None and len(scored.topk_prompt_logprobs[1]) == 3
-    greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])  # vLLM takes greedy for n=1 only
-    for seq in sampler.sample(prompt, 1, greedy, topk_sample_logprobs=3).result().sequences:
-        top = seq.topk_logprobs_np  # (6, 3): the best first; greedy picks the best
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+    sequences = sampler.sample(prompt, 2, greedy, topk_sample_logprobs=3).result().sequences
+    assert len(sequences) == 2 and sequences[0].tokens == sequences[1].tokens  # (vLLM is asked for one)
+    for seq in sequences:
+        top = seq.topk_logprobs_np  # (6, 3) each: the best first; greedy picks the best
         assert top.token_ids.shape == top.logprobs.shape == (6, 3)
         assert (np.diff(top.logprobs, axis=1) <= 0).all() and top.token_ids[:, 0].tolist() == seq.tokens
         np.testing.assert_allclose(top.logprobs[:, 0], seq.logprobs, rtol=1e-5)

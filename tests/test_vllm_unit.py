@@ -57,6 +57,13 @@ def test_request_body_carries_every_sampling_parameter():
     assert "seed" not in request_body("x", SampleSpec(prompt=[1], max_tokens=1))
 
 
+def test_greedy_sampling_asks_vllm_for_one_sample():
+    # vLLM refuses n > 1 below its greedy temperature; the engine repeats the one answer instead.
+    for temperature in (0.0, 1e-6):
+        assert request_body("x", SampleSpec(prompt=[1], max_tokens=1, num_samples=4, temperature=temperature))["n"] == 1
+    assert request_body("x", SampleSpec(prompt=[1], max_tokens=1, num_samples=4, temperature=1e-4))["n"] == 4
+
+
 def test_parse_response_orders_choices_and_keeps_the_top_k():
     spec = SampleSpec(prompt=[1], max_tokens=2, num_samples=2, topk_sample_logprobs=2)
     body = {

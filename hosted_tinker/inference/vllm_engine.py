@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -27,6 +28,8 @@ from hosted_tinker.inference.vllm_process import EngineState, ExternalVllm, Vllm
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 600.0
+# vLLM samples greedily below this temperature (its _SAMPLING_EPS), and then refuses n > 1.
+GREEDY_BELOW = 1e-5
 
 
 def needs_embedded(spec: SampleSpec) -> bool:
@@ -154,6 +157,10 @@ class VllmEngine:
         if resp.status_code != 200:
             raise UserError(f"vLLM refused the request: {resp.text[:500]}")
         output = parse_response(resp.json(), spec)
+        if len(output.sequences) < spec.num_samples:  # greedy: asked once (request_body), the same n times
+            (seq,) = output.sequences
+            copies = range(spec.num_samples)
+            output.sequences = [replace(seq, tokens=list(seq.tokens), logprobs=list(seq.logprobs)) for _ in copies]
         if on_token is not None:
             for s, seq in enumerate(output.sequences):
                 for token, logprob in zip(seq.tokens, seq.logprobs, strict=True):
@@ -167,12 +174,13 @@ class VllmEngine:
 
 
 def request_body(model: str, spec: SampleSpec) -> dict:
-    """A vLLM ``/v1/completions`` body that samples exactly ``spec``."""
+    """A vLLM ``/v1/completions`` body that samples exactly ``spec``. Greedy sampling asks for one
+    sample: vLLM refuses ``n`` > 1 there, and every greedy sample is that one."""
     body = {
         "model": model,
         "prompt": spec.prompt,
         "max_tokens": spec.max_tokens,
-        "n": spec.num_samples,
+        "n": 1 if spec.temperature < GREEDY_BELOW else spec.num_samples,
         "temperature": spec.temperature,
         "top_p": spec.top_p,
         "top_k": spec.top_k,
