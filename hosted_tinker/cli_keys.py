@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hosted_tinker.server.quotas import Limits, parse_limits
+from hosted_tinker.server.quotas import DERIVED, Limits, parse_limits
 
 if TYPE_CHECKING:
     from hosted_tinker.server.store import Store
@@ -98,10 +98,5 @@ def _show_limits(store: Store, key_id: str) -> None:
         if name in own:
             print(f"  {name:18} {own[name]}  (this key's own)")
         else:
-            derived = {
-                "lora_rank": "--max-lora-rank",
-                "pending": "--max-pending / 4",
-                "pending_bytes": "--max-pending-bytes / 4",
-            }
-            shown = derived.get(name, field.default)
+            shown = DERIVED.get(name, field.default)
             print(f"  {name:18} {shown}  (the server's default, unless serve --key-limit {name}=... sets another)")

@@ -57,6 +57,8 @@ def test_keys_show_and_limit_say_each_limit_and_where_it_comes_from(server):
     shown = cli("keys", "show", "tight", "--data-dir", str(data)).stdout
     assert "models             1  (this key's own)" in shown
     assert "sessions           64  (the server's default" in shown
+    assert "pending            --max-pending / 4  (the server's default" in shown
+    assert "pending_bytes      --max-pending-bytes / 4  (the server's default" in shown
     changed = cli("keys", "limit", "tight", "sessions=5", "models=default", "--data-dir", str(data)).stdout
     assert "sessions           5  (this key's own)" in changed and "models             16  (the server's" in changed
     cli("keys", "limit", "tight", "sessions=default", "models=1", "--data-dir", str(data))

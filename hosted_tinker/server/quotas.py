@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hosted_tinker.core.errors import ApiError
 from hosted_tinker.server.keys import OPEN
 from hosted_tinker.server.protocol.ordering import is_text
+from hosted_tinker.server.scheduler import QueueLimits
 from hosted_tinker.server.store import Store
 
 LIVE_S = 120.0  # the SDK heartbeats every 10 s and warns after 2 min without one
@@ -51,10 +52,20 @@ class Limits(BaseModel):
     metadata_bytes: int = Field(64 << 10, ge=0)
     checkpoint_bytes: int = Field(1 << 40, ge=0)
     requests_per_s: float = Field(100.0, ge=0)  # 0: unlimited
-    # A quarter of the server's default --max-pending: one key cannot fill it (with requests that
-    # wait for a seq_id it never sends, say) and leave the others only 429s.
-    pending: int = Field(256, ge=1)
-    pending_bytes: int = Field(1 << 30, ge=1)  # a quarter of the default --max-pending-bytes
+    pending: int | None = Field(None, ge=1)  # None: --max-pending / PENDING_SHARE
+    pending_bytes: int | None = Field(None, ge=1)  # None: --max-pending-bytes / PENDING_SHARE
+
+
+# Unless told otherwise a key may hold a quarter of the requests (and bytes) the server keeps
+# pending: one key cannot fill its bounds (with requests that wait for a seq_id it never sends,
+# say) and leave every other key only 429s.
+PENDING_SHARE = 4
+# The limits whose default (None above) the server derives from its own settings.
+DERIVED = {
+    "lora_rank": "--max-lora-rank",
+    "pending": f"--max-pending / {PENDING_SHARE}",
+    "pending_bytes": f"--max-pending-bytes / {PENDING_SHARE}",
+}
 
 
 def parse_limits(items: list[str], where: str) -> dict[str, Any]:
@@ -76,11 +87,22 @@ class Quotas:
     (rate). Runs on the event loop; its reads are single-row SQLite queries."""
 
     def __init__(
-        self, store: Store, defaults: Limits, max_lora_rank: int, clock: Callable[[], float] = time.monotonic
+        self,
+        store: Store,
+        defaults: Limits,
+        max_lora_rank: int,
+        queue: QueueLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``max_lora_rank`` and ``queue`` (the server's bounds) give the limits ``DERIVED`` names."""
         self.store = store
         self.defaults = defaults
         self.max_lora_rank = max_lora_rank
+        queue = queue or QueueLimits()
+        self.pending_shares = (
+            max(queue.max_pending // PENDING_SHARE, 1),
+            max(queue.max_pending_bytes // PENDING_SHARE, 1),
+        )
         self._clock = clock
         self._own: dict[str, tuple[float, Limits]] = {}  # tenant -> (read at, limits)
         self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (tenant, bucket) -> (tokens, at)
@@ -110,7 +132,10 @@ class Quotas:
 
     def pending(self, owner: str) -> tuple[int, int] | None:
         limits = self.of(owner)
-        return (limits.pending, limits.pending_bytes) if limits is not None else None
+        if limits is None:
+            return None
+        count, held = self.pending_shares
+        return (limits.pending or count, limits.pending_bytes or held)
 
     # ---- rate (KeyCheck) --------------------------------------------------------------------
 

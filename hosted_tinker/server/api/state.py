@@ -113,10 +113,8 @@ def build_state(config: ServerConfig) -> ServerState:
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s, _cluster(config))
-    # A key may hold a quarter of the pending requests (and bytes) the server takes, unless told otherwise.
-    shares = {"pending": max(config.max_pending // 4, 1), "pending_bytes": max(config.max_pending_bytes // 4, 1)}
-    quotas = Quotas(store, Limits(**{**shares, **config.key_limits}), config.max_lora_rank)
     limits = QueueLimits(config.max_pending, config.max_pending_per_model, config.max_pending_bytes)
+    quotas = Quotas(store, Limits(**config.key_limits), config.max_lora_rank, limits)
     scheduler = Scheduler(store, limits, ServerMetrics(), keys=quotas)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     caps = backend.capabilities
