@@ -41,6 +41,7 @@ LIVE_S = 120.0  # the SDK heartbeats every 10 s and warns after 2 min without on
 BURST_S = 10.0  # a key may spend this many seconds' worth of requests at once
 CACHE_S = 5.0  # a key's own limits are re-read this often (``keys limit`` from another process)
 MAX_TENANTS = 1 << 16  # remembered at once (limits and rate buckets); past it, all are forgotten
+MAX_SESSIONS = 1 << 16  # sessions' owners remembered at once; past it, all are forgotten
 
 
 class Limits(BaseModel):
@@ -106,6 +107,7 @@ class Quotas:
         self._clock = clock
         self._own: dict[str, tuple[float, Limits]] = {}  # tenant -> (read at, limits)
         self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (tenant, bucket) -> (tokens, at)
+        self._owners: dict[str, str] = {}  # session id -> the key that opened it
         self._lock = threading.Lock()
 
     def of(self, tenant: str) -> Limits | None:
@@ -127,8 +129,18 @@ class Quotas:
     # ---- pending requests (the scheduler's ``KeyBounds``) -------------------------------------
 
     def owner(self, subject: str) -> str | None:
-        """The key that opened the session a model or sampler id starts with."""
-        return self.store.session_owner(subject.partition(":")[0]) if is_text(subject) else None
+        """The key that opened the session a model or sampler id starts with (asked for twice
+        per request, by the scheduler's bounds and its bookkeeping: a session's owner never
+        changes, so it is remembered)."""
+        if not is_text(subject):
+            return None
+        session_id = subject.partition(":")[0]
+        owner = self._owners.get(session_id)
+        if owner is None and (owner := self.store.session_owner(session_id)) is not None:
+            if len(self._owners) >= MAX_SESSIONS:
+                self._owners.clear()
+            self._owners[session_id] = owner
+        return owner
 
     def pending(self, owner: str) -> tuple[int, int] | None:
         limits = self.of(owner)
