@@ -1,7 +1,8 @@
 """The GPU path of every backend, against the CPU twin the rest of the suite checks: the same
 steps on ``cuda:0`` (peft, also with ``activation_memory_gib=auto``; ddp over NCCL; megatron tp=1)
 give the CPU's log-probs, ``loss:sum`` and gradient norm; a bfloat16 base trains float32 LoRA
-with float32 optimizer state on each; no decoder layer makes the host wait for the GPU.
+with float32 optimizer state on each; no decoder layer makes the host wait for the GPU, and
+the embedded sampler waits for it as often with 16 rows as with 2.
 
 Skipped without CUDA (this project's CI has none): ``scripts/gpu_checks.sh`` runs it on a lent
 GPU machine, with the GPU benchmarks. ``HT_TEST_GPU_DEVICE=cpu`` runs the same tests on the CPU,
@@ -13,6 +14,7 @@ import importlib.util
 import multiprocessing
 import os
 import traceback
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.sampling import SampleSpec
 from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.server.workers.backend import ProcessBackend
 from hosted_tinker.server.workers.launch import rank_factories
@@ -149,3 +152,36 @@ def test_no_decoder_layer_waits_for_the_gpu(backend: str, settings: dict, tiny_m
     in Python: read from the GPU, every layer would stall the host until the device caught up."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         assert pool.submit(layer_synchronisations, str(tiny_model_dir), backend, settings).result() == ""
+
+
+def sampling_synchronisations(model_dir: str, rows: int) -> int:
+    """How often sampling ``rows`` rows each of a drawn and a greedy request (8 decode steps)
+    makes the host wait for the device: CUDA's sync debug mode warns at each wait."""
+    rank = local_rank(model_dir, device=DEVICE)
+    drawn = SampleSpec(
+        prompt=list(range(5, 25)),
+        max_tokens=8,
+        num_samples=rows,
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        seed=1,
+        topk_sample_logprobs=2,
+    )
+    greedy = SampleSpec(prompt=list(range(7, 19)), max_tokens=8, num_samples=rows, temperature=0.0)
+    debug = torch.cuda.set_sync_debug_mode if DEVICE.startswith("cuda") else lambda mode: None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        debug("warn")
+        try:
+            rank.sampler.generate(None, [drawn, greedy])
+        finally:
+            debug("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_a_decode_step_waits_for_the_gpu_as_often_whatever_its_rows(tiny_model_dir: Path) -> None:
+    """Each row's token and log-prob were read back one by one (and ``torch.multinomial`` checks
+    its probabilities with a read-back): the host waited for the device twice per row per step."""
+    few, many = (sampling_synchronisations(str(tiny_model_dir), rows) for rows in (2, 16))
+    assert few == many, (few, many)

@@ -52,11 +52,20 @@ def _sampling_probs(logits: Tensor, spec: SampleSpec) -> Tensor:
     return probs
 
 
-def _choose(logits: Tensor, spec: SampleSpec, generator: torch.Generator) -> int:
-    """Pick one token from ``logits`` (V,) under the request's temperature / top-k / top-p."""
-    if spec.temperature == 0:
-        return int(torch.argmax(logits))
-    return int(torch.multinomial(_sampling_probs(logits, spec), 1, generator=generator))
+def _choose(logits: Tensor, specs: list[SampleSpec], generators: list[torch.Generator]) -> Tensor:
+    """Each row's next token ``(R,)`` from ``logits`` ``(R, V)``, under its request's temperature /
+    top-k / top-p and its own generator. Left on the device: reading a row's choice back
+    (``int()``) would wait for the GPU once per row; the caller reads all of them at once.
+
+    A row draws as ``torch.multinomial(probs, 1, generator=g)`` does (the same token, the same
+    generator state after: its one-sample path is this race of exponential clocks), without
+    the check of ``probs`` it reads back from the device first."""
+    tokens = logits.argmax(-1)  # the greedy rows' choice; the others are drawn
+    for r, spec in enumerate(specs):
+        if spec.temperature != 0:
+            probs = _sampling_probs(logits[r], spec)
+            tokens[r] = (probs / torch.empty_like(probs).exponential_(generator=generators[r])).argmax()
+    return tokens
 
 
 _CHUNK = 1024  # prompt positions whose full-vocabulary rows are held at once
@@ -229,12 +238,14 @@ def generate(
         logits = head(live.last).float()  # (R, V)
         logp = torch.log_softmax(logits, -1)
         top = _top_k_rows(logp, [specs[i].topk_sample_logprobs for i, _ in live.rows])
-        chosen, keep = [], []
+        picked = _choose(logits, [specs[i] for i, _ in live.rows], live.generators)
+        # The step's one wait for the device (the log-probs' copy follows it at once).
+        tokens, token_logprobs = picked.tolist(), logp.gather(-1, picked[:, None])[:, 0].tolist()
+        keep = []
         for r, (i, s) in enumerate(live.rows):
-            spec, seq = specs[i], outputs[i].sequences[s]
-            token = _choose(logits[r], spec, live.generators[r])
+            spec, seq, token = specs[i], outputs[i].sequences[s], tokens[r]
             seq.tokens.append(token)
-            seq.logprobs.append(float(logp[r, token]))
+            seq.logprobs.append(token_logprobs[r])
             if r in top:
                 best.setdefault((i, s), []).append(top[r])
             if spec.stream and on_token is not None:
@@ -243,13 +254,13 @@ def generate(
                 seq.stop_reason = "stop"
             elif len(seq.tokens) < spec.max_tokens:
                 keep.append(r)
-                chosen.append(token)
         if len(keep) < len(live.rows):
             live.select(keep)  # finished rows leave the batch
+            picked = picked[torch.tensor(keep, dtype=torch.long, device=picked.device)]
         if live.rows:
             live.mask = torch.cat([live.mask, live.mask.new_ones((len(live.rows), 1))], dim=1)
             live.positions = live.positions + 1
-            step = torch.tensor(chosen, device=device)[:, None]
+            step = picked[:, None]
             out = decoder(
                 input_ids=step,
                 attention_mask=live.mask,
