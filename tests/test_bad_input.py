@@ -805,7 +805,10 @@ CASES: list[Case] = [
         "tinker_path",
     ),
     Case(
-        "weights_info sampler kind", post("weights_info", lambda w: {"tinker_path": w.sampler_path}), 400, "tinker_path"
+        "weights_info sampler checkpoint that does not exist",
+        post("weights_info", lambda w: {"tinker_path": w.sampler_path + "-gone"}),
+        404,
+        "tinker_path",
     ),
     Case(
         "weights_info '..' run id",

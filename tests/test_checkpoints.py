@@ -179,6 +179,7 @@ def test_rest_surface(base_url):
 
         info = rest.get_weights_info_by_tinker_path(state).result()
         assert (info.base_model, info.lora_rank, info.is_lora) == (ALIAS, 4, True)
+        assert rest.get_weights_info_by_tinker_path(sampler).result() == info  # any kind: its run's shape
 
         sampling = sc.create_sampling_client(model_path=sampler).result()
         sampler_info = rest.get_sampler(sampling._sampling_session_id).result()

@@ -255,7 +255,11 @@ def state_from_files(path: TinkerPath, files: dict[str, bytes]) -> LoadedState:
 
 def describe(path: TinkerPath, files: dict[str, bytes]) -> dict:
     """What ``weights_info`` reports: base model and LoRA shape of a training checkpoint."""
-    base_model, lora = training_meta(path, files)
+    return description(*training_meta(path, files))
+
+
+def description(base_model: str, lora: LoraSpec) -> dict:
+    """What ``weights_info`` reports of weights of ``lora``'s shape on ``base_model``."""
     return {
         "base_model": base_model,
         "is_lora": True,

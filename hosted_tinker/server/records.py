@@ -80,3 +80,4 @@ class SessionRow:
     status: str  # active | finished:<success|errored|interrupted>
     display_name: str | None
     user_metadata: dict[str, Any]
+    status_detail: str | None = None  # what the client said when it finished the session

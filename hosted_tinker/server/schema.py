@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     project_id TEXT,
     display_name TEXT,
     sdk_version TEXT,
-    owner TEXT NOT NULL DEFAULT ''
+    owner TEXT NOT NULL DEFAULT '',
+    status_detail TEXT
 );
 CREATE TABLE IF NOT EXISTS models (
     model_id TEXT PRIMARY KEY,
@@ -154,8 +155,9 @@ def connect(path: str | Path, schema: str) -> sqlite3.Connection:
 
 def migrate(db: sqlite3.Connection) -> None:
     """Columns added since a data dir was created (sessions made before keys belong to no key,
-    samplers made before inflight ones are snapshots, futures finished before completion
-    numbers have none, keys made before per-key limits have none of their own)."""
+        samplers made before inflight ones are snapshots, futures finished before completion
+        numbers have none, keys made before per-key limits have none of their own, sessions
+    finished before details were kept have none)."""
     for table, column, declared in [
         ("sessions", "owner", "TEXT NOT NULL DEFAULT ''"),
         ("samplers", "kind", "TEXT NOT NULL DEFAULT 'snapshot'"),
@@ -163,6 +165,7 @@ def migrate(db: sqlite3.Connection) -> None:
         ("futures", "completion_seq", "INTEGER"),
         ("api_keys", "limits", "TEXT NOT NULL DEFAULT '{}'"),
         ("models", "next_seq", "INTEGER"),
+        ("sessions", "status_detail", "TEXT"),
     ]:
         if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declared}")

@@ -135,9 +135,14 @@ class Store(ListingRows, KeyRows):
         cur = self._exec("UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id))
         return cur.rowcount > 0
 
-    def finish_session(self, session_id: str, status: str) -> bool:
-        cur = self._exec("UPDATE sessions SET status=? WHERE session_id=?", (status, session_id))
+    def finish_session(self, session_id: str, status: str, detail: str | None = None) -> bool:
+        cur = self._exec(
+            "UPDATE sessions SET status=?, status_detail=? WHERE session_id=?", (status, detail, session_id)
+        )
         return cur.rowcount > 0
+
+    def set_session_project(self, session_id: str, project_id: str) -> None:
+        self._exec("UPDATE sessions SET project_id=? WHERE session_id=?", (project_id, session_id))
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -355,6 +360,12 @@ class Store(ListingRows, KeyRows):
         where, args = ("WHERE model_id=?", (model_id,)) if model_id is not None else ("", ())
         rows = self._exec(f"SELECT {self._CHECKPOINT_COLUMNS} FROM checkpoints {where} ORDER BY created_at DESC", args)
         return [self._checkpoint(r) for r in rows.fetchall()]
+
+    def has_public_checkpoint(self, model_id: str) -> bool:
+        return (
+            self._exec("SELECT 1 FROM checkpoints WHERE model_id=? AND public=1 LIMIT 1", (model_id,)).fetchone()
+            is not None
+        )
 
     def owned_checkpoints(self, owner: str) -> list[CheckpointRecord]:
         """Newest first, of every run whose session ``owner`` opened."""

@@ -12,6 +12,8 @@ from hosted_tinker.server.records import ApiKeyRecord, ModelRecord, SamplerRecor
 if TYPE_CHECKING:
     from hosted_tinker.server.store import Fetched
 
+# A session created without a project belongs to this one (SessionSummary.project_id is required).
+DEFAULT_PROJECT = "default"
 MODEL_COLUMNS = (
     "m.model_id, m.session_id, m.model_seq_id, m.base_model, m.lora, m.user_metadata, m.status, m.created_at"
 )
@@ -29,18 +31,34 @@ class _Rows:
 class ListingRows(_Rows):
     """Runs, sessions and samplers, as the REST routes and the console list them."""
 
-    def list_models(self, owner: str, limit: int, offset: int) -> tuple[list[ModelRecord], int]:
-        owned = "FROM models m JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=?"
-        total = self._exec(f"SELECT COUNT(*) {owned}", (owner,)).fetchone()[0]
+    def list_models(
+        self, owner: str, limit: int, offset: int, *, published: bool = False, project: str | None = None
+    ) -> tuple[list[ModelRecord], int]:
+        """``owner``'s runs, newest first; with ``published`` also others' runs with a published
+        checkpoint; with ``project``, only runs of sessions in that project (sessions made
+        without one are in ``default_project``)."""
+        where, args = "s.owner=?", [owner]
+        if published:
+            where += " OR EXISTS (SELECT 1 FROM checkpoints c WHERE c.model_id = m.model_id AND c.public=1)"
+        if project is not None:
+            where = f"({where}) AND COALESCE(s.project_id, ?) = ?"
+            args += [DEFAULT_PROJECT, project]
+        runs = f"FROM models m JOIN sessions s ON s.session_id = m.session_id WHERE {where}"
+        total = self._exec(f"SELECT COUNT(*) {runs}", tuple(args)).fetchone()[0]
         rows = self._exec(
-            f"SELECT {MODEL_COLUMNS} {owned} ORDER BY m.created_at DESC LIMIT ? OFFSET ?",
-            (owner, limit, offset),
+            f"SELECT {MODEL_COLUMNS} {runs} ORDER BY m.created_at DESC LIMIT ? OFFSET ?", (*args, limit, offset)
         ).fetchall()
         return [model_record(r) for r in rows], total
 
     def model_last_request(self, model_id: str) -> float:
-        row = self._exec("SELECT MAX(created_at) FROM futures WHERE model_id=?", (model_id,)).fetchone()
-        return row[0] or 0.0
+        """Its newest request's time; the run's creation where none is kept (a copy has made
+        none, and finished futures are purged after a while)."""
+        row = self._exec(
+            "SELECT MAX(COALESCE((SELECT MAX(created_at) FROM futures WHERE model_id=?1), 0), last_request_at) "
+            "FROM models WHERE model_id=?1",
+            (model_id,),
+        ).fetchone()
+        return row[0] if row is not None and row[0] is not None else 0.0
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> list[str]:
         rows = self._exec(
@@ -52,11 +70,23 @@ class ListingRows(_Rows):
     def sessions_of(self, owner: str) -> list[SessionRow]:
         """``owner``'s sessions, newest first."""
         rows = self._exec(
-            "SELECT session_id, created_at, owner, project_id, status, display_name, user_metadata FROM sessions "
-            "WHERE owner=? ORDER BY created_at DESC",
+            "SELECT session_id, created_at, owner, project_id, status, display_name, user_metadata, status_detail "
+            "FROM sessions WHERE owner=? ORDER BY created_at DESC",
             (owner,),
         ).fetchall()
-        return [SessionRow(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6])) for r in rows]
+        return [SessionRow(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7]) for r in rows]
+
+    def checkpoint_storage(self, owner: str, project: str | None = None) -> list[tuple[str, int, int]]:
+        """(project, checkpoints, bytes) of ``owner``'s unexpired checkpoints, per project of
+        their sessions."""
+        rows = self._exec(
+            "SELECT COALESCE(s.project_id, ?1) AS project, COUNT(*), SUM(c.size_bytes) FROM checkpoints c "
+            "JOIN models m ON m.model_id = c.model_id JOIN sessions s ON s.session_id = m.session_id "
+            "WHERE s.owner=?2 AND (c.expires_at IS NULL OR c.expires_at > ?3) AND (?4 IS NULL OR project = ?4) "
+            "GROUP BY project ORDER BY project",
+            (DEFAULT_PROJECT, owner, time.time(), project),
+        ).fetchall()
+        return [(r[0], r[1], r[2] or 0) for r in rows]
 
     def checkpoints_count(self, session_id: str) -> int:
         return self._exec(
@@ -166,6 +196,10 @@ class KeyRows(_Rows):
     def api_key_id(self, sha256: str) -> str | None:
         """The id of the unrevoked key with this hash, if any."""
         row = self._exec("SELECT key_id FROM api_keys WHERE sha256=? AND revoked_at IS NULL", (sha256,)).fetchone()
+        return row[0] if row else None
+
+    def api_key_name(self, key_id: str) -> str | None:
+        row = self._exec("SELECT name FROM api_keys WHERE key_id=?", (key_id,)).fetchone()
         return row[0] if row else None
 
     def api_key_limits(self, key_id: str) -> dict[str, int | float]:

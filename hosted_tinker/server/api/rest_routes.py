@@ -5,6 +5,7 @@ owns what it names (published checkpoints can be read by every key)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse
@@ -22,15 +23,20 @@ downloads = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
 NO_CONTENT = {"status_code": 204, "response_class": Response}
 
 
+# "owned": the key's own. "accessible": also what it may read of others', which here is runs
+# with a published checkpoint (keys are tenants, not members of an organization that share).
+AccessScope = Literal["owned", "accessible"]
+
+
 @router.get("/training_runs", **rsp.as_built(rsp.TrainingRunsResponse))
 async def list_training_runs(
     request: Request,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),
-    access_scope: str = "owned",
+    access_scope: AccessScope = "owned",
     project_id: str | None = None,
 ) -> dict:
-    return server_state(request).checkpoints.list_runs(tenant_of(request), limit, offset)
+    return server_state(request).checkpoints.list_runs(tenant_of(request), limit, offset, access_scope, project_id)
 
 
 def _own_run(request: Request, run_id: str) -> ServerState:
@@ -40,14 +46,19 @@ def _own_run(request: Request, run_id: str) -> ServerState:
 
 
 @router.get("/training_runs/{run_id}", **rsp.as_built(rsp.TrainingRun))
-async def get_training_run(run_id: str, request: Request, access_scope: str = "owned") -> dict:
-    state = server_state(request)
-    return state.checkpoints.run_json(state.tenancy.run(tenant_of(request), run_id))
+async def get_training_run(run_id: str, request: Request, access_scope: AccessScope = "owned") -> dict:
+    state, tenant = server_state(request), tenant_of(request)
+    if access_scope == "owned":
+        return state.checkpoints.run_json(state.tenancy.run(tenant, run_id))
+    return state.checkpoints.run_json(*state.tenancy.visible_run(tenant, run_id))
 
 
 @router.get("/training_runs/{run_id}/checkpoints", **rsp.as_built(rsp.CheckpointsListResponse))
 async def list_run_checkpoints(run_id: str, request: Request) -> dict:
-    return _own_run(request, run_id).checkpoints.list_checkpoints(run_id)
+    """A run's checkpoints: all of them to its owner, the published ones to every other key."""
+    state = server_state(request)
+    _, owned = state.tenancy.visible_run(tenant_of(request), run_id)
+    return state.checkpoints.list_checkpoints(run_id, owned)
 
 
 @router.get("/training_runs/{run_id}/metrics", **rsp.as_built(rsp.RunMetricsResponse))
@@ -132,9 +143,23 @@ async def list_sessions(
     request: Request,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),
-    access_scope: str = "owned",
+    access_scope: AccessScope = "owned",  # a key may read only its own sessions: both scopes are those
 ) -> dict:
     return {"sessions": server_state(request).store.list_sessions(tenant_of(request), limit, offset)}
+
+
+@router.put("/sessions/{session_id}/project", **NO_CONTENT)
+async def assign_session_project(session_id: str, req: wire.AssignSessionProjectRequest, request: Request) -> Response:
+    state = server_state(request)
+    state.tenancy.session(tenant_of(request), session_id, field="session")
+    state.sessions.assign_project(session_id, req.project_id)
+    return Response(status_code=204)
+
+
+@router.get("/billing/usage/checkpoints/current", **rsp.as_built(rsp.CheckpointStorageUsageResponse))
+async def checkpoint_storage_usage(request: Request, project_id: str | None = None) -> dict:
+    state, tenant = server_state(request), tenant_of(request)
+    return state.checkpoints.storage_usage(tenant, state.store.api_key_name(tenant), project_id)
 
 
 @router.post("/copy_weights", **rsp.as_built(rsp.CopyWeightsResponse))
@@ -158,7 +183,7 @@ async def search_sessions(req: wire.SessionSearchRequest, request: Request) -> d
 
 
 @router.get("/sessions/{session_id}", **rsp.as_built(rsp.GetSessionResponse))
-async def get_session(session_id: str, request: Request, access_scope: str = "owned") -> dict:
+async def get_session(session_id: str, request: Request, access_scope: AccessScope = "owned") -> dict:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id, field="session")
     return state.sessions.get_session(session_id)

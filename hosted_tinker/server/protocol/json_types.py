@@ -282,6 +282,10 @@ class WeightsInfoRequest(Request):
     tinker_path: str
 
 
+class AssignSessionProjectRequest(Request):
+    project_id: str
+
+
 class CheckpointTtlRequest(Request):
     ttl_seconds: int | None = None
 

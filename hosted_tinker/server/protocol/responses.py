@@ -302,6 +302,22 @@ class WeightsInfoResponse(Response):
     train_attn: bool | None = None
 
 
+class CheckpointStorageUsageItem(Response):
+    project_id: str | None = None
+    org_user_urn: str | None = None
+    user_email: str | None = None
+    user_name: str | None = None
+    checkpoint_count: int
+    size_bytes: int
+    size_gigabytes: float
+    estimated_monthly_cost_usd: float | None = None
+
+
+class CheckpointStorageUsageResponse(Response):
+    effective_rate_usd_per_gigabyte_month: float | None = None
+    data: list[CheckpointStorageUsageItem]
+
+
 class GetSamplerResponse(Response):
     sampler_id: str
     base_model: str

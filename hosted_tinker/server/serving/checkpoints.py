@@ -24,8 +24,9 @@ from hosted_tinker.core.checkpoints import (
     validate_name,
 )
 from hosted_tinker.core.checkpoints import describe as describe_checkpoint
+from hosted_tinker.core.checkpoints import description as describe_lora
 from hosted_tinker.core.errors import bad_request, not_found
-from hosted_tinker.core.types import TrainingBackend
+from hosted_tinker.core.types import LoraSpec, TrainingBackend
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.protocol import json_types as wire
@@ -42,6 +43,9 @@ from hosted_tinker.server.store import Store
 KEEP_SNAPSHOTS = 8
 MIN_TTL_S = 3600
 MAX_TTL_S = 10 * 365 * 86400
+
+
+GIGABYTE = 10**9  # storage is counted in decimal gigabytes, as cloud storage bills it
 
 
 def _iso(t: float) -> str:
@@ -374,15 +378,19 @@ class CheckpointService:
             "expires_at": _iso(record.expires_at) if record.expires_at else None,
         }
 
-    def run_json(self, model: ModelRecord) -> dict:
-        """A run (its owner checked by ``Tenancy.run``) as the REST API describes it."""
+    def run_json(self, model: ModelRecord, owned: bool = True) -> dict:
+        """A run (checked by ``Tenancy``) as the REST API describes it: to another key than its
+        owner's, as far as its published checkpoints show it."""
         checkpoints = self.store.list_checkpoints(model.model_id)
+        if not owned:
+            checkpoints = [c for c in checkpoints if c.public]
         last = next((c for c in checkpoints if c.kind == "weights"), None)
         last_sampler = next((c for c in checkpoints if c.kind == "sampler_weights"), None)
+        owner = self.store.session_owner(model.session_id)
         return {
             "training_run_id": model.model_id,
             "base_model": model.base_model,
-            "model_owner": self.store.session_owner(model.session_id) or "local",
+            "model_owner": owner or "local",
             "is_lora": True,
             "corrupted": False,
             "lora_rank": model.lora["rank"],
@@ -392,16 +400,44 @@ class CheckpointService:
             "user_metadata": {k: str(v) for k, v in model.user_metadata.items()},
         }
 
-    def list_runs(self, owner: str, limit: int, offset: int) -> dict:
-        models, total = self.store.list_models(owner, limit, offset)
+    def list_runs(
+        self, owner: str, limit: int, offset: int, access_scope: str = "owned", project_id: str | None = None
+    ) -> dict:
+        """``owner``'s runs, newest first (``access_scope`` "accessible": and others' runs with a
+        published checkpoint), of project ``project_id`` if given."""
+        published = access_scope == "accessible"
+        models, total = self.store.list_models(owner, limit, offset, published=published, project=project_id)
         return {
-            "training_runs": [self.run_json(m) for m in models],
+            "training_runs": [self.run_json(m, self.store.session_owner(m.session_id) == owner) for m in models],
             "cursor": {"offset": offset, "limit": limit, "total_count": total},
         }
 
-    def list_checkpoints(self, run_id: str) -> dict:
-        """The checkpoints of a run (checked by ``Tenancy.run``), newest first."""
-        return self._checkpoints_page(self.store.list_checkpoints(run_id), None, 0)
+    def storage_usage(self, owner: str, owner_name: str | None, project_id: str | None) -> dict:
+        """``AdminClient.get_current_checkpoint_storage_usage``: the bytes ``owner``'s checkpoints
+        hold now, per project (of ``project_id`` only if given). A key sees its own: keys are
+        tenants here, not members of an organization. No rate: this server bills nobody."""
+        usage = self.store.checkpoint_storage(owner, project_id)
+        return {
+            "effective_rate_usd_per_gigabyte_month": None,
+            "data": [
+                {
+                    "project_id": project,
+                    "org_user_urn": owner or "local",
+                    "user_name": owner_name,
+                    "checkpoint_count": count,
+                    "size_bytes": size,
+                    "size_gigabytes": size / GIGABYTE,
+                    "estimated_monthly_cost_usd": None,
+                }
+                for project, count, size in usage
+            ],
+        }
+
+    def list_checkpoints(self, run_id: str, owned: bool = True) -> dict:
+        """The checkpoints of a run (checked by ``Tenancy``), newest first: another key than its
+        owner's sees its published ones."""
+        checkpoints = self.store.list_checkpoints(run_id)
+        return self._checkpoints_page(checkpoints if owned else [c for c in checkpoints if c.public], None, 0)
 
     def list_owned_checkpoints(self, owner: str, limit: int, offset: int) -> dict:
         """Every checkpoint of every run of ``owner``'s sessions, newest first."""
@@ -450,11 +486,23 @@ class CheckpointService:
             self.mirror.changed(path)
 
     def weights_info(self, tinker_path: str) -> dict:
-        path = self._training_path(tinker_path, "tinker_path")
+        """Base model and LoRA shape of any checkpoint: a training state's from its own record; a
+        sampler's or an external one's (a PEFT adapter, which does not say all of it) from the
+        run it was saved from, whose shape never changes."""
         try:
-            return describe_checkpoint(path, self.files.read(path, only=("training_state.json",)))
+            path = TinkerPath.parse(tinker_path, "tinker_path")
         except CheckpointError as e:
             raise bad_request(str(e)) from None
+        if path.kind == "weights":
+            path = self._training_path(tinker_path, "tinker_path")
+            try:
+                return describe_checkpoint(path, self.files.read(path, only=("training_state.json",)))
+            except CheckpointError as e:
+                raise bad_request(str(e)) from None
+        run = self.store.get_model(path.run_id)
+        if run is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
+            raise not_found(f"tinker_path: checkpoint {tinker_path} does not exist")
+        return describe_lora(run.base_model, LoraSpec(**run.lora))
 
     # ---- downloads --------------------------------------------------------------------------
 

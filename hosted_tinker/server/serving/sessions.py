@@ -11,6 +11,7 @@ from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.records import SessionRow
 from hosted_tinker.server.serving.training import TrainingService
 from hosted_tinker.server.store import Store
+from hosted_tinker.server.store_rows import DEFAULT_PROJECT
 
 
 class SessionService:
@@ -43,7 +44,7 @@ class SessionService:
         return {"type": "session_heartbeat"}
 
     def finish(self, session_id: str, req: wire.FinishSessionRequest) -> dict:
-        if not self._end(session_id, f"finished:{req.reason.type}"):
+        if not self._end(session_id, f"finished:{req.reason.type}", req.detail):
             raise not_found(f"session_id {session_id!r} does not exist")
         return {}
 
@@ -52,8 +53,8 @@ class SessionService:
         it had finished, interrupted. Its checkpoints stay; its models, parked ones too, go."""
         self._end(session_id, "finished:interrupted")
 
-    def _end(self, session_id: str, status: str) -> bool:
-        if not self.store.finish_session(session_id, status):
+    def _end(self, session_id: str, status: str, detail: str | None = None) -> bool:
+        if not self.store.finish_session(session_id, status, detail):
             return False
         # The SDK never unloads models itself: a closed client's adapters would otherwise
         # stay in memory (or parked on disk) for the life of the server.
@@ -61,6 +62,12 @@ class SessionService:
         if self.on_finish is not None:
             self.on_finish(session_id)
         return True
+
+    def assign_project(self, session_id: str, project_id: str) -> None:
+        """Move a session (checked by ``Tenancy.session``), its runs and samplers, to a project."""
+        if not project_id:
+            raise bad_request("project_id is empty: a session cannot be moved out of its project")
+        self.store.set_session_project(session_id, project_id)
 
     def get_session(self, session_id: str) -> dict:
         session = self.store.get_session(session_id)
@@ -107,26 +114,23 @@ class SessionService:
             "created_at": iso_time(row.created_at).isoformat(),
             "owner": row.owner,
             "project_id": _project(row),
-            "status": _status(row.status),
+            "status": _status(row.status, row.status_detail),
             "checkpoints_count": self.store.checkpoints_count(row.session_id),
             "display_name": row.display_name,
             "user_metadata": {k: str(v) for k, v in row.user_metadata.items()},
         }
 
 
-# A session created without a project belongs to this one (SessionSummary.project_id is required).
-DEFAULT_PROJECT = "default"
-
-
 def _project(row: SessionRow) -> str:
     return row.project_id or DEFAULT_PROJECT
 
 
-def _status(stored: str) -> dict:
-    """The SDK's ``SessionStatus`` of a stored status (``active``, ``finished:<reason>``)."""
+def _status(stored: str, detail: str | None = None) -> dict:
+    """The SDK's ``SessionStatus`` of a stored status (``active``, ``finished:<reason>``) and the
+    detail its client gave when it finished it."""
     if stored == "active":
         return {"type": "active"}
-    return {"type": "client_finished", "reason": {"type": stored.removeprefix("finished:")}}
+    return {"type": "client_finished", "reason": {"type": stored.removeprefix("finished:")}, "detail": detail}
 
 
 def _matches(row: SessionRow, req: wire.SessionSearchRequest) -> bool:

@@ -49,6 +49,16 @@ class Tenancy:
             raise not_found(f"{field} {run_id!r} does not exist")
         return record
 
+    def visible_run(self, tenant: str, run_id: str, field: str = "training run") -> tuple[ModelRecord, bool]:
+        """A run ``tenant`` owns, or another's with a published checkpoint (``access_scope``
+        "accessible"), and whether ``tenant`` owns it; 404 for any other."""
+        if self.owns(tenant, run_id):
+            return self.run(tenant, run_id, field), True
+        record = self.store.get_model(run_id) if is_text(run_id) else None
+        if record is None or not self.store.has_public_checkpoint(run_id):
+            raise not_found(f"{field} {run_id!r} does not exist")
+        return record, False
+
     def sampler(self, tenant: str, sampler_id: str, field: str = "sampling_session_id") -> None:
         if not self.owns(tenant, sampler_id):
             raise not_found(f"{field} {sampler_id!r} does not exist")
