@@ -25,6 +25,7 @@ from hosted_tinker.core.checkpoints import (
 )
 from hosted_tinker.core.checkpoints import describe as describe_checkpoint
 from hosted_tinker.core.checkpoints import description as describe_lora
+from hosted_tinker.core.encryption import encrypt_files, parse_recipients
 from hosted_tinker.core.errors import bad_request, not_found
 from hosted_tinker.core.types import LoraSpec, TrainingBackend
 from hosted_tinker.inference.engine import WeightsRef
@@ -96,6 +97,7 @@ class CheckpointService:
         ttl_seconds: int | None,
         user_metadata: dict[str, str] | None,
         extra: dict | None = None,
+        encrypt_to: list[str] | None = None,
     ) -> str:
         request_kind = {
             "weights": "save_weights",
@@ -107,7 +109,8 @@ class CheckpointService:
             check_ttl(ttl_seconds)
             try:
                 path = TinkerPath(model_id, kind, validate_name(name))
-            except CheckpointError as e:
+                recipients = parse_recipients(encrypt_to) if encrypt_to else None
+            except (CheckpointError, ValueError) as e:
                 raise bad_request(str(e)) from None
             if not overwrite and self.store.get_checkpoint(model_id, kind, name) is not None:
                 raise bad_request(f"{path} already exists; save under another name or pass overwrite=True")
@@ -115,6 +118,8 @@ class CheckpointService:
 
             def job() -> tuple[bytes, str]:
                 files = self._export(kind, model)
+                if recipients is not None:
+                    files = encrypt_files(files, recipients)
                 size = self.files.write(path, files, overwrite=overwrite)
                 self.scheduler.metrics.checkpoint_bytes.labels(kind).inc(size)
                 self.store.put_checkpoint(
@@ -227,9 +232,8 @@ class CheckpointService:
         self._retire_snapshots(self.store.ephemeral_samplers(session_id=session_id))
 
     def save_weights_external(self, req: wire.SaveWeightsExternalRequest) -> str:
-        if req.age_encryption_recipients:
-            refusal = bad_request("age_encryption_recipients is not supported: this server does not encrypt exports")
-            return self.training.refuse_ordered("save_weights_external", req.model_id, req.seq_id, refusal)
+        """A PEFT adapter to download; with ``age_encryption_recipients``, each file encrypted
+        to them (``core.encryption``)."""
         return self._save(
             "external_weights",
             req.model_id,
@@ -238,6 +242,7 @@ class CheckpointService:
             overwrite=False,
             ttl_seconds=req.ttl_seconds,
             user_metadata=None,
+            encrypt_to=req.age_encryption_recipients,
         )
 
     # ---- loading ----------------------------------------------------------------------------
