@@ -4,7 +4,7 @@
 # of fastapi, pydantic, uvicorn, the tinker SDK or megatron-core. Those travel as wheels.
 #
 #   bash scripts/gpu_checks.sh wheels   here: the missing packages for Python 3.12 into .whl/
-#                                       (27 wheels, about 21 MB; .whl/ is git-ignored)
+#                                       (28 wheels, about 22 MB; .whl/ is git-ignored)
 #   bash scripts/gpu_checks.sh run [SECTION...]
 #                                       there (the device tool: carry .whl, timeout_s 590; on an
 #                                       H200 on 2026-11-26 sections 1, 2, 3 and 6 took 220 s in all
@@ -43,7 +43,8 @@ WHEELS="tinker==0.38.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydan
   annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.54.0 httptools==0.9.0 websockets==17.4
   watchfiles==1.3.0 python-dotenv==1.2.4 zstandard==0.25.0 megatron-core==0.16.1 sniffio==1.3.1
   distro==1.9.0 httpx2==2.16.2 httpcore2==2.16.2 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
-  opentelemetry-api==1.45.2 orjson==3.13.0 pyqwest==0.12.0 truststore==0.10.5 openai==3.57.0 jiter==0.19.0"
+  opentelemetry-api==1.45.2 orjson==3.13.0 pyqwest==0.12.0 truststore==0.10.5 openai==3.57.0 jiter==0.19.0
+  pyrage==1.4.0"
 
 wheels() {
   local platforms=() n
