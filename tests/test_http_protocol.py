@@ -4,8 +4,10 @@ long-poll behaviour, responsiveness during a long step, zstd bodies, and restart
 from __future__ import annotations
 
 import signal
+import sqlite3
 import threading
 import time
+from contextlib import closing
 
 import httpx
 import numpy as np
@@ -300,6 +302,10 @@ def test_results_are_deleted_after_retention(tmp_path, tiny_model_dir):
             assert time.monotonic() < deadline, "the finished result was never deleted"
             time.sleep(0.25)
         assert "does not exist" in api.poll(first).json()["detail"]
+        with closing(sqlite3.connect(tmp_path / "hosted_tinker.sqlite")) as db:  # and its trace's row
+            while db.execute("SELECT COUNT(*) FROM timeline WHERE request_id=?", (first,)).fetchone()[0]:
+                assert time.monotonic() < deadline, "the finished request's timeline row was never deleted"
+                time.sleep(0.25)
         # The model lives on; its old seq_id stays used, though its result is gone.
         assert len(api.result(api.fwdbwd(fwdbwd_body(model_id, 2))).loss_fn_outputs) == 1
         resent = api.result(api.fwdbwd(fwdbwd_body(model_id, 1)))

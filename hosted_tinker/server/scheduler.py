@@ -343,6 +343,7 @@ class Scheduler:
         """On the worker thread: run the job and record its outcome."""
         try:
             try:
+                self.store.future_started(request_id)  # its wait in the queue ends (a session's trace)
                 payload, media_type = job()
             except Exception as e:
                 self._recorded(request_id, functools.partial(self.fail_with, request_id, e))

@@ -66,10 +66,26 @@ CREATE TABLE IF NOT EXISTS futures (
     category TEXT,
     created_at REAL NOT NULL,
     completed_at REAL,
-    completion_seq INTEGER
+    completion_seq INTEGER,
+    started_at REAL
 );
 CREATE UNIQUE INDEX IF NOT EXISTS futures_by_seq ON futures(model_id, seq_id) WHERE seq_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS futures_by_completion ON futures(completed_at);
+-- Every finished request's times, kept (unlike its future, which a client may retrieve and so
+-- delete) for the result retention: a session's trace (``serving.traces``). ``subject`` is the
+-- model or sampler id, which starts with its session's id.
+CREATE TABLE IF NOT EXISTS timeline (
+    request_id TEXT PRIMARY KEY,
+    subject TEXT,
+    kind TEXT NOT NULL,
+    seq_id INTEGER,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL NOT NULL,
+    status TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS timeline_by_subject ON timeline(subject, submitted_at);
+CREATE INDEX IF NOT EXISTS timeline_by_finish ON timeline(finished_at);
 CREATE TABLE IF NOT EXISTS checkpoints (
     model_id TEXT NOT NULL,
     kind TEXT NOT NULL,
@@ -166,6 +182,7 @@ def migrate(db: sqlite3.Connection) -> None:
         ("api_keys", "limits", "TEXT NOT NULL DEFAULT '{}'"),
         ("models", "next_seq", "INTEGER"),
         ("sessions", "status_detail", "TEXT"),
+        ("futures", "started_at", "REAL"),
     ]:
         if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declared}")

@@ -260,13 +260,40 @@ class Store(ListingRows, KeyRows):
 
     def _finish_future(self, request_id: str, assignments: str, values: tuple) -> None:
         # Numbered and written under one lock, so that numbers are committed in their order and
-        # a reader of ``completions`` never sees a later number before an earlier one.
+        # a reader of ``completions`` never sees a later number before an earlier one. Its times
+        # go to the timeline in the same transaction.
         with self._lock:
             self._completion_seq += 1
-            self._db.execute(
-                f"UPDATE futures SET {assignments}, completed_at=?, completion_seq=? WHERE request_id=?",
-                (*values, time.time(), self._completion_seq, request_id),
-            )
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute(
+                    f"UPDATE futures SET {assignments}, completed_at=?, completion_seq=? WHERE request_id=?",
+                    (*values, time.time(), self._completion_seq, request_id),
+                )
+                self._db.execute(
+                    "INSERT OR REPLACE INTO timeline SELECT request_id, model_id, kind, seq_id, created_at, "
+                    "started_at, completed_at, status FROM futures WHERE request_id=?",
+                    (request_id,),
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def future_started(self, request_id: str) -> None:
+        """Its job began to run (the dispatch thread): the end of its wait in the queue."""
+        self._exec("UPDATE futures SET started_at=? WHERE request_id=?", (time.time(), request_id))
+
+    def session_timeline(self, session_id: str) -> list[tuple]:
+        """``(subject, request_id, kind, seq_id, submitted_at, started_at, finished_at, status)``
+        of the session's finished requests, in the order they were submitted."""
+        # Subjects are "{session}:...": the range [session + ":", session + ";") holds exactly
+        # those, and the index reads it as a range.
+        return self._exec(
+            "SELECT subject, request_id, kind, seq_id, submitted_at, started_at, finished_at, status FROM timeline "
+            "WHERE subject >= ? AND subject < ? ORDER BY submitted_at",
+            (session_id + ":", session_id + ";"),
+        ).fetchall()
 
     def completions(self, model_id: str, seq_range: tuple[int, int], after: int, limit: int = 1000) -> list[tuple]:
         """``(completion_seq, request_id, status, payload bytes)`` of ``model_id``'s futures with
@@ -300,7 +327,16 @@ class Store(ListingRows, KeyRows):
             ).rowcount
             deleted += n
             if n < batch:
-                return deleted
+                break
+        while (
+            self._exec(  # the timeline is kept as long
+                "DELETE FROM timeline WHERE rowid IN (SELECT rowid FROM timeline WHERE finished_at < ? LIMIT ?)",
+                (cutoff, batch),
+            ).rowcount
+            == batch
+        ):
+            pass
+        return deleted
 
     def get_future(self, request_id: str) -> FutureRecord | None:
         row = self._exec(

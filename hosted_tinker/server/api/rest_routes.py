@@ -14,6 +14,7 @@ from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
+from hosted_tinker.server.serving.traces import session_trace
 
 MAX_OFFSET = 2**62  # SQLite integers are 64-bit: a larger offset is a 422, not an overflow
 
@@ -154,6 +155,24 @@ async def assign_session_project(session_id: str, req: wire.AssignSessionProject
     state.tenancy.session(tenant_of(request), session_id, field="session")
     state.sessions.assign_project(session_id, req.project_id)
     return Response(status_code=204)
+
+
+@router.get("/sessions/{session_id}/trace_export", **rsp.as_built(rsp.TraceExportResponse))
+async def export_session_trace(session_id: str, request: Request) -> dict:
+    """Ready at once: the link builds the trace when it is fetched (``serving.traces``)."""
+    state = server_state(request)
+    state.tenancy.session(tenant_of(request), session_id, field="session")
+    base_url = str(request.base_url).rstrip("/")
+    return {"status": "ready", "url": state.checkpoints.links.trace_url(session_id, base_url)}
+
+
+@downloads.get("/traces/{token}/{signature}/{file_name}", response_class=Response, responses=rsp.TRACE)
+async def download_trace(token: str, signature: str, file_name: str, request: Request) -> Response:
+    state = server_state(request)
+    session_id = state.checkpoints.links.trace_session(token, signature)
+    # A long session's rows are many: read and encoded off the event loop.
+    trace = await asyncio.to_thread(session_trace, state.store, session_id)
+    return Response(trace, media_type="application/json")
 
 
 @router.get("/billing/usage/checkpoints/current", **rsp.as_built(rsp.CheckpointStorageUsageResponse))

@@ -318,6 +318,12 @@ class CheckpointStorageUsageResponse(Response):
     data: list[CheckpointStorageUsageItem]
 
 
+class TraceExportResponse(Response):
+    status: Literal["pending", "ready", "failed"]
+    url: str | None = None
+    error: str | None = None
+
+
 class GetSamplerResponse(Response):
     sampler_id: str
     base_model: str
@@ -466,6 +472,9 @@ _BINARY = {"type": "string", "format": "binary"}
 SSE = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events, ending in [DONE]"}}}
 FILE = {200: {"content": {"application/octet-stream": {"schema": _BINARY}}, "description": "the file's bytes"}}
 PROTOBUF = {"application/x-protobuf": {"schema": _BINARY}}
+TRACE = {
+    200: {"content": {"application/json": {"schema": {"type": "object"}}}, "description": "Chrome trace-event JSON"}
+}
 
 
 def as_built(model: type[BaseModel]) -> dict[str, Any]:
