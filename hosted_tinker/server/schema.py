@@ -86,6 +86,18 @@ CREATE TABLE IF NOT EXISTS timeline (
 );
 CREATE INDEX IF NOT EXISTS timeline_by_subject ON timeline(subject, submitted_at);
 CREATE INDEX IF NOT EXISTS timeline_by_finish ON timeline(finished_at);
+-- What each key used, per UTC hour (``serving.usage``): tokens trained and sampled, checkpoints
+-- saved, gigabyte-hours stored; kept for good. ``session_id`` is '' for usage of no session
+-- (an OpenAI /v1 request).
+CREATE TABLE IF NOT EXISTS usage (
+    bucket INTEGER NOT NULL,
+    owner TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    quantity REAL NOT NULL,
+    PRIMARY KEY (owner, bucket, session_id, base_model, kind)
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
     model_id TEXT NOT NULL,
     kind TEXT NOT NULL,

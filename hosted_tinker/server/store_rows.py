@@ -180,6 +180,35 @@ class ListingRows(_Rows):
         return SamplerRecord(*row) if row else None
 
 
+class UsageRows(_Rows):
+    """The usage ledger (``serving.usage``): quantities added up per hour, key, session, base
+    model and kind."""
+
+    def add_usage(self, bucket: int, owner: str, session_id: str, base_model: str, kind: str, quantity: float) -> None:
+        self._exec(
+            "INSERT INTO usage VALUES (?,?,?,?,?,?) ON CONFLICT (owner, bucket, session_id, base_model, kind) "
+            "DO UPDATE SET quantity = quantity + excluded.quantity",
+            (bucket, owner, session_id, base_model, kind, quantity),
+        )
+
+    def usage_of(self, owner: str, start: int, end: int) -> list[tuple[int, str, str, str, float]]:
+        """``(bucket, session_id, base_model, kind, quantity)`` of ``owner`` in hours [start, end)."""
+        return self._exec(
+            "SELECT bucket, session_id, base_model, kind, quantity FROM usage WHERE owner=? AND bucket>=? AND bucket<? "
+            "ORDER BY bucket, quantity DESC",
+            (owner, start, end),
+        ).fetchall()
+
+    def stored_bytes(self) -> list[tuple[str, str, str, int]]:
+        """``(owner, session_id, base_model, bytes)`` of every unexpired checkpoint, per session."""
+        return self._exec(
+            "SELECT s.owner, s.session_id, m.base_model, SUM(c.size_bytes) FROM checkpoints c "
+            "JOIN models m ON m.model_id = c.model_id JOIN sessions s ON s.session_id = m.session_id "
+            "WHERE c.expires_at IS NULL OR c.expires_at > ? GROUP BY s.session_id, m.base_model",
+            (time.time(),),
+        ).fetchall()
+
+
 class KeyRows(_Rows):
     """API keys: only their hashes are stored (``server.keys``)."""
 

@@ -89,7 +89,8 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _sweep(state: ServerState) -> None:
-    """At start-up and periodically: delete checkpoints past their TTL, results past retention and
+    """At start-up and periodically: count the checkpoints' storage (``serving.usage``), delete
+    checkpoints past their TTL, results past retention and
     sampling records past their day, and end sessions silent for longer than retention (their
     models, parked ones too, go), so that neither the disk nor the database grows without bound.
     A session outlives its silence by at least ``--session-timeout`` (after which its models are
@@ -99,6 +100,7 @@ async def _sweep(state: ServerState) -> None:
     every_s = min(600.0, max(1.0, retention / 4))
     while True:
         try:
+            await asyncio.to_thread(state.usage.accrue_storage)  # what was stored since the last sweep
             checkpoints = await asyncio.to_thread(state.checkpoints.delete_expired)
             results = await asyncio.to_thread(state.store.delete_futures_finished_before, time.time() - retention)
             sequences = await asyncio.to_thread(state.sequences.delete_expired)

@@ -5,6 +5,7 @@ owns what it names (published checkpoints can be read by every key)."""
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
 from typing import Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -175,10 +176,18 @@ async def download_trace(token: str, signature: str, file_name: str, request: Re
     return Response(trace, media_type="application/json")
 
 
+@router.get("/billing/usage/events", **rsp.as_built(rsp.BillingUsageResponse))
+async def billing_usage(request: Request, starting_on: datetime, ending_before: datetime) -> dict:
+    """``AdminClient.get_billing_usage``: the key's own usage, per UTC hour (``serving.usage``)."""
+    state, tenant = server_state(request), tenant_of(request)
+    name = state.store.api_key_name(tenant)
+    return await asyncio.to_thread(state.usage.report, tenant, name, starting_on, ending_before)
+
+
 @router.get("/billing/usage/checkpoints/current", **rsp.as_built(rsp.CheckpointStorageUsageResponse))
 async def checkpoint_storage_usage(request: Request, project_id: str | None = None) -> dict:
     state, tenant = server_state(request), tenant_of(request)
-    return state.checkpoints.storage_usage(tenant, state.store.api_key_name(tenant), project_id)
+    return state.usage.stored_now(tenant, state.store.api_key_name(tenant), project_id)
 
 
 @router.post("/copy_weights", **rsp.as_built(rsp.CopyWeightsResponse))

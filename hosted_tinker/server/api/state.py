@@ -44,6 +44,7 @@ from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.sessions import SessionService
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.serving.training import TrainingService
+from hosted_tinker.server.serving.usage import UsageLedger
 from hosted_tinker.server.store import Store
 from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
 from hosted_tinker.server.workers.cluster import Cluster
@@ -73,6 +74,7 @@ class ServerState:
     openai: OpenAIService
     quotas: Quotas
     run_metrics: RunMetrics
+    usage: UsageLedger
     console: ConsoleSignIn
     vllm: VllmEngine | None = None
     openai_proxy: OpenAIProxy | None = None
@@ -123,6 +125,7 @@ def build_state(config: ServerConfig) -> ServerState:
     vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
     custom_losses = CustomLossService(store, scheduler)
     residency = Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models)
+    usage = UsageLedger(store)
     training = TrainingService(
         backend,
         scheduler,
@@ -136,6 +139,7 @@ def build_state(config: ServerConfig) -> ServerState:
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
         run_metrics=run_metrics,
+        usage=usage,
     )
     sampling = SamplingService(
         backend,
@@ -149,6 +153,7 @@ def build_state(config: ServerConfig) -> ServerState:
         sequences,
         vllm,
         served_names=config.served_names(),
+        usage=usage,
     )
     mirror = CheckpointMirror(config.checkpoint_mirror, files, store) if config.checkpoint_mirror else None
     if mirror is not None:
@@ -189,6 +194,7 @@ def build_state(config: ServerConfig) -> ServerState:
         openai=openai,
         quotas=quotas,
         run_metrics=run_metrics,
+        usage=usage,
         console=ConsoleSignIn(_server_secret(config.data_dir)),
         vllm=vllm,
         openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,

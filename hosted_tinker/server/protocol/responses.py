@@ -318,6 +318,28 @@ class CheckpointStorageUsageResponse(Response):
     data: list[CheckpointStorageUsageItem]
 
 
+class BillingUsageEvent(Response):
+    bucket_start: str = Field(json_schema_extra=_ISO)
+    bucket_end: str = Field(json_schema_extra=_ISO)
+    base_model: str | None = None
+    user_id: str | None = None
+    user_name: str | None = None
+    session_id: str | None = None
+    project_id: str | None = None
+    estimated_cost_usd: float | None = None
+    effective_rate_usd_per_million_tokens: float | None = None
+    effective_rate_usd_per_gigabyte_month: float | None = None
+    # {"type": "training" | "sampling_prefill" | "sampling_sample", "token_count", ("cached")} |
+    # {"type": "checkpoint", "count"} | {"type": "storage", "free", "gigabyte_hours"}
+    event_info: dict[str, Any]
+
+
+class BillingUsageResponse(Response):
+    data: list[BillingUsageEvent]
+    sessions: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    cost_data_through: str | None = None
+
+
 class TraceExportResponse(Response):
     status: Literal["pending", "ready", "failed"]
     url: str | None = None

@@ -46,9 +46,6 @@ MIN_TTL_S = 3600
 MAX_TTL_S = 10 * 365 * 86400
 
 
-GIGABYTE = 10**9  # storage is counted in decimal gigabytes, as cloud storage bills it
-
-
 def _iso(t: float) -> str:
     return iso_time(t).isoformat()
 
@@ -125,6 +122,8 @@ class CheckpointService:
                 self.store.put_checkpoint(
                     model_id, kind, name, size_bytes=size, ttl_seconds=ttl_seconds, user_metadata=user_metadata or {}
                 )
+                if self.training.usage is not None:
+                    self.training.usage.checkpoint_saved(model_id)
                 if self.mirror is not None:
                     self.mirror.saved(path)
                 result = {"path": str(path), "type": request_kind, **(extra or {})}
@@ -415,27 +414,6 @@ class CheckpointService:
         return {
             "training_runs": [self.run_json(m, self.store.session_owner(m.session_id) == owner) for m in models],
             "cursor": {"offset": offset, "limit": limit, "total_count": total},
-        }
-
-    def storage_usage(self, owner: str, owner_name: str | None, project_id: str | None) -> dict:
-        """``AdminClient.get_current_checkpoint_storage_usage``: the bytes ``owner``'s checkpoints
-        hold now, per project (of ``project_id`` only if given). A key sees its own: keys are
-        tenants here, not members of an organization. No rate: this server bills nobody."""
-        usage = self.store.checkpoint_storage(owner, project_id)
-        return {
-            "effective_rate_usd_per_gigabyte_month": None,
-            "data": [
-                {
-                    "project_id": project,
-                    "org_user_urn": owner or "local",
-                    "user_name": owner_name,
-                    "checkpoint_count": count,
-                    "size_bytes": size,
-                    "size_gigabytes": size / GIGABYTE,
-                    "estimated_monthly_cost_usd": None,
-                }
-                for project, count, size in usage
-            ],
         }
 
     def list_checkpoints(self, run_id: str, owned: bool = True) -> dict:

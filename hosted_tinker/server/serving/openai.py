@@ -29,6 +29,7 @@ from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.tenancy import Tenancy
+from hosted_tinker.server.serving.usage import Charge
 from hosted_tinker.server.store import Store
 
 T = TypeVar("T")
@@ -102,6 +103,10 @@ class OpenAIService:
             "object": "list",
             "data": [{"id": n, "object": "model", "created": now, "owned_by": "hosted-tinker"} for n in names],
         }
+
+    def _charge(self, tenant: str) -> Charge:
+        """What a /v1 request uses counts against its key, in no session, on the served base model."""
+        return Charge(tenant, "", self.served_names[0])
 
     def slot(self, name: str, tenant: str) -> AbstractContextManager[None]:
         """A place for one request on model ``name`` under the server's queue bounds (429 when
@@ -262,7 +267,7 @@ class OpenAIService:
         weights = self.resolve(req.model, tenant)
         with self.slot(req.model, tenant):
             prompt, spec = await self._prepare(req)
-            output = await self.sampling.run(weights, spec)
+            output = await self.sampling.run(weights, spec, charge=self._charge(tenant))
         # The texts and logprobs of many long choices: a tokenizer.decode per token and per alternative.
         return await self._on_tokenizer_thread(self._answer, req, prompt, spec, output)
 
@@ -312,7 +317,7 @@ class OpenAIService:
         def on_token(sample: int, token: int, logprob: float) -> None:  # on the dispatch thread
             loop.call_soon_threadsafe(events.put_nowait, (sample, token, logprob))
 
-        task = asyncio.ensure_future(self.sampling.run(weights, spec, on_token))
+        task = asyncio.ensure_future(self.sampling.run(weights, spec, on_token, self._charge(tenant)))
 
         def finished(_: asyncio.Future) -> None:
             held.close()

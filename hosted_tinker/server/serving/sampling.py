@@ -29,6 +29,7 @@ from hosted_tinker.server.protocol.proto_codec import decode_tensor_json, encode
 from hosted_tinker.server.records import SamplerRecord
 from hosted_tinker.server.scheduler import Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
+from hosted_tinker.server.serving.usage import Charge, UsageLedger
 from hosted_tinker.server.store import Store
 
 DEFAULT_MAX_TOKENS = 256
@@ -90,7 +91,9 @@ class SamplingService:
         vllm: VllmEngine | None = None,
         *,
         served_names: Sequence[str] = (),
+        usage: UsageLedger | None = None,
     ) -> None:
+        self.usage = usage  # what each key sampled (``serving.usage``)
         self.backend = backend
         self.scheduler = scheduler
         self.store = store
@@ -323,7 +326,7 @@ class SamplingService:
         # (``server.sequences``) under the ids the client gets, before the result is visible.
         record = Recording(sampler.session_id, request_key, sequence_ids) if req.record_stability_info else None
         task = asyncio.get_running_loop().create_task(
-            self._sample_into(request_id, self.weights_of(sampler), spec, record, target_layout)
+            self._sample_into(request_id, self.weights_of(sampler), spec, record, target_layout, self._charge(sampler))
         )
         self._running[request_id] = task
         task.add_done_callback(lambda _: self._running.pop(request_id, None))
@@ -340,6 +343,9 @@ class SamplingService:
         task.cancel()
         return True
 
+    def _charge(self, sampler: SamplerRecord) -> Charge:
+        return Charge(self.store.session_owner(sampler.session_id) or "", sampler.session_id, sampler.base_model)
+
     async def _sample_into(
         self,
         request_id: str,
@@ -347,9 +353,10 @@ class SamplingService:
         spec: SampleSpec,
         record: Recording | None,
         target_layout: pb.Tensor | None = None,
+        charge: Charge | None = None,
     ) -> None:
         try:
-            output = await self.run(weights, spec)
+            output = await self.run(weights, spec, charge=charge)
             if record is not None:
                 sequences = [
                     (sid, s.tokens, s.logprobs) for sid, s in zip(record.sequence_ids, output.sequences, strict=True)
@@ -398,11 +405,21 @@ class SamplingService:
         except EngineUnavailable as e:
             raise unavailable(str(e), e.retry_after) from None
 
-    async def run(self, weights: WeightsRef, spec: SampleSpec, on_token: SampleListener | None = None) -> SampleOutput:
-        """Sample on the engine that serves ``spec`` (for the Tinker and the OpenAI routes)."""
+    async def run(
+        self,
+        weights: WeightsRef,
+        spec: SampleSpec,
+        on_token: SampleListener | None = None,
+        charge: Charge | None = None,
+    ) -> SampleOutput:
+        """Sample on the engine that serves ``spec`` (for the Tinker and the OpenAI routes); what it
+        used counts against ``charge``."""
         if self.uses_vllm(spec):
             output = await self.vllm.sample(weights, spec, on_token)
         else:
             output = await self.embedded.sample(weights, spec, on_token)
-        self.scheduler.metrics.tokens_sampled.inc(sum(len(s.tokens) for s in output.sequences))
+        sampled = sum(len(s.tokens) for s in output.sequences)
+        self.scheduler.metrics.tokens_sampled.inc(sampled)
+        if self.usage is not None and charge is not None:
+            self.usage.sampled(charge, len(spec.prompt), sampled)
         return output

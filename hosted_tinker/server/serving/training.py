@@ -37,6 +37,7 @@ from hosted_tinker.server.serving.custom_losses import CustomLossService, datum_
 from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
 from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, OPTIM_STEP, RunMetrics
+from hosted_tinker.server.serving.usage import UsageLedger
 from hosted_tinker.server.store import Store
 
 JSON = "application/json"
@@ -70,7 +71,9 @@ class TrainingService:
         live: LiveAdapters | None = None,
         max_lora_rank: int | None = None,
         run_metrics: RunMetrics | None = None,
+        usage: UsageLedger | None = None,
     ) -> None:
+        self.usage = usage  # what each key trained and saved (``serving.usage``)
         self.backend = backend
         self.scheduler = scheduler
         self.store = store
@@ -305,6 +308,8 @@ class TrainingService:
                 duration_s = entry.seconds  # its share of the pass it ran in
                 tokens = sum(d.num_tokens for d in batch.data)
                 self.scheduler.metrics.tokens_trained.labels(kind).inc(tokens)
+                if self.usage is not None:
+                    self.usage.trained(req.model_id, tokens)
                 outputs = [
                     {"logprobs": lp} if terms is None else {"logprobs": lp, "elementwise_loss": terms}
                     for lp, terms in zip(result.logprobs, result.elementwise_loss, strict=True)
