@@ -98,6 +98,16 @@ CREATE TABLE IF NOT EXISTS usage (
     quantity REAL NOT NULL,
     PRIMARY KEY (owner, bucket, session_id, base_model, kind)
 );
+-- What was done to each key's checkpoints and sessions, and by whom (``serving.audit``).
+CREATE TABLE IF NOT EXISTS audit (
+    at REAL NOT NULL,
+    owner TEXT NOT NULL,
+    actor TEXT,
+    event TEXT NOT NULL,
+    details TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_by_owner ON audit(owner, at);
+CREATE INDEX IF NOT EXISTS audit_by_actor ON audit(actor, at);
 CREATE TABLE IF NOT EXISTS checkpoints (
     model_id TEXT NOT NULL,
     kind TEXT NOT NULL,

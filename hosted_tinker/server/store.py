@@ -20,7 +20,14 @@ from hosted_tinker.server.records import (
     ModelRecord,
 )
 from hosted_tinker.server.schema import DATABASE, SCHEMA, connect, migrate
-from hosted_tinker.server.store_rows import MODEL_COLUMNS, KeyRows, ListingRows, UsageRows, model_record
+from hosted_tinker.server.store_rows import (
+    MODEL_COLUMNS,
+    AuditRows,
+    KeyRows,
+    ListingRows,
+    UsageRows,
+    model_record,
+)
 
 if TYPE_CHECKING:
     from hosted_tinker.core.checkpoints import TinkerPath
@@ -45,7 +52,7 @@ class Fetched:
         return iter(self.rows)
 
 
-class Store(ListingRows, UsageRows, KeyRows):
+class Store(ListingRows, UsageRows, AuditRows, KeyRows):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._db = connect(path, SCHEMA)

@@ -209,6 +209,26 @@ class UsageRows(_Rows):
         ).fetchall()
 
 
+class AuditRows(_Rows):
+    """The audit log (``serving.audit``)."""
+
+    def add_audit(self, at: float, owner: str, actor: str | None, event: str, details: dict) -> None:
+        self._exec("INSERT INTO audit VALUES (?,?,?,?,?)", (at, owner, actor, event, json.dumps(details)))
+
+    def audit_of(self, key: str, start: float, end: float, prefix: str) -> list[tuple[float, str, dict]]:
+        """``(at, event, details)`` of what concerned ``key``'s resources or was done by it in
+        [start, end), oldest first, of events whose name starts with ``prefix``."""
+        rows = self._exec(
+            "SELECT at, event, details FROM audit WHERE (owner=?1 OR actor=?1) AND at>=?2 AND at<?3 "
+            "AND substr(event, 1, length(?4)) = ?4 ORDER BY at",
+            (key, start, end, prefix),
+        ).fetchall()
+        return [(at, event, json.loads(details)) for at, event, details in rows]
+
+    def delete_audit_before(self, cutoff: float) -> int:
+        return self._exec("DELETE FROM audit WHERE at < ?", (cutoff,)).rowcount
+
+
 class KeyRows(_Rows):
     """API keys: only their hashes are stored (``server.keys``)."""
 

@@ -104,6 +104,7 @@ async def _sweep(state: ServerState) -> None:
             checkpoints = await asyncio.to_thread(state.checkpoints.delete_expired)
             results = await asyncio.to_thread(state.store.delete_futures_finished_before, time.time() - retention)
             sequences = await asyncio.to_thread(state.sequences.delete_expired)
+            await asyncio.to_thread(state.audit.delete_expired)
             for session_id in await asyncio.to_thread(state.store.silent_sessions, time.time() - session_horizon):
                 state.sessions.expire(session_id)
             if checkpoints or results or sequences:

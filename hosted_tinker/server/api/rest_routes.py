@@ -5,7 +5,7 @@ owns what it names (published checkpoints can be read by every key)."""
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
+from datetime import date, datetime
 from typing import Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -86,19 +86,19 @@ async def list_user_checkpoints(
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", **NO_CONTENT)
 async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
     # Removing a large adapter's files takes a while: keep it off the event loop.
-    await asyncio.to_thread(_own_run(request, run_id).checkpoints.delete, run_id, f"{kind}/{name}")
+    await asyncio.to_thread(_own_run(request, run_id).checkpoints.delete, run_id, f"{kind}/{name}", tenant_of(request))
     return Response(status_code=204)
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", **NO_CONTENT)
 async def publish_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
-    _own_run(request, run_id).checkpoints.set_public(run_id, f"{kind}/{name}", True)
+    _own_run(request, run_id).checkpoints.set_public(run_id, f"{kind}/{name}", True, tenant_of(request))
     return Response(status_code=204)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", **NO_CONTENT)
 async def unpublish_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
-    _own_run(request, run_id).checkpoints.set_public(run_id, f"{kind}/{name}", False)
+    _own_run(request, run_id).checkpoints.set_public(run_id, f"{kind}/{name}", False, tenant_of(request))
     return Response(status_code=204)
 
 
@@ -116,7 +116,7 @@ async def set_checkpoint_ttl(
 )
 async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
     state = server_state(request)
-    state.tenancy.readable(tenant_of(request), f"tinker://{run_id}/{kind}/{name}")
+    state.tenancy.readable(tenant_of(request), f"tinker://{run_id}/{kind}/{name}", purpose="download")
     base_url = str(request.base_url).rstrip("/")
     return state.checkpoints.download_urls(run_id, f"{kind}/{name}", base_url)
 
@@ -129,7 +129,7 @@ async def download_file(token: str, signature: str, file_name: str, request: Req
 @router.post("/weights_info", **rsp.as_built(rsp.WeightsInfoResponse))
 async def weights_info(req: wire.WeightsInfoRequest, request: Request) -> dict:
     state = server_state(request)
-    state.tenancy.readable(tenant_of(request), req.tinker_path, field="tinker_path")
+    state.tenancy.readable(tenant_of(request), req.tinker_path, field="tinker_path", purpose="describe")
     return state.checkpoints.weights_info(req.tinker_path)
 
 
@@ -154,7 +154,7 @@ async def list_sessions(
 async def assign_session_project(session_id: str, req: wire.AssignSessionProjectRequest, request: Request) -> Response:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id, field="session")
-    state.sessions.assign_project(session_id, req.project_id)
+    state.sessions.assign_project(session_id, req.project_id, tenant_of(request))
     return Response(status_code=204)
 
 
@@ -174,6 +174,17 @@ async def download_trace(token: str, signature: str, file_name: str, request: Re
     # A long session's rows are many: read and encoded off the event loop.
     trace = await asyncio.to_thread(session_trace, state.store, session_id)
     return Response(trace, media_type="application/json")
+
+
+@router.get("/audit", **rsp.as_built(rsp.AuditLogResponse))
+async def audit_log(
+    request: Request,
+    event_type: Literal["all", "checkpoints", "projects", "teams", "organizations"] = "all",
+    day: date | None = None,
+) -> dict:
+    """``AdminClient.get_audit_log``: what concerned the key's resources or was done by it."""
+    state = server_state(request)
+    return await asyncio.to_thread(state.audit.entries, tenant_of(request), event_type, day)
 
 
 @router.get("/billing/usage/events", **rsp.as_built(rsp.BillingUsageResponse))

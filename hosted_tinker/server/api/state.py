@@ -29,6 +29,7 @@ from hosted_tinker.server.scheduler import QueueLimits, Scheduler
 from hosted_tinker.server.schema import DATABASE, DatabaseDamaged
 from hosted_tinker.server.schema import check as check_database
 from hosted_tinker.server.sequences import SequenceRecords
+from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.custom_losses import CustomLossService
@@ -75,6 +76,7 @@ class ServerState:
     quotas: Quotas
     run_metrics: RunMetrics
     usage: UsageLedger
+    audit: AuditLog
     console: ConsoleSignIn
     vllm: VllmEngine | None = None
     openai_proxy: OpenAIProxy | None = None
@@ -126,6 +128,7 @@ def build_state(config: ServerConfig) -> ServerState:
     custom_losses = CustomLossService(store, scheduler)
     residency = Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models)
     usage = UsageLedger(store)
+    audit = AuditLog(store)
     training = TrainingService(
         backend,
         scheduler,
@@ -166,6 +169,7 @@ def build_state(config: ServerConfig) -> ServerState:
         links=DownloadLinks(files, _server_secret(config.data_dir), version=store.checkpoint_created_at),
         on_sampler_saved=vllm.prefetch_threadsafe if vllm is not None else None,
         mirror=mirror,
+        audit=audit,
     )
     # The one link made after construction: the backend restores models through the training
     # service, which itself calls the backend.
@@ -174,7 +178,7 @@ def build_state(config: ServerConfig) -> ServerState:
         log.info("removed %d saved states of models that were not parked", orphans)
     for model_id, next_seq in store.parked_models():  # saved whole when the server last stopped
         scheduler.open_model(model_id, first_seq=next_seq)
-    tenancy = Tenancy(store)
+    tenancy = Tenancy(store, audit)
     openai = OpenAIService(sampling, store, tenancy, config.served_names(), live_runs=vllm is not None)
     state = ServerState(
         config=config,
@@ -184,7 +188,7 @@ def build_state(config: ServerConfig) -> ServerState:
         tenancy=tenancy,
         scheduler=scheduler,
         backend=backend,
-        sessions=SessionService(store, training, on_finish=checkpoints.finish_session),
+        sessions=SessionService(store, training, on_finish=checkpoints.finish_session, audit=audit),
         training=training,
         checkpoints=checkpoints,
         copies=CopyService(store, files, tenancy, mirror),
@@ -195,6 +199,7 @@ def build_state(config: ServerConfig) -> ServerState:
         quotas=quotas,
         run_metrics=run_metrics,
         usage=usage,
+        audit=audit,
         console=ConsoleSignIn(_server_secret(config.data_dir)),
         vllm=vllm,
         openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,

@@ -226,7 +226,7 @@ async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.U
     elif req.session_id is not None:  # creates a model in this session
         state.tenancy.session(tenant, req.session_id)
     try:
-        state.tenancy.readable(tenant, req.path)
+        state.tenancy.readable(tenant, req.path, purpose="load")
     except ApiError as e:
         if req.model_id is None or req.seq_id is None:
             raise
@@ -241,7 +241,7 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, reques
     state, tenant = server_state(request), tenant_of(request)
     state.tenancy.session(tenant, req.session_id)
     if req.model_path is not None:
-        state.tenancy.readable(tenant, req.model_path, field="model_path")
+        state.tenancy.readable(tenant, req.model_path, field="model_path", purpose="sample")
     return state.sampling.create_sampling_session(req)
 
 

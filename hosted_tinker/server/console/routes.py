@@ -221,7 +221,7 @@ async def change_checkpoint(request: Request, run_id: str, kind: str, name: str,
         return missing_page(request, who, f"action {change!r}")
     try:
         state.tenancy.run(who.tenant, run_id)
-        await asyncio.to_thread(_change, state, run_id, f"{kind}/{name}", change)
+        await asyncio.to_thread(_change, state, run_id, f"{kind}/{name}", change, who.tenant)
     except ApiError as e:
         if e.status == 404:
             return missing_page(request, who, f"checkpoint {kind}/{name} of {run_id!r}")
@@ -229,12 +229,12 @@ async def change_checkpoint(request: Request, run_id: str, kind: str, name: str,
     return RedirectResponse(f"{PATH}/runs/{quote(run_id)}#checkpoints", status_code=303)
 
 
-def _change(state: ServerState, run_id: str, checkpoint_id: str, change: str) -> None:
+def _change(state: ServerState, run_id: str, checkpoint_id: str, change: str, actor: str) -> None:
     """The same calls as the REST routes' (deleting a large adapter's files takes a while: a thread)."""
     if change == "delete":
-        state.checkpoints.delete(run_id, checkpoint_id)
+        state.checkpoints.delete(run_id, checkpoint_id, actor)
     else:
-        state.checkpoints.set_public(run_id, checkpoint_id, change == "publish")
+        state.checkpoints.set_public(run_id, checkpoint_id, change == "publish", actor)
 
 
 # ---- the server (operators) ------------------------------------------------------------------

@@ -318,6 +318,19 @@ class CheckpointStorageUsageResponse(Response):
     data: list[CheckpointStorageUsageItem]
 
 
+class AuditLogEntry(Response):
+    timestamp: str = Field(json_schema_extra=_ISO)
+    event: str
+    event_details: dict[str, Any] = Field(default_factory=dict)
+    model_id: str | None = None
+    tinker_path: str | None = None
+    purpose: str | None = None
+
+
+class AuditLogResponse(Response):
+    entries: list[AuditLogEntry]
+
+
 class BillingUsageEvent(Response):
     bucket_start: str = Field(json_schema_extra=_ISO)
     bucket_end: str = Field(json_schema_extra=_ISO)

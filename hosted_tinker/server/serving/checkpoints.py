@@ -35,6 +35,7 @@ from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.records import CheckpointRecord, ModelRecord, SamplerRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers
+from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.training import Admit, TrainingService, json_result, model_optimizer
 from hosted_tinker.server.store import Store
@@ -65,7 +66,9 @@ class CheckpointService:
         *,
         on_sampler_saved: Callable[[WeightsRef], None] | None = None,
         mirror: CheckpointMirror | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
+        self.audit = audit  # creations, deletions, publications (``serving.audit``)
         self.training = training
         self.backend: TrainingBackend = training.backend
         self.scheduler: Scheduler = training.scheduler
@@ -124,6 +127,9 @@ class CheckpointService:
                 )
                 if self.training.usage is not None:
                     self.training.usage.checkpoint_saved(model_id)
+                if self.audit is not None:
+                    owner = self.store.session_owner(model.session_id) or ""
+                    self.audit.record(owner, "checkpoint_create", owner, model_id=model_id, tinker_path=str(path))
                 if self.mirror is not None:
                     self.mirror.saved(path)
                 result = {"path": str(path), "type": request_kind, **(extra or {})}
@@ -441,9 +447,11 @@ class CheckpointService:
             raise not_found(f"checkpoint {path} does not exist")
         return path, record
 
-    def delete(self, run_id: str, checkpoint_id: str) -> None:
+    def delete(self, run_id: str, checkpoint_id: str, actor: str) -> None:
         path, _ = self._record(run_id, checkpoint_id)
         self._delete(path)
+        if self.audit is not None:
+            self.audit.checkpoint("checkpoint_delete", str(path), actor)
 
     def _delete(self, path: TinkerPath) -> None:
         # A mirrored checkpoint's row goes with its tombstone: never a moment in which a restart
@@ -454,11 +462,13 @@ class CheckpointService:
         if mirrored:
             self.mirror.deleted(path)
 
-    def set_public(self, run_id: str, checkpoint_id: str, public: bool) -> None:
+    def set_public(self, run_id: str, checkpoint_id: str, public: bool, actor: str) -> None:
         path, _ = self._record(run_id, checkpoint_id)
         self.store.update_checkpoint(path.run_id, path.kind, path.name, public=int(public))
         if self.mirror is not None:
             self.mirror.changed(path)
+        if self.audit is not None:
+            self.audit.checkpoint("checkpoint_publish" if public else "checkpoint_unpublish", str(path), actor)
 
     def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         path, _ = self._record(run_id, checkpoint_id)
@@ -501,5 +511,8 @@ class CheckpointService:
     def delete_expired(self) -> int:
         expired = self.store.expired_checkpoints(time.time())
         for record in expired:
-            self._delete(TinkerPath(record.model_id, record.kind, record.name))
+            path = TinkerPath(record.model_id, record.kind, record.name)
+            self._delete(path)
+            if self.audit is not None:
+                self.audit.checkpoint("checkpoint_delete", str(path), None, reason="ttl")
         return len(expired)

@@ -63,7 +63,7 @@ class CopyService:
             raise bad_request(str(e)) from None
         if source.kind not in ("weights", "sampler_weights"):
             raise bad_request(f"source_path: {source.kind} checkpoints cannot be copied (weights or sampler_weights)")
-        self.tenancy.readable(owner, req.source_path, field="source_path")
+        self.tenancy.readable(owner, req.source_path, field="source_path", purpose="copy")
         record = self.store.get_checkpoint(source.run_id, source.kind, source.name)
         run = self.store.get_model(source.run_id)
         if record is None or run is None:
@@ -106,6 +106,10 @@ class CopyService:
             raise
         if self.mirror is not None:
             self.mirror.saved(target)
+        if self.tenancy.audit is not None:
+            self.tenancy.audit.record(
+                owner, "checkpoint_create", owner, model_id=run_id, tinker_path=str(target), copied_from=str(source)
+            )
         return {"tinker_path": str(target)}
 
     def _destination(

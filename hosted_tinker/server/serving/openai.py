@@ -126,6 +126,8 @@ class OpenAIService:
                 raise model_not_found(name)
             if not self.tenancy.can_read(tenant, path):
                 raise model_not_found(name)
+            if self.tenancy.audit is not None:
+                self.tenancy.audit.read(name, tenant, "sample")
             return WeightsRef(name, self.sampling.files, path)
         sampler = self.store.get_sampler(name)
         if sampler is not None and self.tenancy.owns(tenant, name) and self.tenancy.may_sample(tenant, sampler):

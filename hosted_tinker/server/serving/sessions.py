@@ -9,16 +9,24 @@ from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.records import SessionRow
+from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.training import TrainingService
 from hosted_tinker.server.store import Store
 from hosted_tinker.server.store_rows import DEFAULT_PROJECT
 
 
 class SessionService:
-    def __init__(self, store: Store, training: TrainingService, on_finish: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        training: TrainingService,
+        on_finish: Callable[[str], None] | None = None,
+        audit: AuditLog | None = None,
+    ) -> None:
         self.store = store
         self.training = training
         self.on_finish = on_finish  # more clean-up for a finished session (its sampler snapshots)
+        self.audit = audit  # sessions moved between projects (``serving.audit``)
 
     def create(self, req: wire.CreateSessionRequest, owner: str) -> wire.CreateSessionResponse:
         session_id = f"sess-{secrets.token_urlsafe(12)}"
@@ -63,11 +71,13 @@ class SessionService:
             self.on_finish(session_id)
         return True
 
-    def assign_project(self, session_id: str, project_id: str) -> None:
+    def assign_project(self, session_id: str, project_id: str, actor: str) -> None:
         """Move a session (checked by ``Tenancy.session``), its runs and samplers, to a project."""
         if not project_id:
             raise bad_request("project_id is empty: a session cannot be moved out of its project")
         self.store.set_session_project(session_id, project_id)
+        if self.audit is not None:
+            self.audit.record(actor, "project_session_assign", actor, session_id=session_id, project_id=project_id)
 
     def get_session(self, session_id: str) -> dict:
         session = self.store.get_session(session_id)

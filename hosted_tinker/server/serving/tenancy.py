@@ -17,12 +17,14 @@ from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import not_found
 from hosted_tinker.server.protocol.ordering import is_text
 from hosted_tinker.server.records import ModelRecord, SamplerRecord
+from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.store import Store
 
 
 class Tenancy:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, audit: AuditLog | None = None) -> None:
         self.store = store
+        self.audit = audit  # another key's reads of a published checkpoint are audit events
 
     def owns(self, tenant: str, object_id: str) -> bool:
         """Whether ``tenant`` opened the session that ``object_id`` (a session, model, run or
@@ -96,12 +98,15 @@ class Tenancy:
         record = self.store.get_checkpoint(path.run_id, path.kind, path.name)
         return record is not None and record.public
 
-    def readable(self, tenant: str, path: str, field: str = "path") -> None:
+    def readable(self, tenant: str, path: str, field: str = "path", purpose: str | None = None) -> None:
         """404 for a ``tinker://`` path this tenant may not read; a malformed path is left to the
-        service, which answers it with a 400 that says what is wrong."""
+        service, which answers it with a 400 that says what is wrong. ``purpose``: what the read
+        is for, recorded (``serving.audit``) when the checkpoint is another key's."""
         try:
             parsed = TinkerPath.parse(path)
         except CheckpointError:
             return
         if not self.can_read(tenant, parsed):
             raise not_found(f"{field}: checkpoint {path} does not exist")
+        if purpose is not None and self.audit is not None:
+            self.audit.read(str(parsed), tenant, purpose)

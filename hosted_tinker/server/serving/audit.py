@@ -1,0 +1,80 @@
+"""What was done to each key's checkpoints and sessions, and by whom: ``AdminClient.get_audit_log``.
+
+An entry belongs to the key whose resource it concerns (``owner``) and names the key that acted
+(``actor``; None for the server's own doing, a TTL's expiry). A key reads the entries that
+concern its resources or that it did: keys are tenants here, so there is no organization-wide
+admin; the operator has the request log besides. Events (``<resource>_<action>``):
+
+- ``checkpoint_create``, ``checkpoint_delete`` (by its owner, or ``reason: "ttl"``),
+  ``checkpoint_publish``, ``checkpoint_unpublish``;
+- ``checkpoint_read``: another key used a published checkpoint, with the ``purpose``
+  (``load``, ``sample``, ``download``, ``copy``, ``describe``); an owner's use of its own is not
+  an event;
+- ``project_session_assign``: a session was moved to a project.
+
+Entries are kept ``RETENTION_S`` (90 days). Writing one never fails the call it records.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, date, datetime, timedelta
+
+from hosted_tinker.server.protocol.responses import iso_time
+from hosted_tinker.server.store import Store
+
+log = logging.getLogger(__name__)
+
+RETENTION_S = 90 * 24 * 3600
+# The SDK's event_type values, and the event names each takes (teams and organizations: none here).
+EVENT_TYPES = {"all": "", "checkpoints": "checkpoint_", "projects": "project_", "teams": None, "organizations": None}
+
+
+class AuditLog:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self._clock = clock
+
+    def record(self, owner: str, event: str, actor: str | None, **details: object) -> None:
+        try:
+            self.store.add_audit(self._clock(), owner, actor, event, {"actor": actor, **details})
+        except Exception:  # what it records has happened; the entry is what is lost, and said so
+            log.exception("could not record the audit event %s of %r", event, owner)
+
+    def checkpoint(self, event: str, tinker_path: str, actor: str | None, **details: object) -> None:
+        """An event of the checkpoint at ``tinker_path``, recorded for the key that owns its run."""
+        run_id = tinker_path.removeprefix("tinker://").partition("/")[0]
+        owner = self.store.session_owner(run_id.partition(":")[0])
+        if owner is not None:
+            self.record(owner, event, actor, model_id=run_id, tinker_path=tinker_path, **details)
+
+    def read(self, tinker_path: str, reader: str, purpose: str) -> None:
+        """``reader`` used the checkpoint (checked readable): an event when it is another's."""
+        run_id = tinker_path.removeprefix("tinker://").partition("/")[0]
+        if self.store.session_owner(run_id.partition(":")[0]) != reader:
+            self.checkpoint("checkpoint_read", tinker_path, reader, purpose=purpose)
+
+    def entries(self, key: str, event_type: str, day: date | None) -> dict:
+        """``AuditLogResponse``: what concerned ``key``'s resources or was done by it on ``day``
+        (UTC, default today), oldest first."""
+        prefix = EVENT_TYPES[event_type]
+        if prefix is None:
+            return {"entries": []}
+        start = datetime.combine(day or datetime.now(UTC).date(), datetime.min.time(), UTC)
+        end = start + timedelta(days=1)
+        rows = self.store.audit_of(key, start.timestamp(), end.timestamp(), prefix)
+        return {"entries": [_entry(at, event, details) for at, event, details in rows]}
+
+    def delete_expired(self) -> int:
+        return self.store.delete_audit_before(self._clock() - RETENTION_S)
+
+
+def _entry(at: float, event: str, details: dict) -> dict:
+    entry = {"timestamp": iso_time(at).isoformat(), "event": event, "event_details": details}
+    # The SDK's deprecated copies of checkpoint events' details.
+    for field in ("model_id", "tinker_path", "purpose"):
+        if field in details:
+            entry[field] = details[field]
+    return entry
