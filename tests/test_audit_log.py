@@ -11,8 +11,7 @@ import tinker
 from tinker import types
 
 from tests.conftest import ALIAS
-from tests.test_projects_and_scopes import keyed  # noqa: F401 - the fixture, with two keys
-from tests.test_tenants import datum
+from tests.test_tenants import datum, keyed  # noqa: F401 - keyed: the fixture, with two keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -81,8 +81,10 @@ def test_checkpoints_outlive_the_disk(tmp_path: Path, tiny_model_dir: Path):
     other_key = new_key(tmp_path / "b")  # an empty disk and a first-boot key of its own: a new VM
     b = start_server(tmp_path / "b", *mirror)
     try:
-        with pytest.raises(tinker.NotFoundError):  # the new VM's own tenant sees nothing of A's
-            tinker.RestClient(base_url=b.base_url, api_key=other_key).list_checkpoints(run).result()
+        other = tinker.RestClient(base_url=b.base_url, api_key=other_key)
+        with pytest.raises(tinker.NotFoundError):  # the new VM's own tenant owns nothing of A's
+            other.get_training_run(run).result()
+        assert [c.tinker_path for c in other.list_checkpoints(run).result().checkpoints] == [state]  # A published it
         rest = tinker.RestClient(base_url=b.base_url, api_key=key)
         listed = {c.tinker_path: c for c in rest.list_checkpoints(run).result().checkpoints}
         assert listed.keys() == {state}  # the spoiled copy was not restored

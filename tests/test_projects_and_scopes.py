@@ -7,35 +7,24 @@ from __future__ import annotations
 
 import warnings
 from datetime import UTC, datetime
-from pathlib import Path
 
 import httpx
 import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import ALIAS, start_server
+from tests.conftest import ALIAS
 from tests.test_sessions_search import search
-from tests.test_tenants import cli, datum
+from tests.test_tenants import datum, keyed  # noqa: F401 - keyed: the fixture, with two keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
-    data = tmp_path_factory.mktemp("scopes")
-    key_a = cli("keys", "create", "--data-dir", str(data), "--name", "alice")
-    key_b = cli("keys", "create", "--data-dir", str(data), "--name", "bob")
-    srv = start_server(data, "--model", str(tiny_model_dir))
-    yield srv, key_a, key_b
-    srv.stop()
 
 
 def run_ids(runs: types.TrainingRunsResponse) -> set[str]:
     return {r.training_run_id for r in runs.training_runs}
 
 
-def test_projects_scopes_and_storage(keyed) -> None:
+def test_projects_scopes_and_storage(keyed) -> None:  # noqa: F811
     srv, key_a, key_b = keyed
     with (
         tinker.ServiceClient(base_url=srv.base_url, api_key=key_a, project_id="proj-a") as in_a,
@@ -109,7 +98,7 @@ def test_projects_scopes_and_storage(keyed) -> None:
         assert copy_run.last_request_time > datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def test_a_closing_client_says_why(keyed) -> None:
+def test_a_closing_client_says_why(keyed) -> None:  # noqa: F811
     srv, key_a, _ = keyed
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=key_a, user_metadata={"why": "closing"})
     session_id = sc.holder.get_session_id()

@@ -32,12 +32,16 @@ def cli(*args: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
-    data = tmp_path_factory.mktemp("tenants")
+def serve_two_keys(data: Path, model: Path, *extra: str) -> tuple[ServerProcess, str, str]:
+    """A server on ``data`` with two keys made by the CLI first, alice's and bob's."""
     key_a = cli("keys", "create", "--data-dir", str(data), "--name", "alice")
     key_b = cli("keys", "create", "--data-dir", str(data), "--name", "bob")
-    srv = start_server(data, "--model", str(tiny_model_dir))
+    return start_server(data, "--model", str(model), *extra), key_a, key_b
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    srv, key_a, key_b = serve_two_keys(tmp_path_factory.mktemp("tenants"), tiny_model_dir)
     yield srv, key_a, key_b
     srv.stop()
 

@@ -16,19 +16,16 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import ALIAS, start_server
-from tests.test_tenants import cli, datum
+from tests.conftest import ALIAS
+from tests.test_tenants import datum, serve_two_keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def metered(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
-    data = tmp_path_factory.mktemp("usage")
-    key_a = cli("keys", "create", "--data-dir", str(data), "--name", "alice")
-    key_b = cli("keys", "create", "--data-dir", str(data), "--name", "bob")
     # Retention 20 s: the sweep that counts stored checkpoints runs every 5 s.
-    srv = start_server(data, "--model", str(tiny_model_dir), "--result-retention", "20")
+    srv, key_a, key_b = serve_two_keys(tmp_path_factory.mktemp("usage"), tiny_model_dir, "--result-retention", "20")
     yield srv, key_a, key_b
     srv.stop()
 
