@@ -5,6 +5,8 @@ own reads and nothing else of the owner's; event types filter."""
 
 from __future__ import annotations
 
+from datetime import date
+
 import openai
 import pytest
 import tinker
@@ -37,9 +39,10 @@ def test_what_was_done_to_a_keys_checkpoints_and_by_whom(keyed) -> None:  # noqa
         with tinker.ServiceClient(base_url=srv.base_url, api_key=key_b) as bob:
             bob.create_training_client_from_state(state).result()
             bob.create_sampling_client(model_path=weights).result()
-            tinker.RestClient(base_url=srv.base_url, api_key=key_b).get_weights_info_by_tinker_path(state).result()
+            for _ in range(3):  # one entry a day per checkpoint and purpose, however many calls
+                tinker.RestClient(base_url=srv.base_url, api_key=key_b).get_weights_info_by_tinker_path(state).result()
         openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=key_b).completions.create(
-            model=weights, prompt=[5, 6], max_tokens=2
+            model=state, prompt=[5, 6], max_tokens=2
         )
         rest_a.unpublish_checkpoint_from_tinker_path(weights).result()
         rest_a.delete_checkpoint_from_tinker_path(weights).result()
@@ -57,7 +60,7 @@ def test_what_was_done_to_a_keys_checkpoints_and_by_whom(keyed) -> None:  # noqa
         ("checkpoint_publish", actor_a, None),
         ("checkpoint_read", actor_b, "load"),
         ("checkpoint_read", actor_b, "sample"),
-        ("checkpoint_read", actor_b, "describe"),
+        ("checkpoint_read", actor_b, "describe"),  # once, though asked three times
         ("checkpoint_read", actor_b, "sample"),  # /v1, by path
         ("checkpoint_unpublish", actor_a, None),
         ("checkpoint_delete", actor_a, None),
@@ -72,6 +75,11 @@ def test_what_was_done_to_a_keys_checkpoints_and_by_whom(keyed) -> None:  # noqa
         e.event.startswith("checkpoint_") for e in admin_a.get_audit_log(event_type="checkpoints").result().entries
     )
     assert admin_a.get_audit_log(event_type="teams").result().entries == []
+    assert (
+        admin_a.get_audit_log(day=date.max).result().entries
+        == admin_a.get_audit_log(day=date.min).result().entries
+        == []
+    )
 
     # the reader sees its reads, and none of the owner's own doings
     assert [(event, purpose) for event, _, purpose in events(admin_b.get_audit_log().result())[before_b:]] == [

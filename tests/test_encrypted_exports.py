@@ -44,11 +44,14 @@ def test_an_encrypted_export_opens_with_each_recipients_key_only(base_url: str) 
         tc.forward_backward([datum], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         plain = tc.save_weights_external("plain").result()
-        sealed = tc.save_weights_external("sealed", age_encryption_recipients=[str(age_key.to_public()), ssh_public])
+        recipients = [str(age_key.to_public()), f"  {ssh_public}\n"]  # as pasted from a file
+        sealed = tc.save_weights_external("sealed", age_encryption_recipients=recipients)
         sealed = sealed.result()
         with pytest.raises(tinker.BadRequestError, match=r"age_encryption_recipients\[1\]"):
             tc.save_weights_external("bad", age_encryption_recipients=[str(age_key.to_public()), "age1nope"]).result()
-        tc.forward_backward([datum], "cross_entropy").result()  # the refusal used its seq_id up; on we go
+        with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients is empty"):
+            tc.save_weights_external("none", age_encryption_recipients=[]).result()  # never a plain export by mistake
+        tc.forward_backward([datum], "cross_entropy").result()  # the refusals used their seq_ids up; on we go
 
     rest = tinker.RestClient(base_url=base_url)
     clear, encrypted = download(rest, plain.path), download(rest, sealed.path)

@@ -30,7 +30,9 @@ def test_projects_scopes_and_storage(keyed) -> None:  # noqa: F811
         tinker.ServiceClient(base_url=srv.base_url, api_key=key_a, project_id="proj-a") as in_a,
         tinker.ServiceClient(base_url=srv.base_url, api_key=key_a) as unfiled,
     ):
-        tc = in_a.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
+        tc = in_a.create_lora_training_client(
+            base_model=ALIAS, rank=4, seed=1, user_metadata={"private": "yes"}
+        ).result()
         tc.forward_backward([datum()], "cross_entropy").result()
         state = tc.save_state("shared").result().path
         tc.save_weights_for_sampler("private").result()
@@ -53,8 +55,11 @@ def test_projects_scopes_and_storage(keyed) -> None:  # noqa: F811
         with pytest.raises(tinker.NotFoundError):  # not bob's to move
             rest_b.assign_session_project(unfiled.holder.get_session_id(), "proj-c").result()
         with httpx.Client(base_url=srv.base_url, headers={"X-API-Key": key_a}) as c:
-            empty = c.put(f"/api/v1/sessions/{unfiled.holder.get_session_id()}/project", json={"project_id": ""})
-            assert empty.status_code == 400 and "project_id" in empty.json()["detail"]
+            for bad in ("", "   ", "a\nb", "x" * 129):
+                moved = c.put(f"/api/v1/sessions/{unfiled.holder.get_session_id()}/project", json={"project_id": bad})
+                assert moved.status_code == 400 and "project_id" in moved.json()["detail"], bad
+            made = c.post("/api/v1/create_session", json={"project_id": "\x00", "tags": [], "sdk_version": "0.38.0"})
+            assert made.status_code == 400 and "project_id" in made.json()["detail"]
             scope = c.get("/api/v1/training_runs", params={"access_scope": "everyone"})
             assert scope.status_code == 422 and "access_scope" in scope.text
 
@@ -67,6 +72,8 @@ def test_projects_scopes_and_storage(keyed) -> None:  # noqa: F811
             rest_b.get_training_run(first).result()  # "owned" is bob's own
         seen = rest_b.get_training_run(first, access_scope="accessible").result()
         assert seen.last_checkpoint.tinker_path == state and seen.last_sampler_checkpoint is None
+        assert seen.user_metadata == {} and seen.last_request_time == seen.last_checkpoint.time  # nothing private
+        assert run_ids(rest_b.list_training_runs(access_scope="accessible", project_id="proj-a").result()) == set()
         assert [c.tinker_path for c in rest_b.list_checkpoints(first).result().checkpoints] == [state]
         assert len(rest.list_checkpoints(first).result().checkpoints) == 2  # the owner sees both
         assert first in run_ids(rest_b.list_training_runs(access_scope="accessible").result())

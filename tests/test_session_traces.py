@@ -66,4 +66,7 @@ def test_another_keys_session_has_no_trace(keyed) -> None:  # noqa: F811
         session_id = sc.holder.get_session_id()
     with pytest.raises(tinker.NotFoundError):
         tinker.RestClient(base_url=srv.base_url, api_key=key_b).export_session_trace(session_id).result()
-    assert tinker.RestClient(base_url=srv.base_url, api_key=key_a).export_session_trace(session_id).result()
+    url = tinker.RestClient(base_url=srv.base_url, api_key=key_a).export_session_trace(session_id).result()
+    assert httpx.get(url, timeout=60).status_code == 200  # no key: the CLI fetches it so
+    renamed = url.rpartition("/")[0] + "/sess-someone-else.json"
+    assert httpx.get(renamed, timeout=60).status_code == 404  # the link serves its own name only

@@ -18,15 +18,19 @@ Recipient = x25519.Recipient | ssh.Recipient
 def parse_recipients(values: list[str], field: str = "age_encryption_recipients") -> list[Recipient]:
     """age X25519 (``age1...``) or SSH (``ssh-ed25519 ...``, ``ssh-rsa ...``) public keys; a
     ValueError names the first that is neither, by its index in ``field``."""
+    if not values:
+        raise ValueError(f"{field} is empty: name at least one recipient, or leave it out for a plain export")
     if len(values) > MAX_RECIPIENTS:
         raise ValueError(f"{field} takes at most {MAX_RECIPIENTS} recipients, got {len(values)}")
     recipients: list[Recipient] = []
-    for i, value in enumerate(values):
+    for i, value in enumerate(v.strip() for v in values):
         kind = ssh if value.startswith("ssh-") else x25519
         try:
-            recipients.append(kind.Recipient.from_str(value.strip()))
+            recipients.append(kind.Recipient.from_str(value))
         except pyrage.RecipientError as e:
-            raise ValueError(f"{field}[{i}] is not an age (age1...) or SSH public key: {e}") from None
+            raise ValueError(
+                f"{field}[{i}] is not an age X25519 (age1...), ssh-ed25519 or ssh-rsa public key: {e}"
+            ) from None
     return recipients
 
 

@@ -35,13 +35,14 @@ class ListingRows(_Rows):
         self, owner: str, limit: int, offset: int, *, published: bool = False, project: str | None = None
     ) -> tuple[list[ModelRecord], int]:
         """``owner``'s runs, newest first; with ``published`` also others' runs with a published
-        checkpoint; with ``project``, only runs of sessions in that project (sessions made
-        without one are in ``default_project``)."""
+        checkpoint; with ``project``, only ``owner``'s runs of sessions in that project (sessions
+        made without one are in ``DEFAULT_PROJECT``; projects are each key's own names, so
+        another's runs are in none of them, and a name of another's cannot be tried)."""
         where, args = "s.owner=?", [owner]
-        if published:
+        if published and project is None:
             where += " OR EXISTS (SELECT 1 FROM checkpoints c WHERE c.model_id = m.model_id AND c.public=1)"
         if project is not None:
-            where = f"({where}) AND COALESCE(s.project_id, ?) = ?"
+            where = f"{where} AND COALESCE(s.project_id, ?) = ?"
             args += [DEFAULT_PROJECT, project]
         runs = f"FROM models m JOIN sessions s ON s.session_id = m.session_id WHERE {where}"
         total = self._exec(f"SELECT COUNT(*) {runs}", tuple(args)).fetchone()[0]

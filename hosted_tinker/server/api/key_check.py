@@ -16,7 +16,7 @@ from hosted_tinker.server.keys import KeyRing
 from hosted_tinker.server.quotas import Quotas
 
 KEYLESS = frozenset({"/api/v1/healthz"})  # besides everything outside /api/v1, /v1 and the docs
-KEYLESS_PREFIXES = ("/api/v1/files/",)  # signed download links: the signature is the key
+KEYLESS_PREFIXES = ("/api/v1/files/", "/api/v1/traces/")  # signed download links: the signature is the key
 # Heartbeats have a bucket of their own: a busy key's sessions must not lapse, and a flood of
 # them (each a database write) is still held to the key's rate.
 OWN_BUCKET = {"/api/v1/session_heartbeat": "heartbeats"}

@@ -170,7 +170,7 @@ async def export_session_trace(session_id: str, request: Request) -> dict:
 @downloads.get("/traces/{token}/{signature}/{file_name}", response_class=Response, responses=rsp.TRACE)
 async def download_trace(token: str, signature: str, file_name: str, request: Request) -> Response:
     state = server_state(request)
-    session_id = state.checkpoints.links.trace_session(token, signature)
+    session_id = state.checkpoints.links.trace_session(token, signature, file_name)
     # A long session's rows are many: read and encoded off the event loop.
     trace = await asyncio.to_thread(session_trace, state.store, session_id)
     return Response(trace, media_type="application/json")

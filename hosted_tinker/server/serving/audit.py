@@ -8,8 +8,8 @@ admin; the operator has the request log besides. Events (``<resource>_<action>``
 - ``checkpoint_create``, ``checkpoint_delete`` (by its owner, or ``reason: "ttl"``),
   ``checkpoint_publish``, ``checkpoint_unpublish``;
 - ``checkpoint_read``: another key used a published checkpoint, with the ``purpose``
-  (``load``, ``sample``, ``download``, ``copy``, ``describe``); an owner's use of its own is not
-  an event;
+  (``load``, ``sample``, ``download``, ``copy``, ``describe``): its first such use of the UTC day
+  (a server restart may record one more); an owner's use of its own is not an event;
 - ``project_session_assign``: a session was moved to a project.
 
 Entries are kept ``RETENTION_S`` (90 days). Writing one never fails the call it records.
@@ -18,9 +18,10 @@ Entries are kept ``RETENTION_S`` (90 days). Writing one never fails the call it 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.store import Store
@@ -28,6 +29,8 @@ from hosted_tinker.server.store import Store
 log = logging.getLogger(__name__)
 
 RETENTION_S = 90 * 24 * 3600
+DAY_S = 24 * 3600
+MAX_READS_REMEMBERED = 100_000
 # The SDK's event_type values, and the event names each takes (teams and organizations: none here).
 EVENT_TYPES = {"all": "", "checkpoints": "checkpoint_", "projects": "project_", "teams": None, "organizations": None}
 
@@ -36,6 +39,9 @@ class AuditLog:
     def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self._clock = clock
+        self._reads: set[tuple[str, str, str]] = set()  # (reader, path, purpose) recorded on _reads_day
+        self._reads_day = -1
+        self._lock = threading.Lock()  # reads are recorded from the event loop and from threads
 
     def record(self, owner: str, event: str, actor: str | None, **details: object) -> None:
         try:
@@ -51,10 +57,20 @@ class AuditLog:
             self.record(owner, event, actor, model_id=run_id, tinker_path=tinker_path, **details)
 
     def read(self, tinker_path: str, reader: str, purpose: str) -> None:
-        """``reader`` used the checkpoint (checked readable): an event when it is another's."""
+        """``reader`` used the checkpoint (checked readable): an event when it is another's, the
+        first such read of the UTC day for that purpose (so that another key's calls cannot grow
+        an owner's log past one entry per checkpoint, purpose and day)."""
         run_id = tinker_path.removeprefix("tinker://").partition("/")[0]
-        if self.store.session_owner(run_id.partition(":")[0]) != reader:
-            self.checkpoint("checkpoint_read", tinker_path, reader, purpose=purpose)
+        if self.store.session_owner(run_id.partition(":")[0]) == reader:
+            return
+        day, seen = int(self._clock() // DAY_S), (reader, tinker_path, purpose)
+        with self._lock:
+            if day != self._reads_day or len(self._reads) >= MAX_READS_REMEMBERED:
+                self._reads_day, self._reads = day, set()  # (too many to remember: an entry more, at worst)
+            if seen in self._reads:
+                return
+            self._reads.add(seen)
+        self.checkpoint("checkpoint_read", tinker_path, reader, purpose=purpose, first_of_the_day=True)
 
     def entries(self, key: str, event_type: str, day: date | None) -> dict:
         """``AuditLogResponse``: what concerned ``key``'s resources or was done by it on ``day``
@@ -62,9 +78,8 @@ class AuditLog:
         prefix = EVENT_TYPES[event_type]
         if prefix is None:
             return {"entries": []}
-        start = datetime.combine(day or datetime.now(UTC).date(), datetime.min.time(), UTC)
-        end = start + timedelta(days=1)
-        rows = self.store.audit_of(key, start.timestamp(), end.timestamp(), prefix)
+        start = datetime.combine(day or datetime.now(UTC).date(), datetime.min.time(), UTC).timestamp()
+        rows = self.store.audit_of(key, start, start + DAY_S, prefix)  # (seconds: 9999-12-31 has an end too)
         return {"entries": [_entry(at, event, details) for at, event, details in rows]}
 
     def delete_expired(self) -> int:

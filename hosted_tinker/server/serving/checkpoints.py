@@ -109,7 +109,7 @@ class CheckpointService:
             check_ttl(ttl_seconds)
             try:
                 path = TinkerPath(model_id, kind, validate_name(name))
-                recipients = parse_recipients(encrypt_to) if encrypt_to else None
+                recipients = parse_recipients(encrypt_to) if encrypt_to is not None else None
             except (CheckpointError, ValueError) as e:
                 raise bad_request(str(e)) from None
             if not overwrite and self.store.get_checkpoint(model_id, kind, name) is not None:
@@ -392,8 +392,9 @@ class CheckpointService:
         """A run (checked by ``Tenancy``) as the REST API describes it: to another key than its
         owner's, as far as its published checkpoints show it."""
         checkpoints = self.store.list_checkpoints(model.model_id)
-        if not owned:
+        if not owned:  # nor its metadata, nor when it was last used: only what was published
             checkpoints = [c for c in checkpoints if c.public]
+            model = dataclasses.replace(model, user_metadata={})
         last = next((c for c in checkpoints if c.kind == "weights"), None)
         last_sampler = next((c for c in checkpoints if c.kind == "sampler_weights"), None)
         owner = self.store.session_owner(model.session_id)
@@ -404,7 +405,11 @@ class CheckpointService:
             "is_lora": True,
             "corrupted": False,
             "lora_rank": model.lora["rank"],
-            "last_request_time": _iso(self.store.model_last_request(model.model_id)),
+            "last_request_time": _iso(
+                self.store.model_last_request(model.model_id)
+                if owned
+                else max((c.created_at for c in checkpoints), default=model.created_at)
+            ),
             "last_checkpoint": self.checkpoint_json(last) if last else None,
             "last_sampler_checkpoint": self.checkpoint_json(last_sampler) if last_sampler else None,
             "user_metadata": {k: str(v) for k, v in model.user_metadata.items()},

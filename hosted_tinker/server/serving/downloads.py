@@ -60,10 +60,11 @@ class DownloadLinks:
         payload = json.dumps([TRACE, session_id, int(time.time()) + DOWNLOAD_URL_TTL_S])
         return f"{base_url}/api/v1/traces/{payload.encode().hex()}/{self._sign(payload)}/{session_id}.json"
 
-    def trace_session(self, token: str, signature: str) -> str:
-        """The session whose trace a link names, if its signature holds and it has not expired."""
+    def trace_session(self, token: str, signature: str, file_name: str) -> str:
+        """The session whose trace a link names, if its signature holds, it has not expired and
+        ``file_name`` is the one it was made with."""
         tag, session_id = self._opened(token, signature, 3)
-        if tag != TRACE or not isinstance(session_id, str):
+        if tag != TRACE or not isinstance(session_id, str) or file_name != f"{session_id}.json":
             raise not_found("no such download")
         return session_id
 

@@ -29,6 +29,8 @@ class SessionService:
         self.audit = audit  # sessions moved between projects (``serving.audit``)
 
     def create(self, req: wire.CreateSessionRequest, owner: str) -> wire.CreateSessionResponse:
+        if req.project_id is not None:
+            check_project_id(req.project_id)
         session_id = f"sess-{secrets.token_urlsafe(12)}"
         self.store.add_session(
             session_id,
@@ -75,6 +77,7 @@ class SessionService:
         """Move a session (checked by ``Tenancy.session``), its runs and samplers, to a project."""
         if not project_id:
             raise bad_request("project_id is empty: a session cannot be moved out of its project")
+        check_project_id(project_id)
         self.store.set_session_project(session_id, project_id)
         if self.audit is not None:
             self.audit.record(actor, "project_session_assign", actor, session_id=session_id, project_id=project_id)
@@ -129,6 +132,17 @@ class SessionService:
             "display_name": row.display_name,
             "user_metadata": {k: str(v) for k, v in row.user_metadata.items()},
         }
+
+
+MAX_PROJECT_ID = 128
+
+
+def check_project_id(project_id: str) -> None:
+    """A project id is a name: 1-128 characters, printable, not only spaces (400 otherwise)."""
+    if not 0 < len(project_id) <= MAX_PROJECT_ID or not project_id.isprintable() or not project_id.strip():
+        raise bad_request(
+            f"project_id must be 1 to {MAX_PROJECT_ID} printable characters, not only spaces; got {project_id[:40]!r}"
+        )
 
 
 def _project(row: SessionRow) -> str:
