@@ -38,7 +38,7 @@ async def list_training_runs(
     access_scope: AccessScope = "owned",
     project_id: str | None = None,
 ) -> dict:
-    return server_state(request).checkpoints.list_runs(tenant_of(request), limit, offset, access_scope, project_id)
+    return server_state(request).runs.list_runs(tenant_of(request), limit, offset, access_scope, project_id)
 
 
 def _own_run(request: Request, run_id: str) -> ServerState:
@@ -51,8 +51,8 @@ def _own_run(request: Request, run_id: str) -> ServerState:
 async def get_training_run(run_id: str, request: Request, access_scope: AccessScope = "owned") -> dict:
     state, tenant = server_state(request), tenant_of(request)
     if access_scope == "owned":
-        return state.checkpoints.run_json(state.tenancy.run(tenant, run_id))
-    return state.checkpoints.run_json(*state.tenancy.visible_run(tenant, run_id))
+        return state.runs.run_json(state.tenancy.run(tenant, run_id))
+    return state.runs.run_json(*state.tenancy.visible_run(tenant, run_id))
 
 
 @router.get("/training_runs/{run_id}/checkpoints", **rsp.as_built(rsp.CheckpointsListResponse))
@@ -60,7 +60,7 @@ async def list_run_checkpoints(run_id: str, request: Request) -> dict:
     """A run's checkpoints: all of them to its owner, the published ones to every other key."""
     state = server_state(request)
     _, owned = state.tenancy.visible_run(tenant_of(request), run_id)
-    return state.checkpoints.list_checkpoints(run_id, owned)
+    return state.runs.list_checkpoints(run_id, owned)
 
 
 @router.get("/training_runs/{run_id}/metrics", **rsp.as_built(rsp.RunMetricsResponse))
@@ -80,7 +80,7 @@ async def get_run_metrics(
 async def list_user_checkpoints(
     request: Request, limit: int = Query(100, ge=1, le=10000), offset: int = Query(0, ge=0, le=MAX_OFFSET)
 ) -> dict:
-    return server_state(request).checkpoints.list_owned_checkpoints(tenant_of(request), limit, offset)
+    return server_state(request).runs.list_owned_checkpoints(tenant_of(request), limit, offset)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", **NO_CONTENT)

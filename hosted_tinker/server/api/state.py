@@ -41,6 +41,7 @@ from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
 from hosted_tinker.server.serving.recovery import ModelRecovery
 from hosted_tinker.server.serving.residency import Residency, park_after_kill
 from hosted_tinker.server.serving.run_metrics import RunMetrics
+from hosted_tinker.server.serving.runs import RunViews
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.sessions import SessionService
 from hosted_tinker.server.serving.tenancy import Tenancy
@@ -68,6 +69,7 @@ class ServerState:
     sessions: SessionService
     training: TrainingService
     checkpoints: CheckpointService
+    runs: RunViews
     copies: CopyService
     custom_losses: CustomLossService
     futures: FuturesService
@@ -191,6 +193,7 @@ def build_state(config: ServerConfig) -> ServerState:
         sessions=SessionService(store, training, on_finish=checkpoints.finish_session, audit=audit),
         training=training,
         checkpoints=checkpoints,
+        runs=RunViews(store),
         copies=CopyService(store, files, tenancy, mirror),
         custom_losses=custom_losses,
         futures=FuturesService(store, scheduler, config.poll_timeout_s),

@@ -60,7 +60,7 @@ def run(state: ServerState, tenant: str, run_id: str, base_url: str) -> dict[str
         except OSError:  # deleted (or swept past its TTL) since it was listed
             continue
         files = [{"name": name, "url": url} for name, url in urls.items()]
-        checkpoint = state.checkpoints.checkpoint_json(record)
+        checkpoint = state.runs.checkpoint_json(record)
         checkpoints.append({**checkpoint, "kind": record.kind, "name": record.name, "files": files})
     samplers = [
         {
