@@ -123,8 +123,9 @@ def test_sampled_tokens_come_from_vllm(base_url, trained):
 
 
 def _vllm_running(url: str) -> float:
-    """Requests vLLM is decoding now, from its own Prometheus metrics."""
-    lines = httpx.get(f"{url}/metrics", timeout=5).text.splitlines()
+    """Requests vLLM is decoding now, from its own Prometheus metrics. While it decodes on two
+    busy cores vLLM may take seconds to answer: the timeout allows it."""
+    lines = httpx.get(f"{url}/metrics", timeout=60).text.splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running"))
 
 
@@ -133,14 +134,16 @@ def test_a_cancelled_sample_is_aborted_in_vllm(base_url):
 
     url = inference(base_url)["url"]
     with httpx.Client(base_url=base_url, timeout=60) as http:
-        doomed = _asample(http, _sampler(http), 1, LONG, num_samples=4)
-        deadline = time.monotonic() + 60
+        # 64 samples of 4000 tokens: vLLM decodes 4 of them in seconds here (and may not answer
+        # /metrics meanwhile), 64 for minutes.
+        doomed = _asample(http, _sampler(http), 1, LONG, num_samples=64)
+        deadline = time.monotonic() + 120
         while _vllm_running(url) == 0:
             assert time.monotonic() < deadline, "the sample never reached vLLM"
             time.sleep(0.05)
         assert http.post("/api/v1/cancel_future", json={"request_id": doomed}).json()["cancelled"] is True
         assert "cancelled" in http.post("/api/v1/retrieve_future", json={"request_id": doomed}).json()["error"]
-        deadline = time.monotonic() + 10  # 4 × 4000 tokens would take minutes
+        deadline = time.monotonic() + 30  # the 64 samples would take minutes more
         while _vllm_running(url) > 0:
             assert time.monotonic() < deadline, "vLLM is still decoding the cancelled request"
             time.sleep(0.05)
