@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, date, datetime
 
+from hosted_tinker.core.checkpoints import TinkerPath
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.store import Store
 
@@ -49,28 +50,35 @@ class AuditLog:
         except Exception:  # what it records has happened; the entry is what is lost, and said so
             log.exception("could not record the audit event %s of %r", event, owner)
 
-    def checkpoint(self, event: str, tinker_path: str, actor: str | None, **details: object) -> None:
-        """An event of the checkpoint at ``tinker_path``, recorded for the key that owns its run."""
-        run_id = tinker_path.removeprefix("tinker://").partition("/")[0]
-        owner = self.store.session_owner(run_id.partition(":")[0])
-        if owner is not None:
-            self.record(owner, event, actor, model_id=run_id, tinker_path=tinker_path, **details)
+    def checkpoint(self, event: str, path: TinkerPath, actor: str | None, **details: object) -> None:
+        """An event of the checkpoint at ``path``, recorded for the key that owns its run."""
+        self._checkpoint(self._owner(path), event, path, actor, **details)
 
-    def read(self, tinker_path: str, reader: str, purpose: str) -> None:
+    def read(self, path: TinkerPath, reader: str, purpose: str) -> None:
         """``reader`` used the checkpoint (checked readable): an event when it is another's, the
         first such read of the UTC day for that purpose (so that another key's calls cannot grow
         an owner's log past one entry per checkpoint, purpose and day)."""
-        run_id = tinker_path.removeprefix("tinker://").partition("/")[0]
-        if self.store.session_owner(run_id.partition(":")[0]) == reader:
+        owner = self._owner(path)
+        if owner == reader:
             return
-        day, seen = int(self._clock() // DAY_S), (reader, tinker_path, purpose)
+        day, seen = int(self._clock() // DAY_S), (reader, str(path), purpose)
         with self._lock:
             if day != self._reads_day or len(self._reads) >= MAX_READS_REMEMBERED:
                 self._reads_day, self._reads = day, set()  # (too many to remember: an entry more, at worst)
             if seen in self._reads:
                 return
             self._reads.add(seen)
-        self.checkpoint("checkpoint_read", tinker_path, reader, purpose=purpose, first_of_the_day=True)
+        self._checkpoint(owner, "checkpoint_read", path, reader, purpose=purpose, first_of_the_day=True)
+
+    def _owner(self, path: TinkerPath) -> str | None:
+        """The key that opened the session the checkpoint's run belongs to (ids name it)."""
+        return self.store.session_owner(path.run_id.partition(":")[0])
+
+    def _checkpoint(
+        self, owner: str | None, event: str, path: TinkerPath, actor: str | None, **details: object
+    ) -> None:
+        if owner is not None:
+            self.record(owner, event, actor, model_id=path.run_id, tinker_path=str(path), **details)
 
     def entries(self, key: str, event_type: str, day: date | None) -> dict:
         """``AuditLogResponse``: what concerned ``key``'s resources or was done by it on ``day``

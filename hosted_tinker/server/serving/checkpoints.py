@@ -384,7 +384,7 @@ class CheckpointService:
         path, _ = self._record(run_id, checkpoint_id)
         self._delete(path)
         if self.audit is not None:
-            self.audit.checkpoint("checkpoint_delete", str(path), actor)
+            self.audit.checkpoint("checkpoint_delete", path, actor)
 
     def _delete(self, path: TinkerPath) -> None:
         # A mirrored checkpoint's row goes with its tombstone: never a moment in which a restart
@@ -401,7 +401,7 @@ class CheckpointService:
         if self.mirror is not None:
             self.mirror.changed(path)
         if self.audit is not None:
-            self.audit.checkpoint("checkpoint_publish" if public else "checkpoint_unpublish", str(path), actor)
+            self.audit.checkpoint("checkpoint_publish" if public else "checkpoint_unpublish", path, actor)
 
     def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         path, _ = self._record(run_id, checkpoint_id)
@@ -447,5 +447,5 @@ class CheckpointService:
             path = TinkerPath(record.model_id, record.kind, record.name)
             self._delete(path)
             if self.audit is not None:
-                self.audit.checkpoint("checkpoint_delete", str(path), None, reason="ttl")
+                self.audit.checkpoint("checkpoint_delete", path, None, reason="ttl")
         return len(expired)

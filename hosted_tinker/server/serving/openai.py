@@ -127,7 +127,7 @@ class OpenAIService:
             if not self.tenancy.can_read(tenant, path):
                 raise model_not_found(name)
             if self.tenancy.audit is not None:
-                self.tenancy.audit.read(name, tenant, "sample")
+                self.tenancy.audit.read(path, tenant, "sample")
             return WeightsRef(name, self.sampling.files, path)
         sampler = self.store.get_sampler(name)
         if sampler is not None and self.tenancy.owns(tenant, name) and self.tenancy.may_sample(tenant, sampler):

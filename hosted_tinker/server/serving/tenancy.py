@@ -109,4 +109,4 @@ class Tenancy:
         if not self.can_read(tenant, parsed):
             raise not_found(f"{field}: checkpoint {path} does not exist")
         if purpose is not None and self.audit is not None:
-            self.audit.read(str(parsed), tenant, purpose)
+            self.audit.read(parsed, tenant, purpose)
