@@ -32,7 +32,7 @@ import zstandard
 from starlette.requests import Request
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
-from tinker.proto.response_conv import deserialize_forward_backward_output
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
 from tests.conftest import ALIAS, ServerProcess, start_server
 
@@ -41,6 +41,7 @@ pytestmark = pytest.mark.timeout(120)
 
 HEADERS = {"X-API-Key": "tml-test"}
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
+JSON = {"Content-Type": "application/json"}
 MAX_SEQ_LEN = 64
 MIN_CASES = 40
 
@@ -1176,7 +1177,40 @@ CASES: list[Case] = [
         400,
         "body",
     ),
+    # Big bodies (body_thread.OFF_LOOP_BYTES or more) are parsed off the event loop; a million bad
+    # items or unknown fields are one error (protocol.strict), not a million (seconds, and MiBs).
+    Case(
+        "sample a million bad target ids",
+        sample(target_prompt_logprobs={"data": ["a"] * 10**6, "dtype": "int64"}),
+        422,
+        "target_prompt_logprobs.data",
+    ),
+    Case("sample a million unknown fields", sample(**{f"k{i}": 0 for i in range(10**6)}), 422, "k0"),
+    Case(
+        "sample big body not JSON",
+        lambda w: w.post("/api/v1/asample", content=_big_broken_json(), headers=JSON),
+        422,
+        "body",
+    ),
+    Case(
+        "sample big body nested too deep",
+        lambda w: w.post("/api/v1/asample", content=b"[" * 10**6, headers=JSON),
+        422,
+        "body",
+    ),
+    Case("completion a million bad prompt ids", openai("completions", prompt=["a"] * 10**6), 400, "prompt"),
+    Case("chat a million empty messages", openai("chat/completions", messages=[{}] * 10**6), 400, "messages"),
+    Case(
+        "chat big body not JSON",
+        lambda w: w.post("/v1/chat/completions", content=_big_broken_json(), headers=JSON),
+        400,
+        "body",
+    ),
 ]
+
+
+def _big_broken_json() -> bytes:
+    return b'{"model": "x", ' + b" " * (1 << 20) + b"'"
 
 
 def _with_seq(body: bytes, seq_id: int) -> bytes:
@@ -1471,3 +1505,74 @@ def test_body_limit_cuts_off_a_body_without_content_length():
     assert client.post("/api/v1/prompt", content=iter([b"x" * 150, b"x" * 150])).json() == {"bytes": 300}
     over = client.post("/api/v1/prompt", content=iter([b"x" * 200, b"x" * 200]))
     assert over.status_code == 413 and "300 bytes (--max-prompt-body-bytes" in over.json()["detail"], over.text
+
+
+@pytest.mark.slow
+def test_a_large_prompt_body_samples_as_a_small_one(world: World):
+    """A body past ``body_thread.OFF_LOOP_BYTES`` (here: JSON padded with whitespace) is parsed on
+    the body thread, and answered exactly as the same request in a small body."""
+    body = {
+        "sampling_session_id": world.sampler_id,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+        "sampling_params": {"max_tokens": 6, "seed": 11},
+        "num_samples": 2,
+    }
+    small = json.dumps(body).encode()
+    big = small[:-1] + b" " * (256 << 10) + b"}"
+    answers = []
+    for content in (small, big):
+        future = world.post("/api/v1/asample", content=content, headers=JSON)
+        assert future.status == 200, future.body
+        reply = world.http.post("/api/v1/retrieve_future", json={"request_id": future.body["request_id"]}, timeout=60)
+        answers.append([list(s.tokens) for s in deserialize_sample_response(reply.content).sequences])
+    assert answers[0] == answers[1] and answers[0][0]
+
+    chat = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "seed": 3}
+    texts = []
+    for pad in (b"", b" " * (256 << 10)):
+        reply = world.post("/v1/chat/completions", content=json.dumps(chat).encode() + pad, headers=JSON)
+        assert reply.status == 200, reply.body
+        texts.append(reply.body["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.slow
+def test_a_422_lists_the_first_errors_and_counts_the_rest(world: World):
+    """A body with thousands of errors is answered with the first ``errors.MAX_REPORTED`` and a
+    count of the rest: a small answer, however bad the body."""
+    metadata = {f"k{i}": i for i in range(5000)}  # each value should be a string
+    reply = world.post("/api/v1/sessions/search", json_body={"user_metadata": metadata})
+    assert reply.status == 422
+    detail = reply.body["detail"]
+    assert [e["loc"] for e in detail[:2]] == [["body", "user_metadata", "k0"], ["body", "user_metadata", "k1"]]
+    assert len(detail) == 21
+    assert detail[-1] == {"loc": ["body"], "msg": "4980 more errors not shown", "type": "more_errors"}
+
+    targets = {"data": ["a"] * 10**6, "dtype": "int64"}
+    reply = sample(target_prompt_logprobs=targets)(world)
+    assert reply.status == 422 and len(json.dumps(reply.body)) < 2048, reply.body
+
+
+@pytest.mark.fast
+def test_every_list_of_a_request_type_stops_at_its_first_bad_item():
+    """Each list field of every request type is ``strict.ListOf``: pydantic stops validating it
+    at its first bad item, so that no body costs an error per item."""
+    from hosted_tinker.server.protocol import json_types, openai_types
+    from hosted_tinker.server.protocol.strict import StrictRequest
+
+    def lists(schema: Any) -> Iterator[dict]:
+        if isinstance(schema, dict):
+            if schema.get("type") == "list":
+                yield schema
+            for value in schema.values():
+                yield from lists(value)
+        elif isinstance(schema, list):
+            for value in schema:
+                yield from lists(value)
+
+    models = [m for module in (json_types, openai_types) for m in vars(module).values()]
+    models = [m for m in models if isinstance(m, type) and issubclass(m, StrictRequest) and m is not StrictRequest]
+    assert len(models) > 40
+    found = [(m.__name__, s) for m in models for s in lists(m.__pydantic_core_schema__)]
+    assert len(found) > 20
+    assert all(s.get("fail_fast") for _, s in found), [name for name, s in found if not s.get("fail_fast")]

@@ -21,6 +21,8 @@ from hosted_tinker.server.protocol.ordering import is_text, order_of
 
 log = logging.getLogger(__name__)
 
+MAX_REPORTED = 20  # validation errors listed in a 422
+
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServerError)
@@ -36,8 +38,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # Keep each error's location and message; drop echoed input (it may be large).
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        # Keep each error's location and message; drop echoed input (it may be large). The first
+        # few errors say what is wrong; all of them could be megabytes (see protocol.strict).
+        found = exc.errors()
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in found[:MAX_REPORTED]]
+        if len(found) > MAX_REPORTED:
+            more = f"{len(found) - MAX_REPORTED} more errors not shown"
+            errors.append({"loc": ["body"], "msg": more, "type": "more_errors"})
         if (busy := _consume_refused_seq(request, exc.body, errors)) is not None:
             return error_response(request.url.path, busy.status, busy.detail, headers=busy.headers)
         if is_openai(request.url.path):

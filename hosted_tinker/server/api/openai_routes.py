@@ -9,11 +9,12 @@ from fastapi.responses import StreamingResponse
 
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.errors import large_body
+from hosted_tinker.server.api.json_body import OffLoopJson
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter(prefix="/v1", responses=rsp.OPENAI_ERRORS)
+router = APIRouter(prefix="/v1", responses=rsp.OPENAI_ERRORS, route_class=OffLoopJson)
 # A completion is JSON, or server-sent events with stream=true.
 _OR_STREAM = {200: {"content": rsp.SSE}}
 

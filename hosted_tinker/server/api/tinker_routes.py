@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request, Response
 from hosted_tinker.core.errors import ApiError, UserError, not_found
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.errors import large_body, ordered, refuse_unparsed
+from hosted_tinker.server.api.json_body import OffLoopJson
 from hosted_tinker.server.api.request_log import note
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
@@ -20,7 +21,7 @@ from hosted_tinker.server.protocol.proto_codec import WireForwardBackward, decod
 from hosted_tinker.server.serving.futures import check_cancellable
 from hosted_tinker.server.serving.training import Admit
 
-router = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
+router = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS, route_class=OffLoopJson)
 
 
 def _owner_of_model(request: Request, model_id: str) -> ServerState:

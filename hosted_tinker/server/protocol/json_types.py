@@ -12,11 +12,10 @@ from typing import Any, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
 from hosted_tinker.server.protocol.ordering import is_text
+from hosted_tinker.server.protocol.strict import ListOf, StrictRequest
 
 
-class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Request(StrictRequest):
     @model_validator(mode="before")
     @classmethod
     def _unicode(cls, data: Any) -> Any:
@@ -65,7 +64,7 @@ class ClientConfigRequest(Request):
 
 
 class CreateSessionRequest(Request):
-    tags: list[str] = Field(default_factory=list)
+    tags: ListOf[str] = Field(default_factory=list)
     user_metadata: dict[str, Any] | None = None
     sdk_version: str | None = None
     project_id: str | None = None
@@ -109,12 +108,12 @@ class SearchOwner(Request):
     the sessions of the listed owners (``SessionSummary.owner``) the key may list."""
 
     type: Literal["own", "accessible", "user"] = "own"
-    owner_urns: list[str] | None = Field(default=None, min_length=1, max_length=10)
+    owner_urns: ListOf[str] | None = Field(default=None, min_length=1, max_length=10)
 
 
 class SessionStatusQuery(Request):
     type: Literal["active", "cancelled", "failed", "client_finished"]
-    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(default=None, min_length=1)
+    reasons: ListOf[Literal["success", "errored", "interrupted"]] | None = Field(default=None, min_length=1)
 
 
 class SessionSearchCursor(Request):
@@ -126,11 +125,11 @@ class SessionSearchRequest(Request):
     """``RestClient.search_sessions`` (SDK ``types.SessionSearchRequest``)."""
 
     session_id: str | None = None
-    project_ids: list[str] | None = None
+    project_ids: ListOf[str] | None = None
     user_metadata: dict[str, str] = Field(default_factory=dict)
     display_name: str | None = Field(default=None, min_length=1)
     owner: SearchOwner = Field(default_factory=SearchOwner)
-    statuses: list[SessionStatusQuery] | None = Field(default=None, min_length=1)
+    statuses: ListOf[SessionStatusQuery] | None = Field(default=None, min_length=1)
     limit: int = Field(default=50, ge=1, le=200)
     cursor: SessionSearchCursor | None = None
 
@@ -179,14 +178,14 @@ class CustomLossGraph(Request):
     format: Literal[1] = 1
     # Nodes as torch.fx records them; their ops, targets and arguments are checked by
     # ``core.custom_loss`` against what it allows (a 400 naming the node).
-    nodes: list[dict[str, Any]] = Field(max_length=512)
+    nodes: ListOf[dict[str, Any]] = Field(max_length=512)
 
 
 class CreateCustomLossRequest(Request):
     session_id: str
     custom_loss_seq_id: int = Field(ge=0, lt=2**63)
     name: str = Field(min_length=1, max_length=128)
-    inputs: list[CustomLossInput] = Field(min_length=1, max_length=16)
+    inputs: ListOf[CustomLossInput] = Field(min_length=1, max_length=16)
     graph: CustomLossGraph
     type: Literal["create_custom_loss"] = "create_custom_loss"
 
@@ -258,7 +257,7 @@ class SaveWeightsExternalRequest(Request):
     path: str
     seq_id: int
     ttl_seconds: int | None = None
-    age_encryption_recipients: list[str] | None = None
+    age_encryption_recipients: ListOf[str] | None = None
     type: Literal["save_weights_external"] = "save_weights_external"
 
 
@@ -302,20 +301,20 @@ class CreateSamplingSessionRequest(Request):
 
 
 class EncodedTextChunk(Request):
-    tokens: list[int]
+    tokens: ListOf[int]
     type: Literal["encoded_text"] = "encoded_text"
 
 
 class ModelInput(Request):
     # Chunks are parsed loosely: an image or audio chunk is refused by the service by name, and
     # a text chunk is validated there (``sampling.prompt_tokens``), its errors named by index.
-    chunks: list[dict[str, Any]]
+    chunks: ListOf[dict[str, Any]]
 
 
 class SamplingParams(Request):
     max_tokens: int | None = None
     seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
+    stop: str | ListOf[str] | ListOf[int] | None = None
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -324,11 +323,11 @@ class SamplingParams(Request):
 class TensorData(Request):
     """The SDK's JSON ``TensorData`` (protocol reference §6.2): flat row-major values, or CSR."""
 
-    data: list[int | float]
+    data: ListOf[int | float]
     dtype: Literal["int64", "float32"]
-    shape: list[int] | None = None
-    sparse_crow_indices: list[int] | None = None
-    sparse_col_indices: list[int] | None = None
+    shape: ListOf[int] | None = None
+    sparse_crow_indices: ListOf[int] | None = None
+    sparse_col_indices: ListOf[int] | None = None
 
 
 class SampleRequest(Request):
@@ -373,7 +372,7 @@ class FuturesRetrieveRequest(Request):
     target: SamplingSessionFuturesTarget
     prev_cursor: int = Field(0, ge=0, lt=2**63)
     timeout: float | None = Field(None, ge=0, allow_inf_nan=False)  # None: the server's long-poll
-    retrieved_request_ids: list[str] = Field(default_factory=list, max_length=10_000)
+    retrieved_request_ids: ListOf[str] = Field(default_factory=list, max_length=10_000)
 
 
 class JoinSamplingSessionRequest(Request):

@@ -1,27 +1,26 @@
-"""Request types of the OpenAI-compatible API (``/v1``). Unknown fields are refused by name."""
+"""Request types of the OpenAI-compatible API (``/v1``). Unknown fields are refused by name
+(``protocol.strict``)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from hosted_tinker.server.protocol.strict import ListOf, StrictRequest
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Request):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(StrictRequest):
     model: str
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=128)
-    stop: str | list[str] | None = None
+    stop: str | ListOf[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -32,19 +31,19 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    prompt: str | ListOf[int]
     logprobs: int | None = Field(default=None, ge=0, le=20)  # top-k alternatives per token
     echo: bool = False
 
 
-class ChatMessage(_Request):
+class ChatMessage(StrictRequest):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | ListOf[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: ListOf[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

@@ -4,6 +4,7 @@ Our model names (served base names, ``tinker://`` sampler paths, sampling sessio
 run ids for the live adapter) are resolved here, the adapter is leased in vLLM for the request's
 lifetime, and vLLM's name for it is swapped back to the client's in every response line. vLLM's
 own parameters pass through untouched, so it validates them; its admin routes are not exposed.
+A large body is decoded and re-encoded on ``server.body_thread``, not on the event loop.
 
 The bytes go over aiohttp rather than the engine's httpx client: a streamed answer is one SSE
 chunk per token, and aiohttp's C parser halves what each chunk costs us. On a 2-core machine,
@@ -23,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from hosted_tinker.core.errors import ApiError, EngineUnavailable, UserError, bad_request, unavailable
 from hosted_tinker.inference.vllm_engine import REQUEST_TIMEOUT_S, VllmEngine
+from hosted_tinker.server.body_thread import sized
 from hosted_tinker.server.serving.openai import OpenAIService
 
 # Paths of vLLM's we never forward: adapter management is ours alone.
@@ -39,6 +41,10 @@ def _asks_prompt_logprobs(payload: dict) -> bool:
     return payload.get("prompt_logprobs") is not None or bool(
         payload.get("echo") and payload.get("logprobs") is not None
     )
+
+
+def _encode(payload: dict) -> bytes:
+    return json.dumps(payload).encode()
 
 
 class _Stream(StreamingResponse):
@@ -83,8 +89,8 @@ class OpenAIProxy:
         payload = None
         if body:
             try:
-                payload = json.loads(body)
-            except ValueError:
+                payload = await sized(json.loads, len(body), body)
+            except (ValueError, RecursionError):
                 raise bad_request("the request body is not valid JSON") from None
         if isinstance(payload, dict) and _asks_prompt_logprobs(payload):
             # vLLM 0.32's engine dies on prompt logprobs whenever LoRA is enabled (vllm#29955).
@@ -104,7 +110,7 @@ class OpenAIProxy:
                 weights = self.openai.resolve(name, tenant)
                 stack.enter_context(self.openai.slot(name, tenant))
                 vllm_name = await stack.enter_async_context(self.vllm.lease(weights))
-                body = json.dumps(payload | {"model": vllm_name}).encode()
+                body = await sized(_encode, len(body), payload | {"model": vllm_name})
                 if vllm_name != name:
                     rename = (json.dumps(vllm_name).encode(), json.dumps(name).encode())
             else:
