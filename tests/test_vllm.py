@@ -11,6 +11,7 @@ embedded suite. A bf16 GPU run would need ~5e-2 (bf16's 8-bit mantissa over a vo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -227,6 +228,39 @@ def test_openai_proxy_streams_and_maps_names(base_url, trained):
     bad = httpx.post(f"{base_url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     assert inference(base_url)["state"] == "ready"
+
+
+def test_the_proxy_counts_what_vllm_sampled(base_url):
+    """/v1 requests forwarded to vLLM go into the usage ledger as vLLM counted them, streamed or
+    not; a stream whose client did not ask for usage still shows none (the proxy asks vLLM for
+    it, and takes the event out)."""
+    from tests.test_usage import totals, window
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="tml-test")
+    admin = tinker.AdminClient(base_url=base_url, api_key="tml-test")
+    before = totals(admin.get_billing_usage(*window()).result(), None)
+    args = {"model": ALIAS, "prompt": "hello there", "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(max_tokens=5, **args)
+    prompt_tokens = whole.usage.prompt_tokens
+    assert prompt_tokens > 0 and whole.usage.completion_tokens == 5
+    chunks = list(client.completions.create(max_tokens=6, stream=True, **args))
+    assert chunks and all(c.usage is None and c.choices for c in chunks)  # as without the proxy's ask
+    asked = list(client.completions.create(max_tokens=7, stream=True, stream_options={"include_usage": True}, **args))
+    assert asked[-1].choices == [] and asked[-1].usage.completion_tokens == 7
+    # a body past body_thread.OFF_LOOP_BYTES: decoded and re-encoded off the event loop
+    big = json.dumps({"model": ALIAS, "prompt": "hello there", "max_tokens": 3, "ignore_eos": True}).encode()
+    padded = httpx.post(f"{base_url}/v1/completions", content=big[:-1] + b" " * (256 << 10) + b"}", timeout=60)
+    assert padded.status_code == 200 and padded.json()["usage"]["completion_tokens"] == 3
+
+    expected = {"sampling_prefill": 4 * prompt_tokens, "sampling_sample": 5 + 6 + 7 + 3}
+    deadline = time.monotonic() + 30
+    while True:
+        after = totals(admin.get_billing_usage(*window()).result(), None)
+        counted = {kind: after[kind] - before.get(kind, 0) for kind in expected}
+        if counted == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert counted == expected
 
 
 def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, tiny_model_dir, trained):

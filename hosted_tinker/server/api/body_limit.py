@@ -26,8 +26,9 @@ class _BodyTooLarge(Exception):
 class BodyLimit:
     """Every route buffers its whole body, so its size is bounded before that happens. The bound
     is ``max_bytes`` on a route declared ``large_body``, ``max_prompt_bytes`` on one declared
-    ``large_body("prompt")`` (its JSON is parsed on the event loop: the bound is what a request
-    may hold up every other for) and ``max_control_bytes`` on every other, so that a session, a
+    ``large_body("prompt")`` (JSON: ``json.loads`` holds the event loop even on the body thread,
+    so the bound is also what a request may hold up every other for, see ``api.json_body``) and
+    ``max_control_bytes`` on every other, so that a session, a
     heartbeat or a save cannot make the server buffer hundreds of MiB (both at most
     ``max_bytes``). A declared Content-Length over it is a 413 at once, without reading the
     body; a body without one (chunked) is cut off with a 413 as soon as it passes the limit. A

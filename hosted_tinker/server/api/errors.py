@@ -106,8 +106,8 @@ def ordered(kind: str, *, large_body: bool = False) -> dict[str, Any]:
 
 def large_body(what: Literal["batch", "prompt"] = "batch") -> dict[str, Any]:
     """Route options that declare a route carrying data, whose body may be as large as
-    ``--max-body-bytes`` (a batch) or ``--max-prompt-body-bytes`` (a prompt: JSON, which is
-    parsed on the event loop); every other route is a control call, held to the much smaller
+    ``--max-body-bytes`` (a batch) or ``--max-prompt-body-bytes`` (a prompt: JSON, parsed on
+    the body thread, ``api.json_body``); every other route is a control call, held to the much smaller
     ``--max-control-body-bytes`` (``BodyLimit``). Shows as ``x-large-body``."""
     return {"openapi_extra": {LARGE_BODY: what}}
 

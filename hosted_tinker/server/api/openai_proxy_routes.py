@@ -9,11 +9,12 @@ from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.errors import large_body
 from hosted_tinker.server.api.openai_routes import list_models
 from hosted_tinker.server.api.state import server_state
+from hosted_tinker.server.protocol import openai_types as oai
 from hosted_tinker.server.protocol import responses as rsp
 
 router = APIRouter(prefix="/v1", responses=rsp.OPENAI_ERRORS)
 # Our model names, as with the embedded engine.
-router.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(rsp.OpenAIModelList))
+router.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(oai.OpenAIModelList))
 
 
 @router.api_route(

@@ -11,6 +11,7 @@ from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.errors import large_body
 from hosted_tinker.server.api.json_body import OffLoopJson
 from hosted_tinker.server.api.state import server_state
+from hosted_tinker.server.protocol import openai_types as oai
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 
@@ -19,12 +20,12 @@ router = APIRouter(prefix="/v1", responses=rsp.OPENAI_ERRORS, route_class=OffLoo
 _OR_STREAM = {200: {"content": rsp.SSE}}
 
 
-@router.get("/models", **rsp.as_built(rsp.OpenAIModelList))
+@router.get("/models", **rsp.as_built(oai.OpenAIModelList))
 async def list_models(request: Request) -> dict:
     return server_state(request).openai.list_models(tenant_of(request))
 
 
-@router.post("/completions", **rsp.as_built(rsp.Completion), responses=_OR_STREAM, **large_body("prompt"))
+@router.post("/completions", **rsp.as_built(oai.Completion), responses=_OR_STREAM, **large_body("prompt"))
 async def completions(req: CompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:
@@ -32,7 +33,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     return await service.respond(req, tenant_of(request))
 
 
-@router.post("/chat/completions", **rsp.as_built(rsp.ChatCompletion), responses=_OR_STREAM, **large_body("prompt"))
+@router.post("/chat/completions", **rsp.as_built(oai.ChatCompletion), responses=_OR_STREAM, **large_body("prompt"))
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:

@@ -1,5 +1,5 @@
-"""Request types of the OpenAI-compatible API (``/v1``). Unknown fields are refused by name
-(``protocol.strict``)."""
+"""Wire types of the OpenAI-compatible API (``/v1``): requests, whose unknown fields are refused
+by name (``protocol.strict``), and responses (``responses.Response``: extra keys allowed)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from hosted_tinker.server.protocol.responses import Response
 from hosted_tinker.server.protocol.strict import ListOf, StrictRequest
 
 
@@ -47,3 +48,82 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+# ---- responses (what the OpenAI SDK's types hold) -----------------------------------------
+
+
+class OpenAIModel(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class OpenAIModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel]
+
+
+class Usage(Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Response):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(Response):
+    index: int
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(Response):
+    index: int
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"] | None = None
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None

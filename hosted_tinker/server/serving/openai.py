@@ -104,7 +104,7 @@ class OpenAIService:
             "data": [{"id": n, "object": "model", "created": now, "owned_by": "hosted-tinker"} for n in names],
         }
 
-    def _charge(self, tenant: str) -> Charge:
+    def charge(self, tenant: str) -> Charge:
         """What a /v1 request uses counts against its key, in no session, on the served base model."""
         return Charge(tenant, "", self.served_names[0])
 
@@ -269,7 +269,7 @@ class OpenAIService:
         weights = self.resolve(req.model, tenant)
         with self.slot(req.model, tenant):
             prompt, spec = await self._prepare(req)
-            output = await self.sampling.run(weights, spec, charge=self._charge(tenant))
+            output = await self.sampling.run(weights, spec, charge=self.charge(tenant))
         # The texts and logprobs of many long choices: a tokenizer.decode per token and per alternative.
         return await self._on_tokenizer_thread(self._answer, req, prompt, spec, output)
 
@@ -319,7 +319,7 @@ class OpenAIService:
         def on_token(sample: int, token: int, logprob: float) -> None:  # on the dispatch thread
             loop.call_soon_threadsafe(events.put_nowait, (sample, token, logprob))
 
-        task = asyncio.ensure_future(self.sampling.run(weights, spec, on_token, self._charge(tenant)))
+        task = asyncio.ensure_future(self.sampling.run(weights, spec, on_token, self.charge(tenant)))
 
         def finished(_: asyncio.Future) -> None:
             held.close()

@@ -18,6 +18,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from typing import Any
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
@@ -26,6 +27,7 @@ from hosted_tinker.core.errors import ApiError, EngineUnavailable, UserError, ba
 from hosted_tinker.inference.vllm_engine import REQUEST_TIMEOUT_S, VllmEngine
 from hosted_tinker.server.body_thread import sized
 from hosted_tinker.server.serving.openai import OpenAIService
+from hosted_tinker.server.serving.usage import Charge, UsageLedger
 
 # Paths of vLLM's we never forward: adapter management is ours alone.
 BLOCKED = {"load_lora_adapter", "unload_lora_adapter"}
@@ -45,6 +47,68 @@ def _asks_prompt_logprobs(payload: dict) -> bool:
 
 def _encode(payload: dict) -> bytes:
     return json.dumps(payload).encode()
+
+
+USAGE_KEY = b'"usage"'
+
+
+class Meter:
+    """What one forwarded request sampled, into the usage ledger (``serving.usage``): vLLM's own
+    count of prompt and completion tokens, from a JSON answer's ``usage``, or from the usage
+    event a stream ends with when asked for it (``asks``: we ask even when the client did not,
+    and then take that event out, so the client sees what it would have without us). A stream
+    the client leaves before its end is not counted: vLLM sends its count last."""
+
+    def __init__(self, ledger: UsageLedger | None, charge: Charge, payload: dict) -> None:
+        self.ledger, self.charge = ledger, charge
+        options = payload.get("stream_options")
+        streamed = payload.get("stream") is True and (options is None or isinstance(options, dict))
+        self.hide = streamed and not (options or {}).get("include_usage")
+        self.asks = {"stream_options": {**(options or {}), "include_usage": True}} if self.hide else {}
+
+    def count_answer(self, content: bytes) -> None:
+        """A whole JSON answer (off the loop when large)."""
+        if USAGE_KEY in content:
+            self._count(_json_or_none(content))
+
+    def count_events(self, lines: bytes) -> bytes:
+        """Whole lines of a stream that hold ``"usage"`` somewhere: the final usage event (the one
+        with no choices; with ``continuous_usage_stats`` every chunk has a running count too) is
+        counted, and taken out with its blank line if only we asked for it."""
+        kept: list[bytes] = []
+        dropped = False
+        for line in lines.split(b"\n"):
+            if dropped and line == b"":
+                dropped = False
+                continue
+            if line.startswith(b"data: {") and USAGE_KEY in line:
+                event = _json_or_none(line[len(b"data: ") :])
+                if isinstance(event, dict) and event.get("choices") == [] and self._count(event) and self.hide:
+                    dropped = True
+                    continue
+            kept.append(line)
+        return b"\n".join(kept)
+
+    def _count(self, answer: Any) -> bool:
+        """Whether ``answer`` holds vLLM's usage (then in the ledger)."""
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        if not isinstance(usage, dict):
+            return False
+        if self.ledger is not None:
+            self.ledger.sampled(self.charge, _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens"))
+        return True
+
+
+def _tokens(usage: dict, field: str) -> int:
+    value = usage.get(field)
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 class _Stream(StreamingResponse):
@@ -100,7 +164,7 @@ class OpenAIProxy:
             )
         stack = AsyncExitStack()
         try:
-            rename, vllm_name = None, None
+            rename, vllm_name, meter = None, None, None
             if isinstance(payload, dict):
                 # No model means the base model, which must still go through the engine's lease
                 # (on CPU it is an all-zero adapter, see VllmEngine.zero_adapter).
@@ -110,7 +174,8 @@ class OpenAIProxy:
                 weights = self.openai.resolve(name, tenant)
                 stack.enter_context(self.openai.slot(name, tenant))
                 vllm_name = await stack.enter_async_context(self.vllm.lease(weights))
-                body = await sized(_encode, len(body), payload | {"model": vllm_name})
+                meter = Meter(self.openai.sampling.usage, self.openai.charge(tenant), payload)
+                body = await sized(_encode, len(body), payload | {"model": vllm_name} | meter.asks)
                 if vllm_name != name:
                     rename = (json.dumps(vllm_name).encode(), json.dumps(name).encode())
             else:
@@ -122,10 +187,14 @@ class OpenAIProxy:
             if upstream.status == 404 and vllm_name is not None and vllm_name != name:
                 raise self.vllm.lost(vllm_name)
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+            if upstream.status != 200:
+                meter = None  # a refusal: nothing was sampled
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                lines = _lines(upstream, rename)
+                lines = _lines(upstream, rename, meter)
                 return _Stream(lines, stack, status_code=upstream.status, headers=out_headers)
             content = await upstream.read()
+            if meter is not None:
+                await sized(meter.count_answer, len(content), content)
         except EngineUnavailable as e:
             await stack.aclose()
             raise _unavailable(e) from None
@@ -144,9 +213,12 @@ class OpenAIProxy:
         return Response(content, status_code=upstream.status, headers=out_headers)
 
 
-async def _lines(upstream: aiohttp.ClientResponse, rename: tuple[bytes, bytes] | None) -> AsyncIterator[bytes]:
+async def _lines(
+    upstream: aiohttp.ClientResponse, rename: tuple[bytes, bytes] | None, meter: Meter | None
+) -> AsyncIterator[bytes]:
     """Pass server-sent events through as they arrive, whole lines at a time (a name is never
-    split across chunks), with vLLM's adapter name swapped for the client's."""
+    split across chunks), with vLLM's adapter name swapped for the client's, and the usage
+    event read by ``meter`` (and dropped, if only the meter asked for it)."""
     try:
         pending = b""
         async for chunk in upstream.content.iter_any():
@@ -154,6 +226,8 @@ async def _lines(upstream: aiohttp.ClientResponse, rename: tuple[bytes, bytes] |
             cut = pending.rfind(b"\n") + 1
             if cut:
                 ready, pending = pending[:cut], pending[cut:]
+                if meter is not None and USAGE_KEY in ready:
+                    ready = meter.count_events(ready)
                 yield ready.replace(*rename) if rename is not None else ready
         if pending:
             yield pending.replace(*rename) if rename is not None else pending

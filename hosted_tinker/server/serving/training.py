@@ -10,11 +10,10 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 
-import numpy as np
 import torch
 
 from hosted_tinker.core import losses
-from hosted_tinker.core.custom_loss import CustomLossDef, reduce_metrics
+from hosted_tinker.core.custom_loss import reduce_metrics
 from hosted_tinker.core.errors import (
     ApiError,
     RolledBack,
@@ -33,7 +32,8 @@ from hosted_tinker.server.records import COPY_STATUS, ModelRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving import optimizers, provenance
-from hosted_tinker.server.serving.custom_losses import CustomLossService, datum_inputs
+from hosted_tinker.server.serving.batch_checks import check_datum
+from hosted_tinker.server.serving.custom_losses import CustomLossService
 from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
 from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, OPTIM_STEP, RunMetrics
@@ -348,7 +348,7 @@ class TrainingService:
                 raise bad_request(f"loss_fn_config.{key} must be a finite number, got {value!r}")
             config[key] = value
         wire_data = self._wire_data(req)
-        data = [self._validate_datum(d, i, spec) for i, d in enumerate(wire_data)]
+        data = [check_datum(d, i, self.backend.capabilities, spec) for i, d in enumerate(wire_data)]
         self._resolve_provenance(req.model_id, wire_data, data, spec)
         return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
 
@@ -361,7 +361,7 @@ class TrainingService:
             )
         loss = self.custom_losses.get(self.live_model(req.model_id).session_id, req.loss_fn_config["loss_id"])
         wire_data = self._wire_data(req)
-        data = [self._validate_datum(d, i, None, loss) for i, d in enumerate(wire_data)]
+        data = [check_datum(d, i, self.backend.capabilities, None, loss) for i, d in enumerate(wire_data)]
         self._resolve_provenance(req.model_id, wire_data, data, None)
         return ForwardBackwardBatch(data, "custom", {}, req.forward_only, custom_loss=loss)
 
@@ -377,64 +377,6 @@ class TrainingService:
         if total > limit:
             raise bad_request(f"data holds {total} tokens, over the limit of {limit} per request")
         return wire_data
-
-    def _validate_datum(
-        self, d: WireDatum, index: int, spec: losses.LossSpec | None, custom: CustomLossDef | None = None
-    ) -> DatumInput:
-        """One datum, checked for ``spec``'s inputs (or a custom loss's declared ones)."""
-        caps = self.backend.capabilities
-        where = f"data[{index}]"
-        n = len(d.tokens)
-        if n == 0:
-            raise bad_request(f"{where}.model_input is empty")
-        if n > caps.max_seq_len:
-            raise bad_request(f"{where}.model_input has {n} tokens, over the maximum of {caps.max_seq_len}")
-        _check_token_ids(d.tokens, caps.vocab_size, f"{where}.model_input")
-        inputs = dict(d.loss_fn_inputs)
-        targets = inputs.pop("target_tokens", None)
-        if targets is None:
-            raise bad_request(f"{where}.loss_fn_inputs.target_tokens is required")
-        if targets.dtype.kind not in "iu":
-            raise bad_request(f"{where}.loss_fn_inputs.target_tokens must be int64, got {targets.dtype}")
-        topk_allowed = custom is not None or spec.allows_topk_targets
-        if targets.ndim == 2 and not (topk_allowed and caps.topk_targets):
-            raise bad_request(f"{where}.loss_fn_inputs.target_tokens: (N, K) targets are only valid for cross_entropy")
-        if targets.shape[:1] != (n,) or targets.ndim > 2:
-            raise bad_request(
-                f"{where}.loss_fn_inputs.target_tokens has shape {list(targets.shape)}; expected [{n}] "
-                f"(or [{n}, K]) to match model_input length {n}"
-            )
-        _check_token_ids(targets, caps.vocab_size, f"{where}.loss_fn_inputs.target_tokens")
-        if custom is not None:
-            return DatumInput(
-                tokens=torch.from_numpy(d.tokens.astype(np.int64)),
-                target_tokens=torch.from_numpy(targets.astype(np.int64)),
-                inputs=datum_inputs(custom, d, where, targets),
-            )
-        tensors: dict[str, torch.Tensor] = {}
-        for key in spec.required_inputs:
-            if key not in inputs:
-                raise bad_request(f"{where}.loss_fn_inputs.{key} is required by this loss")
-        for key, value in inputs.items():
-            if key not in spec.required_inputs and key not in spec.optional_inputs:
-                accepted = ["target_tokens", *spec.required_inputs, *spec.optional_inputs]
-                raise bad_request(f"{where}.loss_fn_inputs.{key} is not an input of this loss; accepted: {accepted}")
-            if value.dtype.kind != "f":
-                raise bad_request(f"{where}.loss_fn_inputs.{key} must be float32, got {value.dtype}")
-            # weights follow the target's shape ((N, K) for top-K targets); the rest are per position.
-            expected = targets.shape if key == "weights" else (n,)
-            if value.shape != expected:
-                raise bad_request(
-                    f"{where}.loss_fn_inputs.{key} has shape {list(value.shape)}; expected {list(expected)}"
-                )
-            if not np.isfinite(value).all():
-                raise bad_request(f"{where}.loss_fn_inputs.{key} contains NaN or infinity")
-            tensors[key] = torch.from_numpy(value.astype(np.float32))
-        return DatumInput(
-            tokens=torch.from_numpy(d.tokens.astype(np.int64)),
-            target_tokens=torch.from_numpy(targets.astype(np.int64)),
-            inputs=tensors,
-        )
 
     def _resolve_provenance(
         self, model_id: str, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec | None
@@ -498,9 +440,3 @@ def _failing(detail: str) -> Job:
         raise UserError(detail)
 
     return job
-
-
-def _check_token_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-        raise bad_request(f"{where} contains token id {bad}, outside the vocabulary [0, {vocab_size})")

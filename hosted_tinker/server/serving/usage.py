@@ -13,8 +13,9 @@ hour, key, session and base model:
 - ``storage``: gigabyte-hours of the key's unexpired checkpoints, accrued at each retention
   sweep (at most 10 minutes apart) for the time since the last one, while the server runs.
 
-OpenAI ``/v1`` requests count with no session (``session_id`` None), except those the ``/v1``
-proxy forwards to vLLM unread. No prices: this server bills nobody, so costs and rates are None.
+OpenAI ``/v1`` requests count with no session (``session_id`` None); those the ``/v1`` proxy
+forwards to vLLM count as vLLM reports them (``openai_proxy.Meter``). No prices: this server
+bills nobody, so costs and rates are None.
 """
 
 from __future__ import annotations
