@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
 from hosted_tinker.server.protocol.ordering import is_text
-from hosted_tinker.server.protocol.strict import ListOf, StrictRequest
+from hosted_tinker.server.protocol.strict import ListOf, StrictRequest, TextMap
 
 
 class Request(StrictRequest):
@@ -126,7 +126,7 @@ class SessionSearchRequest(Request):
 
     session_id: str | None = None
     project_ids: ListOf[str] | None = None
-    user_metadata: dict[str, str] = Field(default_factory=dict)
+    user_metadata: TextMap = Field(default_factory=dict)
     display_name: str | None = Field(default=None, min_length=1)
     owner: SearchOwner = Field(default_factory=SearchOwner)
     statuses: ListOf[SessionStatusQuery] | None = Field(default=None, min_length=1)
@@ -237,7 +237,7 @@ class SaveWeightsRequest(Request):
     seq_id: int
     ttl_seconds: int | None = None
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: TextMap | None = None
     type: Literal["save_weights"] = "save_weights"
 
 
@@ -248,7 +248,7 @@ class SaveWeightsForSamplerRequest(Request):
     kind: str = "snapshot"
     seq_id: int
     ttl_seconds: int | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: TextMap | None = None
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 

@@ -6,6 +6,7 @@ numbers belong was 6 million errors: 78 s of a stalled server and a 939 MiB answ
 
 - ``ListOf[T]``: a list whose validation stops at its first bad item (one error, not one per item);
   every list of a request type is one (``tests/test_bad_input.py`` walks the schemas).
+- ``TextMap``: a dict of strings whose first value of another type is the one error.
 - ``StrictRequest``: unknown fields are refused by name (a misspelt option is an error, never
   a silently ignored setting), and a body with more than ``MAX_UNKNOWN_NAMED`` of them is one
   error naming the first few, not one per field.
@@ -16,10 +17,21 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 T = TypeVar("T")
 ListOf = Annotated[list[T], Field(fail_fast=True)]
+
+
+def _first_non_text(value: Any) -> Any:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(item, str):
+                raise ValueError(f"the value of {str(key)[:40]!r} must be a string, not {type(item).__name__}")
+    return value
+
+
+TextMap = Annotated[dict[str, str], BeforeValidator(_first_non_text)]
 
 MAX_UNKNOWN_NAMED = 8
 
