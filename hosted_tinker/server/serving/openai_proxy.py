@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Any
@@ -49,7 +50,9 @@ def _encode(payload: dict) -> bytes:
     return json.dumps(payload).encode()
 
 
-USAGE_KEY = b'"usage"'
+# A usage object, not vLLM's "usage":null on every chunk of a stream that asked for usage (each
+# would then be parsed here). Text that a model wrote is escaped: it holds \"usage\", never this.
+USAGE = re.compile(rb'"usage":\s*\{')
 
 
 class Meter:
@@ -68,11 +71,11 @@ class Meter:
 
     def count_answer(self, content: bytes) -> None:
         """A whole JSON answer (off the loop when large)."""
-        if USAGE_KEY in content:
+        if USAGE.search(content):
             self._count(_json_or_none(content))
 
     def count_events(self, lines: bytes) -> bytes:
-        """Whole lines of a stream that hold ``"usage"`` somewhere: the final usage event (the one
+        """Whole lines of a stream that hold a usage object somewhere: the final usage event (the one
         with no choices; with ``continuous_usage_stats`` every chunk has a running count too) is
         counted, and taken out with its blank line if only we asked for it."""
         kept: list[bytes] = []
@@ -81,7 +84,7 @@ class Meter:
             if dropped and line == b"":
                 dropped = False
                 continue
-            if line.startswith(b"data: {") and USAGE_KEY in line:
+            if line.startswith(b"data: {") and USAGE.search(line):
                 event = _json_or_none(line[len(b"data: ") :])
                 if isinstance(event, dict) and event.get("choices") == [] and self._count(event) and self.hide:
                     dropped = True
@@ -226,7 +229,7 @@ async def _lines(
             cut = pending.rfind(b"\n") + 1
             if cut:
                 ready, pending = pending[:cut], pending[cut:]
-                if meter is not None and USAGE_KEY in ready:
+                if meter is not None and USAGE.search(ready):
                     ready = meter.count_events(ready)
                 yield ready.replace(*rename) if rename is not None else ready
         if pending:
