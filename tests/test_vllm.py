@@ -263,6 +263,28 @@ def test_the_proxy_counts_what_vllm_sampled(base_url):
     assert counted == expected
 
 
+def test_the_proxy_gives_n_greedy_choices(base_url):
+    """OpenAI's API gives n choices at temperature 0, which vLLM refuses: the proxy asks vLLM for
+    one and copies it, streamed or not, with usage as for n."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="tml-test")
+    one = client.chat.completions.create(model=ALIAS, messages=CHAT[:1], temperature=0, max_tokens=8)
+    three = client.chat.completions.create(model=ALIAS, messages=CHAT[:1], temperature=0, max_tokens=8, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+    args = {"model": ALIAS, "prompt": "hello", "temperature": 0, "max_tokens": 6}
+    whole = client.completions.create(**args)
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **args):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert texts == {0: whole.choices[0].text, 1: whole.choices[0].text}
+    assert usage.completion_tokens == 2 * whole.usage.completion_tokens
+
+
 def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, tiny_model_dir, trained):
     """A second server borrows the first one's vLLM: base and adapter sampling both work. It
     requires keys (--dev-any-key), so the proxied /v1 is checked for 401s and tenants too."""

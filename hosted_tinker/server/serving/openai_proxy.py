@@ -3,8 +3,9 @@
 Our model names (served base names, ``tinker://`` sampler paths, sampling session ids, training
 run ids for the live adapter) are resolved here, the adapter is leased in vLLM for the request's
 lifetime, and vLLM's name for it is swapped back to the client's in every response line. vLLM's
-own parameters pass through untouched, so it validates them; its admin routes are not exposed.
-A large body is decoded and re-encoded on ``server.body_thread``, not on the event loop.
+own parameters pass through untouched, so it validates them (but for what
+``openai_proxy_edits`` changes: the usage it meters, greedy copies); its admin routes are not
+exposed. A large body is decoded and re-encoded on ``server.body_thread``, not on the loop.
 
 The bytes go over aiohttp rather than the engine's httpx client: a streamed answer is one SSE
 chunk per token, and aiohttp's C parser halves what each chunk costs us. On a 2-core machine,
@@ -16,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import Any
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
@@ -28,7 +27,7 @@ from hosted_tinker.core.errors import ApiError, EngineUnavailable, UserError, ba
 from hosted_tinker.inference.vllm_engine import REQUEST_TIMEOUT_S, VllmEngine
 from hosted_tinker.server.body_thread import sized
 from hosted_tinker.server.serving.openai import OpenAIService
-from hosted_tinker.server.serving.usage import Charge, UsageLedger
+from hosted_tinker.server.serving.openai_proxy_edits import USAGE, GreedyCopies, Meter
 
 # Paths of vLLM's we never forward: adapter management is ours alone.
 BLOCKED = {"load_lora_adapter", "unload_lora_adapter"}
@@ -48,70 +47,6 @@ def _asks_prompt_logprobs(payload: dict) -> bool:
 
 def _encode(payload: dict) -> bytes:
     return json.dumps(payload).encode()
-
-
-# A usage object, not vLLM's "usage":null on every chunk of a stream that asked for usage (each
-# would then be parsed here). Text that a model wrote is escaped: it holds \"usage\", never this.
-USAGE = re.compile(rb'"usage":\s*\{')
-
-
-class Meter:
-    """What one forwarded request sampled, into the usage ledger (``serving.usage``): vLLM's own
-    count of prompt and completion tokens, from a JSON answer's ``usage``, or from the usage
-    event a stream ends with when asked for it (``asks``: we ask even when the client did not,
-    and then take that event out, so the client sees what it would have without us). A stream
-    the client leaves before its end is not counted: vLLM sends its count last."""
-
-    def __init__(self, ledger: UsageLedger | None, charge: Charge, payload: dict) -> None:
-        self.ledger, self.charge = ledger, charge
-        options = payload.get("stream_options")
-        streamed = payload.get("stream") is True and (options is None or isinstance(options, dict))
-        self.hide = streamed and not (options or {}).get("include_usage")
-        self.asks = {"stream_options": {**(options or {}), "include_usage": True}} if self.hide else {}
-
-    def count_answer(self, content: bytes) -> None:
-        """A whole JSON answer (off the loop when large)."""
-        if USAGE.search(content):
-            self._count(_json_or_none(content))
-
-    def count_events(self, lines: bytes) -> bytes:
-        """Whole lines of a stream that hold a usage object somewhere: the final usage event (the one
-        with no choices; with ``continuous_usage_stats`` every chunk has a running count too) is
-        counted, and taken out with its blank line if only we asked for it."""
-        kept: list[bytes] = []
-        dropped = False
-        for line in lines.split(b"\n"):
-            if dropped and line == b"":
-                dropped = False
-                continue
-            if line.startswith(b"data: {") and USAGE.search(line):
-                event = _json_or_none(line[len(b"data: ") :])
-                if isinstance(event, dict) and event.get("choices") == [] and self._count(event) and self.hide:
-                    dropped = True
-                    continue
-            kept.append(line)
-        return b"\n".join(kept)
-
-    def _count(self, answer: Any) -> bool:
-        """Whether ``answer`` holds vLLM's usage (then in the ledger)."""
-        usage = answer.get("usage") if isinstance(answer, dict) else None
-        if not isinstance(usage, dict):
-            return False
-        if self.ledger is not None:
-            self.ledger.sampled(self.charge, _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens"))
-        return True
-
-
-def _tokens(usage: dict, field: str) -> int:
-    value = usage.get(field)
-    return value if type(value) is int and value >= 0 else 0
-
-
-def _json_or_none(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None
 
 
 class _Stream(StreamingResponse):
@@ -167,7 +102,7 @@ class OpenAIProxy:
             )
         stack = AsyncExitStack()
         try:
-            rename, vllm_name, meter = None, None, None
+            rename, vllm_name, meter, copies = None, None, None, None
             if isinstance(payload, dict):
                 # No model means the base model, which must still go through the engine's lease
                 # (on CPU it is an all-zero adapter, see VllmEngine.zero_adapter).
@@ -178,7 +113,9 @@ class OpenAIProxy:
                 stack.enter_context(self.openai.slot(name, tenant))
                 vllm_name = await stack.enter_async_context(self.vllm.lease(weights))
                 meter = Meter(self.openai.sampling.usage, self.openai.charge(tenant), payload)
-                body = await sized(_encode, len(body), payload | {"model": vllm_name} | meter.asks)
+                copies = GreedyCopies(payload)
+                forwarded = payload | {"model": vllm_name} | meter.asks | copies.asks
+                body = await sized(_encode, len(body), forwarded)
                 if vllm_name != name:
                     rename = (json.dumps(vllm_name).encode(), json.dumps(name).encode())
             else:
@@ -191,11 +128,13 @@ class OpenAIProxy:
                 raise self.vllm.lost(vllm_name)
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
             if upstream.status != 200:
-                meter = None  # a refusal: nothing was sampled
+                meter, copies = None, None  # a refusal: nothing was sampled
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                lines = _lines(upstream, rename, meter)
+                lines = _lines(upstream, rename, meter, copies)
                 return _Stream(lines, stack, status_code=upstream.status, headers=out_headers)
             content = await upstream.read()
+            if copies is not None and copies.n > 1:
+                content = await sized(copies.answer, len(content), content)
             if meter is not None:
                 await sized(meter.count_answer, len(content), content)
         except EngineUnavailable as e:
@@ -217,11 +156,14 @@ class OpenAIProxy:
 
 
 async def _lines(
-    upstream: aiohttp.ClientResponse, rename: tuple[bytes, bytes] | None, meter: Meter | None
+    upstream: aiohttp.ClientResponse,
+    rename: tuple[bytes, bytes] | None,
+    meter: Meter | None,
+    copies: GreedyCopies | None,
 ) -> AsyncIterator[bytes]:
     """Pass server-sent events through as they arrive, whole lines at a time (a name is never
-    split across chunks), with vLLM's adapter name swapped for the client's, and the usage
-    event read by ``meter`` (and dropped, if only the meter asked for it)."""
+    split across chunks), with vLLM's adapter name swapped for the client's, greedy choices
+    copied, and the usage event read by ``meter`` (and dropped, if only the meter asked)."""
     try:
         pending = b""
         async for chunk in upstream.content.iter_any():
@@ -229,6 +171,8 @@ async def _lines(
             cut = pending.rfind(b"\n") + 1
             if cut:
                 ready, pending = pending[:cut], pending[cut:]
+                if copies is not None and copies.n > 1:
+                    ready = copies.events(ready)
                 if meter is not None and USAGE.search(ready):
                     ready = meter.count_events(ready)
                 yield ready.replace(*rename) if rename is not None else ready

@@ -1,0 +1,121 @@
+"""What the ``/v1`` proxy changes in a request on its way to vLLM and in the answer on its way
+back, besides model names (``openai_proxy``): the usage it meters, and greedy copies.
+
+Both read and rewrite vLLM's JSON (a whole answer, or a stream's ``data:`` lines, which
+``openai_proxy`` hands over whole), only when they have to: the meter parses the one event
+that holds a usage object; copies parse every event, but only of a request that needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from hosted_tinker.inference.vllm_engine import GREEDY_BELOW
+from hosted_tinker.server.serving.usage import Charge, UsageLedger
+
+# A usage object, not vLLM's "usage":null on every chunk of a stream that asked for usage (each
+# would then be parsed here). Text that a model wrote is escaped: it holds \"usage\", never this.
+USAGE = re.compile(rb'"usage":\s*\{')
+
+
+class Meter:
+    """What one forwarded request sampled, into the usage ledger (``serving.usage``): vLLM's own
+    count of prompt and completion tokens, from a JSON answer's ``usage``, or from the usage
+    event a stream ends with when asked for it (``asks``: we ask even when the client did not,
+    and then take that event out, so the client sees what it would have without us). A stream
+    the client leaves before its end is not counted: vLLM sends its count last."""
+
+    def __init__(self, ledger: UsageLedger | None, charge: Charge, payload: dict) -> None:
+        self.ledger, self.charge = ledger, charge
+        options = payload.get("stream_options")
+        streamed = payload.get("stream") is True and (options is None or isinstance(options, dict))
+        self.hide = streamed and not (options or {}).get("include_usage")
+        self.asks = {"stream_options": {**(options or {}), "include_usage": True}} if self.hide else {}
+
+    def count_answer(self, content: bytes) -> None:
+        """A whole JSON answer (off the loop when large)."""
+        if USAGE.search(content):
+            self._count(_json_or_none(content))
+
+    def count_events(self, lines: bytes) -> bytes:
+        """Whole lines of a stream that hold a usage object somewhere: the final usage event (the one
+        with no choices; with ``continuous_usage_stats`` every chunk has a running count too) is
+        counted, and taken out with its blank line if only we asked for it."""
+        kept: list[bytes] = []
+        dropped = False
+        for line in lines.split(b"\n"):
+            if dropped and line == b"":
+                dropped = False
+                continue
+            if line.startswith(b"data: {") and USAGE.search(line):
+                event = _json_or_none(line[len(b"data: ") :])
+                if isinstance(event, dict) and event.get("choices") == [] and self._count(event) and self.hide:
+                    dropped = True
+                    continue
+            kept.append(line)
+        return b"\n".join(kept)
+
+    def _count(self, answer: Any) -> bool:
+        """Whether ``answer`` holds vLLM's usage (then in the ledger)."""
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        if not isinstance(usage, dict):
+            return False
+        if self.ledger is not None:
+            self.ledger.sampled(self.charge, _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens"))
+        return True
+
+
+def _tokens(usage: dict, field: str) -> int:
+    value = usage.get(field)
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+class GreedyCopies:
+    """OpenAI's API gives ``n`` choices at temperature 0 (all the same one); vLLM refuses n > 1
+    there. So vLLM is asked for one (``asks``) and each of its choices is copied ``n`` times,
+    indexed as vLLM would have (a choice of prompt ``p`` is ``p * n + i``), and usage counted
+    as for ``n`` (as the embedded engine and the Tinker API count greedy samples)."""
+
+    def __init__(self, payload: dict) -> None:
+        n, temperature = payload.get("n"), payload.get("temperature")
+        greedy = type(temperature) in (int, float) and 0 <= temperature < GREEDY_BELOW
+        self.n = n if type(n) is int and n > 1 and greedy else 1
+        self.asks = {"n": 1} if self.n > 1 else {}
+
+    def answer(self, content: bytes) -> bytes:
+        """A whole JSON answer (off the loop when large)."""
+        answer = _json_or_none(content)
+        return json.dumps(self._copied(answer)).encode() if isinstance(answer, dict) else content
+
+    def events(self, lines: bytes) -> bytes:
+        """Whole lines of a stream: each event's choices copied."""
+        out = []
+        for line in lines.split(b"\n"):
+            if line.startswith(b"data: {") and isinstance(event := _json_or_none(line[len(b"data: ") :]), dict):
+                line = b"data: " + json.dumps(self._copied(event)).encode()
+            out.append(line)
+        return b"\n".join(out)
+
+    def _copied(self, answer: dict) -> dict:
+        choices = answer.get("choices")
+        if isinstance(choices, list):
+            answer["choices"] = [
+                {**c, "index": c.get("index", 0) * self.n + i} if isinstance(c, dict) else c
+                for c in choices
+                for i in range(self.n)
+            ]
+        usage = answer.get("usage")
+        if isinstance(usage, dict) and type(completion := usage.get("completion_tokens")) is int:
+            usage["completion_tokens"] = completion * self.n
+            if type(total := usage.get("total_tokens")) is int:
+                usage["total_tokens"] = total + completion * (self.n - 1)
+        return answer
