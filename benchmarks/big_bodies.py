@@ -7,7 +7,9 @@ max) with no body arriving (the baseline, in the same run) and during each kind 
 - ``bad items``: an asample body whose target logprobs are a million strings (before
   ``protocol.strict``, two validation errors each);
 - ``unknown fields``: an asample body with a million unknown fields;
-- ``v1 prompt``: a /v1/completions body of ``--mib`` MiB of prompt token ids.
+- ``v1 prompt``: a /v1/completions body of ``--mib`` MiB of prompt token ids;
+- ``batch``: a forward_backward body (protobuf) of ``--batch-mib`` MiB, more tokens than a
+  request may hold (decoded on a thread, then refused).
 
     python benchmarks/big_bodies.py [--mib 30 --rounds 3]
 
@@ -85,6 +87,35 @@ def bodies(sampler_id: str, mib: int, vocab: int) -> dict[str, Callable[[], tupl
     }
 
 
+def batch(model_id: str, mib: int) -> Callable[[int], bytes]:
+    """A forward_backward body of ``mib`` MiB for each seq_id: datums of 16K positions."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    n = 16384
+    positions = np.arange(n)
+    req = pb.ForwardBackwardRequest(model_id=model_id, loss_fn="cross_entropy")
+    for _ in range((mib << 20) // (n * 16)):  # tokens int32, targets int64, weights float32
+        d = req.data.add()
+        d.model_input.add().encoded_text.tokens = (positions % 100 + 10).astype("<i4").tobytes()
+        targets = (positions % 100 + 11).astype("<i8")
+        d.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=targets.tobytes(), dtype=pb.DTYPE_INT64, shape=[n]))
+        weights = np.ones(n, "<f4").tobytes()
+        d.loss_fn_inputs["weights"].CopyFrom(pb.Tensor(dense=weights, dtype=pb.DTYPE_FLOAT32, shape=[n]))
+
+    def with_seq(seq_id: int) -> bytes:
+        req.seq_id = seq_id
+        return req.SerializeToString()
+
+    return with_seq
+
+
+def result(http: httpx.Client, request_id: str) -> dict:
+    while True:  # retrieve_future long-polls: no sleep needed
+        answer = http.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+        if answer.get("type") != "try_again":
+            return answer
+
+
 def percentiles(xs: list[float]) -> dict[str, float]:
     xs = sorted(xs)
     return {
@@ -98,6 +129,7 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=30, help="size of the prompt bodies (under the 32 MiB limit)")
+    parser.add_argument("--batch-mib", type=int, default=128, help="size of the forward_backward bodies")
     parser.add_argument("--rounds", type=int, default=3, help="bodies of each kind, one after another")
     add_common_args(parser)
     args = parser.parse_args()
@@ -110,19 +142,26 @@ def main() -> None:
         session = http.post("/api/v1/create_session", json={}).json()["session_id"]
         body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": ALIAS}
         sampler_id = http.post("/api/v1/create_sampling_session", json=body).json()["sampling_session_id"]
+        body = {"session_id": session, "model_seq_id": 0, "base_model": ALIAS, "lora_config": {"rank": 4}}
+        model_id = result(http, http.post("/api/v1/create_model", json=body).json()["request_id"])["model_id"]
+        batches = batch(model_id, args.batch_mib)
+        kinds = bodies(sampler_id, args.mib, vocab)
+        kinds["batch"] = lambda: ("/api/v1/forward_backward", b"")
         probe = Probe(server.base_url)
         time.sleep(2.0)  # the server's first sweeps, and the probe's first connection
         probe.bucket = "idle"
         time.sleep(5.0)  # the baseline: the probe alone
         probe.bucket = None
         sizes, statuses, seconds = {}, {}, {}
-        for kind, make in bodies(sampler_id, args.mib, vocab).items():
+        for kind, make in kinds.items():
             route, content = make()
-            sizes[kind] = len(content)
+            contents = [batches(seq_id) for seq_id in range(1, 1 + args.rounds)] if kind == "batch" else None
+            headers = {"Content-Type": "application/x-protobuf" if contents else "application/json"}
+            sizes[kind] = len(contents[0]) if contents else len(content)
             probe.bucket = kind
             start = time.perf_counter()
-            for _ in range(args.rounds):
-                reply = http.post(route, content=content, headers={"Content-Type": "application/json"})
+            for i in range(args.rounds):
+                reply = http.post(route, content=contents[i] if contents else content, headers=headers)
                 statuses[kind] = reply.status_code
             seconds[kind] = (time.perf_counter() - start) / args.rounds
             probe.bucket = None
