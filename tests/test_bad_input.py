@@ -1195,7 +1195,19 @@ CASES: list[Case] = [
     Case(
         "sample big body nested too deep",
         lambda w: w.post("/api/v1/asample", content=b"[" * 10**6, headers=JSON),
-        422,
+        400,
+        "body",
+    ),
+    Case(  # the same answer as a big body's, which is parsed on the body thread
+        "sample small body nested too deep",
+        lambda w: w.post("/api/v1/asample", content=b"[" * 10**4, headers=JSON),
+        400,
+        "body",
+    ),
+    Case(
+        "sample big body not UTF-8",
+        lambda w: w.post("/api/v1/asample", content=b'{"x": "' + b"\xff" * (1 << 17) + b'"}', headers=JSON),
+        400,
         "body",
     ),
     Case("completion a million bad prompt ids", openai("completions", prompt=["a"] * 10**6), 400, "prompt"),

@@ -18,27 +18,28 @@ import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi.exceptions import RequestValidationError
+from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
 from hosted_tinker.server.api.errors import LARGE_BODY
 from hosted_tinker.server.body_thread import OFF_LOOP_BYTES, off_loop
 
+PARSE_ERROR = "There was an error parsing the body"  # FastAPI's words for a body it cannot read
 
-def parse(model: type[BaseModel], body: bytes) -> BaseModel | RequestValidationError:
+
+def parse(model: type[BaseModel], body: bytes) -> BaseModel | RequestValidationError | HTTPException:
     """``body`` as a ``model``, or the error FastAPI itself would have raised for it."""
     try:
         doc = json.loads(body)
     except json.JSONDecodeError as e:
         error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "ctx": {"error": e.msg}}
         return RequestValidationError([error], body=e.doc)
-    except (ValueError, RecursionError) as e:  # not UTF-8, or nested past the parser's depth
-        error = {"type": "json_invalid", "loc": ("body",), "msg": f"JSON decode error: {type(e).__name__}"}
-        return RequestValidationError([error], body=body)
+    except (ValueError, RecursionError):  # not UTF-8, or nested past the parser's depth
+        return HTTPException(400, PARSE_ERROR)
     try:
         return model.model_validate(doc)
     except ValidationError as e:
@@ -74,11 +75,14 @@ class OffLoopJson(APIRoute):
             return handler
 
         async def parse_off_loop(request: Request) -> Response:
-            body = await request.body()
+            try:
+                body = await request.body()
+            except ClientDisconnect:  # as FastAPI's handler says it
+                raise HTTPException(400, PARSE_ERROR) from None
             if len(body) < OFF_LOOP_BYTES or not _is_json(request.headers.get("content-type")):
                 return await handler(request)
             parsed = await off_loop(parse, model, body)
-            if isinstance(parsed, RequestValidationError):
+            if isinstance(parsed, Exception):
                 raise parsed  # answered by the app's handler, as FastAPI's own would be
             return await handler(_Parsed(request.scope, request.receive, body, parsed))
 

@@ -7,49 +7,73 @@ on them (``type`` tags, ``sdk_version``); their handling is stated next to each.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, model_validator
 
 from hosted_tinker.server.protocol.ordering import is_text
 from hosted_tinker.server.protocol.strict import ListOf, StrictRequest, TextMap
 
+# Set while a request is validated: the models inside it need not walk their parts again.
+_WALKED: ContextVar[bool] = ContextVar("unicode_walked", default=False)
+
 
 class Request(StrictRequest):
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _unicode(cls, data: Any) -> Any:
+    def _unicode(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
         # JSON may escape a lone surrogate ("\ud800"), which no string here could be stored or
         # encoded with: refused as the client's mistake, never met later as an encoding error.
+        # Walked once, by the outermost request (its models are validated within this call).
+        if _WALKED.get():
+            return handler(data)
         where = _unpaired_surrogate(data)
         if where is not None:
             raise ValueError(f"{where or 'the body'}: a string holds an unpaired surrogate, which is not Unicode text")
-        return data
+        walked = _WALKED.set(True)
+        try:
+            return handler(data)
+        finally:
+            _WALKED.reset(walked)
 
 
-def _unpaired_surrogate(value: Any, path: tuple[str | int, ...] = ()) -> str | None:
-    """The path of the first string (or key) in ``value`` that cannot be encoded as UTF-8. Its
-    path is spelled only once found: a body's token lists hold millions of numbers."""
-    if isinstance(value, str):
-        return None if is_text(value) else _spelled(path)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, str) and not is_text(key):
-                return _spelled(path)
-            if type(item) in _NESTED and (found := _unpaired_surrogate(item, (*path, key))) is not None:
-                return found
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            if type(item) in _NESTED and (found := _unpaired_surrogate(item, (*path, i))) is not None:
-                return found
+Link = tuple["Link | None", str | int]  # a value's place: its parent's, and its key or index there
+
+
+def _unpaired_surrogate(value: Any) -> str | None:
+    """The path of the first string (or key) in ``value`` that cannot be encoded as UTF-8. The
+    walk keeps its own stack (JSON nests as deep as its parser lets it), and each value's path
+    is a link to its parent's, spelled only once found: a body's lists hold millions of items."""
+    stack: list[tuple[Any, Link | None]] = [(value, None)]
+    while stack:
+        item, link = stack.pop()
+        if isinstance(item, str):
+            if not is_text(item):
+                return _spelled(link)
+            continue
+        children: list[tuple[Any, Link]] = []
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and not is_text(key):
+                    return _spelled(link)
+                if type(child) in _NESTED and child:
+                    children.append((child, (link, key)))
+        elif isinstance(item, list):
+            children = [(child, (link, i)) for i, child in enumerate(item) if type(child) in _NESTED and child]
+        stack.extend(reversed(children))  # in document order
     return None
 
 
-_NESTED = (str, dict, list)  # what JSON decodes to that may hold a string
+_NESTED = (str, dict, list)  # what JSON decodes to that may hold a string (if not empty)
 
 
-def _spelled(path: tuple[str | int, ...]) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+def _spelled(link: Link | None) -> str:
+    path: list[str | int] = []
+    while link is not None:
+        link, key = link
+        path.append(key)
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in reversed(path)).lstrip(".")
 
 
 class Response(BaseModel):

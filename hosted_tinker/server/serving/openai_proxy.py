@@ -112,8 +112,8 @@ class OpenAIProxy:
                 weights = self.openai.resolve(name, tenant)
                 stack.enter_context(self.openai.slot(name, tenant))
                 vllm_name = await stack.enter_async_context(self.vllm.lease(weights))
-                meter = Meter(self.openai.sampling.usage, self.openai.charge(tenant), payload)
-                copies = GreedyCopies(payload)
+                meter = Meter(self.openai.sampling.usage, self.openai.charge(tenant), payload, path)
+                copies = GreedyCopies(payload, path)
                 forwarded = payload | {"model": vllm_name} | meter.asks | copies.asks
                 body = await sized(_encode, len(body), forwarded)
                 if vllm_name != name:
@@ -134,7 +134,7 @@ class OpenAIProxy:
                 return _Stream(lines, stack, status_code=upstream.status, headers=out_headers)
             content = await upstream.read()
             if copies is not None and copies.n > 1:
-                content = await sized(copies.answer, len(content), content)
+                content = await sized(copies.answer, len(content) * copies.n, content)
             if meter is not None:
                 await sized(meter.count_answer, len(content), content)
         except EngineUnavailable as e:

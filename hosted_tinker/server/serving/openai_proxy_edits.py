@@ -12,26 +12,33 @@ import json
 import re
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from hosted_tinker.inference.vllm_engine import GREEDY_BELOW
 from hosted_tinker.server.serving.usage import Charge, UsageLedger
 
 # A usage object, not vLLM's "usage":null on every chunk of a stream that asked for usage (each
 # would then be parsed here). Text that a model wrote is escaped: it holds \"usage\", never this.
 USAGE = re.compile(rb'"usage":\s*\{')
+SAMPLING_PATHS = ("completions", "chat/completions")  # whose n and stream_options are OpenAI's
+MAX_COPIES = 128  # the n the embedded engine's /v1 accepts (protocol.openai_types)
+_BOOL = TypeAdapter(bool)
 
 
 class Meter:
     """What one forwarded request sampled, into the usage ledger (``serving.usage``): vLLM's own
-    count of prompt and completion tokens, from a JSON answer's ``usage``, or from the usage
-    event a stream ends with when asked for it (``asks``: we ask even when the client did not,
-    and then take that event out, so the client sees what it would have without us). A stream
-    the client leaves before its end is not counted: vLLM sends its count last."""
+    count, from a JSON answer's ``usage``, or from the event a stream ends with: the usage event
+    of a completion (asked for with ``asks`` even when the client did not, and then taken out,
+    so the client sees what it would have without us), ``response.completed`` of a response. A
+    stream the client leaves before its end is not counted: vLLM sends its count last."""
 
-    def __init__(self, ledger: UsageLedger | None, charge: Charge, payload: dict) -> None:
+    def __init__(self, ledger: UsageLedger | None, charge: Charge, payload: dict, path: str) -> None:
         self.ledger, self.charge = ledger, charge
         options = payload.get("stream_options")
-        streamed = payload.get("stream") is True and (options is None or isinstance(options, dict))
-        self.hide = streamed and not (options or {}).get("include_usage")
+        streamed = path in SAMPLING_PATHS and lax_bool(payload.get("stream"))
+        asked = isinstance(options, dict) and lax_bool(options.get("include_usage"))
+        # A stream_options vLLM would refuse is left for it to refuse.
+        self.hide = streamed and (options is None or isinstance(options, dict)) and not asked
         self.asks = {"stream_options": {**(options or {}), "include_usage": True}} if self.hide else {}
 
     def count_answer(self, content: bytes) -> None:
@@ -40,9 +47,10 @@ class Meter:
             self._count(_json_or_none(content))
 
     def count_events(self, lines: bytes) -> bytes:
-        """Whole lines of a stream that hold a usage object somewhere: the final usage event (the one
-        with no choices; with ``continuous_usage_stats`` every chunk has a running count too) is
-        counted, and taken out with its blank line if only we asked for it."""
+        """Whole lines of a stream that hold a usage object somewhere: the final event (a
+        completion's with no choices, where with ``continuous_usage_stats`` every chunk has a
+        running count too; a response's ``response.completed``) is counted, and a usage event
+        only we asked for is taken out with its blank line."""
         kept: list[bytes] = []
         dropped = False
         for line in lines.split(b"\n"):
@@ -51,20 +59,38 @@ class Meter:
                 continue
             if line.startswith(b"data: {") and USAGE.search(line):
                 event = _json_or_none(line[len(b"data: ") :])
-                if isinstance(event, dict) and event.get("choices") == [] and self._count(event) and self.hide:
+                final = isinstance(event, dict) and (
+                    event.get("choices") == [] or event.get("type") == "response.completed"
+                )
+                if final and self._count(event) and self.hide:
                     dropped = True
                     continue
             kept.append(line)
         return b"\n".join(kept)
 
     def _count(self, answer: Any) -> bool:
-        """Whether ``answer`` holds vLLM's usage (then in the ledger)."""
-        usage = answer.get("usage") if isinstance(answer, dict) else None
+        """Whether ``answer`` holds vLLM's usage (then in the ledger): a completion's (prompt and
+        completion tokens), or a response's (input and output tokens, in it or its ``response``)."""
+        if not isinstance(answer, dict):
+            return False
+        inner = answer.get("response")
+        usage = answer.get("usage") or (inner.get("usage") if isinstance(inner, dict) else None)
         if not isinstance(usage, dict):
             return False
         if self.ledger is not None:
-            self.ledger.sampled(self.charge, _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens"))
+            prompt = _tokens(usage, "prompt_tokens") or _tokens(usage, "input_tokens")
+            completion = _tokens(usage, "completion_tokens") or _tokens(usage, "output_tokens")
+            self.ledger.sampled(self.charge, prompt, completion)
         return True
+
+
+def lax_bool(value: Any) -> bool:
+    """``value`` as vLLM's models read a bool (pydantic's lax mode: "true", 1, "on" are True);
+    False for what they would refuse."""
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return False
 
 
 def _tokens(usage: dict, field: str) -> int:
@@ -81,14 +107,18 @@ def _json_or_none(raw: bytes) -> Any:
 
 class GreedyCopies:
     """OpenAI's API gives ``n`` choices at temperature 0 (all the same one); vLLM refuses n > 1
-    there. So vLLM is asked for one (``asks``) and each of its choices is copied ``n`` times,
+    there. So vLLM is asked for one (``asks``) and each of its choices is copied ``n`` times (at
+    most ``MAX_COPIES``: a larger n is left for vLLM to refuse),
     indexed as vLLM would have (a choice of prompt ``p`` is ``p * n + i``), and usage counted
     as for ``n`` (as the embedded engine and the Tinker API count greedy samples)."""
 
-    def __init__(self, payload: dict) -> None:
+    def __init__(self, payload: dict, path: str) -> None:
         n, temperature = payload.get("n"), payload.get("temperature")
         greedy = type(temperature) in (int, float) and 0 <= temperature < GREEDY_BELOW
-        self.n = n if type(n) is int and n > 1 and greedy else 1
+        # Beam search reads n as its width; best_of asks for more than n to choose from.
+        alone = not lax_bool(payload.get("use_beam_search")) and payload.get("best_of") in (None, 1)
+        wanted = path in SAMPLING_PATHS and greedy and alone and type(n) is int and 1 < n <= MAX_COPIES
+        self.n = n if wanted else 1
         self.asks = {"n": 1} if self.n > 1 else {}
 
     def answer(self, content: bytes) -> bytes:
