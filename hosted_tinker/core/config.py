@@ -79,7 +79,7 @@ class ServerConfig(BaseModel):
     max_control_body_bytes: int = Field(1 << 20, ge=1024)
     # The body of a sampling or completion request (large_body("prompt")): a prompt and its
     # targets (~20 MB for 40K tokens with dense top-64 targets: raise it for longer contexts);
-    # JSON, parsed off the event loop but for json.loads' own share (~8 ms per MiB).
+    # JSON, parsed off the event loop but for json.loads' own share (~12-50 ms per MiB).
     max_prompt_body_bytes: int = Field(32 << 20, ge=1024)
     max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
     max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session

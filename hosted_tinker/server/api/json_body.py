@@ -2,10 +2,10 @@
 
 A prompt body may be tens of MiB (a 40K-token prompt with dense top-64 target logprobs). On the
 loop, ``json.loads`` and pydantic's validation of it would hold up every other request
-(heartbeats, long polls, other tenants' streams) for ~30 ms per MiB on a 2-core machine. On a
+(heartbeats, long polls, other tenants' streams) for ~35 ms per MiB on a 2-core machine. On a
 thread, validation (which runs our Python validators) lets the loop in every few ms; only
-``json.loads``, one C call that keeps the GIL, still stalls it (~8 ms per MiB; the body limit
-bounds it). The thread is ``server.body_thread``'s.
+``json.loads``, one C call that keeps the GIL, still stalls it (~12 ms per MiB of numbers, ~50
+of object keys; the body limit bounds it). The thread is ``server.body_thread``'s.
 
 ``OffLoopJson`` is the route class of the routers whose routes are declared
 ``large_body("prompt")`` (the ``/v1`` proxy, which forwards JSON it only edits, uses the
