@@ -1113,6 +1113,27 @@ CASES: list[Case] = [
         "--max-control-body-bytes",
     ),
     Case("create_session tags not a list", post("create_session", lambda w: {"tags": "a,b"}), 422, "tags"),
+    # What a session keeps for good is bounded (each search reads it all)
+    Case(
+        "create_session display_name of 257",
+        post("create_session", lambda w: {"display_name": "x" * 257}),
+        422,
+        "display_name",
+    ),
+    Case("create_session 65 tags", post("create_session", lambda w: {"tags": ["t"] * 65}), 422, "tags"),
+    Case("create_session long tag", post("create_session", lambda w: {"tags": ["t" * 257]}), 422, "tags.0"),
+    Case(
+        "finish a session with a detail of 16K+1",
+        post("sessions/x/finish", lambda w: {"reason": {"type": "success"}, "detail": "d" * 16385}),
+        422,
+        "detail",
+    ),
+    Case(
+        "copy_weights into a project of control characters",
+        post("copy_weights", lambda w: {"source_path": w.weights_path, "destination_project_id": "\x01\x02"}),
+        400,
+        "project_id",
+    ),
     Case(
         "retrieve_future unknown id", post("retrieve_future", lambda w: {"request_id": "req-nope"}), 404, "request_id"
     ),

@@ -86,6 +86,13 @@ def _call(name: str, target: str, *args, op: str = "call_function", **kwargs) ->
 LP = {"ref": "logprobs"}
 
 
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(
     "nodes, needle",
     [
@@ -102,6 +109,8 @@ LP = {"ref": "logprobs"}
         (_graph(_call("x", "torch.exp", {"code": "import os"})), "cannot decode"),
         ([{"op": "placeholder", "name": "other", "target": "other"}], "placeholders"),
         (_graph(*[_call(f"n{i}", "torch.exp", LP) for i in range(600)]), "over the limit of 512"),
+        (_graph(_call("x", "torch.exp", _nested(500))), "nested over 8 deep"),  # was a RecursionError
+        (_graph(_call("x", "torch.cat", [LP] * 2048)), "a list of 2048 arguments, over 64"),
     ],
 )
 def test_nodes_outside_the_allowed_operations_are_refused_at_creation(nodes, needle):
@@ -136,3 +145,36 @@ def test_runs_that_break_the_rules_fail_as_user_errors(middle, needle):
     with pytest.raises(CustomLossError, match=needle) as info:
         loss(torch.zeros(200), {})
     assert info.value.category == "user"
+
+
+def _outer(a: dict, b: dict, name: str) -> tuple[dict, ...]:
+    """Nodes that make the outer product of two vectors: ``name`` holds len(a) * len(b)."""
+    return (
+        _call(f"{name}_a", "unsqueeze", a, 0, op="call_method"),
+        _call(f"{name}_b", "unsqueeze", b, 1, op="call_method"),
+        _call(name, "operator.mul", {"ref": f"{name}_a"}, {"ref": f"{name}_b"}),
+    )
+
+
+def test_a_value_over_its_bound_is_refused_before_it_is_allocated(monkeypatch: pytest.MonkeyPatch):
+    """An outer product of 64 copies of an 8-token datum's logprobs (512 x 512 = 262,144, over
+    nothing) is fine; of 64 x 64 copies of them it would hold 268M elements: refused from its
+    shape on the meta device, before any memory is taken."""
+    wide = (_call("w", "torch.cat", [LP] * 64), _call("ww", "torch.cat", [{"ref": "w"}] * 64))
+    loss = compile_loss("evil", [("logprobs", 1)], _graph(*wide, *_outer({"ref": "ww"}, {"ref": "ww"}, "x")))
+    made: list[int] = []
+    real_mul = torch.Tensor.__mul__
+    monkeypatch.setattr(torch.Tensor, "__mul__", lambda a, b: made.append(a.device.type) or real_mul(a, b))
+    with pytest.raises(CustomLossError, match="over this datum's bound"):
+        loss(torch.zeros(8), {})
+    assert "cpu" not in made  # the product ran on meta tensors only
+
+
+def test_the_values_of_a_pass_are_bounded_in_all():
+    """512 nodes each as large as a datum may make one are over what a pass's losses may hold in
+    all (as if each node held its datum's inputs): refused at the node that passes it."""
+    big = (_call("w", "torch.cat", [LP] * 64), *_outer({"ref": "w"}, {"ref": "w"}, "x"))  # 262,144 each
+    copies = tuple(_call(f"c{i}", "torch.exp", {"ref": "x"}) for i in range(500))
+    loss = compile_loss("heavy", [("logprobs", 1)], _graph(*big, *copies))
+    with pytest.raises(CustomLossError, match="over their bound of .* elements in all"):
+        loss(torch.zeros(8), {})

@@ -33,6 +33,8 @@ from hosted_tinker.core.errors import UserError
 
 MAX_NODES = 512
 MAX_INPUTS = 16
+MAX_DEPTH = 8  # arguments nested in lists, tuples and dicts
+MAX_ARGS = 64  # items of one argument list (torch.cat's tensors, a shape)
 _INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 _METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
 
@@ -115,9 +117,14 @@ class CustomLoss:
     inputs: tuple[CustomLossInput, ...]  # ``logprobs`` first
     nodes: tuple[_Node, ...]
 
-    def __call__(self, logprobs: Tensor, inputs: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(
+        self, logprobs: Tensor, inputs: Mapping[str, Tensor], allowance: Allowance | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``allowance``: what the values of every datum of one backward pass may hold in all
+        (they all stay in autograd until it); by default this datum's own (``allowance_for``)."""
         values = [logprobs, *(inputs[i.name] for i in self.inputs[1:])]
         budget = max(MIN_ELEMENTS, ELEMENTS_PER_INPUT * max(v.numel() for v in values))
+        allowance = allowance if allowance is not None else allowance_for([values])
         env: dict[str, Any] = {}
         args = iter(values)
         for node in self.nodes:
@@ -127,6 +134,7 @@ class CustomLoss:
                     continue
                 a, kw = _resolve(node.args, env), _resolve(node.kwargs, env)
                 if node.op != "output":
+                    _check_size(node, a, kw, budget, allowance)  # before anything is allocated
                     env[node.name] = _bounded(_apply(node, a, kw), budget)
                     continue
             except Exception as e:  # shapes, dtypes, arguments, bounds: the loss's own mistake
@@ -159,6 +167,59 @@ def _apply(node: _Node, a: list, kw: dict) -> Any:
         if fn is operator.pow and not isinstance(a[0], Tensor) and isinstance(a[1], int) and abs(a[1]) > 64:
             raise CustomLossError(f"an integer power of {a[1]} is too large")
     return fn(*a, **kw)
+
+
+class Allowance:
+    """Elements the values of one backward pass's custom losses may still take (each datum's
+    graph stays in autograd until the pass's backward)."""
+
+    def __init__(self, elements: int) -> None:
+        self.left = elements
+
+    def take(self, elements: int) -> None:
+        if elements > self.left:
+            raise CustomLossError(f"the loss's values are over their bound of {self.left + elements} elements in all")
+        self.left -= elements
+
+
+def allowance_for(datums: list[list[Tensor]]) -> Allowance:
+    """What the losses of ``datums`` (each its logprobs and inputs) may hold in all: as if every
+    node of a largest graph held a value the size of its datum's inputs."""
+    held = sum(v.numel() for values in datums for v in values)
+    return Allowance(max(MIN_ELEMENTS, MAX_NODES * held))
+
+
+def _check_size(node: _Node, a: list, kw: dict, budget: int, allowance: Allowance) -> None:
+    """The size of what ``node`` would make, found on the meta device (shapes, no data), checked
+    against the bounds before the node runs: an outer product of two long vectors is refused,
+    not allocated. An op that meta tensors cannot run (its size depends on the data, as a boolean
+    mask's) makes no more than its operands hold; it runs and is checked after."""
+    try:
+        meta = _apply(node, _on_meta(a), _on_meta(kw))
+    except Exception:
+        return
+    made = [t.numel() for t in _tensors(meta)]
+    if made and max(made) > budget:
+        raise CustomLossError(f"a value of {max(made)} elements is over this datum's bound of {budget}")
+    allowance.take(sum(made))
+
+
+def _on_meta(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().to("meta")
+    if isinstance(value, list | tuple):
+        return type(value)(_on_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_meta(v) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _bounded(value: Any, budget: int) -> Any:
@@ -220,13 +281,17 @@ def _node(raw: dict, index: int, known: set[str]) -> _Node:
     raise CustomLossError(f"{where} ({name}): {op!r} nodes are not allowed (no modules, no captured tensors)")
 
 
-def _decode(value: Any, known: set[str], where: str) -> Any:
+def _decode(value: Any, known: set[str], where: str, depth: int = 0) -> Any:
     """The SDK's argument encoding (``CustomLossNode.args``) back to values; a ``ref`` becomes
     ``_Ref`` (resolved when the graph runs) and must name an earlier node."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    if depth > MAX_DEPTH:
+        raise CustomLossError(f"{where}: arguments nested over {MAX_DEPTH} deep")
     if isinstance(value, list):
-        return [_decode(v, known, where) for v in value]
+        if len(value) > MAX_ARGS:
+            raise CustomLossError(f"{where}: a list of {len(value)} arguments, over {MAX_ARGS}")
+        return [_decode(v, known, where, depth + 1) for v in value]
     if not isinstance(value, dict) or len(value) != 1:
         raise CustomLossError(f"{where}: cannot decode {value!r}")
     ((kind, inner),) = value.items()
@@ -234,12 +299,14 @@ def _decode(value: Any, known: set[str], where: str) -> Any:
         if inner not in known:
             raise CustomLossError(f"{where}: refers to {inner!r}, which is not an earlier node")
         return _Ref(inner)
+    if isinstance(inner, list | dict) and len(inner) > MAX_ARGS:
+        raise CustomLossError(f"{where}: {len(inner)} arguments, over {MAX_ARGS}")
     if kind == "tuple" and isinstance(inner, list):
-        return tuple(_decode(v, known, where) for v in inner)
+        return tuple(_decode(v, known, where, depth + 1) for v in inner)
     if kind == "dict" and isinstance(inner, dict):
-        return {str(k): _decode(v, known, where) for k, v in inner.items()}
+        return {str(k): _decode(v, known, where, depth + 1) for k, v in inner.items()}
     if kind == "slice" and isinstance(inner, list) and len(inner) == 3:
-        return slice(*(_decode(v, known, where) for v in inner))
+        return slice(*(_decode(v, known, where, depth + 1) for v in inner))
     if kind == "ellipsis":
         return Ellipsis
     if kind == "float" and inner in ("inf", "-inf", "nan"):

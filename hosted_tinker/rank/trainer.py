@@ -33,6 +33,7 @@ import torch
 
 from hosted_tinker.core import losses
 from hosted_tinker.core.calls import rank_call
+from hosted_tinker.core.custom_loss import allowance_for
 from hosted_tinker.core.errors import GroupBroken, PeerFailed, UserError
 from hosted_tinker.core.packing import microbatches
 from hosted_tinker.core.types import (
@@ -81,8 +82,10 @@ class _Outcome:
             loss = sum(t.sum() for t in terms)
         else:  # one scalar per datum, and its metrics: no per-token terms
             terms, loss = [None] * len(scored), torch.zeros((), device=scored[0][1].device)
+            # What all these datums' graphs may hold, until their backward.
+            allowance = allowance_for([[lp, *x.values()] for (_, lp), x in zip(scored, inputs, strict=True)])
             for (_, lp), x in zip(scored, inputs, strict=True):
-                value, datum_metrics = self.custom(lp, x)
+                value, datum_metrics = self.custom(lp, x, allowance)
                 loss = loss + value
                 for key, m in datum_metrics.items():
                     self.metrics[key] = self.metrics.get(key, 0.0) + float(m.detach())

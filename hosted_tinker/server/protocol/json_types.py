@@ -8,12 +8,17 @@ on them (``type`` tags, ``sdk_version``); their handling is stated next to each.
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, model_validator
 
 from hosted_tinker.server.protocol.ordering import is_text
 from hosted_tinker.server.protocol.strict import ListOf, StrictRequest, TextMap
+
+# What a session stores for good, bounded (each is kept with it, and read by every search).
+Name = Annotated[str, Field(max_length=256)]  # a display name, a tag, a version
+MAX_DETAIL = 16384  # why a client closed its session
+
 
 # Set while a request is validated: the models inside it need not walk their parts again.
 _WALKED: ContextVar[bool] = ContextVar("unicode_walked", default=False)
@@ -88,11 +93,11 @@ class ClientConfigRequest(Request):
 
 
 class CreateSessionRequest(Request):
-    tags: ListOf[str] = Field(default_factory=list)
+    tags: ListOf[Name] = Field(default_factory=list, max_length=64)
     user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
+    sdk_version: Name | None = None
     project_id: str | None = None
-    display_name: str | None = None
+    display_name: Name | None = None
     type: Literal["create_session"] = "create_session"
 
 
@@ -112,7 +117,7 @@ class FinishReason(Request):
 
 class FinishSessionRequest(Request):
     reason: FinishReason
-    detail: str | None = None
+    detail: str | None = Field(default=None, max_length=MAX_DETAIL)
 
 
 class CopyWeightsRequest(Request):
@@ -151,7 +156,7 @@ class SessionSearchRequest(Request):
     session_id: str | None = None
     project_ids: ListOf[str] | None = None
     user_metadata: TextMap = Field(default_factory=dict)
-    display_name: str | None = Field(default=None, min_length=1)
+    display_name: Name | None = Field(default=None, min_length=1)
     owner: SearchOwner = Field(default_factory=SearchOwner)
     statuses: ListOf[SessionStatusQuery] | None = Field(default=None, min_length=1)
     limit: int = Field(default=50, ge=1, le=200)

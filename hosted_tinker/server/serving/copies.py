@@ -24,6 +24,7 @@ from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.records import COPY_STATUS
 from hosted_tinker.server.serving.checkpoints import check_ttl
+from hosted_tinker.server.serving.sessions import check_project_id
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.store import Store
 
@@ -123,6 +124,7 @@ class CopyService:
             return f"{req.session_id}:train:{req.model_seq_id}"
         if not req.destination_project_id:
             raise bad_request("copy_weights needs destination_project_id, or session_id and model_seq_id")
+        check_project_id(req.destination_project_id)
         if idempotency_key:
             digest = hashlib.sha256(f"{owner}\0{idempotency_key}".encode()).hexdigest()[:20]
             session_id = f"sess-copy-{digest}"
