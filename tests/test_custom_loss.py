@@ -178,3 +178,16 @@ def test_the_values_of_a_pass_are_bounded_in_all():
     loss = compile_loss("heavy", [("logprobs", 1)], _graph(*big, *copies))
     with pytest.raises(CustomLossError, match="over their bound of .* elements in all"):
         loss(torch.zeros(8), {})
+
+
+def test_a_loss_returns_at_most_64_metrics():
+    """Each metric is stored with every step: a loss cannot return thousands (a dict of more is
+    refused when the loss is made; one built up at run time, when it runs)."""
+    total = _call("t", "sum", LP, op="call_method")
+    metrics = {f"custom/m{i}:sum": {"ref": "t"} for i in range(65)}
+    with pytest.raises(CustomLossError, match="65 arguments, over 64"):
+        compile_loss("chatty", [("logprobs", 1)], _graph(total, output={"tuple": [{"ref": "t"}, {"dict": metrics}]}))
+    from hosted_tinker.core.custom_loss import _check_result
+
+    with pytest.raises(CustomLossError, match="65 metrics, over 64"):
+        _check_result("chatty", (torch.zeros(()), {f"custom/m{i}:sum": torch.zeros(()) for i in range(65)}))

@@ -131,13 +131,14 @@ def test_bad_optimizer_configs_and_params_name_the_field(base_url):
                 (4, {"type": "dimuon", "learning_rate": 0.1, "damping": 0.0}, "optimizer_params.damping = 0.0"),
                 (5, {"type": "dimuon", "learning_rate": 0.1, "nesterov": True}, "optimizer_params.nesterov"),
                 (6, {"type": "sgd", "learning_rate": 0.1}, "optimizer_params.type 'sgd'"),
+                (7, {"type": "dimuon", "learning_rate": 0.1, "rank_lr_correction_exponent": 1e6}, "rank_lr_correction"),
             ]:
                 r = http.post(
                     "/api/v1/optim_step", json={"model_id": model_id, "seq_id": seq_id, "optimizer_params": params}
                 )
                 assert r.status_code == 400 and needle in r.json()["detail"], (params, r.text)
             ok = {"type": "dimuon", "learning_rate": 0.1, "damping": 0.5, "rank_lr_correction_exponent": 0.0}
-            r = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 7, "optimizer_params": ok})
+            r = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 8, "optimizer_params": ok})
             assert r.status_code == 200, r.text
             result = http.post("/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}).json()
-            assert result["metrics"]["optimizer_step"] == 1.0, result  # the refusals before it used up 1..6
+            assert result["metrics"]["optimizer_step"] == 1.0, result  # the refusals before it used up 1..7

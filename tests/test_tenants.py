@@ -396,6 +396,8 @@ def test_a_download_link_serves_only_the_version_it_was_made_for(keyed):
 
         old = export(1)
         assert all(anonymous.get(url).status_code == 200 for url in old.values())
+        renamed = next(iter(old.values())).rsplit("/", 1)[0] + "/page.html"  # served as another name
+        assert anonymous.get(renamed).status_code == 404
         assert c.delete(f"/api/v1/training_runs/{model}/checkpoints/external_weights/again").status_code == 204
         assert {anonymous.get(url).status_code for url in old.values()} == {404}
         new = export(2)

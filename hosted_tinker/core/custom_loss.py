@@ -35,6 +35,7 @@ MAX_NODES = 512
 MAX_INPUTS = 16
 MAX_DEPTH = 8  # arguments nested in lists, tuples and dicts
 MAX_ARGS = 64  # items of one argument list (torch.cat's tensors, a shape)
+MAX_METRICS = 64  # each is stored with every step's metrics
 _INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
 _METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
 
@@ -354,6 +355,8 @@ def _check_result(name: str, result: Any) -> tuple[Tensor, dict[str, Tensor]]:
     if not isinstance(loss, Tensor) or loss.ndim != 0:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
         raise CustomLossError(f"custom loss {name!r} must return a scalar loss, got {shape}")
+    if len(metrics) > MAX_METRICS:
+        raise CustomLossError(f"custom loss {name!r} returns {len(metrics)} metrics, over {MAX_METRICS}")
     for key, value in metrics.items():
         if not _METRIC_KEY.fullmatch(key) or not isinstance(value, Tensor) or value.numel() != 1:
             raise CustomLossError(

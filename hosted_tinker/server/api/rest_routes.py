@@ -123,7 +123,7 @@ async def external_weights_urls(run_id: str, kind: str, name: str, request: Requ
 
 @downloads.get("/files/{token}/{signature}/{file_name}", response_class=FileResponse, responses=rsp.FILE)
 async def download_file(token: str, signature: str, file_name: str, request: Request) -> FileResponse:
-    return FileResponse(server_state(request).checkpoints.links.file(token, signature), filename=file_name)
+    return FileResponse(server_state(request).checkpoints.links.file(token, signature, file_name), filename=file_name)
 
 
 @router.post("/weights_info", **rsp.as_built(rsp.WeightsInfoResponse))

@@ -46,11 +46,14 @@ class DownloadLinks:
             urls[name] = f"{base_url}/api/v1/files/{token}/{self._sign(payload)}/{name}"
         return {"urls": urls, "expires": iso_time(expires).isoformat()}
 
-    def file(self, token: str, signature: str) -> Path:
-        """The file a link names, if its signature holds and it has not expired."""
+    def file(self, token: str, signature: str, asked_name: str) -> Path:
+        """The file a link names, if its signature holds, it has not expired and ``asked_name``
+        (the link's last part, the name the file is served under) is the one it was made with."""
         run_id, kind, name, version, file_name = self._opened(token, signature, 6)
         path = TinkerPath(run_id, kind, name)
         file_path = self.files.directory(path) / file_name
+        if asked_name != file_name:  # else a link could serve the file as, say, page.html
+            raise not_found("no such download")
         if self._version(path) != version or not file_path.is_file():  # deleted, or made again since
             raise not_found("no such download")
         return file_path

@@ -87,7 +87,8 @@ def _dimuon(raw: dict) -> DimuonParams:
             "grad_clip_norm": lambda v: True,  # nonpositive: no clipping (as documented)
             "beta1": lambda v: 0 <= v < 1,
             "damping": lambda v: v > 0,
-            "rank_lr_correction_exponent": lambda v: True,
+            # The learning rate is scaled by (32 / rank) ** e: beyond +-8 it over- or underflows.
+            "rank_lr_correction_exponent": lambda v: abs(v) <= 8,
         },
     )
     return DimuonParams(p.learning_rate, p.grad_clip_norm, p.beta1, p.damping, p.rank_lr_correction_exponent)
