@@ -212,3 +212,7 @@ def migrate(db: sqlite3.Connection) -> None:
         "CREATE INDEX IF NOT EXISTS futures_by_finish_order ON futures(model_id, completion_seq) "
         "WHERE completion_seq IS NOT NULL"
     )
+    # A key's sessions and a session's models are read at every create, list and search: without
+    # these, each read scanned every key's rows (190 ms at 1,200 large sessions).
+    db.execute("CREATE INDEX IF NOT EXISTS sessions_by_owner ON sessions(owner, created_at)")
+    db.execute("CREATE INDEX IF NOT EXISTS models_by_session ON models(session_id)")
