@@ -6,18 +6,21 @@
 #   bash scripts/gpu_checks.sh wheels   here: the missing packages for Python 3.12 into .whl/
 #                                       (28 wheels, about 22 MB; .whl/ is git-ignored)
 #   bash scripts/gpu_checks.sh run [SECTION...]
-#                                       there (the device tool: carry .whl, timeout_s 590; on an
-#                                       H200 on 2026-11-26 sections 1, 2, 3 and 6 took 220 s in all
-#                                       and the start half a minute; sections 4, 5 and 7 and the
-#                                       budget test of 1 have not run on a GPU yet: `run gpu-tests
-#                                       model activation-memory profile train-efficiency-mixed`
-#                                       runs those alone): results and logs under $OUT (default
-#                                       ./gpu-checks)
+#                                       there (the device tool: carry .whl, timeout_s 590): results
+#                                       under $OUT (default ./gpu-checks): summary.txt, the JSON
+#                                       and the logs in logs.tar.gz. All sections
+#                                       take longer than one call may: run them in two,
+#                                       `run gpu-tests model megatron-tp` and `run model
+#                                       activation-memory profile train-efficiency
+#                                       train-efficiency-mixed` (on an H200 on 2026-11-26: tests
+#                                       ~230 s cold, model 39 s to write and 13 s once written,
+#                                       megatron-tp 57, activation-memory 35, profile 34,
+#                                       train-efficiency 24, mixed 49; the start half a minute)
 #   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh run
 #                                       anywhere, on the CPU: the same steps on tiny shapes, to
 #                                       check the plumbing before spending GPU time
 #
-# run, in order of worth, each section under its own time limit (570 s in all) so that one
+# run, in order of worth, each section under its own time limit (700 s in all) so that one
 # slow section leaves the others their time, and each in a session of its own, ended after it:
 #   1. gpu-tests: tests/test_gpu.py: peft (also with activation_memory_gib=auto), ddp over NCCL
 #      and megatron tp=1 on cuda:0 against the CPU; bfloat16 bases with float32 LoRA;
@@ -89,12 +92,12 @@ run() { # run [SECTION...]: all sections, or only those named
     SLOWER=4 # the limits are the GPU's
     export HT_TEST_GPU_DEVICE=cpu # tests/test_gpu.py's tests, run on the CPU
   else
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/summary.txt"
   fi
   python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "cuda", torch.version.cuda,
-    "transformers", transformers.__version__, "peft", peft.__version__)' | tee -a "$OUT/device.txt"
+    "transformers", transformers.__version__, "peft", peft.__version__)' | tee -a "$OUT/summary.txt"
 
-  section gpu-tests 170 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+  section gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
     tests/test_megatron.py::test_transformer_engine_layers_train_as_the_local_ones
   section model 60 python3 -c "from benchmarks.shapes import random_model; print(random_model('$shape', '$dtype'))"
   section megatron-tp 100 python3 benchmarks/megatron_tp.py --device "$device" --shape "$shape" --dtype "$dtype" \
@@ -109,6 +112,8 @@ run() { # run [SECTION...]: all sections, or only those named
   section train-efficiency-mixed 60 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
     --scenario mixed --mixed-shape "$shape" --microbatch-tokens 4096 --rounds 2 \
     --out "$OUT/train_efficiency-mixed-$device.json"
+  # The device tool brings back at most 8 files: the logs travel as one
+  (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
   cat "$OUT/summary.txt"
 }
 

@@ -170,3 +170,15 @@ def test_one_rule_at_a_time_and_auto_needs_a_gpu():
     with pytest.raises(ValueError, match="activation_memory_gib=auto needs GPU ranks"):
         SingleOptions(activation_memory_gib="auto").check(["cpu"], 3600)
     SingleOptions(activation_memory_gib="auto").check(["cuda:0"], 3600)
+
+
+def test_gpu_ranks_budget_auto_unless_a_rule_is_given():
+    """On GPU ranks the default is ``auto`` (the threshold is blind to the model and the card);
+    on CPU ranks, or once either option is given, what was asked."""
+    gpus, cpu = ["cuda:0", "cuda:1"], ["cpu"]
+    assert PlanOptions().activation_budget(gpus) == "auto"
+    assert PlanOptions().activation_budget(cpu) is None
+    assert PlanOptions().activation_budget(["cuda:0", "cpu"]) is None  # auto needs every rank on a GPU
+    assert PlanOptions(recompute_above_tokens=8192).activation_budget(gpus) is None  # the threshold, as asked
+    assert PlanOptions(activation_memory_gib="1.5").activation_budget(gpus) == 1.5 * 2**30
+    assert PlanOptions(activation_memory_gib="auto").activation_budget(gpus) == "auto"

@@ -1,5 +1,6 @@
 """The GPU path of every backend, against the CPU twin the rest of the suite checks: the same
-steps on ``cuda:0`` (peft, also with ``activation_memory_gib=auto``; ddp over NCCL; megatron tp=1)
+steps on ``cuda:0`` (peft, under each rule of activation memory: ``auto``, the default on a GPU,
+every layer recomputed, a budget in GiB; ddp over NCCL; megatron tp=1)
 give the CPU's log-probs, ``loss:sum`` and gradient norm; a bfloat16 base trains float32 LoRA
 with float32 optimizer state on each; no decoder layer makes the host wait for the GPU, and
 the embedded sampler waits for it as often with 16 rows as with 2.
@@ -15,6 +16,7 @@ import multiprocessing
 import os
 import traceback
 import warnings
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -40,10 +42,10 @@ pytestmark = [
 
 TOL = 1e-3  # float32 on the GPU sums in other orders than on the CPU (TF32 is off for matmuls)
 HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-BUDGET = "auto" if DEVICE.startswith("cuda") else "0.001"  # activation_memory_gib: auto reads a GPU's free memory
-BACKENDS = [
+BACKENDS = [  # with no option GPU ranks budget activation memory `auto`, CPU ranks by the token threshold
     pytest.param("peft", {"device": DEVICE}, id="peft"),
-    pytest.param("peft", {"device": DEVICE, "backend_options": {"activation_memory_gib": BUDGET}}, id="peft-budget"),
+    pytest.param("peft", {"device": DEVICE, "backend_options": {"recompute_above_tokens": "0"}}, id="peft-recompute"),
+    pytest.param("peft", {"device": DEVICE, "backend_options": {"activation_memory_gib": "0.001"}}, id="peft-budget"),
     pytest.param("ddp", {"train_devices": DEVICE}, id="ddp-nccl"),
     pytest.param(
         "megatron",
@@ -154,9 +156,9 @@ def test_no_decoder_layer_waits_for_the_gpu(backend: str, settings: dict, tiny_m
         assert pool.submit(layer_synchronisations, str(tiny_model_dir), backend, settings).result() == ""
 
 
-def sampling_synchronisations(model_dir: str, rows: int) -> int:
-    """How often sampling ``rows`` rows each of a drawn and a greedy request (8 decode steps)
-    makes the host wait for the device: CUDA's sync debug mode warns at each wait."""
+def sampling_synchronisations(model_dir: str, rows: int) -> Counter[str]:
+    """Where and how often sampling ``rows`` rows each of a drawn and a greedy request (8 decode
+    steps) makes the host wait for the device: CUDA's sync debug mode warns at each wait."""
     rank = local_rank(model_dir, device=DEVICE)
     drawn = SampleSpec(
         prompt=list(range(5, 25)),
@@ -177,11 +179,15 @@ def sampling_synchronisations(model_dir: str, rows: int) -> int:
             rank.sampler.generate(None, [drawn, greedy])
         finally:
             debug("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
 
 
 def test_a_decode_step_waits_for_the_gpu_as_often_whatever_its_rows(tiny_model_dir: Path) -> None:
     """Each row's token and log-prob were read back one by one (and ``torch.multinomial`` checks
     its probabilities with a read-back): the host waited for the device twice per row per step."""
     few, many = (sampling_synchronisations(str(tiny_model_dir), rows) for rows in (2, 16))
-    assert few == many, (few, many)
+    # No place waits more often for more rows. Not equality: under pytest the process's first
+    # sampling waits once more, in a library (`__init__.py:1270`: 52 waits against 53 on an H200
+    # on 2026-11-26, also after an uncounted warm-up call; a plain script counts 52 for both).
+    assert not many - few, many - few
+    assert many.total() < 8 * 2 * 4, many  # a few per decode step, not one per row

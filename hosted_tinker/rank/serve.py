@@ -103,8 +103,7 @@ def build_rank(spec: RankSpec) -> Rank:
     plan = plan_module(spec.backend).Plan(spec.rank, list(spec.devices), spec.init_method, spec.options)
     model = plan.build_model(model_path, dtype=spec.dtype, lora_alpha=spec.lora_alpha)
     options = spec.options
-    budget = options.activation_memory_gib
-    activation_memory = budget * 2**30 if isinstance(budget, float) else budget  # bytes, "auto" or None
+    activation_memory = options.activation_budget(spec.devices)
     trainer = Trainer(model, plan, options.microbatch_tokens, options.recompute_above_tokens, activation_memory)
     shared = getattr(model, "shareable_base", None)  # a tree over the trainer's own weights, if it has one
     sampler = EmbeddedSampler(shared, model_path) if spec.rank == 0 and shared is not None else None
