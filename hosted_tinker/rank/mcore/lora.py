@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from hosted_tinker.rank.adapters import Routes, draw_lora, lora_down
+from hosted_tinker.rank.adapters import Routes, draw_lora, lora_down, scaled
 from hosted_tinker.rank.mcore.convert import HfShape
 
 COLUMN, ROW = "column", "row"
@@ -194,7 +194,7 @@ class TpLora:
             logits = copy_to_tensor_model_parallel_region(hidden) @ weight.T
             if projections:
                 (p,) = projections
-                update = adapter.scale * column_delta(hidden, p)  # its own copy_to
+                update = scaled(column_delta(hidden, p), adapter.scale)  # its own copy_to
                 logits = logits + update.to(logits.dtype)
             return logits
 
@@ -217,7 +217,7 @@ class TpLora:
                 if not projections:
                     updates.append(x.new_zeros((end - start, *x.shape[1:-1], out.shape[-1]), dtype=out.dtype))
                     continue
-                updates.append(adapter.scale * site.fuse([delta(x[start:end], p) for p in projections]))
+                updates.append(scaled(site.fuse([delta(x[start:end], p) for p in projections]), adapter.scale))
             update = torch.cat([u.to(out.dtype) for u in updates]) if len(updates) > 1 else updates[0].to(out.dtype)
             return out + (_this_ranks_positions(update) if scatter else update), bias
 
