@@ -1,6 +1,7 @@
 """``rank.adapters.lora_down``, the first half of every LoRA update: the values and gradients of
 ``F.linear(x.to(A.dtype), A)``, float32 master weights over a bfloat16 model, but keeping the
-input for the backward pass in its own dtype rather than its float32 copy."""
+input for the backward pass in its own dtype rather than its float32 copy; and ``add_into``, the
+last step: ``(base + update).to(base.dtype)`` bit for bit, as one operation."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hosted_tinker.rank.adapters import lora_down
+from hosted_tinker.rank.adapters import add_into, lora_down
 
 pytestmark = pytest.mark.fast
 
@@ -53,3 +54,23 @@ def test_a_bfloat16_input_is_kept_in_bfloat16() -> None:
     copied = saved_bytes(lambda: F.linear(x.to(torch.float32), a))
     assert kept == x.numel() * 2 + a.numel() * 4  # the input as it came, and A
     assert copied == x.numel() * 4 + a.numel() * 4  # its float32 copy instead
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_add_into_is_the_sum_rounded_once_with_its_gradients(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    base = (torch.randn(2, 40, 96) * 50).to(dtype).requires_grad_(True)
+    update = (torch.randn(2, 40, 96) * 3).requires_grad_(True)
+    with torch.no_grad():  # values a cast meets at its edges
+        base[0, 0, :3] = torch.tensor([float("inf"), 0.0, -0.0])
+        update[0, 0, 3:6] = torch.tensor([1e-30, 65504.0, float("nan")])
+    grad = (torch.randn(2, 40, 96) * 7).to(dtype)
+
+    got = add_into(base, update)
+    (gb, gu) = torch.autograd.grad(got, (base, update), grad)
+    b2, u2 = base.detach().clone().requires_grad_(True), update.detach().clone().requires_grad_(True)
+    want = (b2 + u2).to(dtype)
+    (wb, wu) = torch.autograd.grad(want, (b2, u2), grad)
+    assert got.dtype == gb.dtype == dtype and gu.dtype == torch.float32
+    for g, w in ((got, want), (gb, wb), (gu, wu)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
