@@ -224,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the base model's dtype"
     )
     serve.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA's alpha (its scale is alpha / rank)")
+    serve.add_argument(
+        "--lora-compute",
+        default="float32",
+        choices=["float32", "base"],
+        help="the dtype of LoRA's products: float32 (PEFT's over float32 adapters) or base (the base's, as under "
+        "torch.autocast; adapters and optimizer state stay float32)",
+    )
     serve.add_argument("--max-seq-len", type=int, default=None, help="longest sequence (default: the model's)")
     serve.add_argument("--proto-compress", action="store_true", help="have the SDK zstd-compress fwd/bwd bodies")
     serve.add_argument(

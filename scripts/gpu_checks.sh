@@ -12,15 +12,16 @@
 #                                       take longer than one call may: run them in two,
 #                                       `run gpu-tests model megatron-tp` and `run model
 #                                       activation-memory profile train-efficiency
-#                                       train-efficiency-mixed` (on an H200 on 2026-11-26: tests
-#                                       ~230 s cold, model 39 s to write and 13 s once written,
-#                                       megatron-tp 57, activation-memory 35, profile 34,
-#                                       train-efficiency 24, mixed 49; the start half a minute)
+#                                       train-efficiency-mixed lora-compute` (on an H200 on
+#                                       2026-11-26: tests ~230 s cold, model 39 s to write and
+#                                       13 s once written, megatron-tp 57, activation-memory 35,
+#                                       profile 34, train-efficiency 24, mixed 49; the start
+#                                       half a minute)
 #   GPU_CHECKS_SMALL=1 bash scripts/gpu_checks.sh run
 #                                       anywhere, on the CPU: the same steps on tiny shapes, to
 #                                       check the plumbing before spending GPU time
 #
-# run, in order of worth, each section under its own time limit (700 s in all) so that one
+# run, in order of worth, each section under its own time limit (760 s in all) so that one
 # slow section leaves the others their time, and each in a session of its own, ended after it:
 #   1. gpu-tests: tests/test_gpu.py: peft (also with activation_memory_gib=auto), ddp over NCCL
 #      and megatron tp=1 on cuda:0 against the CPU; bfloat16 bases with float32 LoRA;
@@ -37,6 +38,8 @@
 #   7. train-efficiency-mixed: the same script's mixed lengths (16 sequences of 64-4096 tokens)
 #      on Qwen3-8B's shape, packed against padded, in micro-batches of 4,096 tokens (the padded
 #      path stores every layer: 16,384 ran an H200 out of memory)
+#   8. lora-compute: benchmarks/lora_compute.py: that model, one 4K-token sequence, LoRA's
+#      products in float32 against the base's bf16 (--lora-compute base); not yet run on a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -112,6 +115,8 @@ run() { # run [SECTION...]: all sections, or only those named
   section train-efficiency-mixed 60 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
     --scenario mixed --mixed-shape "$shape" --microbatch-tokens 4096 --rounds 2 \
     --out "$OUT/train_efficiency-mixed-$device.json"
+  section lora-compute 60 python3 benchmarks/lora_compute.py --device "$device" --shape "$shape" --dtype "$dtype" \
+    --seqs 1 --seq-len "$seq" --out "$OUT/lora_compute-$device.json"
   # The device tool brings back at most 8 files: the logs travel as one
   (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
   cat "$OUT/summary.txt"

@@ -204,18 +204,21 @@ def test_other_architectures_at_tp_2(arch: str, tmp_path: Path, tiny_model_dir: 
         megatron.close()
 
 
-def test_a_bfloat16_base_trains_float32_lora(tiny_model_dir: Path):
+@pytest.mark.parametrize("lora_compute", ["float32", "base"])
+def test_a_bfloat16_base_trains_float32_lora(tiny_model_dir: Path, lora_compute: str):
     """``--dtype bfloat16``: the base model in bf16, the LoRA weights, their AdamW moments and
-    the reduced gradients in fp32; the first step is peft's bf16 one up to bf16's rounding."""
+    the reduced gradients in fp32, whether LoRA's products are float32 or bf16 (``--lora-compute
+    base``); the first step is peft's bf16 one up to bf16's rounding."""
     config = ServerConfig(
         model=str(tiny_model_dir),
         backend="megatron",
         train_devices="cpu:2",
         backend_options={"tp": "2"},
         dtype="bfloat16",
+        lora_compute=lora_compute,
     )
     backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
-    peft = local_rank(str(tiny_model_dir), dtype="bfloat16").trainer
+    peft = local_rank(str(tiny_model_dir), dtype="bfloat16", lora_compute=lora_compute).trainer
     try:
         got, want = [], []
         for trainer, out in ((backend, got), (peft, want)):

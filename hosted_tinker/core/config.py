@@ -67,6 +67,9 @@ class ServerConfig(BaseModel):
     cluster_key_file: Path | None = None  # else $HOSTED_TINKER_CLUSTER_KEY (read_cluster_key)
     dtype: str = "float32"
     lora_alpha: float = 32.0
+    # The dtype of LoRA's products and of the update's sum (rank.adapters): float32 whatever the
+    # base (PEFT's arithmetic over float32 adapters), or the base's (as under torch.autocast)
+    lora_compute: Literal["float32", "base"] = "float32"
     max_seq_len: int | None = None
     sample_batch_window_s: float = 0.01  # how long an idle sampler waits to gather a batch
     poll_timeout_s: float = 30.0  # long-poll cap of retrieve_future (the SDK times out at 45 s)

@@ -152,6 +152,12 @@ class Capabilities:
     devices: tuple[str, ...] = ()  # where it trains: one device per rank
     replicas: int = 1  # data-parallel replicas: how many shards a forward_backward batch is split into
     optimizers: tuple[str, ...] = OPTIMIZERS
+    # how it trains, as the ranks resolved it: the base's dtype, that of LoRA's products
+    # (float32 or the base's), and the rule of activation memory (GiB, "auto", or None: the
+    # backend option recompute_above_tokens)
+    dtype: str = "float32"
+    lora_compute: str = "float32"
+    activation_memory_gib: float | str | None = None
 
 
 class TrainingBackend(Protocol):

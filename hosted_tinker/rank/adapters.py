@@ -2,10 +2,16 @@
 
 The base model's linear layers are never replaced. A forward hook on each layer an adapter
 wraps adds, per span of tokens, the update of the adapter that ``Routes`` names for that span:
-``B(A x) · scale``, PEFT's arithmetic (float32 adapters whatever the base dtype; the sum cast back
-to the layer's output dtype). One model's request is one span; several models' requests packed
-into one pass over the base are several spans, each token updated by its own model's adapter
-only, so each model's loss depends on its own adapter alone and its gradients are its own.
+``B(A x) · scale``, PEFT's arithmetic: float32 adapters whatever the base dtype, their products
+and the sum in float32, cast back to the layer's output dtype; or, with ``compute="base"``, the
+products and the sum in the base's dtype, as PEFT under ``torch.autocast`` (the adapters, their
+gradients and so the optimizer's state stay float32). On a bfloat16 base the float32 products
+run off the GPU's tensor cores and cast every layer's input up and its output down: a third of
+the busy time of Qwen3-8B's 4K-token step on an H200 (``benchmarks/results/profile_step-h200.json``).
+
+One model's request is one span; several models' requests packed into one pass over the base
+are several spans, each token updated by its own model's adapter only, so each model's loss
+depends on its own adapter alone and its gradients are its own.
 
 An adapter is a handful of plain parameters per layer (``Lora``), so adding or removing one
 costs its own layers whatever else is resident. PEFT's ``add_adapter`` walked every module of
@@ -29,6 +35,7 @@ from torch import Tensor, nn
 # [start, end) of the token stream (end None: to its end, however long), and the adapter it runs under
 Segment = tuple[int, int | None, str]
 KEY_PREFIX = "base_model.model."  # PEFT's state-dict keys start so
+COMPUTE = ("float32", "base")  # the dtype of LoRA's products: the adapters' own, or the base's
 
 
 def segments(names: list[str], lengths: list[int]) -> list[Segment]:
@@ -137,8 +144,11 @@ class LoraAdapters:
     """Adapters on one HF module tree, by name, applied per ``routes``. A layer gets its hook
     when the first adapter on it arrives, and keeps it (an idle hook returns at once)."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, compute: str = "float32") -> None:
+        if compute not in COMPUTE:
+            raise ValueError(f"lora compute {compute!r}: one of {', '.join(COMPUTE)}")
         self.lm = lm  # the causal LM; its modules are never replaced
+        self.compute = compute
         self.routes = Routes()
         self.adapters: dict[str, Adapter] = {}  # by the names ``add`` gives: a0, a1, ...
         self._added = 0
@@ -192,7 +202,8 @@ class LoraAdapters:
             ]
             if all(span.lora is None for span in spans):
                 return output
-            return add_into(output, span_updates(x, spans, output.shape[-1]))
+            dtype = output.dtype if self.compute == "base" else None
+            return add_into(output, span_updates(x, spans, output.shape[-1], dtype))
 
         return add_updates
 
@@ -218,26 +229,27 @@ class Span:
     scale: float
 
 
-def span_updates(x: Tensor, spans: list[Span], out_features: int) -> Tensor:
-    """Each span's LoRA update of ``x`` (``(..., tokens, in)`` -> ``(..., tokens, out)``, float32),
-    PEFT's ``lora_B(lora_A(x)) * scaling`` per span. Spans of one length, each under an adapter
-    of one rank, run as one batch (the adapters' matrices stacked, two batched matmuls): a pass
-    of many models' equal requests costs two matmuls per layer, not two per model. (Spans of
-    unequal length would have to be copied together, which costs more than it saves on a CPU.)"""
+def span_updates(x: Tensor, spans: list[Span], out_features: int, dtype: torch.dtype | None = None) -> Tensor:
+    """Each span's LoRA update of ``x`` (``(..., tokens, in)`` -> ``(..., tokens, out)``, in
+    ``dtype``: None for the adapters' own, float32), PEFT's ``lora_B(lora_A(x)) * scaling`` per
+    span. Spans of one length, each under an adapter of one rank, run as one batch (the adapters'
+    matrices stacked, two batched matmuls): a pass of many models' equal requests costs two
+    matmuls per layer, not two per model. (Spans of unequal length would have to be copied
+    together, which costs more than it saves on a CPU.)"""
     if len(spans) == 1 and spans[0].lora is not None:  # one model: no copy
-        return _update(x, spans[0])
+        return _update(x, spans[0], dtype)
     if _batchable(x, spans):
         count, length = len(spans), spans[0].end - spans[0].start
-        a = torch.stack([span.lora.A for span in spans])  # (S, r, in)
-        b = torch.stack([span.lora.B for span in spans])  # (S, out, r)
+        a = in_dtype(torch.stack([span.lora.A for span in spans]), dtype)  # (S, r, in)
+        b = in_dtype(torch.stack([span.lora.B for span in spans]), dtype)  # (S, out, r)
         scales = [span.scale for span in spans]
         scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=x.device)[:, None, None]
         xs = x.reshape(count, length, x.shape[-1])  # (S, L, in): a view, span by span
         return scaled(torch.bmm(lora_down(xs, a), b.transpose(1, 2)), scale).reshape(*x.shape[:-1], -1)
     updates = [
-        _update(x, span)
+        _update(x, span, dtype)
         if span.lora is not None
-        else x.new_zeros((*x.shape[:-2], span.end - span.start, out_features), dtype=torch.float32)
+        else x.new_zeros((*x.shape[:-2], span.end - span.start, out_features), dtype=dtype or torch.float32)
         for span in spans
     ]
     return torch.cat(updates, dim=-2)
@@ -258,12 +270,19 @@ def _batchable(x: Tensor, spans: list[Span]) -> bool:
     )
 
 
-def _update(x: Tensor, span: Span) -> Tensor:
+def _update(x: Tensor, span: Span, dtype: torch.dtype | None) -> Tensor:
     # all of x (one model's pass): not narrowed, whose backward pass would write the gradient
     # into a zeroed copy of the whole input
     whole = span.start == 0 and span.end == x.shape[-2]
     xs = x if whole else x.narrow(-2, span.start, span.end - span.start)
-    return scaled(F.linear(lora_down(xs, span.lora.A), span.lora.B), span.scale)
+    a, b = in_dtype(span.lora.A, dtype), in_dtype(span.lora.B, dtype)
+    return scaled(F.linear(lora_down(xs, a), b), span.scale)
+
+
+def in_dtype(weight: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """An adapter's float32 ``weight`` as the products use it: itself, or cast to ``dtype`` (its
+    gradient comes back through the cast as float32, where the optimizer keeps it)."""
+    return weight if dtype is None else weight.to(dtype)
 
 
 def scaled(update: Tensor, scale: float | Tensor) -> Tensor:
@@ -291,8 +310,8 @@ class _AddInto(torch.autograd.Function):
 
 
 def add_into(base: Tensor, update: Tensor) -> Tensor:
-    """A layer's output ``base`` ``(..., out)`` plus its LoRA ``update`` (the same shape, float32),
-    in ``base``'s dtype: PEFT's ``(result + lora_out).to(result.dtype)``."""
+    """A layer's output ``base`` ``(..., out)`` plus its LoRA ``update`` (the same shape, float32
+    or the base's dtype), in ``base``'s dtype: PEFT's ``(result + lora_out).to(result.dtype)``."""
     return _AddInto.apply(base, update)
 
 
@@ -323,5 +342,6 @@ class _LoraDown(torch.autograd.Function):
 
 def lora_down(x: Tensor, a: Tensor) -> Tensor:
     """``x`` ``(..., in)`` (the base model's dtype) times ``a`` ``(r, in)``, or stacked ``(S, r, in)``
-    with ``x`` ``(S, L, in)``: ``(..., r)`` in A's dtype (float32 master weights)."""
+    with ``x`` ``(S, L, in)``: ``(..., r)`` in ``a``'s dtype (the float32 master weights, or their
+    cast to the base's dtype under ``compute="base"``, where the product is the base's own)."""
     return _LoraDown.apply(x, a)

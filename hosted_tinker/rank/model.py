@@ -125,7 +125,13 @@ class HfLoraModel:
     """The HF base model on one device, with one LoRA adapter per training model."""
 
     def __init__(
-        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", lora_alpha: float = 32.0
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        lora_alpha: float = 32.0,
+        lora_compute: str = "float32",
     ) -> None:
         self.device = torch.device(device)
         self.base = load_base(model_path, self.device, dtype)
@@ -144,7 +150,7 @@ class HfLoraModel:
         from transformers.modeling_layers import GradientCheckpointingLayer  # the decoder layers
 
         self.layers = [m for m in self.base.modules() if isinstance(m, GradientCheckpointingLayer)]
-        self.adapters = LoraAdapters(self.base)
+        self.adapters = LoraAdapters(self.base, lora_compute)
 
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
         groups = (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))

@@ -46,12 +46,12 @@ class EmbeddedSampler:
 
     SERVED_AS = "sampler"  # its name in calls to the worker (``rank.serve.Rank``)
 
-    def __init__(self, base: nn.Module, model_path: str) -> None:
+    def __init__(self, base: nn.Module, model_path: str, lora_compute: str = "float32") -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings
         self.pad_id = base.config.pad_token_id or 0
-        self.adapters = LoraAdapters(base)
+        self.adapters = LoraAdapters(base, lora_compute)
         self.loaded: OrderedDict[str, str] = OrderedDict()  # key -> adapter name, least recently used first
 
     @rank_call("first")

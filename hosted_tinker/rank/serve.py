@@ -47,6 +47,7 @@ class RankSpec:
     init_method: str  # tcp://host:port of the group's store, hosted by the server, fresh for every start
     dtype: str = "float32"
     lora_alpha: float = 32.0
+    lora_compute: str = "float32"  # LoRA's products in float32 or in the base's dtype (rank.adapters)
     max_seq_len: int | None = None
     # What model_path is on the server's machine: a hub id (each node downloads it), a folder
     # (every node needs it at the same path), or the built-in tiny model (a node without it
@@ -101,12 +102,12 @@ class Rank:
 def build_rank(spec: RankSpec) -> Rank:
     model_path = model_here(spec)
     plan = plan_module(spec.backend).Plan(spec.rank, list(spec.devices), spec.init_method, spec.options)
-    model = plan.build_model(model_path, dtype=spec.dtype, lora_alpha=spec.lora_alpha)
+    model = plan.build_model(model_path, dtype=spec.dtype, lora_alpha=spec.lora_alpha, lora_compute=spec.lora_compute)
     options = spec.options
     activation_memory = options.activation_budget(spec.devices)
     trainer = Trainer(model, plan, options.microbatch_tokens, options.recompute_above_tokens, activation_memory)
     shared = getattr(model, "shareable_base", None)  # a tree over the trainer's own weights, if it has one
-    sampler = EmbeddedSampler(shared, model_path) if spec.rank == 0 and shared is not None else None
+    sampler = EmbeddedSampler(shared, model_path, spec.lora_compute) if spec.rank == 0 and shared is not None else None
     max_seq_len = spec.max_seq_len or model.max_positions
     capabilities = Capabilities(
         backend=spec.backend,
@@ -118,13 +119,16 @@ def build_rank(spec: RankSpec) -> Rank:
         sampling=sampler is not None,
         devices=spec.devices,
         replicas=plan.replicas,
+        dtype=spec.dtype,
+        lora_compute=spec.lora_compute,
+        activation_memory_gib=activation_memory / 2**30 if isinstance(activation_memory, float) else activation_memory,
     )
     return Rank(capabilities, trainer, sampler)
 
 
 def local_rank(model_path: str, backend: str = "peft", **options: Any) -> Rank:
     """A one-rank ``Rank`` in this process (tests and benchmarks call it directly)."""
-    settings = {k: options.pop(k) for k in ("dtype", "lora_alpha", "max_seq_len") if k in options}
+    settings = {k: options.pop(k) for k in ("dtype", "lora_alpha", "lora_compute", "max_seq_len") if k in options}
     device = options.pop("device", "cpu")
     spec = RankSpec(backend, plan_module(backend).Options(**options), model_path, 0, (device,), "", **settings)
     return build_rank(spec)

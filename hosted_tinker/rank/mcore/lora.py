@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from hosted_tinker.rank.adapters import Routes, draw_lora, lora_down, scaled
+from hosted_tinker.rank.adapters import COMPUTE, Routes, draw_lora, in_dtype, lora_down, scaled
 from hosted_tinker.rank.mcore.convert import HfShape
 
 COLUMN, ROW = "column", "row"
@@ -129,17 +129,18 @@ def init_adapter(chosen: dict[str, Site], rank: int, tp: int, tp_rank: int, seed
     return projections
 
 
-def column_delta(x: Tensor, p: Projection) -> Tensor:
-    """``x`` in the base model's dtype; the update in the adapter's (``lora_down``)."""
+def column_delta(x: Tensor, p: Projection, dtype: torch.dtype | None = None) -> Tensor:
+    """``x`` in the base model's dtype; the update in ``dtype``, None for the adapter's own
+    (``rank.adapters.lora_down``)."""
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-    return copy_to_tensor_model_parallel_region(lora_down(x, p.A)) @ p.B.T
+    return copy_to_tensor_model_parallel_region(lora_down(x, in_dtype(p.A, dtype))) @ in_dtype(p.B, dtype).T
 
 
-def row_delta(x: Tensor, p: Projection) -> Tensor:
+def row_delta(x: Tensor, p: Projection, dtype: torch.dtype | None = None) -> Tensor:
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-    return reduce_from_tensor_model_parallel_region(lora_down(x, p.A)) @ p.B.T
+    return reduce_from_tensor_model_parallel_region(lora_down(x, in_dtype(p.A, dtype))) @ in_dtype(p.B, dtype).T
 
 
 # With sequence parallelism the activations between layers are split by sequence: a column
@@ -169,7 +170,12 @@ class TpLora:
     ``head``) adds to the base layer's output each span's LoRA update under the adapter
     ``routes`` names for it (tokens are the first dimension of megatron's ``[s, b, h]``)."""
 
-    def __init__(self, gpt: nn.Module, shape: HfShape, tp: int, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, gpt: nn.Module, shape: HfShape, tp: int, sequence_parallel: bool = False, compute: str = "float32"
+    ) -> None:
+        if compute not in COMPUTE:
+            raise ValueError(f"lora compute {compute!r}: one of {', '.join(COMPUTE)}")
+        self.compute = compute  # LoRA's products in the adapters' float32 or the base's dtype
         self.sites = sites(gpt, shape, tp)
         self.adapters: dict[str, Adapter] = {}
         self.routes = Routes()
@@ -194,7 +200,8 @@ class TpLora:
             logits = copy_to_tensor_model_parallel_region(hidden) @ weight.T
             if projections:
                 (p,) = projections
-                update = scaled(column_delta(hidden, p), adapter.scale)  # its own copy_to
+                dtype = hidden.dtype if self.compute == "base" else None
+                update = scaled(column_delta(hidden, p, dtype), adapter.scale)  # its own copy_to
                 logits = logits + update.to(logits.dtype)
             return logits
 
@@ -211,13 +218,14 @@ class TpLora:
             if not any(adapter is not None and adapter.projections.get(name) for _, _, adapter in spans):
                 return output
             x = whole_sequence(args[0]) if gather else args[0]
+            dtype = out.dtype if self.compute == "base" else None
             updates = []
             for start, end, adapter in spans:
                 projections = adapter.projections.get(name) if adapter is not None else None
                 if not projections:
                     updates.append(x.new_zeros((end - start, *x.shape[1:-1], out.shape[-1]), dtype=out.dtype))
                     continue
-                updates.append(scaled(site.fuse([delta(x[start:end], p) for p in projections]), adapter.scale))
+                updates.append(scaled(site.fuse([delta(x[start:end], p, dtype) for p in projections]), adapter.scale))
             update = torch.cat([u.to(out.dtype) for u in updates]) if len(updates) > 1 else updates[0].to(out.dtype)
             return out + (_this_ranks_positions(update) if scatter else update), bias
 

@@ -38,6 +38,7 @@ class McoreLoraModel:
         device: str,
         dtype: str,
         lora_alpha: float,
+        lora_compute: str = "float32",
         sampler_base: bool = False,
         sequence_parallel: bool = False,
         te: bool = False,
@@ -78,7 +79,7 @@ class McoreLoraModel:
         self.max_positions = shape.max_positions
         self.pad_id = 0  # fills a sequence-parallel stream to a multiple of tp, as its own sequence
         self.lora_alpha = lora_alpha
-        self.lora = TpLora(self.gpt, shape, tp, sequence_parallel)
+        self.lora = TpLora(self.gpt, shape, tp, sequence_parallel, lora_compute)
         self.sequence_parallel = sequence_parallel
         self.te = te
         self._next = 0

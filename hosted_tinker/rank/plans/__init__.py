@@ -93,8 +93,8 @@ class ParallelPlan(Protocol):
     replicas: int  # data-parallel replicas: a forward_backward batch is split into this many shards
     device: str  # this rank's
 
-    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float) -> LoraModel:
-        """The model this plan trains, as this rank holds it."""
+    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float, lora_compute: str) -> LoraModel:
+        """The model this plan trains, as this rank holds it (``lora_compute``: ``rank.adapters``)."""
         ...
 
     def all_succeeded(self, succeeded: bool) -> bool:

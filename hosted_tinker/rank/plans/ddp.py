@@ -88,8 +88,10 @@ class Plan:
             device_id=None if self.device == "cpu" else torch.device(self.device),  # NCCL connects now
         )
 
-    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float) -> HfLoraModel:
-        return HfLoraModel(model_path, device=self.device, dtype=dtype, lora_alpha=lora_alpha)
+    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float, lora_compute: str) -> HfLoraModel:
+        return HfLoraModel(
+            model_path, device=self.device, dtype=dtype, lora_alpha=lora_alpha, lora_compute=lora_compute
+        )
 
     def all_succeeded(self, succeeded: bool) -> bool:
         if self.world_size == 1:

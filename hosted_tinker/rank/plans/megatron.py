@@ -123,7 +123,7 @@ class Plan(ddp.Plan):
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.replica_group = parallel_state.get_data_parallel_group()
 
-    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float):
+    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float, lora_compute: str):
         from hosted_tinker.rank.mcore.model import McoreLoraModel
 
         return McoreLoraModel(
@@ -133,6 +133,7 @@ class Plan(ddp.Plan):
             device=self.device,
             dtype=dtype,
             lora_alpha=lora_alpha,
+            lora_compute=lora_compute,
             sampler_base=self.embedded_sampler,
             sequence_parallel=self.sequence_parallel,
             te=self.uses_te(self.device, dtype),

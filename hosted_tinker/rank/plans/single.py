@@ -37,9 +37,9 @@ class Plan:
         if self.device.startswith("cuda") and index is not None:  # cuda:N: memory statistics are its
             torch.cuda.set_device(index)
 
-    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float) -> HfLoraModel:
+    def build_model(self, model_path: str, *, dtype: str, lora_alpha: float, lora_compute: str) -> HfLoraModel:
         model = SyntheticLoraModel if self.synthetic else HfLoraModel
-        return model(model_path, device=self.device, dtype=dtype, lora_alpha=lora_alpha)
+        return model(model_path, device=self.device, dtype=dtype, lora_alpha=lora_alpha, lora_compute=lora_compute)
 
     def all_succeeded(self, succeeded: bool) -> bool:
         return succeeded

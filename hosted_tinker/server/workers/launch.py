@@ -53,6 +53,7 @@ def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[F
                     init_method=init_method,
                     dtype=config.dtype,
                     lora_alpha=config.lora_alpha,
+                    lora_compute=config.lora_compute,
                     max_seq_len=config.max_seq_len,
                     model_source=source,
                     tiny_sha256=tiny_sha256,
