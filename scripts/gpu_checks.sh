@@ -21,11 +21,11 @@
 #                                       anywhere, on the CPU: the same steps on tiny shapes, to
 #                                       check the plumbing before spending GPU time
 #
-# run, in order of worth, each section under its own time limit (760 s in all) so that one
+# run, in order of worth, each section under its own time limit (820 s in all) so that one
 # slow section leaves the others their time, and each in a session of its own, ended after it:
-#   1. gpu-tests: tests/test_gpu.py: peft (also with activation_memory_gib=auto), ddp over NCCL
-#      and megatron tp=1 on cuda:0 against the CPU; bfloat16 bases with float32 LoRA;
-#      transformer-engine's layers if importable
+#   1. gpu-tests: tests/test_gpu.py: peft (under each rule of activation memory; also with
+#      --lora-compute base), ddp over NCCL and megatron tp=1 (also with base) on cuda:0 against
+#      the CPU; bfloat16 bases with float32 LoRA; transformer-engine's layers if importable
 #   2. model: Qwen3-8B's shape with random bf16 weights, written once (16 GB)
 #   3. megatron-tp: benchmarks/megatron_tp.py: that model, LoRA r32, one 4K-token sequence,
 #      peft against megatron tp=1, one path at a time (a failed path is recorded), MFU
@@ -100,7 +100,7 @@ run() { # run [SECTION...]: all sections, or only those named
   python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "cuda", torch.version.cuda,
     "transformers", transformers.__version__, "peft", peft.__version__)' | tee -a "$OUT/summary.txt"
 
-  section gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+  section gpu-tests 360 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
     tests/test_megatron.py::test_transformer_engine_layers_train_as_the_local_ones
   section model 60 python3 -c "from benchmarks.shapes import random_model; print(random_model('$shape', '$dtype'))"
   section megatron-tp 100 python3 benchmarks/megatron_tp.py --device "$device" --shape "$shape" --dtype "$dtype" \

@@ -173,12 +173,36 @@ def test_one_rule_at_a_time_and_auto_needs_a_gpu():
 
 
 def test_gpu_ranks_budget_auto_unless_a_rule_is_given():
-    """On GPU ranks the default is ``auto`` (the threshold is blind to the model and the card);
-    on CPU ranks, or once either option is given, what was asked."""
+    """On GPU ranks the default is ``auto`` (the threshold is blind to the model and the card),
+    unless a vLLM the server launches shares their GPU; on CPU ranks, or once either option is
+    given, what was asked."""
     gpus, cpu = ["cuda:0", "cuda:1"], ["cpu"]
     assert PlanOptions().activation_budget(gpus) == "auto"
+    assert PlanOptions().activation_budget(gpus, shares_gpu=True) is None  # vLLM must find its share
+    assert PlanOptions(activation_memory_gib="auto").activation_budget(gpus, shares_gpu=True) == "auto"  # as asked
     assert PlanOptions().activation_budget(cpu) is None
     assert PlanOptions().activation_budget(["cuda:0", "cpu"]) is None  # auto needs every rank on a GPU
     assert PlanOptions(recompute_above_tokens=8192).activation_budget(gpus) is None  # the threshold, as asked
     assert PlanOptions(activation_memory_gib="1.5").activation_budget(gpus) == 1.5 * 2**30
     assert PlanOptions(activation_memory_gib="auto").activation_budget(gpus) == "auto"
+
+
+def test_layers_no_hook_can_measure_fall_back_to_the_threshold(four_layers: Path, monkeypatch, caplog):
+    """Layers whose saved tensors no hook sees (a kernel library's own autograd, say) measure
+    nothing: the budget gives way to the token threshold, rather than recompute all but the last
+    layer for good."""
+    import hosted_tinker.rank.trainer as trainer_module
+
+    class SeesNothing(SavedBytes):
+        def _pack(self, t: torch.Tensor) -> torch.Tensor:
+            return t
+
+    monkeypatch.setattr(trainer_module, "SavedBytes", SeesNothing)
+    trainer = local_rank(str(four_layers)).trainer
+    trainer.activation_memory, trainer.recompute_above_tokens = 1e12, 64
+    trainer.create_adapter("m", LORA)
+    with caplog.at_level("WARNING"):
+        trainer.forward_backward("m", random_batch(np.random.default_rng(1), 1, lengths=(20, 21)))
+    assert trainer.layer_bytes_per_token is None and trainer.activation_memory is None
+    assert "cannot be measured" in caplog.text
+    assert (trainer.layers_to_recompute(64), trainer.layers_to_recompute(65)) == (0, 4)

@@ -53,6 +53,14 @@ BACKENDS = [  # with no option GPU ranks budget activation memory `auto`, CPU ra
         id="megatron-tp1",
         marks=pytest.mark.skipif(not HAS_MCORE, reason="needs megatron-core"),
     ),
+    # LoRA's products in the base's dtype: float32 bases compute as above, bf16 ones within its rounding
+    pytest.param("peft", {"device": DEVICE, "lora_compute": "base"}, id="peft-base-compute"),
+    pytest.param(
+        "megatron",
+        {"train_devices": DEVICE, "backend_options": {"layers": "local"}, "lora_compute": "base"},
+        id="megatron-tp1-base-compute",
+        marks=pytest.mark.skipif(not HAS_MCORE, reason="needs megatron-core"),
+    ),
 ]
 
 

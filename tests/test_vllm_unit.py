@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import hosted_tinker.inference.vllm_adapters as vllm_adapters
+from hosted_tinker.core.config import ServerConfig, visible_gpu
 from hosted_tinker.core.errors import EngineUnavailable
 from hosted_tinker.core.sampling import SampleSpec
 from hosted_tinker.inference.lora_sync import LiveAdapters
@@ -334,19 +335,32 @@ def test_setup_vllm_checks_its_arguments_and_the_interpreter(tmp_path):
 def test_max_lora_rank_must_be_a_size_vllm_accepts():
     from pydantic import ValidationError
 
-    from hosted_tinker.core.config import ServerConfig
-
     assert ServerConfig(max_lora_rank=32).max_lora_rank == 32
     with pytest.raises(ValidationError, match="max_lora_rank must be one of"):
         ServerConfig(max_lora_rank=48)
 
 
+def test_whether_a_launched_vllm_shares_a_training_gpu():
+    """By default vLLM takes rank 0's GPU; given GPUs, it shares where they name a training GPU
+    (as this process's CUDA_VISIBLE_DEVICES numbers them); an external vLLM or CPU ranks share none."""
+
+    def shares(visible: str | None = None, **settings) -> bool:
+        return ServerConfig(**{"inference": "vllm", "device": "cuda", **settings}).vllm_shares_training_gpu(visible)
+
+    assert shares() and shares(train_devices="cuda:0,1", backend="ddp")
+    assert not shares(vllm_gpus="1") and shares(vllm_gpus="1, 0")
+    assert shares(vllm_gpus="3", visible="2,3", device="cuda:1") and not shares(
+        vllm_gpus="2", visible="2,3", device="cuda:1"
+    )
+    assert not shares(inference_url="http://127.0.0.1:8000") and not shares(device="cpu")
+    assert not ServerConfig(device="cuda").vllm_shares_training_gpu(None)  # the embedded sampler
+
+
 def test_vllm_shares_rank_0s_gpu_as_this_process_numbers_it():
     """``cuda:N`` counts within this process's CUDA_VISIBLE_DEVICES; vLLM's own must name that GPU."""
-    from hosted_tinker.server.api.state import visible_gpu
 
     assert visible_gpu("cuda:1", None) == "1" and visible_gpu("cuda", "") == "0"
     assert visible_gpu("cuda:0", "2,3") == "2" and visible_gpu("cuda:1", "2, 3") == "3"
     assert visible_gpu("cuda:0", "GPU-8f1c,GPU-77aa") == "GPU-8f1c"
-    with pytest.raises(SystemExit, match="CUDA_VISIBLE_DEVICES=2 makes 1 GPU"):
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=2 makes 1 GPU"):
         visible_gpu("cuda:1", "2")

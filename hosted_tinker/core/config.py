@@ -27,6 +27,18 @@ def read_cluster_key(path: Path | None) -> bytes:
     return key
 
 
+def visible_gpu(device: str, inherited: str | None) -> str:
+    """``cuda:N`` as a child's ``CUDA_VISIBLE_DEVICES`` must name it: the N-th entry of this
+    process's own list where it has one (``cuda:0`` under ``2,3`` is GPU 2), else N."""
+    index = int(device.partition(":")[2] or 0)
+    if not inherited or not inherited.strip():
+        return str(index)
+    visible = inherited.split(",")
+    if index >= len(visible):
+        raise ValueError(f"{device}: CUDA_VISIBLE_DEVICES={inherited} makes {len(visible)} GPU(s) visible")
+    return visible[index].strip()
+
+
 def parse_devices(spec: str) -> list[str]:
     """One device per rank: ``cpu`` or ``cpu:N`` (N ranks on the CPU), ``cuda`` or ``cuda:0,1,...``."""
     kind, _, rest = spec.strip().partition(":")
@@ -156,6 +168,18 @@ class ServerConfig(BaseModel):
     @property
     def uses_vllm(self) -> bool:
         return self.inference == "vllm" or self.inference_url is not None
+
+    def vllm_shares_training_gpu(self, inherited_visible: str | None) -> bool:
+        """Whether a vLLM this server launches runs on a GPU a training rank of this node holds:
+        by default it takes rank 0's; given ``vllm_gpus``, whether they name one (as this
+        process's ``CUDA_VISIBLE_DEVICES``, ``inherited_visible``, numbers the ranks' GPUs)."""
+        gpus = [d for d in self.training_devices() if d.startswith("cuda")]
+        if self.inference_url is not None or self.inference != "vllm" or not gpus:
+            return False
+        if self.vllm_gpus is None:
+            return True
+        named = {gpu.strip() for gpu in self.vllm_gpus.split(",")}
+        return any(visible_gpu(d, inherited_visible) in named for d in gpus)
 
     def model_path(self) -> str:
         """The local directory or hub id to load; builds the tiny model on first use."""

@@ -243,7 +243,11 @@ def span_updates(x: Tensor, spans: list[Span], out_features: int, dtype: torch.d
         a = in_dtype(torch.stack([span.lora.A for span in spans]), dtype)  # (S, r, in)
         b = in_dtype(torch.stack([span.lora.B for span in spans]), dtype)  # (S, out, r)
         scales = [span.scale for span in spans]
-        scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=x.device)[:, None, None]
+        scale = (
+            scales[0]
+            if len(set(scales)) == 1
+            else torch.tensor(scales, device=x.device, dtype=dtype or torch.float32)[:, None, None]
+        )
         xs = x.reshape(count, length, x.shape[-1])  # (S, L, in): a view, span by span
         return scaled(torch.bmm(lora_down(xs, a), b.transpose(1, 2)), scale).reshape(*x.shape[:-1], -1)
     updates = [

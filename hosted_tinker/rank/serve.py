@@ -48,6 +48,7 @@ class RankSpec:
     dtype: str = "float32"
     lora_alpha: float = 32.0
     lora_compute: str = "float32"  # LoRA's products in float32 or in the base's dtype (rank.adapters)
+    shares_gpu: bool = False  # a vLLM the server launches runs on a GPU of these ranks
     max_seq_len: int | None = None
     # What model_path is on the server's machine: a hub id (each node downloads it), a folder
     # (every node needs it at the same path), or the built-in tiny model (a node without it
@@ -104,7 +105,7 @@ def build_rank(spec: RankSpec) -> Rank:
     plan = plan_module(spec.backend).Plan(spec.rank, list(spec.devices), spec.init_method, spec.options)
     model = plan.build_model(model_path, dtype=spec.dtype, lora_alpha=spec.lora_alpha, lora_compute=spec.lora_compute)
     options = spec.options
-    activation_memory = options.activation_budget(spec.devices)
+    activation_memory = options.activation_budget(spec.devices, spec.shares_gpu)
     trainer = Trainer(model, plan, options.microbatch_tokens, options.recompute_above_tokens, activation_memory)
     shared = getattr(model, "shareable_base", None)  # a tree over the trainer's own weights, if it has one
     sampler = EmbeddedSampler(shared, model_path, spec.lora_compute) if spec.rank == 0 and shared is not None else None

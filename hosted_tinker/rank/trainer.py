@@ -318,9 +318,18 @@ class Trainer:
         with SavedBytes(stored, exclude=adapters) as saved:
             yield
         per_token = -self.plan.least(-saved.bytes / (tokens * len(stored)))
-        if per_token > 0:  # nothing seen (layers whose saved tensors no hook sees): not a measurement
+        if per_token > 0:
             self.layer_bytes_per_token, self._measured_tokens = per_token, tokens
             log.info("a stored decoder layer keeps %.0f bytes per token (%d tokens)", per_token, tokens)
+        elif self.layer_bytes_per_token is None:
+            # Nothing seen: layers whose saved tensors no hook sees. Unmeasured, a budget would
+            # recompute all layers but the last for good; the token threshold decides instead.
+            log.warning(
+                "what a stored decoder layer keeps cannot be measured on these layers: the activation memory "
+                "budget gives way to recompute_above_tokens (%d)",
+                self.recompute_above_tokens,
+            )
+            self.activation_memory = None
 
     # ---- optimizer ----------------------------------------------------------------------------
 

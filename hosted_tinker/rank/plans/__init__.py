@@ -48,14 +48,15 @@ class PlanOptions(BaseModel):
         8192,
         ge=0,
         description="recompute each decoder layer's activations in the backward pass when a micro-batch holds more "
-        "tokens than this (0: always; at least microbatch_tokens: only for a longer single sequence)",
+        "tokens than this (0: always; at least microbatch_tokens: only for a longer single sequence); the rule "
+        "on CPU ranks, and on GPU ranks when given (else activation_memory_gib=auto)",
     )
     activation_memory_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] | None = Field(
         None,
         description="instead of recompute_above_tokens: the memory a micro-batch's stored activations may take; "
         "it recomputes as few of the first decoder layers as keep the others within it (auto: what the GPU has "
         "free at that moment, less a margin, the least over a tensor-parallel group; GPU ranks only, and their "
-        "default unless recompute_above_tokens is given)",
+        "default unless recompute_above_tokens is given or a vLLM launched by the server shares their GPU)",
     )
 
     @model_validator(mode="after")
@@ -64,17 +65,22 @@ class PlanOptions(BaseModel):
             raise ValueError("give activation_memory_gib or recompute_above_tokens, not both: each decides alone")
         return self
 
-    def activation_budget(self, devices: list[str] | tuple[str, ...]) -> float | Literal["auto"] | None:
+    def activation_budget(
+        self, devices: list[str] | tuple[str, ...], shares_gpu: bool = False
+    ) -> float | Literal["auto"] | None:
         """The memory budget of a micro-batch's stored activations, in bytes, ``"auto"`` or None
         (None: the token threshold, ``recompute_above_tokens``, decides). GPU ranks given neither
         option budget ``auto``: the threshold is blind to the model and the card (Qwen3-8B's shape
         stores ~7.5 MB per token: an 8,192-token micro-batch, under the threshold, needs ~62 GB
         beside the weights, more than an H100 has), and on an H200 at 4 x 4,096 tokens ``auto``
-        stored 32 of 36 layers where the threshold recomputes all, 1.30x the tokens per second."""
+        stored 32 of 36 layers where the threshold recomputes all, 1.30x the tokens per second.
+        Not where a GPU ``shares_gpu`` with a vLLM this server launches: what ``auto`` takes, the
+        allocator keeps, and a vLLM (re)starting beside it would not find its share."""
         if isinstance(self.activation_memory_gib, float):
             return self.activation_memory_gib * 2**30
         if self.activation_memory_gib is None and "recompute_above_tokens" not in self.model_fields_set:
-            return "auto" if devices and all(d.startswith("cuda") for d in devices) else None
+            on_gpus = bool(devices) and all(d.startswith("cuda") for d in devices)
+            return "auto" if on_gpus and not shares_gpu else None
         return self.activation_memory_gib
 
     def check(self, devices: list[str], worker_timeout_s: float) -> None:

@@ -13,7 +13,7 @@ from fastapi import Request
 from transformers import AutoTokenizer
 
 from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles
-from hosted_tinker.core.config import ServerConfig, read_cluster_key
+from hosted_tinker.core.config import ServerConfig, read_cluster_key, visible_gpu
 from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
@@ -262,10 +262,14 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
         except (RuntimeError, OSError) as e:
             raise SystemExit(f"--vllm-python {python}: {e}") from None
         log.info("vLLM %s from %s", version, python)
-        gpus, sharing_gpu = config.vllm_gpus, False
-        training_device = config.training_devices()[0]
-        if gpus is None and training_device.startswith("cuda"):  # default: rank 0's GPU, shared
-            gpus, sharing_gpu = visible_gpu(training_device, os.environ.get("CUDA_VISIBLE_DEVICES")), True
+        inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:
+            sharing_gpu = config.vllm_shares_training_gpu(inherited)
+            gpus = config.vllm_gpus
+            if gpus is None and sharing_gpu:  # default: rank 0's GPU, shared
+                gpus = visible_gpu(config.training_devices()[0], inherited)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         launch = VllmLaunch(
             python=python,
             model=model_path,
@@ -332,15 +336,3 @@ def _server_secret(data_dir: Path) -> bytes:
     if len(secret) != SECRET_BYTES:
         raise SystemExit(f"{path} holds {len(secret)} bytes, not {SECRET_BYTES}: delete it to make a new one")
     return secret
-
-
-def visible_gpu(device: str, inherited: str | None) -> str:
-    """``cuda:N`` as a child's ``CUDA_VISIBLE_DEVICES`` must name it: the N-th entry of this
-    process's own list where it has one (``cuda:0`` under ``2,3`` is GPU 2), else N."""
-    index = int(device.partition(":")[2] or 0)
-    if not inherited or not inherited.strip():
-        return str(index)
-    visible = inherited.split(",")
-    if index >= len(visible):
-        raise SystemExit(f"{device}: CUDA_VISIBLE_DEVICES={inherited} makes {len(visible)} GPU(s) visible")
-    return visible[index].strip()

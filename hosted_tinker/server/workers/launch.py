@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[F
     # The rendezvous is on node 0; the other nodes reach it where they reach the cluster port.
     host = config.master_addr if config.nnodes > 1 else "127.0.0.1"
     held: list[dist.TCPStore] = []  # the current group's store (the previous group is gone)
+    shares_gpu = config.vllm_shares_training_gpu(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def group() -> list[Factory]:
         init_method, store = rendezvous(host)
@@ -54,6 +56,7 @@ def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[F
                     dtype=config.dtype,
                     lora_alpha=config.lora_alpha,
                     lora_compute=config.lora_compute,
+                    shares_gpu=shares_gpu,
                     max_seq_len=config.max_seq_len,
                     model_source=source,
                     tiny_sha256=tiny_sha256,
