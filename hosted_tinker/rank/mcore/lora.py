@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from hosted_tinker.rank.adapters import COMPUTE, Routes, draw_lora, in_dtype, lora_down, scaled
+from hosted_tinker.rank.adapters import COMPUTE, Routes, add_into, draw_lora, in_dtype, lora_down, scaled
 from hosted_tinker.rank.mcore.convert import HfShape
 
 COLUMN, ROW = "column", "row"
@@ -202,7 +202,7 @@ class TpLora:
                 (p,) = projections
                 dtype = hidden.dtype if self.compute == "base" else None
                 update = scaled(column_delta(hidden, p, dtype), adapter.scale)  # its own copy_to
-                logits = logits + update.to(logits.dtype)
+                logits = add_into(logits, update)
             return logits
 
         return apply
@@ -223,10 +223,12 @@ class TpLora:
             for start, end, adapter in spans:
                 projections = adapter.projections.get(name) if adapter is not None else None
                 if not projections:
-                    updates.append(x.new_zeros((end - start, *x.shape[1:-1], out.shape[-1]), dtype=out.dtype))
+                    shape = (end - start, *x.shape[1:-1], out.shape[-1])
+                    updates.append(x.new_zeros(shape, dtype=dtype or torch.float32))
                     continue
                 updates.append(scaled(site.fuse([delta(x[start:end], p, dtype) for p in projections]), adapter.scale))
-            update = torch.cat([u.to(out.dtype) for u in updates]) if len(updates) > 1 else updates[0].to(out.dtype)
-            return out + (_this_ranks_positions(update) if scatter else update), bias
+            update = torch.cat(updates) if len(updates) > 1 else updates[0]
+            # the sum in the update's dtype, rounded once to the output's: peft's arithmetic
+            return add_into(out, _this_ranks_positions(update) if scatter else update), bias
 
         return add_updates
