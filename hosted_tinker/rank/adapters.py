@@ -38,6 +38,19 @@ KEY_PREFIX = "base_model.model."  # PEFT's state-dict keys start so
 COMPUTE = ("float32", "base")  # the dtype of LoRA's products: the adapters' own, or the base's
 
 
+def checked_compute(compute: str) -> str:
+    """``compute`` if it is one of ``COMPUTE`` (``--lora-compute``), else ``ValueError``."""
+    if compute not in COMPUTE:
+        raise ValueError(f"lora compute {compute!r}: one of {', '.join(COMPUTE)}")
+    return compute
+
+
+def products_dtype(compute: str, base: torch.dtype) -> torch.dtype | None:
+    """The dtype LoRA's products run in under ``compute`` beside a base layer of dtype ``base``:
+    None for the adapters' own (float32)."""
+    return base if compute == "base" else None
+
+
 def segments(names: list[str], lengths: list[int]) -> list[Segment]:
     """Spans of consecutive sequences under the same adapter: sequence i has ``lengths[i]``
     tokens and runs under ``names[i]``."""
@@ -145,10 +158,8 @@ class LoraAdapters:
     when the first adapter on it arrives, and keeps it (an idle hook returns at once)."""
 
     def __init__(self, lm: nn.Module, compute: str = "float32") -> None:
-        if compute not in COMPUTE:
-            raise ValueError(f"lora compute {compute!r}: one of {', '.join(COMPUTE)}")
         self.lm = lm  # the causal LM; its modules are never replaced
-        self.compute = compute
+        self.compute = checked_compute(compute)
         self.routes = Routes()
         self.adapters: dict[str, Adapter] = {}  # by the names ``add`` gives: a0, a1, ...
         self._added = 0
@@ -202,7 +213,7 @@ class LoraAdapters:
             ]
             if all(span.lora is None for span in spans):
                 return output
-            dtype = output.dtype if self.compute == "base" else None
+            dtype = products_dtype(self.compute, output.dtype)
             return add_into(output, span_updates(x, spans, output.shape[-1], dtype))
 
         return add_updates

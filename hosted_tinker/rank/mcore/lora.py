@@ -29,7 +29,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from hosted_tinker.rank.adapters import COMPUTE, Routes, add_into, draw_lora, in_dtype, lora_down, scaled
+from hosted_tinker.rank.adapters import (
+    Routes,
+    add_into,
+    checked_compute,
+    draw_lora,
+    in_dtype,
+    lora_down,
+    products_dtype,
+    scaled,
+)
 from hosted_tinker.rank.mcore.convert import HfShape
 
 COLUMN, ROW = "column", "row"
@@ -173,9 +182,7 @@ class TpLora:
     def __init__(
         self, gpt: nn.Module, shape: HfShape, tp: int, sequence_parallel: bool = False, compute: str = "float32"
     ) -> None:
-        if compute not in COMPUTE:
-            raise ValueError(f"lora compute {compute!r}: one of {', '.join(COMPUTE)}")
-        self.compute = compute  # LoRA's products in the adapters' float32 or the base's dtype
+        self.compute = checked_compute(compute)  # LoRA's products in the adapters' float32 or the base's dtype
         self.sites = sites(gpt, shape, tp)
         self.adapters: dict[str, Adapter] = {}
         self.routes = Routes()
@@ -200,7 +207,7 @@ class TpLora:
             logits = copy_to_tensor_model_parallel_region(hidden) @ weight.T
             if projections:
                 (p,) = projections
-                dtype = hidden.dtype if self.compute == "base" else None
+                dtype = products_dtype(self.compute, hidden.dtype)
                 update = scaled(column_delta(hidden, p, dtype), adapter.scale)  # its own copy_to
                 logits = add_into(logits, update)
             return logits
@@ -218,7 +225,7 @@ class TpLora:
             if not any(adapter is not None and adapter.projections.get(name) for _, _, adapter in spans):
                 return output
             x = whole_sequence(args[0]) if gather else args[0]
-            dtype = out.dtype if self.compute == "base" else None
+            dtype = products_dtype(self.compute, out.dtype)
             updates = []
             for start, end, adapter in spans:
                 projections = adapter.projections.get(name) if adapter is not None else None
