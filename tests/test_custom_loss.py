@@ -176,7 +176,7 @@ def test_the_values_of_a_pass_are_bounded_in_all():
     big = (_call("w", "torch.cat", [LP] * 64), *_outer({"ref": "w"}, {"ref": "w"}, "x"))  # 262,144 each
     copies = tuple(_call(f"c{i}", "torch.exp", {"ref": "x"}) for i in range(500))
     loss = compile_loss("heavy", [("logprobs", 1)], _graph(*big, *copies))
-    with pytest.raises(CustomLossError, match="over their bound of .* elements in all"):
+    with pytest.raises(CustomLossError, match="over their bound of 8388608 bytes in all"):
         loss(torch.zeros(8), {})
 
 
@@ -191,3 +191,100 @@ def test_a_loss_returns_at_most_64_metrics():
 
     with pytest.raises(CustomLossError, match="65 metrics, over 64"):
         _check_result("chatty", (torch.zeros(()), {f"custom/m{i}:sum": torch.zeros(()) for i in range(65)}))
+
+
+# ---- one datum's loss cannot reach another's memory (an attacker's audit) ---------------------
+
+
+def test_no_allowed_operation_writes_into_a_value():
+    """In-place methods (``add_``, ``set_``, ``resize_``) are not on the lists, and ``out=``, which
+    resizes and fills the tensor it is given, is refused when the loss is made."""
+    from hosted_tinker.core.custom_loss import FUNCTIONS, METHODS
+
+    assert not [m for m in METHODS if m.endswith("_")]
+    assert not [n for n in FUNCTIONS if n.rsplit(".", 1)[-1].endswith("_") and not n.startswith("operator.")]
+    nodes = _graph(
+        _call("c", "torch.exp", LP),
+        _call("view", "detach", LP, op="call_method"),
+        _call("w", "torch.mul", {"ref": "c"}, 1.0, out={"ref": "view"}),
+        _call("s", "sum", {"ref": "w"}, op="call_method"),
+    )
+    with pytest.raises(CustomLossError, match=r"nodes\[3\] \(w\): out= is not allowed"):
+        compile_loss("evil", [("logprobs", 1)], nodes)
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_a_graph_gets_fresh_copies_of_its_datum_however_the_batch_is_packed():
+    """The audit's attack: ``torch.mul(c, 1.0, out=<a detached view of logprobs>)`` resized the
+    view of the packed log-probs and overwrote the next datum's. Even a writing node that got
+    past the checks (built here by hand) writes only into the graph's own copy: the packed
+    tensor, its gradient and the next datum's values are untouched."""
+    from hosted_tinker.core.custom_loss import CustomLoss, CustomLossInput, _Node, _Ref
+
+    packed = torch.arange(12, dtype=torch.float32).requires_grad_()
+    before = packed.detach().clone()
+    mine, victims = packed[:4], packed[4:]
+    nodes = (
+        _Node("placeholder", "logprobs", "logprobs", (), {}),
+        _Node("placeholder", "weights", "weights", (), {}),
+        _Node("call_method", "view", "detach", (_Ref("logprobs"),), {}),
+        _Node("call_method", "wview", "detach", (_Ref("weights"),), {}),
+        _Node("call_function", "c", torch.full_like, (_Ref("logprobs"), 5.0), {}),
+        _Node("call_function", "big", torch.cat, ([_Ref("c"), _Ref("c"), _Ref("c")],), {}),
+        _Node("call_function", "w", torch.mul, (_Ref("big"), 1.0), {"out": _Ref("view")}),
+        _Node("call_function", "w2", torch.mul, (_Ref("big"), 1.0), {"out": _Ref("wview")}),
+        _Node("call_method", "s", "sum", (_Ref("logprobs"),), {}),
+        _Node("output", "output", "output", ((_Ref("s"), {}),), {}),
+    )
+    loss = CustomLoss("evil", (CustomLossInput("logprobs", 1), CustomLossInput("weights", 1)), nodes)
+    weights_packed = torch.ones(12)
+    value, _ = loss(mine, {"weights": weights_packed[:4]})
+    value.backward()
+    assert torch.equal(packed.detach(), before) and torch.equal(victims.detach(), before[4:])
+    assert torch.equal(weights_packed, torch.ones(12))
+    assert torch.equal(packed.grad, torch.tensor([1.0] * 4 + [0.0] * 8))
+
+
+def _masked_copies(times: int) -> tuple[dict, ...]:
+    """A long double value, then ``times`` boolean-mask selections of it (their size depends on
+    the data: the meta device alone cannot say it)."""
+    return (
+        _call("wide", "torch.cat", [LP] * 64),
+        _call("dbl", "double", {"ref": "wide"}, op="call_method"),
+        _call("mask", "operator.gt", {"ref": "dbl"}, float("-inf")),
+        *(_call(f"sel{i}", "operator.getitem", {"ref": "dbl"}, {"ref": "mask"}) for i in range(times)),
+        _call("total", "sum", {"ref": f"sel{times - 1}"}, op="call_method"),
+    )
+
+
+def test_a_boolean_mask_is_charged_at_its_largest_before_it_runs(monkeypatch: pytest.MonkeyPatch):
+    """The audit's OOM: boolean-mask indexing could not be sized in advance, so it was not
+    charged (ten selections of a 64M-element double tensor killed the worker). A selection is
+    now sized as if every element were selected, before it runs: one works and gives the right
+    value; of ten selections of a 4,096-token datum's 2 MiB value, the one that would pass its
+    8 MiB is refused before it runs on real data."""
+    lp = -torch.rand(4096)
+    one = compile_loss("one", [("logprobs", 1)], _graph(*_masked_copies(1)))
+    value, _ = one(lp, {})
+    assert value.item() == pytest.approx(64 * lp.double().sum().item())
+
+    ten = compile_loss("ten", [("logprobs", 1)], _graph(*_masked_copies(10)))
+    ran: list[str] = []
+    real_getitem = torch.Tensor.__getitem__
+    monkeypatch.setattr(torch.Tensor, "__getitem__", lambda t, i: ran.append(t.device.type) or real_getitem(t, i))
+    with pytest.raises(CustomLossError, match="failed at node 'sel2'.*over their bound of 8388608 bytes"):
+        ten(lp, {})
+    assert ran.count("cpu") == 2  # 1 + 2 + 0.25 + 2 + 2 MiB: sel0 and sel1 ran; sel2 was refused from its meta size
+
+
+def test_a_joint_pass_shares_one_bound():
+    """Each request's losses have their own allowance, and all those of one pass (a joint
+    pass's requests) are also held to the pass's: several requests cannot add up past it."""
+    from hosted_tinker.core.custom_loss import MAX_PASS_BYTES, Allowance, allowance_for
+
+    shared = Allowance(MAX_PASS_BYTES)
+    big = [[torch.zeros(1 << 20)]]  # 4 MiB of inputs: each request may hold 1 GiB alone
+    first, second = allowance_for(big, within=shared), allowance_for(big, within=shared)
+    first.take(MAX_PASS_BYTES // 2 + 1)
+    with pytest.raises(CustomLossError, match="over their bound"):
+        second.take(MAX_PASS_BYTES // 2)

@@ -5,6 +5,8 @@ says; another session's loss is unknown; forbidden graphs are refused naming the
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import numpy as np
 import pytest
@@ -120,3 +122,90 @@ def test_a_loss_survives_a_restart(tmp_path, tiny_model_dir):
             assert torch.isfinite(torch.tensor(after))
     finally:
         server.stop()
+
+
+# ---- one tenant's loss against another's pass (an attacker's audit) ---------------------------
+
+
+def _blocked(base_url: str, sc: tinker.ServiceClient):
+    """A long request of a third model that holds the dispatch thread while what is sent next
+    queues up behind it (and so runs as one joint pass); its future."""
+    from tests.test_joint_passes import datums
+    from tests.test_metrics import scrape
+
+    blocker = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+    busy = blocker.forward_backward(datums(7, 48, 400), "cross_entropy")
+    deadline = time.monotonic() + 30
+    while scrape(base_url)[("hosted_tinker_in_flight", ())] < 1:
+        assert time.monotonic() < deadline, "the blocker never reached the dispatch thread"
+    return busy
+
+
+def evil_writer(logprobs):
+    """The audit's attack: a last op that writes, through ``out=``, into a detached view of the
+    packed log-probs (resized past its datum: the next datum, another tenant's, overwritten)."""
+    big = torch.cat([torch.full_like(logprobs, 5.0)] * 3)
+    return torch.mul(big, 1.0, out=logprobs.detach()).sum() * 0 + logprobs.sum(), {}
+
+
+def views_everywhere(logprobs, weights):
+    """What the allowed operations can do with views of the datum: detach, reshape, slices
+    past the end, a zero-step broadcast; none of it may reach another datum."""
+    flat = logprobs.detach().reshape(-1)[0:100000]
+    tail = logprobs[-1:].unsqueeze(0).flatten()
+    probe = torch.where(weights > 0, flat, torch.zeros_like(flat)) * 0
+    return -(logprobs * weights).sum() + probe.sum() + tail.sum() * 0, {}
+
+
+def test_a_tenants_loss_cannot_write_into_anothers_pass(base_url):
+    """The attacker's writing loss is refused when made (a 400 naming the node). Its strongest
+    allowed loss, run in one joint pass with a victim's cross-entropy, leaves the victim's loss
+    and log-probs exactly what they are when it runs alone."""
+    from tests.test_metrics import moved, scrape
+
+    with tinker.ServiceClient(base_url=base_url) as attacker, tinker.ServiceClient(base_url=base_url) as victim:
+        with pytest.raises(tinker.BadRequestError, match=r"\(mul\): out= is not allowed"):
+            attacker.create_custom_loss(evil_writer, input_ranks={"logprobs": 1}).result()
+        peek = attacker.create_custom_loss(views_everywhere, input_ranks={"logprobs": 1, "weights": 1}).result()
+        hostile = attacker.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        alone = victim.create_lora_training_client(base_model=ALIAS, rank=4, seed=3).result()
+        joint = victim.create_lora_training_client(base_model=ALIAS, rank=4, seed=3).result()
+        want = alone.forward_backward(SFT, "cross_entropy").result()
+
+        before = scrape(base_url)
+        busy = _blocked(base_url, attacker)
+        attack = hostile.forward_backward_custom(DATA, peek)
+        got = joint.forward_backward(SFT, "cross_entropy").result()
+        attack.result(), busy.result()
+        assert moved(before, scrape(base_url), "hosted_tinker_joint_pass_joined_total") >= 1
+        assert got.metrics["loss:sum"] == want.metrics["loss:sum"]
+        for g, w in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+            np.testing.assert_array_equal(g["logprobs"].to_numpy(), w["logprobs"].to_numpy())
+
+
+def masked_copies(logprobs):
+    """The audit's memory hole: boolean-mask selections, whose size depends on the data, were
+    not charged; ten of a long double value took the worker past its memory."""
+    value = torch.cat([logprobs] * 64).double()
+    mask = value > float("-inf")
+    total = logprobs.sum()
+    for _ in range(10):
+        total = total + value[mask].sum() * 0
+    return -total, {}
+
+
+def test_a_boolean_mask_loss_is_held_to_its_bound_and_the_worker_serves_on(base_url):
+    """Ten mask selections of a 4,096-token datum's 2 MiB double value pass what its pass may
+    hold (8 MiB): the request fails as the loss's own error, charged before the selection ran,
+    and the worker serves another client's step at once."""
+    long_datum = types.Datum(
+        model_input=types.ModelInput.from_ints([7] * 4096), loss_fn_inputs={"target_tokens": [8] * 4096}
+    )
+    with tinker.ServiceClient(base_url=base_url) as attacker, tinker.ServiceClient(base_url=base_url) as other:
+        handle = attacker.create_custom_loss(masked_copies, input_ranks={"logprobs": 1}).result()
+        tc = attacker.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        with pytest.raises(tinker.RequestFailedError, match=r"over their bound of 8388608 bytes in all") as failure:
+            tc.forward_backward_custom([long_datum], handle).result()
+        assert str(failure.value.category).lower().endswith("user")
+        victim = other.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        assert victim.forward_backward(SFT, "cross_entropy").result().metrics["loss:sum"] > 0

@@ -9,9 +9,13 @@ tensors keyed ``custom/<name>:sum`` or ``custom/<name>:mean``. The batch's loss 
 the datums' (as for the built-in losses); ``:sum`` metrics add over datums, ``:mean`` ones are
 averaged over them (as the SDK's client-side runner does).
 
-No allowed operation allocates more than its operands already hold (there is no ``torch.zeros``
-of a given size, no ``expand`` or ``repeat``), and a graph has at most ``MAX_NODES`` nodes, so a
-loss costs at most a bounded number of passes over its datum's tensors.
+A loss runs alone with its own datum, whatever else shares the pass (another tenant's datums,
+in a joint pass): its inputs are handed over as fresh tensors (copies, ``logprobs`` still in
+autograd), so nothing a graph does can reach another datum's memory, and no node may write into
+a value (no ``out=``, no in-place method). Every node's result is sized on the meta device
+before it runs (a data-dependent shape, as a boolean mask's, at its largest: every element
+selected) and charged against the datum's and the pass's bounds; a node that cannot be sized
+is refused. A graph has at most ``MAX_NODES`` nodes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import Tensor
 from torch.fx.node import _get_qualified_name  # the SDK names targets with it
 from torch.nn import functional as F
@@ -77,6 +82,11 @@ METHODS = frozenset(
 )
 ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "T", "mT"})
 _DTYPES = {n: getattr(torch, n) for n in "float32 float64 float16 bfloat16 int64 int32 bool".split()}
+# Keyword arguments that would make a node write into a value it was given (``out=`` resizes
+# and fills its tensor: a view of shared memory would be written past its end).
+WRITING_KWARGS = frozenset({"out"})
+# Functions whose result is a Python number, never a tensor: nothing to size.
+_NUMBER_RESULTS = frozenset(getattr(math, n) for n in _MATH.split())
 
 
 class CustomLossError(UserError):
@@ -122,8 +132,10 @@ class CustomLoss:
         self, logprobs: Tensor, inputs: Mapping[str, Tensor], allowance: Allowance | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """``allowance``: what the values of every datum of one backward pass may hold in all
-        (they all stay in autograd until it); by default this datum's own (``allowance_for``)."""
-        values = [logprobs, *(inputs[i.name] for i in self.inputs[1:])]
+        (they all stay in autograd until it); by default this datum's own (``allowance_for``).
+        ``logprobs`` and ``inputs`` may be views of a batch's tensors: the graph gets copies."""
+        # Fresh memory: a graph sees only its datum, however its caller packed the batch.
+        values = [logprobs.clone(), *(inputs[i.name].clone() for i in self.inputs[1:])]
         budget = max(MIN_ELEMENTS, ELEMENTS_PER_INPUT * max(v.numel() for v in values))
         allowance = allowance if allowance is not None else allowance_for([values])
         env: dict[str, Any] = {}
@@ -148,6 +160,11 @@ class CustomLoss:
 # 64 bits), so that a small graph cannot grow a value by repeated doubling or outer products.
 ELEMENTS_PER_INPUT = 64
 MIN_ELEMENTS = 1 << 20
+# What the values of one backward pass's custom losses may hold in all: as if each of a largest
+# graph's nodes held its datums' inputs (at least MIN_PASS_BYTES), and never more than
+# MAX_PASS_BYTES, whatever the batch: the worker is shared by every tenant.
+MIN_PASS_BYTES = 8 << 20
+MAX_PASS_BYTES = 1 << 30
 _NUMBERS = (Tensor, int, float, bool)
 _ARITHMETIC = {getattr(operator, n) for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")}
 
@@ -171,43 +188,58 @@ def _apply(node: _Node, a: list, kw: dict) -> Any:
 
 
 class Allowance:
-    """Elements the values of one backward pass's custom losses may still take (each datum's
-    graph stays in autograd until the pass's backward)."""
+    """Bytes the values of one backward pass's custom losses may still take (each datum's graph
+    stays in autograd until the pass's backward); what is taken is also taken from ``within``,
+    the bound of every request that shares the pass."""
 
-    def __init__(self, elements: int) -> None:
-        self.left = elements
+    def __init__(self, bytes_: int, within: Allowance | None = None) -> None:
+        self.bound = self.left = bytes_
+        self.within = within
 
-    def take(self, elements: int) -> None:
-        if elements > self.left:
-            raise CustomLossError(f"the loss's values are over their bound of {self.left + elements} elements in all")
-        self.left -= elements
+    def take(self, bytes_: int) -> None:
+        if bytes_ > self.left:
+            raise CustomLossError(f"the loss's values are over their bound of {self.bound} bytes in all")
+        if self.within is not None:
+            self.within.take(bytes_)
+        self.left -= bytes_
 
 
-def allowance_for(datums: list[list[Tensor]]) -> Allowance:
+def pass_allowance() -> Allowance:
+    """What every custom loss of one pass (one micro-batch, a joint pass's requests together)
+    may hold: the worker is shared by every tenant."""
+    return Allowance(MAX_PASS_BYTES)
+
+
+def allowance_for(datums: list[list[Tensor]], within: Allowance | None = None) -> Allowance:
     """What the losses of ``datums`` (each its logprobs and inputs) may hold in all: as if every
-    node of a largest graph held a value the size of its datum's inputs."""
-    held = sum(v.numel() for values in datums for v in values)
-    return Allowance(max(MIN_ELEMENTS, MAX_NODES * held))
+    node of a largest graph held a value the size of its datum's inputs, within the pass's
+    bounds."""
+    held = sum(v.numel() * v.element_size() for values in datums for v in values)
+    return Allowance(min(MAX_PASS_BYTES, max(MIN_PASS_BYTES, MAX_NODES * held)), within)
 
 
 def _check_size(node: _Node, a: list, kw: dict, budget: int, allowance: Allowance) -> None:
     """The size of what ``node`` would make, found on the meta device (shapes, no data), checked
     against the bounds before the node runs: an outer product of two long vectors is refused,
-    not allocated. An op that meta tensors cannot run (its size depends on the data, as a boolean
-    mask's) makes no more than its operands hold; it runs and is checked after."""
-    try:
-        meta = _apply(node, _on_meta(a), _on_meta(kw))
-    except Exception:
+    not allocated. A shape that depends on the data (a boolean mask's selection) is taken at its
+    largest, every element selected; a node the meta device cannot run is refused with its error
+    (a node of numbers only has nothing to size)."""
+    if node.target in _NUMBER_RESULTS or not _tensors([a, kw]):
         return
-    made = [t.numel() for t in _tensors(meta)]
-    if made and max(made) > budget:
-        raise CustomLossError(f"a value of {max(made)} elements is over this datum's bound of {budget}")
-    allowance.take(sum(made))
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+        meta = _apply(node, _on_meta(a), _on_meta(kw))
+    made = _tensors(meta)
+    largest = max((t.numel() for t in made), default=0)
+    if largest > budget:
+        raise CustomLossError(f"a value of {largest} elements is over this datum's bound of {budget}")
+    allowance.take(sum(t.numel() * t.element_size() for t in made))
 
 
 def _on_meta(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach().to("meta")
+    if isinstance(value, torch.device):  # ``.to(device)``: a copy's size, not a copy
+        return torch.device("meta")
     if isinstance(value, list | tuple):
         return type(value)(_on_meta(v) for v in value)
     if isinstance(value, dict):
@@ -220,6 +252,8 @@ def _tensors(value: Any) -> list[Tensor]:
         return [value]
     if isinstance(value, list | tuple):
         return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
     return []
 
 
@@ -266,6 +300,8 @@ def _node(raw: dict, index: int, known: set[str]) -> _Node:
         raise CustomLossError(f"{where}: a node needs a name of its own, got {name!r}")
     args = _decode(raw.get("args", []), known, f"{where}.args")
     kwargs = _decode({"dict": raw.get("kwargs", {})}, known, f"{where}.kwargs")
+    if writes := WRITING_KWARGS & set(kwargs):
+        raise CustomLossError(f"{where} ({name}): {sorted(writes)[0]}= is not allowed: a node makes new values only")
     if op == "placeholder" or op == "output":
         return _Node(op, name, target, tuple(args), kwargs)
     if op == "call_function":

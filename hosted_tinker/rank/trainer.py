@@ -33,7 +33,7 @@ import torch
 
 from hosted_tinker.core import losses
 from hosted_tinker.core.calls import rank_call
-from hosted_tinker.core.custom_loss import allowance_for
+from hosted_tinker.core.custom_loss import Allowance, allowance_for, pass_allowance
 from hosted_tinker.core.errors import GroupBroken, PeerFailed, UserError
 from hosted_tinker.core.packing import microbatches
 from hosted_tinker.core.types import (
@@ -72,9 +72,10 @@ class _Outcome:
         self.metrics: dict[str, float] = {}
         self.loss_sum = 0.0
 
-    def add(self, scored: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    def add(self, scored: list[tuple[int, torch.Tensor]], shared: Allowance) -> torch.Tensor:
         """The loss of some of the request's datums (``(index, log-probs)``), as a 0-d tensor in
-        autograd; their log-probs and per-token terms recorded."""
+        autograd; their log-probs and per-token terms recorded. ``shared``: what the custom
+        losses of every request in this pass may hold together."""
         batch = self.batch
         inputs = [{k: v.to(lp.device) for k, v in batch.data[i].inputs.items()} for i, lp in scored]
         if self.custom is None:
@@ -83,7 +84,8 @@ class _Outcome:
         else:  # one scalar per datum, and its metrics: no per-token terms
             terms, loss = [None] * len(scored), torch.zeros((), device=scored[0][1].device)
             # What all these datums' graphs may hold, until their backward.
-            allowance = allowance_for([[lp, *x.values()] for (_, lp), x in zip(scored, inputs, strict=True)])
+            datums = [[lp, *x.values()] for (_, lp), x in zip(scored, inputs, strict=True)]
+            allowance = allowance_for(datums, within=shared)
             for (_, lp), x in zip(scored, inputs, strict=True):
                 value, datum_metrics = self.custom(lp, x, allowance)
                 loss = loss + value
@@ -271,10 +273,10 @@ class Trainer:
                 chosen = [handles[i] for i in indices], [data[i] for i in indices]
                 with self._measuring(recompute, tokens, forward_only):
                     lps = self.model.logprobs(*chosen, recompute=recompute)
-                total = None
+                total, shared = None, pass_allowance()
                 for r in sorted({owner[i] for i in indices}):
                     mine = [(i - first[r], lp) for i, lp in zip(indices, lps, strict=True) if owner[i] == r]
-                    loss = outs[r].add(mine)
+                    loss = outs[r].add(mine, shared)
                     total = loss if total is None else total + loss
                 if not forward_only and total.requires_grad:  # a loss free of lp has no gradient
                     total.backward()
