@@ -248,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="one JSON line per request: a file (default: requests.jsonl in --data-dir, rotated) or - for stderr",
     )
+    serve.add_argument(
+        "--max-inflight-body-bytes",
+        type=int,
+        default=1 << 30,
+        help="request bodies held at once, as received and inflated (503 above; a key's share: 429); "
+        "at least 2 x --max-body-bytes",
+    )
     serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
     serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")
     serve.add_argument(

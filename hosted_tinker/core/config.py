@@ -96,6 +96,9 @@ class ServerConfig(BaseModel):
     # targets (~20 MB for 40K tokens with dense top-64 targets: raise it for longer contexts);
     # JSON, parsed off the event loop but for json.loads' own share (~12-50 ms per MiB).
     max_prompt_body_bytes: int = Field(32 << 20, ge=1024)
+    # Request bodies the API process holds at once, as received and as inflated (503 above; a
+    # key's share: quotas.Limits.body_bytes, 429 above); at least one largest body, inflated.
+    max_inflight_body_bytes: int = Field(1 << 30, ge=1024)
     max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
     max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
     max_pending_bytes: int = Field(4 << 30, ge=1)  # the forward_backward batches they hold (429 above)
@@ -151,6 +154,15 @@ class ServerConfig(BaseModel):
         if rank not in VLLM_LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {sorted(VLLM_LORA_RANKS)} (vLLM's sizes), got {rank}")
         return rank
+
+    @model_validator(mode="after")
+    def _one_body_fits(self) -> ServerConfig:
+        if self.max_inflight_body_bytes < 2 * self.max_body_bytes:
+            raise ValueError(
+                f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must hold one largest body and its "
+                f"inflated form: at least 2 x max_body_bytes ({2 * self.max_body_bytes})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _devices_parse(self) -> ServerConfig:

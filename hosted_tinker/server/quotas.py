@@ -15,6 +15,7 @@ limit                what it bounds                                         refu
 ``requests_per_s``   calls per second, in bursts of ``BURST_S`` seconds'    429
 ``pending``          requests accepted and unfinished (queued or running)   429
 ``pending_bytes``    the forward_backward batches those hold, in bytes      429
+``body_bytes``       request bodies in flight, as received and inflated     429
 ===================  =====================================================  ======
 
 A server without keys (open, for one user on loopback) has no per-key limits. Sessions and
@@ -55,17 +56,22 @@ class Limits(BaseModel):
     requests_per_s: float = Field(100.0, ge=0)  # 0: unlimited
     pending: int | None = Field(None, ge=1)  # None: --max-pending / PENDING_SHARE
     pending_bytes: int | None = Field(None, ge=1)  # None: --max-pending-bytes / PENDING_SHARE
+    body_bytes: int | None = Field(None, ge=1)  # None: --max-inflight-body-bytes / BODY_SHARE (api.inflight)
 
 
 # Unless told otherwise a key may hold a quarter of the requests (and bytes) the server keeps
 # pending: one key cannot fill its bounds (with requests that wait for a seq_id it never sends,
 # say) and leave every other key only 429s.
 PENDING_SHARE = 4
+# A key may hold half the request bodies the server holds at once: with the default bounds, one
+# body of the largest size, zstd-compressed, and its inflated form.
+BODY_SHARE = 2
 # The limits whose default (None above) the server derives from its own settings.
 DERIVED = {
     "lora_rank": "--max-lora-rank",
     "pending": f"--max-pending / {PENDING_SHARE}",
     "pending_bytes": f"--max-pending-bytes / {PENDING_SHARE}",
+    "body_bytes": f"--max-inflight-body-bytes / {BODY_SHARE}",
 }
 
 
@@ -94,8 +100,10 @@ class Quotas:
         max_lora_rank: int,
         queue: QueueLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
+        inflight_body_bytes: int = 1 << 30,
     ) -> None:
-        """``max_lora_rank`` and ``queue`` (the server's bounds) give the limits ``DERIVED`` names."""
+        """``max_lora_rank``, ``queue`` and ``inflight_body_bytes`` (the server's bounds) give the
+        limits ``DERIVED`` names."""
         self.store = store
         self.defaults = defaults
         self.max_lora_rank = max_lora_rank
@@ -104,6 +112,7 @@ class Quotas:
             max(queue.max_pending // PENDING_SHARE, 1),
             max(queue.max_pending_bytes // PENDING_SHARE, 1),
         )
+        self.body_share = max(inflight_body_bytes // BODY_SHARE, 1)
         self._clock = clock
         self._own: dict[str, tuple[float, Limits]] = {}  # tenant -> (read at, limits)
         self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (tenant, bucket) -> (tokens, at)
@@ -148,6 +157,13 @@ class Quotas:
             return None
         count, held = self.pending_shares
         return (limits.pending or count, limits.pending_bytes or held)
+
+    def body_bytes(self, tenant: str) -> int | None:
+        """The bytes of request bodies ``tenant`` may have in flight (``api.inflight``)."""
+        limits = self.of(tenant)
+        if limits is None:
+            return None
+        return limits.body_bytes or self.body_share
 
     # ---- rate (KeyCheck) --------------------------------------------------------------------
 

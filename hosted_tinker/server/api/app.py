@@ -71,6 +71,7 @@ def create_app(state: ServerState) -> FastAPI:
         max_bytes=state.config.max_body_bytes,
         max_control_bytes=state.config.max_control_body_bytes,
         max_prompt_bytes=state.config.max_prompt_body_bytes,
+        body_bytes=state.body_bytes,
     )
     # Before any body is read: the key, and its rate (quotas.admit).
     app.add_middleware(

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hosted_tinker.core.errors import ApiError
 from hosted_tinker.server.api.auth import presented_key
 from hosted_tinker.server.api.errors import LARGE_BODY, error_response, ordered_kind, refuse_unparsed, route_mark
+from hosted_tinker.server.api.inflight import BodyBytes, Hold
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol.ordering import head_limit, order_of
 
@@ -38,7 +39,12 @@ class BodyLimit:
     A request ordered by ``seq_id``, sent with a valid key, is the one exception to "without
     reading": the head of its body (until it names the seq_id; a few hundred KiB and
     ``HEAD_WAIT_S`` at most) is read for the seq_id it uses up (``refuse_unparsed``), so that
-    the model's later requests do not wait for it."""
+    the model's later requests do not wait for it.
+
+    Each body is also held in ``body_bytes`` (``api.inflight``) while its request runs: its
+    Content-Length before any of it is read, else each piece as it comes; a body past its key's
+    share or the server's bound is a 429 / 503 the SDK resends (its seq_id not used up). The
+    route finds the hold in ``scope["state"]["body_hold"]``, to add what it inflates."""
 
     ENCODINGS = ("identity", "zstd")
 
@@ -48,8 +54,10 @@ class BodyLimit:
         max_bytes: int,
         max_control_bytes: int | None = None,
         max_prompt_bytes: int | None = None,
+        body_bytes: BodyBytes | None = None,
     ) -> None:
         self.app = app
+        self.body_bytes = body_bytes
         self.max_bytes = max_bytes
         self.max_control_bytes = min(max_bytes, max_control_bytes or max_bytes)
         self.max_prompt_bytes = min(max_bytes, max_prompt_bytes or max_bytes)
@@ -81,10 +89,32 @@ class BodyLimit:
             detail = f"body of {declared} bytes exceeds the limit of {max_bytes} bytes ({setting}; Content-Length)"
             await self._too_large(scope, head, detail)(scope, receive, send)
             return
+        hold = self.body_bytes.hold(scope.get("state", {}).get("tenant")) if self.body_bytes else None
+        try:
+            if hold is not None and declared.isdigit():
+                try:
+                    hold.take(int(declared))  # all of it, before any is read
+                except ApiError as busy:  # refused unread, to be sent again
+                    await _busy(scope, busy)(scope, receive, send)
+                    return
+                scope.setdefault("state", {})["body_hold"] = hold
+            await self._limited(scope, receive, send, max_bytes, setting, keep, None if declared.isdigit() else hold)
+        finally:
+            if hold is not None:
+                hold.release()
+
+    async def _limited(
+        self, scope: Scope, receive: Receive, send: Send, max_bytes: int, setting: str, keep: int, hold: Hold | None
+    ) -> None:
+        """The app, its body cut off past ``max_bytes``; each piece taken into ``hold`` if given
+        (a body of no declared length), whose refusal is answered in place of the app's."""
+        if hold is not None:
+            scope.setdefault("state", {})["body_hold"] = hold
         head, received, over, answered = bytearray(), 0, False, False
+        busy: ApiError | None = None
 
         async def counting_receive() -> Message:
-            nonlocal received, over
+            nonlocal received, over, busy
             message = await receive()
             if message["type"] == "http.request":
                 chunk = message.get("body", b"")
@@ -94,12 +124,21 @@ class BodyLimit:
                 if received > max_bytes:
                     over = True
                     raise _BodyTooLarge
+                if hold is not None and chunk:
+                    try:
+                        hold.take(len(chunk))
+                    except ApiError as e:
+                        over, busy = True, e
+                        raise _BodyTooLarge from None
             return message
 
         async def refuse() -> None:
             nonlocal answered
             if not answered:
                 answered = True
+                if busy is not None:
+                    await _busy(scope, busy)(scope, receive, send)
+                    return
                 detail = f"body exceeds the limit of {max_bytes} bytes ({setting})"
                 await self._too_large(scope, bytes(head), detail)(scope, receive, send)
 
@@ -121,6 +160,13 @@ class BodyLimit:
     def _too_large(self, scope: Scope, head: bytes, detail: str):
         error = refuse_unparsed(Request(scope), head, ApiError(413, detail))
         return error_response(scope["path"], error.status, error.detail, headers=error.headers)
+
+
+def _busy(scope: Scope, refusal: ApiError):
+    """A body refused for the bytes held (``api.inflight``): its connection closed, the rest of
+    it unread."""
+    headers = {**refusal.headers, "Connection": "close"}
+    return error_response(scope["path"], refusal.status, refusal.detail, headers=headers, code=refusal.code)
 
 
 def _names_an_order(scope: Scope) -> bool:

@@ -20,6 +20,7 @@ from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
 from hosted_tinker.inference.vllm_engine import VllmEngine
 from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
+from hosted_tinker.server.api.inflight import BodyBytes
 from hosted_tinker.server.console.signin import ConsoleSignIn
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.server.metrics import ServerMetrics
@@ -76,6 +77,7 @@ class ServerState:
     sampling: SamplingService
     openai: OpenAIService
     quotas: Quotas
+    body_bytes: BodyBytes
     run_metrics: RunMetrics
     usage: UsageLedger
     audit: AuditLog
@@ -120,7 +122,13 @@ def build_state(config: ServerConfig) -> ServerState:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
     backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s, _cluster(config))
     limits = QueueLimits(config.max_pending, config.max_pending_per_model, config.max_pending_bytes)
-    quotas = Quotas(store, Limits(**config.key_limits), config.max_lora_rank, limits)
+    quotas = Quotas(
+        store,
+        Limits(**config.key_limits),
+        config.max_lora_rank,
+        limits,
+        inflight_body_bytes=config.max_inflight_body_bytes,
+    )
     scheduler = Scheduler(store, limits, ServerMetrics(), keys=quotas)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     caps = backend.capabilities
@@ -200,6 +208,7 @@ def build_state(config: ServerConfig) -> ServerState:
         sampling=sampling,
         openai=openai,
         quotas=quotas,
+        body_bytes=BodyBytes(config.max_inflight_body_bytes, quotas.body_bytes),
         run_metrics=run_metrics,
         usage=usage,
         audit=audit,

@@ -154,21 +154,23 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
             f"forward_backward takes an application/x-protobuf ForwardBackwardRequest body "
             f"(tinker SDK >= 0.25), got Content-Type {content_type!r}",
         )
-    # The app's BodyLimit has already bounded the body; the same limit bounds its inflated size.
-    limit = state.config.max_body_bytes
+    # The app's BodyLimit has already bounded the body; the same limit bounds its inflated size,
+    # which the body's hold takes as it comes (api.inflight: a 429 the SDK resends past the key's share).
+    limit, max_tokens = state.config.max_body_bytes, state.backend.capabilities.max_tokens_per_batch
     body, encoding = await request.body(), request.headers.get("content-encoding")
+    hold = request.scope.get("state", {}).get("body_hold")
 
     def decode() -> tuple[WireForwardBackward, int]:
-        raw = decompress(body, encoding, limit)
-        return decode_forward_backward(raw), len(raw)
+        raw = decompress(body, encoding, limit, charge=hold.take if hold is not None else None)
+        return decode_forward_backward(raw, max_tokens), len(raw)
 
-    try:  # inflating and parsing up to the limit takes a while: not on the event loop
+    try:  # inflating and walking up to the limit takes a while: not on the event loop
         req, size = await asyncio.to_thread(decode)
     except UserError as e:  # unreadable: the seq_id its head names is still used up
         refused = ApiError(e.status, str(e), headers=e.headers, code=e.code)
         raise refuse_unparsed(request, body[: head_limit(encoding)], refused) from None
-    note(request, model_id=req.model_id, seq_id=req.seq_id, loss_fn=req.loss_fn, datums=len(req.raw_data))
-    state.tenancy.model(tenant_of(request), req.model_id)
+    note(request, model_id=req.model_id, seq_id=req.seq_id, loss_fn=req.loss_fn, datums=req.num_datums)
+    state.tenancy.model(tenant_of(request), req.model_id)  # before any datum is built
     return _future(request, state.training.forward_backward(req, size), req.model_id)
 
 

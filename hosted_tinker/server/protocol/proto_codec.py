@@ -7,6 +7,7 @@ arrays travel as little-endian raw bytes; tensors may be dense or sparse CSR.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import groupby
 
@@ -18,6 +19,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from hosted_tinker.core.errors import UnsupportedEncoding, WireError
 from hosted_tinker.core.sampling import SampleOutput
 from hosted_tinker.server.protocol.json_types import TensorData
+from hosted_tinker.server.protocol.proto_scan import scan_forward_backward
 
 _DTYPES = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
 
@@ -56,23 +58,40 @@ MAX_REQUEST_ELEMENTS = 1 << 25
 
 @dataclass
 class WireForwardBackward:
-    """A decoded header; the datums stay raw until ``datums()``, so that a bad datum can be
-    reported against a known ``(model_id, seq_id)``."""
+    """A decoded header; the datums stay raw (where they lie in ``body``) until ``datums()``, so
+    that ownership is checked before any is built, and a bad datum is reported against a known
+    ``(model_id, seq_id)``."""
 
     model_id: str
     seq_id: int
     loss_fn: str
     forward_only: bool
-    raw_data: list[pb.Datum]
+    body: bytes = b""
+    spans: list[tuple[int, int]] = field(default_factory=list)  # each datum's (start, end) in body
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+
+    @property
+    def num_datums(self) -> int:
+        return len(self.spans)
 
     def datums(self) -> list[WireDatum]:
         budget = [MAX_REQUEST_ELEMENTS]
-        return [_datum(d, i, budget) for i, d in enumerate(self.raw_data)]
+        return [_datum(_parse_datum(self.body[a:b], i), i, budget) for i, (a, b) in enumerate(self.spans)]
 
 
-def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
-    """Undo ``Content-Encoding: zstd`` (one or more frames), refusing to inflate past ``max_bytes``."""
+def _parse_datum(raw: bytes, index: int) -> pb.Datum:
+    try:
+        return pb.Datum.FromString(raw)
+    except DecodeError as e:
+        raise WireError(f"data[{index}] is not a Datum protobuf: {e}") from None
+
+
+def decompress(
+    body: bytes, content_encoding: str | None, max_bytes: int, charge: Callable[[int], None] | None = None
+) -> bytes:
+    """Undo ``Content-Encoding: zstd`` (one or more frames), refusing to inflate past
+    ``max_bytes``; ``charge`` is told of each piece inflated before the next is (it raises to
+    stop: the request's share of the process's memory)."""
     if not content_encoding or content_encoding.lower() == "identity":
         return body
     if content_encoding.lower() != "zstd":
@@ -88,7 +107,10 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
                     raise WireError("zstd body is truncated: its last frame is incomplete")
                 piece = view[pos : pos + _ZSTD_PIECE]
                 pos += len(piece)
-                out += frame.decompress(piece)
+                inflated = frame.decompress(piece)
+                if charge is not None and inflated:
+                    charge(len(inflated))
+                out += inflated
                 if len(out) > max_bytes:
                     raise WireError(f"decompressed body exceeds {max_bytes} bytes")
             pos -= len(frame.unused_data)  # the next frame starts inside the last piece
@@ -203,10 +225,13 @@ def _span(msg: pb.ProvenanceSpan, where: str) -> Span:
     return Span(kind == "sampled_tokens", arm.sequence_id, arm.offset, arm.length)
 
 
-def decode_forward_backward(body: bytes) -> WireForwardBackward:
+def decode_forward_backward(body: bytes, max_tokens: int | None = None) -> WireForwardBackward:
+    """The request's header, and where its datums lie, from a walk that stops at the first
+    bound it passes (``proto_scan``: datums, fields, tokens) before protobuf builds anything."""
+    scanned = scan_forward_backward(body, max_tokens)
     msg = pb.ForwardBackwardRequest()
     try:
-        msg.ParseFromString(body)
+        msg.ParseFromString(scanned.header)
     except DecodeError as e:
         raise WireError(f"body is not a ForwardBackwardRequest protobuf: {e}") from None
     # v2 carries every entry (numbers and text); the legacy map only the numeric ones.
@@ -219,7 +244,8 @@ def decode_forward_backward(body: bytes) -> WireForwardBackward:
         seq_id=msg.seq_id,
         loss_fn=msg.loss_fn,
         forward_only=msg.forward_only,
-        raw_data=list(msg.data),
+        body=body,
+        spans=scanned.datums,
         loss_fn_config=config,
     )
 

@@ -114,6 +114,7 @@ class ServerHealthResponse(Response):
     capabilities: dict[str, Any]
     backend_options: dict[str, Any]
     queue: dict[str, Any]
+    body_bytes: dict[str, Any]  # request bodies held now (server.api.inflight)
     worker: dict[str, Any]
     inference: dict[str, Any] | None = None
     active: dict[str, Any]

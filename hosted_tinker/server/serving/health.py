@@ -19,6 +19,7 @@ def health(state: ServerState) -> dict:
         "capabilities": asdict(state.backend.capabilities),
         "backend_options": backend_options(state.config).model_dump(),
         "queue": state.scheduler.queue_status(),
+        "body_bytes": state.body_bytes.status(),
         "worker": state.backend.status(),
         "inference": state.vllm.status() if state.vllm is not None else state.sampling.embedded.status(),
         "active": state.store.count_active(),
