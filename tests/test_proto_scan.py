@@ -25,7 +25,7 @@ def _refused(body: bytes, needle: str, **kw) -> WireError:
     started = time.perf_counter()
     with pytest.raises(WireError, match=needle) as info:
         scan_forward_backward(body, **kw)
-    assert time.perf_counter() - started < 2.0
+    assert time.perf_counter() - started < 10  # the bomb walked in full would take minutes
     return info.value
 
 

@@ -39,6 +39,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
         "queue": key("queue", "pending=3").strip(),
         "beats": key("beats", "requests_per_s=1").strip(),
         "bytes": key("bytes", "pending_bytes=20000").strip(),
+        "ckpt": key("ckpt", "checkpoint_bytes=200000").strip(),
+        "losses": key("losses", "custom_loss_bytes=20000").strip(),
     }
     srv = start_server(data, "--model", str(tiny_model_dir), "--key-limit", "sessions=2")
     yield srv, keys, data
@@ -109,21 +111,61 @@ def test_models_rank_and_metadata_are_limited_with_nothing_half_created(server):
         assert [r.training_run_id for r in runs] == [tc.get_info().model_id]  # the refused ones left nothing
 
 
-def test_stored_checkpoint_bytes_are_limited_and_the_refused_save_keeps_the_order(server):
-    """checkpoint_bytes=1: the first save fits (nothing stored yet), the second is refused;
-    its seq_id is used up, so the model's next calls run, and deleting frees the space."""
+def test_stored_checkpoint_bytes_never_pass_the_limit_however_many_saves_race(server):
+    """The audit: checkpoint_bytes=200000 and 60 saves at once stored 29.85 MB (each was checked
+    when submitted, against what was stored then). A save now reserves its likely size when
+    submitted and settles its true size before it is written, under one lock: of 20 concurrent
+    ~93 KB sampler saves exactly two are stored, the others fail naming the limit (nothing of them
+    written); once the size is known a new save is refused at once (403); the refused saves used
+    up their seq_ids, a sampler snapshot is not stored, and deleting frees the space."""
     srv, keys, _ = server
-    with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["tight"]) as sc:
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["ckpt"]) as sc:
         tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
-        path = tc.save_state("first").result().path
-        with pytest.raises(tinker.PermissionDeniedError, match="limit checkpoint_bytes reached: at most 1 bytes"):
-            tc.save_state("second").result()
-        with pytest.raises(tinker.PermissionDeniedError, match="checkpoint_bytes"):
+        rest = tinker.RestClient(base_url=srv.base_url, api_key=keys["ckpt"])
+        saved = []
+        for future in [tc.save_weights_for_sampler(f"s{i}") for i in range(20)]:
+            try:
+                saved.append(future.result().path)
+            except (tinker.RequestFailedError, tinker.PermissionDeniedError) as e:
+                assert "limit checkpoint_bytes reached: at most 200000 bytes" in str(e)
+        assert len(saved) == 2
+        stored = rest.list_checkpoints(tc.get_info().model_id).result().checkpoints
+        assert [c.tinker_path for c in stored] == saved[::-1] and sum(c.size_bytes for c in stored) <= 200000
+        with pytest.raises(tinker.PermissionDeniedError, match="limit checkpoint_bytes reached: at most 200000 bytes"):
             tc.save_weights_for_sampler("third").result()
         assert tc.forward_backward([datum()], "cross_entropy").result().metrics["loss:sum"] > 0
         tc.save_weights_and_get_sampling_client().result()  # a sampler's snapshot is not stored
-        sc.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
-        assert tc.save_state("second").result().path.endswith("/second")
+        rest.delete_checkpoint_from_tinker_path(saved[0]).result()
+        assert tc.save_weights_for_sampler("again").result().path.endswith("/again")
+
+
+def _loss(k: int):
+    """A loss of its own for each ``k`` (the SDK refuses to make the same one twice)."""
+
+    def loss(logprobs):
+        return -(logprobs * (k + 1)).sum(), {}
+
+    return loss
+
+
+def test_custom_losses_are_limited_per_session_and_per_key(server):
+    """The audit stored 200 graphs of 1 MiB in 5.4 s (+189 MB of SQLite). A session stores at
+    most 64 losses; a key at most custom_loss_bytes over its unfinished sessions (403 naming the
+    limit); a finished session's losses go, freeing the key's bytes."""
+    srv, keys, _ = server
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["plain"]) as sc:
+        for k in range(64):
+            sc.create_custom_loss(_loss(k), input_ranks={"logprobs": 1}).result()
+        with pytest.raises(tinker.PermissionDeniedError, match="stores 64 custom losses, the most a session may"):
+            sc.create_custom_loss(_loss(64), input_ranks={"logprobs": 1}).result()
+    for _ in range(2):  # the second session may store again: the first one's losses went with it
+        with tinker.ServiceClient(base_url=srv.base_url, api_key=keys["losses"]) as sc:
+            made = 0
+            with pytest.raises(tinker.PermissionDeniedError, match="limit custom_loss_bytes reached: at most 20000"):
+                while made < 64:
+                    sc.create_custom_loss(_loss(made), input_ranks={"logprobs": 1}).result()
+                    made += 1
+            assert 0 < made < 64
 
 
 def test_requests_per_second_are_limited_by_a_429_the_sdk_waits_out(server):

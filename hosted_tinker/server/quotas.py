@@ -11,15 +11,24 @@ limit                what it bounds                                         refu
 ``models``           live training models (loaded, in a live session)       403
 ``lora_rank``        the rank of a new LoRA (default: ``--max-lora-rank``)  400
 ``metadata_bytes``   a ``user_metadata`` object, as JSON                    400
-``checkpoint_bytes`` the key's stored checkpoints (a save past it: 403)     403
+``checkpoint_bytes`` the key's stored checkpoints (never past it)          403
 ``requests_per_s``   calls per second, in bursts of ``BURST_S`` seconds'    429
 ``pending``          requests accepted and unfinished (queued or running)   429
 ``pending_bytes``    the forward_backward batches those hold, in bytes      429
 ``body_bytes``       request bodies in flight, as received and inflated     429
+``custom_loss_bytes``  custom losses stored for its unfinished sessions     403
 ===================  =====================================================  ======
 
 A server without keys (open, for one user on loopback) has no per-key limits. Sessions and
 models of a client that stopped heartbeating do not count: they are not live.
+
+Counts are checked and taken in one step on the event loop (nothing awaits in between). Stored
+checkpoint bytes are known only once a save is written, so a save reserves its likely size when
+it is submitted (``reserve_checkpoint``: refused at once if the key's stored and reserved bytes
+would pass the limit) and settles the true size when written, recording the checkpoint under the
+same lock that checks it (``Reservation.settle`` before it is written: refused if it would
+pass; ``commit`` once it is): however many saves run at once, what a key stores never passes
+its limit.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ class Limits(BaseModel):
     pending: int | None = Field(None, ge=1)  # None: --max-pending / PENDING_SHARE
     pending_bytes: int | None = Field(None, ge=1)  # None: --max-pending-bytes / PENDING_SHARE
     body_bytes: int | None = Field(None, ge=1)  # None: --max-inflight-body-bytes / BODY_SHARE (api.inflight)
+    custom_loss_bytes: int = Field(16 << 20, ge=0)  # graphs as stored (serving.custom_losses), of unfinished sessions
 
 
 # Unless told otherwise a key may hold a quarter of the requests (and bytes) the server keeps
@@ -118,6 +128,8 @@ class Quotas:
         self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (tenant, bucket) -> (tokens, at)
         self._owners: dict[str, str] = {}  # session id -> the key that opened it
         self._lock = threading.Lock()
+        self._reserved: dict[str, int] = {}  # tenant -> checkpoint bytes of saves not yet written
+        self._checkpoints = threading.Lock()  # checks and records of stored checkpoint bytes
 
     def of(self, tenant: str) -> Limits | None:
         """The limits ``tenant`` is held to (None on an open server)."""
@@ -211,26 +223,99 @@ class Quotas:
             detail = f"live training models for this key ({live} loaded; unload one or close its client)"
             raise _over("models", limits.models, detail, 403)
 
-    def new_checkpoint(self, tenant: str, user_metadata: dict | None) -> ApiError | None:
-        """The refusal of a save (returned: an ordered save still uses up its seq_id)."""
+    def reserve_checkpoint(self, tenant: str, user_metadata: dict | None, estimate: int = 0) -> Reservation | ApiError:
+        """A save's hold on the key's checkpoint bytes, ``estimate`` of them taken now; or its
+        refusal (returned: an ordered save still uses up its seq_id)."""
         limits = self.of(tenant)
         if limits is None:
-            return None
+            return Reservation(self, tenant, None, 0)
         try:
             self._metadata(limits, user_metadata, "user_metadata")
         except ApiError as e:
             return e
-        stored = self.store.usage(tenant, live_since=time.time() - LIVE_S)["checkpoint_bytes"]
-        if stored >= limits.checkpoint_bytes:
-            detail = f"bytes of stored checkpoints for this key ({stored} stored; delete some to save more)"
-            return _over("checkpoint_bytes", limits.checkpoint_bytes, detail, 403)
-        return None
+        with self._checkpoints:
+            stored = self._stored(tenant)
+            reserved = self._reserved.get(tenant, 0)
+            if stored >= limits.checkpoint_bytes or stored + reserved + estimate > limits.checkpoint_bytes:
+                return _over_checkpoints(limits.checkpoint_bytes, stored, reserved)
+            held = Reservation(self, tenant, limits.checkpoint_bytes, 0)
+            held._take(estimate)
+        return held
+
+    def _stored(self, tenant: str) -> int:
+        return self.store.usage(tenant, live_since=time.time() - LIVE_S)["checkpoint_bytes"]
+
+    def new_custom_loss(self, tenant: str, size: int, stored: Callable[[], int]) -> None:
+        """A 403 if a custom loss of ``size`` bytes would take what the key stores (``stored()``)
+        past ``custom_loss_bytes``; checked and stored in one step on the event loop."""
+        limits = self.of(tenant)
+        if limits is not None and (held := stored()) + size > limits.custom_loss_bytes:
+            detail = f"bytes of custom losses stored for this key's unfinished sessions ({held} stored, {size} sent)"
+            raise _over("custom_loss_bytes", limits.custom_loss_bytes, detail, 403)
 
     @staticmethod
     def _metadata(limits: Limits, user_metadata: dict | None, field: str) -> None:
         size = len(json.dumps(user_metadata or {}, separators=(",", ":")).encode())
         if size > limits.metadata_bytes:
             raise _over("metadata_bytes", limits.metadata_bytes, f"bytes of {field} as JSON ({size} sent)", 400)
+
+
+class Reservation:
+    """Checkpoint bytes one save holds from its submission until it is written (``settle``) or
+    gives up (``release``); thread-safe: saves are written on the dispatch thread."""
+
+    def __init__(self, quotas: Quotas, tenant: str, limit: int | None, held: int) -> None:
+        self.quotas = quotas
+        self.tenant = tenant
+        self.limit = limit  # None: the key has no limits (an open server)
+        self.held = held  # bytes in ``quotas._reserved``
+
+    def settle(self, size: int, replaces: int = 0) -> None:
+        """The save's true size is known (before it is written): hold exactly ``size`` bytes in
+        place of ``replaces`` (an overwritten checkpoint's), or raise the refusal (released) if the
+        key's stored bytes, what its other saves hold and this one would pass the limit."""
+        with self.quotas._checkpoints:
+            self._release()
+            if self.limit is not None:
+                stored, others = self.quotas._stored(self.tenant), self.quotas._reserved.get(self.tenant, 0)
+                if stored - replaces + size + others > self.limit:
+                    raise _over_checkpoints(self.limit, stored, others, size)
+            self._take(max(size - replaces, 0))
+
+    def commit(self, record: Callable[[], None]) -> None:
+        """The save is written: ``record`` its row (from which it counts as stored) and release
+        what it held, in one step for whoever checks next."""
+        with self.quotas._checkpoints:
+            try:
+                record()
+            finally:
+                self._release()
+
+    def release(self) -> None:
+        with self.quotas._checkpoints:
+            self._release()
+
+    def _take(self, size: int) -> None:
+        if self.limit is not None and size:
+            self.quotas._reserved[self.tenant] = self.quotas._reserved.get(self.tenant, 0) + size
+            self.held = size
+
+    def _release(self) -> None:
+        if self.held:
+            reserved = self.quotas._reserved
+            reserved[self.tenant] = reserved.get(self.tenant, 0) - self.held
+            if reserved[self.tenant] <= 0:
+                del reserved[self.tenant]
+            self.held = 0
+
+
+def _over_checkpoints(limit: int, stored: int, reserved: int, size: int | None = None) -> ApiError:
+    this = f"; this one is {size}" if size is not None else ""
+    detail = (
+        f"bytes of stored checkpoints for this key ({stored} stored, {reserved} being saved{this}; "
+        "delete some to save more)"
+    )
+    return _over("checkpoint_bytes", limit, detail, 403)
 
 
 def _over(limit: str, value: float, what: str, status: int) -> ApiError:

@@ -11,10 +11,12 @@ from typing import Literal
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 
+from hosted_tinker.core.errors import ApiError
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
+from hosted_tinker.server.quotas import Reservation
 from hosted_tinker.server.serving.traces import session_trace
 
 MAX_OFFSET = 2**62  # SQLite integers are 64-bit: a larger offset is a 422, not an overflow
@@ -209,9 +211,11 @@ async def copy_weights(
 ) -> dict:
     state, tenant = server_state(request), tenant_of(request)
 
-    def admit() -> None:  # a new copy: not a retry of one already made
-        if (over := state.quotas.new_checkpoint(tenant, None)) is not None:
-            raise over
+    def admit(size: int) -> Reservation:  # a new copy: not a retry of one already made
+        held = state.quotas.reserve_checkpoint(tenant, None, size)
+        if isinstance(held, ApiError):
+            raise held
+        return held
 
     return await asyncio.to_thread(state.copies.copy, req, tenant, idempotency_key, admit)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def build_state(config: ServerConfig) -> ServerState:
     pids = backend.status()["pids"]
     log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))
     vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
-    custom_losses = CustomLossService(store, scheduler)
+    custom_losses = CustomLossService(store, scheduler, quotas)
     residency = Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models)
     usage = UsageLedger(store)
     audit = AuditLog(store)
@@ -198,7 +199,7 @@ def build_state(config: ServerConfig) -> ServerState:
         tenancy=tenancy,
         scheduler=scheduler,
         backend=backend,
-        sessions=SessionService(store, training, on_finish=checkpoints.finish_session, audit=audit),
+        sessions=SessionService(store, training, on_finish=_on_finish(checkpoints, custom_losses), audit=audit),
         training=training,
         checkpoints=checkpoints,
         runs=RunViews(store),
@@ -218,6 +219,16 @@ def build_state(config: ServerConfig) -> ServerState:
     )
     scheduler.metrics.watch(lambda: _metrics_state(state))
     return state
+
+
+def _on_finish(checkpoints: CheckpointService, custom_losses: CustomLossService) -> Callable[[str], None]:
+    """What a finished session leaves: its sampler snapshots and its custom losses go."""
+
+    def finished(session_id: str) -> None:
+        checkpoints.finish_session(session_id)
+        custom_losses.finish_session(session_id)
+
+    return finished
 
 
 def _metrics_state(state: ServerState) -> dict:

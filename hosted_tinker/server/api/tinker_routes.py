@@ -120,7 +120,7 @@ async def create_custom_loss(req: wire.CreateCustomLossRequest, request: Request
     state = server_state(request)
     note(request, session_id=req.session_id, custom_loss=req.name)
     state.tenancy.session(tenant_of(request), req.session_id)
-    return _future(request, state.custom_losses.create(req))
+    return _future(request, state.custom_losses.create(req, tenant_of(request)))
 
 
 @router.post("/create_model")
@@ -195,29 +195,40 @@ async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.U
 async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.UntypedFuture:
     note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
-    if (over := state.quotas.new_checkpoint(tenant_of(request), req.user_metadata)) is not None:
-        return _future(request, state.training.refuse_ordered("save_weights", req.model_id, req.seq_id, over))
-    return _future(request, state.checkpoints.save_weights(req), req.model_id)
+    held = state.quotas.reserve_checkpoint(
+        tenant_of(request), req.user_metadata, state.checkpoints.likely_size(req.model_id, "weights")
+    )
+    if isinstance(held, ApiError):
+        return _future(request, state.training.refuse_ordered("save_weights", req.model_id, req.seq_id, held))
+    return _future(request, state.checkpoints.save_weights(req, held), req.model_id)
 
 
 @router.post("/save_weights_for_sampler", **ordered("save_weights_for_sampler"))
 async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, request: Request) -> wire.UntypedFuture:
     note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
+    held = None
     if req.path is not None:  # a named save is stored; an unnamed one is a sampler's snapshot
-        if (over := state.quotas.new_checkpoint(tenant_of(request), req.user_metadata)) is not None:
-            refused = state.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, over)
+        held = state.quotas.reserve_checkpoint(
+            tenant_of(request), req.user_metadata, state.checkpoints.likely_size(req.model_id, "sampler_weights")
+        )
+        if isinstance(held, ApiError):
+            refused = state.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, held)
             return _future(request, refused)
-    return _future(request, state.checkpoints.save_weights_for_sampler(req), req.model_id)
+    return _future(request, state.checkpoints.save_weights_for_sampler(req, held), req.model_id)
 
 
 @router.post("/save_weights_external", **ordered("save_weights_external"))
 async def save_weights_external(req: wire.SaveWeightsExternalRequest, request: Request) -> wire.UntypedFuture:
     note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
-    if (over := state.quotas.new_checkpoint(tenant_of(request), None)) is not None:
-        return _future(request, state.training.refuse_ordered("save_weights_external", req.model_id, req.seq_id, over))
-    return _future(request, state.checkpoints.save_weights_external(req), req.model_id)
+    held = state.quotas.reserve_checkpoint(
+        tenant_of(request), None, state.checkpoints.likely_size(req.model_id, "external_weights")
+    )
+    if isinstance(held, ApiError):
+        refused = state.training.refuse_ordered("save_weights_external", req.model_id, req.seq_id, held)
+        return _future(request, refused)
+    return _future(request, state.checkpoints.save_weights_external(req, held), req.model_id)
 
 
 @router.post("/load_weights", **ordered("load_weights"))

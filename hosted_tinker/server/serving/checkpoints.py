@@ -12,6 +12,7 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hosted_tinker.core.checkpoints import (
     CheckpointError,
@@ -39,6 +40,9 @@ from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.training import Admit, TrainingService, json_result, model_optimizer
 from hosted_tinker.server.store import Store
+
+if TYPE_CHECKING:
+    from hosted_tinker.server.quotas import Reservation
 
 # Ephemeral sampler snapshots kept per training model; older ones are deleted (asking for one
 # then gets a 404). Async RL samples from a policy a few steps stale, never from 8 steps back.
@@ -98,7 +102,10 @@ class CheckpointService:
         user_metadata: dict[str, str] | None,
         extra: dict | None = None,
         encrypt_to: list[str] | None = None,
+        held: Reservation | None = None,
     ) -> str:
+        """``held``: the key's checkpoint bytes this save reserved (``Quotas.reserve_checkpoint``),
+        settled when it is written, released if it never is."""
         request_kind = {
             "weights": "save_weights",
             "sampler_weights": "save_weights_for_sampler",
@@ -117,14 +124,35 @@ class CheckpointService:
             model = self.training.live_model(model_id)
 
             def job() -> tuple[bytes, str]:
-                files = self._export(kind, model)
-                if recipients is not None:
-                    files = encrypt_files(files, recipients)
-                size = self.files.write(path, files, overwrite=overwrite)
+                try:
+                    files = self._export(kind, model)
+                    if recipients is not None:
+                        files = encrypt_files(files, recipients)
+                    size = sum(len(data) for data in files.values())
+                    if held is not None:  # over the key's checkpoint bytes: refused before it is written
+                        replaced = self.store.get_checkpoint(model_id, kind, name)
+                        held.settle(size, replaces=replaced.size_bytes if replaced is not None else 0)
+                    self.files.write(path, files, overwrite=overwrite)
+                except BaseException:
+                    if held is not None:
+                        held.release()
+                    raise
+
+                def record() -> None:
+                    self.store.put_checkpoint(
+                        model_id,
+                        kind,
+                        name,
+                        size_bytes=size,
+                        ttl_seconds=ttl_seconds,
+                        user_metadata=user_metadata or {},
+                    )
+
+                if held is not None:
+                    held.commit(record)
+                else:
+                    record()
                 self.scheduler.metrics.checkpoint_bytes.labels(kind).inc(size)
-                self.store.put_checkpoint(
-                    model_id, kind, name, size_bytes=size, ttl_seconds=ttl_seconds, user_metadata=user_metadata or {}
-                )
                 if self.training.usage is not None:
                     self.training.usage.checkpoint_saved(model_id)
                 if self.audit is not None:
@@ -141,7 +169,24 @@ class CheckpointService:
 
             return job
 
-        return self.training.submit_ordered(request_kind, model_id, seq_id, prepare)
+        queued = False
+
+        def prepare_owning() -> Job:
+            nonlocal queued
+            job = prepare()
+            queued = True  # from here the job settles or releases what is held
+            return job
+
+        try:
+            return self.training.submit_ordered(request_kind, model_id, seq_id, prepare_owning)
+        finally:
+            if held is not None and not queued:  # refused, or a resend of a save already queued
+                held.release()
+
+    def likely_size(self, model_id: str, kind: str) -> int:
+        """What a save of ``model_id``'s ``kind`` will likely take: its newest such checkpoint's
+        bytes (0 before the first), reserved when a save is submitted."""
+        return next((c.size_bytes for c in self.store.list_checkpoints(model_id) if c.kind == kind), 0)
 
     def _export(self, kind: str, model: ModelRecord) -> dict[str, bytes]:
         config = self.backend.peft_config(model.model_id)
@@ -152,7 +197,7 @@ class CheckpointService:
             return state_to_files(state, config, model.base_model)
         return peft_adapter_files(config, state.weights)
 
-    def save_weights(self, req: wire.SaveWeightsRequest) -> str:
+    def save_weights(self, req: wire.SaveWeightsRequest, held: Reservation | None = None) -> str:
         name = req.path if req.path is not None else f"seq-{req.seq_id}"
         return self._save(
             "weights",
@@ -162,9 +207,11 @@ class CheckpointService:
             overwrite=req.overwrite,
             ttl_seconds=req.ttl_seconds,
             user_metadata=req.user_metadata,
+            held=held,
         )
 
-    def save_weights_for_sampler(self, req: wire.SaveWeightsForSamplerRequest) -> str:
+    def save_weights_for_sampler(self, req: wire.SaveWeightsForSamplerRequest, held: Reservation | None = None) -> str:
+        """``held``: a named save's reservation (an unnamed one is a sampler's snapshot, not stored)."""
         refusal = None
         if req.kind not in ("snapshot", "inflight"):
             refusal = bad_request(f"kind must be 'snapshot' or 'inflight', got {req.kind!r}")
@@ -175,6 +222,8 @@ class CheckpointService:
         elif req.path is None and req.sampling_session_seq_id is None:
             refusal = bad_request("save_weights_for_sampler needs either path (a name) or sampling_session_seq_id")
         if refusal is not None:
+            if held is not None:
+                held.release()
             return self.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, refusal)
         if req.path is not None:
             return self._save(
@@ -185,6 +234,7 @@ class CheckpointService:
                 overwrite=False,
                 ttl_seconds=req.ttl_seconds,
                 user_metadata=req.user_metadata,
+                held=held,
             )
         return self._save_ephemeral(req)
 
@@ -236,7 +286,7 @@ class CheckpointService:
         """A finished session's ephemeral samplers can no longer be used: free their disk."""
         self._retire_snapshots(self.store.ephemeral_samplers(session_id=session_id))
 
-    def save_weights_external(self, req: wire.SaveWeightsExternalRequest) -> str:
+    def save_weights_external(self, req: wire.SaveWeightsExternalRequest, held: Reservation | None = None) -> str:
         """A PEFT adapter to download; with ``age_encryption_recipients``, each file encrypted
         to them (``core.encryption``)."""
         return self._save(
@@ -248,6 +298,7 @@ class CheckpointService:
             ttl_seconds=req.ttl_seconds,
             user_metadata=None,
             encrypt_to=req.age_encryption_recipients,
+            held=held,
         )
 
     # ---- loading ----------------------------------------------------------------------------
@@ -432,12 +483,13 @@ class CheckpointService:
 
     # ---- downloads --------------------------------------------------------------------------
 
-    def download_urls(self, run_id: str, checkpoint_id: str, base_url: str) -> dict:
-        """Signed, expiring URLs for each file of an external-weights checkpoint (no auth needed)."""
+    def download_urls(self, run_id: str, checkpoint_id: str, base_url: str, tenant: str) -> dict:
+        """Signed, expiring URLs for each file of an external-weights checkpoint (no auth needed),
+        for ``tenant``'s key: they serve while that key may read it."""
         path, _ = self._record(run_id, checkpoint_id)
         if path.kind != "external_weights":
             raise bad_request(f"{path} is not an external_weights checkpoint")
-        return self.links.urls(path, base_url)
+        return self.links.urls(path, base_url, tenant)
 
     # ---- retention --------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import hashlib
 import secrets
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request, not_found
@@ -27,6 +28,9 @@ from hosted_tinker.server.serving.checkpoints import check_ttl
 from hosted_tinker.server.serving.sessions import check_project_id
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.store import Store
+
+if TYPE_CHECKING:
+    from hosted_tinker.server.quotas import Reservation
 
 
 class CopyService:
@@ -44,16 +48,20 @@ class CopyService:
         req: wire.CopyWeightsRequest,
         owner: str,
         idempotency_key: str | None,
-        admit: Callable[[], None] | None = None,
+        admit: Callable[[int], Reservation] | None = None,
     ) -> dict:
         """The copy's ``tinker_path`` (made now, or found: a retry of the same request; ``admit``
-        checks the owner's limits before a new one is made). Reads and links files: call it
-        off the event loop."""
+        reserves the owner's checkpoint bytes for a new one, of the source's size). Reads and
+        links files: call it off the event loop."""
         with self._lock:
             return self._copy(req, owner, idempotency_key, admit)
 
     def _copy(
-        self, req: wire.CopyWeightsRequest, owner: str, idempotency_key: str | None, admit: Callable[[], None] | None
+        self,
+        req: wire.CopyWeightsRequest,
+        owner: str,
+        idempotency_key: str | None,
+        admit: Callable[[int], Reservation] | None,
     ) -> dict:
         if req.weights_access_token is not None:
             raise bad_request("weights_access_token is not supported: checkpoints here have no access tokens")
@@ -77,14 +85,9 @@ class CopyService:
             if existing.status == COPY_STATUS and self.store.get_checkpoint(run_id, source.kind, source.name):
                 return {"tinker_path": str(target)}  # the same copy, asked for again
             raise ApiError(409, f"training run {run_id} already exists; copy into another model_seq_id")
-        if admit is not None:
-            admit()
-        self.files.delete(target)  # a copy that a crash left without its rows, if any
-        try:
-            size = self.files.link(source, target)
-        except CheckpointError as e:
-            raise bad_request(f"source_path: {e}") from None
-        try:
+        held = admit(record.size_bytes) if admit is not None else None
+
+        def put() -> None:
             self.store.add_model(
                 run_id,
                 session_id=run_id.rpartition(":train:")[0],
@@ -102,7 +105,21 @@ class CopyService:
                 ttl_seconds=req.ttl_seconds,  # the source's expiry is not inherited
                 user_metadata=record.user_metadata,
             )
+
+        try:
+            self.files.delete(target)  # a copy that a crash left without its rows, if any
+            try:
+                size = self.files.link(source, target)
+            except CheckpointError as e:
+                raise bad_request(f"source_path: {e}") from None
+            if held is not None:
+                held.settle(size)  # within the owner's checkpoint bytes, or refused
+                held.commit(put)
+            else:
+                put()
         except BaseException:
+            if held is not None:
+                held.release()
             self.files.delete(target)
             raise
         if self.mirror is not None:

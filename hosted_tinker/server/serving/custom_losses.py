@@ -5,6 +5,8 @@ The graph is checked against the allowed operations when it is created (a 400 na
 node that is not allowed: ``core.custom_loss``), stored as the data it came as in the server's
 SQLite file (so a loss outlives a restart, like its session), and compiled again on the ranks
 for each batch. A loss belongs to its session: another session's id is unknown to a model.
+A session stores at most ``MAX_PER_SESSION`` losses, its key at most ``custom_loss_bytes`` of them
+over its unfinished sessions (``server.quotas``); a finished session's go with it.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import numpy as np
 import torch
 
 from hosted_tinker.core.custom_loss import CustomLossDef, CustomLossError
-from hosted_tinker.core.errors import bad_request, not_found
+from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import WireDatum
+from hosted_tinker.server.quotas import Quotas
 from hosted_tinker.server.scheduler import Scheduler
 from hosted_tinker.server.schema import connect
 from hosted_tinker.server.store import Store
@@ -37,16 +40,21 @@ CREATE TABLE IF NOT EXISTS custom_losses (
 """
 
 
+MAX_PER_SESSION = 64
+
+
 class CustomLossService:
-    def __init__(self, store: Store, scheduler: Scheduler) -> None:
+    def __init__(self, store: Store, scheduler: Scheduler, quotas: Quotas | None = None) -> None:
         self.store = store
         self.scheduler = scheduler
+        self.quotas = quotas  # the key's custom_loss_bytes
         self._db = connect(store.path, _SCHEMA)
         self._lock = threading.Lock()
 
-    def create(self, req: wire.CreateCustomLossRequest) -> str:
+    def create(self, req: wire.CreateCustomLossRequest, owner: str) -> str:
         """A future whose result names the stored loss; a resend (same session and
-        ``custom_loss_seq_id``) gets the first one's."""
+        ``custom_loss_seq_id``) gets the first one's. Runs on the event loop: the quotas are
+        checked and the loss stored in one step."""
         key = f"{req.session_id}:custom_loss"
         if (existing := self.scheduler.find(key, req.custom_loss_seq_id)) is not None:
             return existing
@@ -61,11 +69,34 @@ class CustomLossService:
         inputs, nodes = json.dumps(definition.inputs), json.dumps(req.graph.nodes)
         row = (loss_id, req.session_id, req.name, inputs, nodes, time.time())
         with self._lock:
+            (count,) = self._db.execute(
+                "SELECT COUNT(*) FROM custom_losses WHERE session_id=?", (req.session_id,)
+            ).fetchone()
+            if count >= MAX_PER_SESSION:
+                raise ApiError(
+                    403, f"this session stores {count} custom losses, the most a session may", code="quota_exceeded"
+                )
+            if self.quotas is not None:
+                self.quotas.new_custom_loss(owner, len(inputs) + len(nodes), lambda: self._stored_by(owner))
             self._db.execute("INSERT INTO custom_losses VALUES (?,?,?,?,?,?)", row)
         request_id = self.scheduler.register("create_custom_loss", model_id=key, seq_id=req.custom_loss_seq_id)
         body = json.dumps({"loss_id": loss_id, "type": "create_custom_loss"}).encode()
         self.scheduler.complete(request_id, body, "application/json")
         return request_id
+
+    def _stored_by(self, owner: str) -> int:
+        """Bytes of the losses of ``owner``'s unfinished sessions (under ``_lock``)."""
+        (size,) = self._db.execute(
+            "SELECT COALESCE(SUM(LENGTH(inputs) + LENGTH(nodes)), 0) FROM custom_losses WHERE session_id IN "
+            "(SELECT session_id FROM sessions WHERE owner=? AND status='active')",
+            (owner,),
+        ).fetchone()
+        return size
+
+    def finish_session(self, session_id: str) -> None:
+        """A finished session's losses can no longer be run: they go."""
+        with self._lock:
+            self._db.execute("DELETE FROM custom_losses WHERE session_id=?", (session_id,))
 
     def get(self, session_id: str, loss_id: object) -> CustomLossDef:
         """The session's loss ``loss_id`` (a 400 for a malformed id, a 404 for another's)."""
