@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import ipaddress
 import json
 import logging
@@ -63,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from hosted_tinker.server.api.app import create_app, graceful_shutdown_s
     from hosted_tinker.server.api.connections import ConnectionLimits, http_protocol
+    from hosted_tinker.server.api.request_log import SecretsRedacted
     from hosted_tinker.server.api.state import build_state
 
     try:
@@ -80,11 +82,17 @@ def _serve(args: argparse.Namespace) -> int:
             config.data_dir,
         )
     log.info("serving %s on http://%s:%d", config.served_names(), config.host, config.port)
+    # uvicorn's own logging, its access log's paths less their secrets (when it is on at all).
+    logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logs.setdefault("filters", {})["secrets"] = {"()": SecretsRedacted}
+    logs["handlers"]["access"]["filters"] = ["secrets"]
     uvicorn.run(
         create_app(state),
         host=config.host,
         port=config.port,
         log_level=args.log_level,
+        log_config=logs,
+        access_log=config.access_log,
         http=http_protocol(ConnectionLimits.from_config(config)),
         # Open requests may delay the shutdown this long, so that parking fits --shutdown-timeout.
         timeout_graceful_shutdown=graceful_shutdown_s(config),
@@ -254,6 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=1 << 30,
         help="request bodies held at once, as received and inflated (503 above; a key's share: 429); "
         "at least 2 x --max-body-bytes",
+    )
+    serve.add_argument(
+        "--request-log-anonymous-per-s",
+        type=float,
+        default=1.0,
+        help="request log lines a second of requests without a valid key or over a key's rate (bursts of a "
+        "minute's worth); the others are counted in a summary line a minute (0: summaries only)",
+    )
+    serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="also write uvicorn's access log to stderr, secrets left out (the request log is the record)",
     )
     serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
     serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")

@@ -144,6 +144,11 @@ class ServerConfig(BaseModel):
     # One JSON line per request (``server.api.request_log``): a file, "-" for stderr; None: the
     # data directory's requests.jsonl.
     request_log: str | None = None
+    # Lines a second of requests without a valid key (and of a key's 429s for its rate), in bursts
+    # of a minute's worth; the others are counted in one summary line a minute. 0: summaries only.
+    request_log_anonymous_per_s: float = Field(1.0, ge=0)
+    # uvicorn's access log (on stderr, with the server's log): off, the request log is the record.
+    access_log: bool = False
 
     def request_log_target(self) -> str:
         return self.request_log if self.request_log is not None else str(self.data_dir / "requests.jsonl")

@@ -18,7 +18,7 @@ from hosted_tinker.server.api.auth import authenticate
 from hosted_tinker.server.api.body_limit import BodyLimit
 from hosted_tinker.server.api.errors import install_error_handlers
 from hosted_tinker.server.api.key_check import KeyCheck
-from hosted_tinker.server.api.request_log import RequestLog, open_request_log
+from hosted_tinker.server.api.request_log import RequestLines, RequestLog, open_request_log
 from hosted_tinker.server.api.state import ServerState
 from hosted_tinker.server.console import routes as console
 
@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def create_app(state: ServerState) -> FastAPI:
+    logger = open_request_log(state.config.request_log_target())
+    request_lines = RequestLines(logger, state.config.request_log_anonymous_per_s)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.scheduler.bind_loop(asyncio.get_running_loop())
@@ -51,6 +54,7 @@ def create_app(state: ServerState) -> FastAPI:
             await state.vllm.stop()
         state.sequences.close()
         state.store.close()
+        request_lines.flush()  # the count of lines held back since the last summary
 
     app = FastAPI(title="hosted-tinker", lifespan=lifespan)
     app.state.server = state
@@ -82,9 +86,7 @@ def create_app(state: ServerState) -> FastAPI:
         public_metrics=state.config.public_metrics,
     )
     # Outermost: its line covers every answer, the body limit's 413 included.
-    app.add_middleware(
-        RequestLog, logger=open_request_log(state.config.request_log_target()), metrics=state.scheduler.metrics
-    )
+    app.add_middleware(RequestLog, lines=request_lines, metrics=state.scheduler.metrics)
     install_error_handlers(app)
     return app
 

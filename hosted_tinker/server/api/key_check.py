@@ -65,6 +65,7 @@ class KeyCheck:
                 response = error_response(scope["path"], 401, refusal(key), code="invalid_api_key", headers=headers)
                 await response(scope, receive, send)
                 return
+            scope.setdefault("state", {})["tenant"] = tenant  # the request log names it, a 429 too
             if self.quotas is not None:
                 over = self.quotas.admit(tenant, OWN_BUCKET.get(scope["path"], "requests"))
                 if over is not None:
@@ -72,5 +73,4 @@ class KeyCheck:
                     response = error_response(scope["path"], 429, over.detail, headers=headers)
                     await response(scope, receive, send)
                     return
-            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)

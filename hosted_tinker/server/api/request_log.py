@@ -7,15 +7,27 @@ status, duration, bytes received and sent, the client's address, and what the ro
 about it (``note``): the model or sampling session, ``seq_id``, the future's ``request_id``,
 and for training calls the loss and the optimizer. Lines go to ``--request-log`` (by default
 ``requests.jsonl`` in the data directory, rotated at 64 MiB, four old files kept; ``-``: stderr).
+
+What anyone can send without a key must not be able to rotate away what keys did (240 s of
+keyless 404s at 510/s once erased every keyed line): lines of requests without a valid key, and
+a key's 429s for its rate, take at most ``--request-log-anonymous-per-s`` lines a second (bursts
+of ``BURST_S`` seconds' worth); the others are counted by status, method, route, client and key,
+and the counts are one summary line a minute (``RequestLines``). No secret is written: a link's
+signature and a query string's keys and tokens are left out of every path (``redacted``), here
+and in uvicorn's access log where it is turned on (``SecretsRedacted``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import logging.handlers
+import re
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +39,40 @@ from hosted_tinker.server.metrics import ServerMetrics
 LOGGER = "hosted_tinker.requests"
 ROTATE_BYTES = 64 << 20
 ROTATED_FILES = 4
+BURST_S = 60.0  # the limited lines' allowance holds this many seconds' worth
+SUMMARY_EVERY_S = 60.0  # what was held back is written as one line this often (and at shutdown)
+MAX_GROUPS = 1000  # distinct groups counted between summaries; requests of any further one count as "others"
+GROUPS_SHOWN = 20  # the largest groups, in a summary line
+# Query parameters whose values are credentials (a key sent as ?api_key=, a token, a signature).
+SECRET_PARAMETERS = frozenset({"api_key", "apikey", "key", "token", "access_token", "sig", "signature", "secret"})
+# A signed link's signature is its credential: /api/v1/{files,traces}/<payload>/<signature>/<name>.
+_LINK_SIGNATURE = re.compile(r"^(/api/v1/(?:files|traces)/[^/?]*/)[^/?]+")
+_QUERY_SECRET = re.compile(r"(^|&)([^=&]+)=([^&]*)")
+HIDDEN = "..."
+
+
+def redacted(path: str) -> str:
+    """``path`` (and its query string, if any) with every secret in it replaced by ``...``."""
+    path, mark, query = path.partition("?")
+    path = _LINK_SIGNATURE.sub(rf"\g<1>{HIDDEN}", path)
+    if not mark:
+        return path
+
+    def hide(m: re.Match[str]) -> str:
+        secret = m.group(2).lower() in SECRET_PARAMETERS
+        return f"{m.group(1)}{m.group(2)}={HIDDEN if secret else m.group(3)}"
+
+    return f"{path}?{_QUERY_SECRET.sub(hide, query)}"
+
+
+class SecretsRedacted(logging.Filter):
+    """For uvicorn's access log (``--access-log``): its request paths, query strings included,
+    with their secrets left out (``redacted``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redacted(a) if isinstance(a, str) and a.startswith("/") else a for a in record.args)
+        return True
 
 
 def note(request: Request, **fields: Any) -> None:
@@ -67,12 +113,95 @@ class _RotatingLog(logging.handlers.RotatingFileHandler):
         return self.stream.tell() + len(self.format(record)) + 1 >= self.maxBytes
 
 
+def limited(line: dict[str, Any]) -> bool:
+    """Whether a line is one anyone could make many of: no valid key, or a key refused for its rate."""
+    return line.get("key_id") is None or line.get("status") == 429
+
+
+class RequestLines:
+    """Writes request lines to ``logger``: every keyed one, and of the ``limited`` ones as many
+    as ``per_s`` a second allows (bursts of ``BURST_S`` seconds' worth); the rest are counted
+    and summarised in one line every ``SUMMARY_EVERY_S`` (and at ``flush``). Used on the event
+    loop only."""
+
+    def __init__(self, logger: logging.Logger, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.per_s = per_s
+        self.clock = clock
+        self._allowance = per_s * BURST_S
+        self._refilled = clock()
+        self._held: Counter[tuple[Any, ...]] = Counter()  # (status, method, route, client, key_id) -> requests
+        self._others = 0  # requests of groups past MAX_GROUPS
+        self._held_since: tuple[float, float] | None = None  # (monotonic, wall) of the first held back
+        self._timer: asyncio.TimerHandle | None = None
+
+    def write(self, line: dict[str, Any]) -> None:
+        if limited(line) and not self._admit():
+            self._hold(line)
+        else:
+            self._emit(line)
+        if self._held_since is not None and self.clock() - self._held_since[0] >= SUMMARY_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the summary of the lines held back since the last one, if any."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._held_since is None:
+            return
+        names = ("status", "method", "route", "client", "key_id")
+        shown = self._held.most_common(GROUPS_SHOWN)
+        groups = [
+            {**{k: v for k, v in zip(names, group, strict=True) if v is not None}, "count": n} for group, n in shown
+        ]
+        total = sum(self._held.values()) + self._others
+        self._emit({
+            "time": round(time.time(), 3),
+            "since": round(self._held_since[1], 3),
+            "suppressed": total,
+            "groups": groups,
+            "others": total - sum(n for _, n in shown),  # requests of the groups not shown
+        })  # fmt: skip
+        self._held.clear()
+        self._others = 0
+        self._held_since = None
+
+    def _admit(self) -> bool:
+        now = self.clock()
+        self._allowance = min(self.per_s * BURST_S, self._allowance + (now - self._refilled) * self.per_s)
+        self._refilled = now
+        if self._allowance >= 1.0:
+            self._allowance -= 1.0
+            return True
+        return False
+
+    def _hold(self, line: dict[str, Any]) -> None:
+        group = (line.get("status"), line.get("method"), line.get("route"), line.get("client"), line.get("key_id"))
+        if group in self._held or len(self._held) < MAX_GROUPS:
+            self._held[group] += 1
+        else:
+            self._others += 1
+        if self._held_since is None:
+            self._held_since = (self.clock(), time.time())
+            try:  # a summary within the minute, even if no other request comes
+                self._timer = asyncio.get_running_loop().call_later(SUMMARY_EVERY_S, self.flush)
+            except RuntimeError:  # no loop (a test): at the next write past the minute, or at flush
+                pass
+
+    def _emit(self, line: dict[str, Any]) -> None:
+        try:
+            self.logger.info(json.dumps({k: v for k, v in line.items() if v is not None}))
+        except Exception:  # a full disk must not fail the request that was served
+            logging.getLogger(__name__).exception("could not write the request log")
+
+
 class RequestLog:
     """ASGI middleware: counts a request's bytes both ways and writes its line when it ends."""
 
-    def __init__(self, app: ASGIApp, logger: logging.Logger, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, app: ASGIApp, lines: RequestLines, metrics: ServerMetrics | None = None) -> None:
         self.app = app
-        self.logger = logger
+        self.lines = lines
         self.metrics = metrics  # the same facts, counted for /metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -108,7 +237,7 @@ class RequestLog:
             "key_id": state.get("tenant"),
             "method": scope.get("method"),
             "route": getattr(route, "path", None),
-            "path": scope.get("path"),
+            "path": redacted(scope.get("path", "")),
             "status": counts["status"] or 500,  # none sent: the connection ended first
             "ms": round(seconds * 1000, 2),
             "bytes_in": counts["in"],
@@ -118,7 +247,4 @@ class RequestLog:
         }
         if self.metrics is not None:
             self.metrics.observe_request(line["route"], line["method"], line["status"], seconds)
-        try:
-            self.logger.info(json.dumps({k: v for k, v in line.items() if v is not None}))
-        except Exception:  # a full disk must not fail the request that was served
-            logging.getLogger(__name__).exception("could not write the request log")
+        self.lines.write(line)
