@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     auth.add_argument(
         "--public-metrics",
         action="store_true",
-        help="serve /metrics without a key when keys are on (it names every tenant's models)",
+        help="serve /metrics without a key when keys are on (every model's series still need an operator's key)",
     )
     auth.add_argument(
         "--console-operator",
@@ -392,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY_ID",
-        help="a key (its id, as `keys list` shows it) whose console sessions also see the server page",
+        help="a key (its id, as `keys list` shows it) that sees the whole server: the console's server page, "
+        "every model's series in /metrics",
     )
     auth.add_argument(
         "--key-limit",

@@ -136,8 +136,9 @@ class ServerConfig(BaseModel):
     api_keys_file: Path | None = None
     dev_any_key: bool = False  # development only: any tml- key is accepted, each its own tenant
     public_docs: bool = False  # /docs and /openapi.json without a key (with keys on; open servers show them anyway)
-    public_metrics: bool = False  # /metrics without a key (it names every tenant's models)
-    # Key ids (``keys list``) whose console sessions also see the server page (server.console).
+    public_metrics: bool = False  # /metrics without a key (its per-model series still need an operator's)
+    # Key ids (``keys list``) that see the whole server: the console's server page
+    # (server.console), every model's series in /metrics (``ServerState.is_operator``).
     console_operators: list[str] = Field(default_factory=list)
     # The limits every key is held to unless it has its own (``server.quotas.Limits``; --key-limit).
     key_limits: dict[str, Any] = Field(default_factory=dict)

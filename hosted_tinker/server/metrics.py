@@ -5,11 +5,15 @@ Two kinds: what the server counts as it works (requests, job times, tokens, chec
 scrape (queue depth per model, restarts, resident and parked models, LoRA syncs:
 ``StateCollector``), so that no gauge is ever stale or left behind by a model that is gone.
 Everything lives in the server process; the ranks report through their calls' results.
+
+A series labelled with a ``model`` names a tenant's model: a scrape shows every model's only to
+an operator's key (``--console-operator``) or on a server without keys; any other key sees its
+own models' and the totals (``visible``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -62,6 +66,23 @@ class ServerMetrics:
         self.registry.register(StateCollector(read))
 
 
+class Scrape:
+    """What ``generate_latest`` reads: the families of one scrape, as its viewer may see them."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def visible(families: list[Metric], owns: Callable[[str], bool]) -> Scrape:
+    """``families`` with only the per-model series of models ``owns`` holds."""
+    for family in families:
+        family.samples = [s for s in family.samples if "model" not in s.labels or owns(s.labels["model"])]
+    return Scrape(families)
+
+
 class StateCollector(Collector):
     """Gauges and counters read from the server's parts when scraped. ``read()`` returns
     ``queue`` (per model: requests pending), ``worker_restarts``, ``joint_passes`` (``passes``
@@ -82,6 +103,11 @@ class StateCollector(Collector):
         for model, pending in sorted(state["queue"].items()):
             queue.add_metric([model], pending)
         yield queue
+        yield GaugeMetricFamily(
+            f"{PREFIX}_pending_requests",
+            "requests accepted, not finished, of every model",
+            value=sum(state["queue"].values()),
+        )
         yield GaugeMetricFamily(f"{PREFIX}_in_flight", "jobs handed to the dispatch thread", value=state["in_flight"])
         yield GaugeMetricFamily(
             f"{PREFIX}_resident_models", "training models on the workers", value=state["resident_models"]

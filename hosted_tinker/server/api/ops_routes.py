@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from hosted_tinker.server.api.auth import presented_key
 from hosted_tinker.server.api.state import server_state
+from hosted_tinker.server.metrics import Scrape, visible
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.serving.health import health
 
@@ -21,10 +25,21 @@ async def healthz(request: Request) -> dict:
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
 async def metrics(request: Request) -> Response:
-    """Prometheus' text format (``server.metrics``). It names every tenant's model ids: with keys
-    on it needs one, unless ``--public-metrics`` (for a scraper on a private network)."""
-    registry = server_state(request).scheduler.metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus' text format (``server.metrics``). With keys on it needs one, unless
+    ``--public-metrics`` (for a scraper on a private network); each model's series only for its
+    own key, and every model's for an operator's (``--console-operator``)."""
+    state = server_state(request)
+    tenant = getattr(request.state, "tenant", None)
+    if tenant is None:  # --public-metrics: the key is not required, but counts where it is sent
+        tenant = state.keys.tenant_of(presented_key(request))
+    scrape = Scrape(list(state.scheduler.metrics.registry.collect()))
+    if not state.is_operator(tenant):
+
+        def owns(model: str) -> bool:
+            return tenant is not None and state.tenancy.owns(tenant, model)
+
+        scrape = await asyncio.to_thread(visible, scrape.families, owns)  # a query per model
+    return Response(generate_latest(scrape), media_type=CONTENT_TYPE_LATEST)  # type: ignore[arg-type]
 
 
 @router.get("/api/v1/healthz", **rsp.as_built(rsp.HealthResponse))

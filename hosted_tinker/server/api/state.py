@@ -86,6 +86,12 @@ class ServerState:
     vllm: VllmEngine | None = None
     openai_proxy: OpenAIProxy | None = None
 
+    def is_operator(self, tenant: str | None) -> bool:
+        """Whether ``tenant`` sees the whole server (the console's server page, every model's
+        series in /metrics): a key named by ``--console-operator``, or anyone on a server
+        without keys."""
+        return not self.keys.required or (tenant is not None and tenant in self.config.console_operators)
+
 
 def server_state(request: Request) -> ServerState:
     """The state of the server a request reached (for the routers)."""

@@ -59,9 +59,8 @@ async def viewer(request: Request) -> Viewer:
         raise NotSignedIn
     if (over := state.quotas.admit(tenant)) is not None:  # the key's requests per second, as on the API
         raise over
-    operator = not state.keys.required or tenant in state.config.console_operators
     request.scope.setdefault("state", {})["tenant"] = tenant  # the request log names its key
-    return Viewer(tenant=tenant, operator=operator, csrf=state.console.csrf_token(cookie or ""))
+    return Viewer(tenant=tenant, operator=state.is_operator(tenant), csrf=state.console.csrf_token(cookie or ""))
 
 
 Signed = Annotated[Viewer, Depends(viewer)]
