@@ -100,6 +100,17 @@ class KeyRing:
             return key_id
         return f"dev-{digest[:16]}" if self.allow_any else None
 
+    def still_valid(self, tenant: str) -> bool:
+        """Whether the key ``tenant`` stands for is still accepted here: what was made for a key
+        (a download link) is checked again when used, so that revoking the key ends it."""
+        if not self.required:
+            return tenant == OPEN
+        if tenant in self._static.values():
+            return True
+        if tenant.startswith("dev-"):
+            return self.allow_any
+        return self.store.api_key_valid(tenant)
+
     def describe(self) -> dict:
         """For /healthz: how requests are authenticated (never the keys)."""
         if self.allow_any:

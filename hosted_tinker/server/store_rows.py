@@ -248,6 +248,11 @@ class KeyRows(_Rows):
         row = self._exec("SELECT key_id FROM api_keys WHERE sha256=? AND revoked_at IS NULL", (sha256,)).fetchone()
         return row[0] if row else None
 
+    def api_key_valid(self, key_id: str) -> bool:
+        """Whether a key with this id exists and is not revoked."""
+        row = self._exec("SELECT 1 FROM api_keys WHERE key_id=? AND revoked_at IS NULL", (key_id,)).fetchone()
+        return row is not None
+
     def api_key_name(self, key_id: str) -> str | None:
         row = self._exec("SELECT name FROM api_keys WHERE key_id=?", (key_id,)).fetchone()
         return row[0] if row else None

@@ -120,12 +120,13 @@ async def external_weights_urls(run_id: str, kind: str, name: str, request: Requ
     state = server_state(request)
     state.tenancy.readable(tenant_of(request), f"tinker://{run_id}/{kind}/{name}", purpose="download")
     base_url = str(request.base_url).rstrip("/")
-    return state.checkpoints.download_urls(run_id, f"{kind}/{name}", base_url)
+    return state.checkpoints.download_urls(run_id, f"{kind}/{name}", base_url, tenant_of(request))
 
 
 @downloads.get("/files/{token}/{signature}/{file_name}", response_class=FileResponse, responses=rsp.FILE)
 async def download_file(token: str, signature: str, file_name: str, request: Request) -> FileResponse:
-    return FileResponse(server_state(request).checkpoints.links.file(token, signature, file_name), filename=file_name)
+    path, request.state.tenant = server_state(request).checkpoints.links.file(token, signature, file_name)
+    return FileResponse(path, filename=file_name)  # its line in the request log names the link's key
 
 
 @router.post("/weights_info", **rsp.as_built(rsp.WeightsInfoResponse))
@@ -166,13 +167,13 @@ async def export_session_trace(session_id: str, request: Request) -> dict:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id, field="session")
     base_url = str(request.base_url).rstrip("/")
-    return {"status": "ready", "url": state.checkpoints.links.trace_url(session_id, base_url)}
+    return {"status": "ready", "url": state.checkpoints.links.trace_url(session_id, base_url, tenant_of(request))}
 
 
 @downloads.get("/traces/{token}/{signature}/{file_name}", response_class=Response, responses=rsp.TRACE)
 async def download_trace(token: str, signature: str, file_name: str, request: Request) -> Response:
     state = server_state(request)
-    session_id = state.checkpoints.links.trace_session(token, signature, file_name)
+    session_id, request.state.tenant = state.checkpoints.links.trace_session(token, signature, file_name)
     # A long session's rows are many: read and encoded off the event loop.
     trace = await asyncio.to_thread(session_trace, state.store, session_id)
     return Response(trace, media_type="application/json")

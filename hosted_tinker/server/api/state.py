@@ -179,11 +179,19 @@ def build_state(config: ServerConfig) -> ServerState:
     if mirror is not None:
         restored, queued = mirror.sync()
         log.info("checkpoint mirror %s: %d checkpoints restored, %d to copy up", mirror.url, restored, queued)
+    tenancy = Tenancy(store, audit)
     checkpoints = CheckpointService(
         training,
         files,
         ephemeral,
-        links=DownloadLinks(files, _server_secret(config.data_dir), version=store.checkpoint_created_at),
+        links=DownloadLinks(
+            files,
+            _server_secret(config.data_dir),
+            version=store.checkpoint_created_at,
+            # A link is checked again at each fetch, as a request of the key it was made for.
+            may_read=lambda tenant, path: keys.still_valid(tenant) and tenancy.can_read(tenant, path),
+            may_trace=lambda tenant, session_id: keys.still_valid(tenant) and tenancy.owns(tenant, session_id),
+        ),
         on_sampler_saved=vllm.prefetch_threadsafe if vllm is not None else None,
         mirror=mirror,
         audit=audit,
@@ -195,7 +203,6 @@ def build_state(config: ServerConfig) -> ServerState:
         log.info("removed %d saved states of models that were not parked", orphans)
     for model_id, next_seq in store.parked_models():  # saved whole when the server last stopped
         scheduler.open_model(model_id, first_seq=next_seq)
-    tenancy = Tenancy(store, audit)
     openai = OpenAIService(sampling, store, tenancy, config.served_names(), live_runs=vllm is not None)
     state = ServerState(
         config=config,

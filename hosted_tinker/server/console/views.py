@@ -56,7 +56,7 @@ def run(state: ServerState, tenant: str, run_id: str, base_url: str) -> dict[str
     checkpoints = []
     for record in records[:CHECKPOINTS_SHOWN]:
         try:
-            urls = state.checkpoints.links.urls(TinkerPath(run_id, record.kind, record.name), base_url)["urls"]
+            urls = state.checkpoints.links.urls(TinkerPath(run_id, record.kind, record.name), base_url, tenant)["urls"]
         except OSError:  # deleted (or swept past its TTL) since it was listed
             continue
         files = [{"name": name, "url": url} for name, url in urls.items()]
