@@ -169,3 +169,38 @@ def test_several_nodes_need_a_cluster_key_and_a_backend_that_spans_them(tmp_path
     key_file.write_text("a-test-cluster-key-that-is-long-enough")
     said = serve_fails(tmp_path, "--nnodes", "2", "--cluster-key-file", str(key_file))  # peft: one device
     assert "peft" in said and "device" in said
+
+
+def test_a_silent_connection_to_the_cluster_port_does_not_block_a_join(tmp_path):
+    """A connection that reads the cluster key's challenge and never answers held the listener:
+    a restarted node could not rejoin for 87 s. Here two such connections stay open while a
+    real agent joins; the listener drops them at its handshake deadline."""
+    import socket
+
+    from hosted_tinker.server.workers import cluster as cluster_module
+
+    key = b"a-test-cluster-key-that-is-long-enough"
+    key_file = tmp_path / "cluster.key"
+    key_file.write_bytes(key)
+    cluster = cluster_module.Cluster(2, 1, ("127.0.0.1", 0), key)
+    silent = [socket.create_connection(cluster.address, timeout=10) for _ in range(2)]
+    agent = None
+    try:
+        assert silent[0].recv(4096)  # the challenge; no answer follows (the other reads nothing)
+        agent = Agent(tmp_path / "agent.log", cluster.address[1], key_file)
+        deadline = time.monotonic() + 60
+        while not cluster.status()[0]["connected"]:
+            assert agent.proc.poll() is None, agent.log_path.read_text()
+            assert time.monotonic() < deadline, "the agent never joined past a silent connection"
+            time.sleep(0.1)
+        # The silent ones are cut at the handshake's deadline, not kept.
+        for s in silent:
+            s.settimeout(cluster_module.HANDSHAKE_TIMEOUT_S + 30)
+            while s.recv(4096):  # the rest of a challenge, then the end
+                pass
+    finally:
+        for s in silent:
+            s.close()
+        if agent is not None:
+            agent.stop()
+        cluster.close()

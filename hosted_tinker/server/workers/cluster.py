@@ -8,7 +8,11 @@ exactly as a local rank is over its pipe (``core.messages``). The ranks then mee
 through torch.distributed's own rendezvous (``tcp://`` on node 0, a fresh port per group).
 
 The connections are ``multiprocessing.connection``'s, authenticated with the cluster key (an
-HMAC challenge before anything is unpickled). Messages besides the ranks' calls:
+HMAC challenge before anything is unpickled). Each connection is greeted on a thread of its own
+and must prove the key and say who it is within ``HANDSHAKE_TIMEOUT_S``: one that reads the
+challenge and never answers (a port scanner, a hung peer) is cut at that deadline and never
+holds up another (it held the one accepting thread, and a restarted node waited 87 s to rejoin).
+Messages besides the ranks' calls:
 
 agent -> server   ("node", node_rank, nnodes, hostname)   first: this agent serves that node
                   ("exited", generation, rank, exitcode)  a rank it started has ended
@@ -26,11 +30,12 @@ machine cut off) is caught by TCP keepalive, or by the call timeout while a call
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 from hosted_tinker.core.errors import how_it_ended
@@ -39,7 +44,10 @@ from hosted_tinker.server.workers.process import Worker
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 10.0  # a connection that names nobody within this is dropped
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not proved the key and named itself within this is cut
+# Connections being greeted at once: past it a new one is closed at once (each holds a thread
+# for at most HANDSHAKE_TIMEOUT_S; an agent that is turned away tries again a second later).
+MAX_HANDSHAKES = 64
 EXIT_REPORT_WAIT_S = 2.0  # after a rank's socket closed, how long to wait for its agent to say how it ended
 
 Factory = Callable[[], Any]
@@ -70,8 +78,10 @@ class Cluster:
     def __init__(self, nnodes: int, ranks_per_node: int, address: tuple[str, int], authkey: bytes) -> None:
         self.nnodes = nnodes
         self.ranks_per_node = ranks_per_node
-        self._listener = Listener(address, family="AF_INET", authkey=authkey)
-        self.address: tuple[str, int] = self._listener.address
+        self._authkey = authkey
+        self._socket = socket.create_server(address, backlog=MAX_HANDSHAKES)
+        self.address: tuple[str, int] = self._socket.getsockname()[:2]
+        self._greeting = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._changed = threading.Condition()  # guards everything below
         self._nodes: dict[int, _Node] = {}
         self._generation = 0
@@ -115,7 +125,11 @@ class Cluster:
         with self._changed:
             self._closed = True
             nodes = list(self._nodes.values())
-        self._listener.close()
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (a close alone does not)
+        except OSError:
+            pass
+        self._socket.close()
         for node in nodes:
             node.conn.close()
 
@@ -148,21 +162,55 @@ class Cluster:
         log.info("node %d (%s): starting ranks %s", node.rank, node.host, sorted(ranks))
 
     def _accept(self) -> None:
+        """Take each connection, and hand it to a thread of its own: nothing here waits on a peer."""
         while True:
             try:
-                conn = self._listener.accept()  # the cluster key's challenge happens in here
-            except Exception as e:  # a wrong key, a port scan; or the listener closed
+                sock, peer = self._socket.accept()
+            except OSError as e:
                 if self._closed:
                     return
-                log.warning("refused a connection to the cluster port: %s: %s", type(e).__name__, e)
+                log.warning("the cluster port could not accept a connection: %s", e)
                 continue
-            threading.Thread(target=self._greet, args=(conn,), name="cluster-greet", daemon=True).start()
+            if not self._greeting.acquire(blocking=False):
+                log.warning(
+                    "closed a connection to the cluster port from %s: %d already being greeted", peer[0], MAX_HANDSHAKES
+                )
+                sock.close()
+                continue
+            threading.Thread(target=self._greet, args=(sock, peer[0]), name="cluster-greet", daemon=True).start()
 
-    def _greet(self, conn: Connection) -> None:
+    def _greet(self, sock: socket.socket, peer: str) -> None:
+        """The cluster key's challenge both ways and the peer's first message, all within
+        ``HANDSHAKE_TIMEOUT_S``: at the deadline the connection is shut down, which ends
+        whatever read is waiting on it."""
+        conn = Connection(os.dup(sock.fileno()))  # ``sock`` stays ours, to be shut down at the deadline
+        lock, done = threading.Lock(), [False]
+
+        def cut() -> None:
+            with lock:
+                if not done[0]:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:  # the peer is gone already
+                        pass
+
+        deadline = threading.Timer(HANDSHAKE_TIMEOUT_S, cut)
+        deadline.start()
         try:
-            if not conn.poll(HELLO_TIMEOUT_S):
-                raise EOFError("said nothing")
+            deliver_challenge(conn, self._authkey)  # nothing is unpickled before both have passed
+            answer_challenge(conn, self._authkey)
             hello = recv(conn)
+        except Exception as e:  # a wrong key, a port scan, silence past the deadline
+            log.warning("dropped a connection to the cluster port from %s: %s: %s", peer, type(e).__name__, e)
+            conn.close()
+            return
+        finally:
+            with lock:
+                done[0] = True
+            deadline.cancel()
+            sock.close()  # the connection lives on in ``conn``'s own descriptor
+            self._greeting.release()
+        try:
             _keep_alive(conn)
             if hello[0] == "node":
                 self._join(conn, *hello[1:])
@@ -171,7 +219,7 @@ class Cluster:
             else:
                 raise ValueError(f"an unknown greeting {hello[0]!r}")
         except Exception as e:
-            log.warning("dropped a connection to the cluster port: %s: %s", type(e).__name__, e)
+            log.warning("dropped a connection to the cluster port from %s: %s: %s", peer, type(e).__name__, e)
             conn.close()
 
     def _join(self, conn: Connection, node_rank: int, nnodes: int, host: str) -> None:
