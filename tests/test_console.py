@@ -225,6 +225,22 @@ def test_the_server_page_shows_workers_keys_and_errors_to_an_operator(console):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_signing_out_revokes_the_cookie_on_the_server(console):
+    """Signing out only asked the browser to forget its cookie: a copy of it (a stolen one)
+    kept working for its 12 hours."""
+    with signed_in(console["url"], console["keys"]["bob"]) as bob:
+        kept = bob.cookies["ht_console"]
+        token = csrf_of(bob.get("/console/runs").text)
+        assert bob.post("/console/signout", data={"csrf_token": token}).headers["location"] == "/console/signin"
+    with httpx.Client(base_url=console["url"], timeout=30, cookies={"ht_console": kept}) as copy:
+        assert copy.get("/console/runs").headers["location"].startswith("/console/signin")
+        assert copy.get(f"/console/api/runs/{console['runs']['bob']}/metrics").status_code == 401
+    with signed_in(console["url"], console["keys"]["bob"]) as again:  # signing in again works at once
+        assert again.get("/console/runs").status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_revoked_key_s_cookie_stops_working(tmp_path: Path, tiny_model_dir: Path):
     key = cli("keys", "create", "--data-dir", str(tmp_path), "--name", "carol")
     key_id = cli("keys", "list", "--data-dir", str(tmp_path)).split()[0]

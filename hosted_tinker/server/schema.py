@@ -135,6 +135,12 @@ CREATE TABLE IF NOT EXISTS api_keys (
     revoked_at REAL,
     limits TEXT NOT NULL DEFAULT '{}'
 );
+-- When a key's console browsers last signed out (``server.console``): its cookies made before
+-- then are refused. By the key's SHA-256, as a cookie names it; kept for a cookie's lifetime.
+CREATE TABLE IF NOT EXISTS console_signouts (
+    digest TEXT PRIMARY KEY,
+    at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS samplers (
     sampler_id TEXT PRIMARY KEY,
     session_id TEXT NOT NULL,

@@ -253,6 +253,16 @@ class KeyRows(_Rows):
         row = self._exec("SELECT 1 FROM api_keys WHERE key_id=? AND revoked_at IS NULL", (key_id,)).fetchone()
         return row is not None
 
+    def console_sign_out(self, digest: str, at: float, forget_before: float) -> None:
+        """Refuse the console cookies of the key with this SHA-256 made until ``at``; sign-outs
+        before ``forget_before`` (whose cookies have all expired) are forgotten."""
+        self._exec("DELETE FROM console_signouts WHERE at < ?", (forget_before,))
+        self._exec("INSERT OR REPLACE INTO console_signouts(digest, at) VALUES (?, ?)", (digest, at))
+
+    def console_signed_out_at(self, digest: str) -> float | None:
+        row = self._exec("SELECT at FROM console_signouts WHERE digest=?", (digest,)).fetchone()
+        return row[0] if row else None
+
     def api_key_name(self, key_id: str) -> str | None:
         row = self._exec("SELECT name FROM api_keys WHERE key_id=?", (key_id,)).fetchone()
         return row[0] if row else None

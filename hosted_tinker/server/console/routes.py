@@ -8,6 +8,7 @@ answers 401. Every POST carries the CSRF token of its cookie (``signin``), or is
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -40,6 +41,7 @@ class Viewer:
     tenant: str
     operator: bool
     csrf: str  # the token its forms carry
+    digest: str  # of the key its cookie names (``signin.SignedIn``)
 
 
 class NotSignedIn(Exception):
@@ -57,10 +59,14 @@ async def viewer(request: Request) -> Viewer:
         raise NotSignedIn
     if signed.digest == OPEN_DIGEST and state.keys.required:  # keys were turned on since
         raise NotSignedIn
+    signed_out = state.store.console_signed_out_at(signed.digest)
+    if signed_out is not None and signed.issued_at <= signed_out:  # made before its key signed out
+        raise NotSignedIn
     if (over := state.quotas.admit(tenant)) is not None:  # the key's requests per second, as on the API
         raise over
     request.scope.setdefault("state", {})["tenant"] = tenant  # the request log names its key
-    return Viewer(tenant=tenant, operator=state.is_operator(tenant), csrf=state.console.csrf_token(cookie or ""))
+    csrf = state.console.csrf_token(cookie or "")
+    return Viewer(tenant=tenant, operator=state.is_operator(tenant), csrf=csrf, digest=signed.digest)
 
 
 Signed = Annotated[Viewer, Depends(viewer)]
@@ -162,7 +168,11 @@ async def signin(request: Request) -> Response:
 
 @router.post("/signout")
 async def signout(request: Request, who: Signed) -> RedirectResponse:
+    """Signs out every browser of this key: its cookies made until now are refused on the
+    server, not only forgotten by this browser (one row per key, however often it signs out)."""
     await checked_form(request)
+    state, now = server_state(request), time.time()
+    state.store.console_sign_out(who.digest, now, forget_before=now - state.console.lifetime_s)
     response = RedirectResponse(f"{PATH}/signin", status_code=303)
     response.delete_cookie(COOKIE, path=PATH)
     return response

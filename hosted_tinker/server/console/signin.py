@@ -1,8 +1,11 @@
 """Console sign-in: a key typed once becomes a signed cookie, and forms carry a CSRF token.
 
-The cookie holds the SHA-256 of the key (never the key), when it expires, and an HMAC of both
-under the server's secret; each request resolves the digest through ``KeyRing`` again, so a
-revoked key's cookies stop working at once. It is ``HttpOnly`` (no script reads it),
+The cookie holds the SHA-256 of the key (never the key), when it expires (in milliseconds), and
+an HMAC of both under the server's secret; each request resolves the digest through ``KeyRing``
+again, so a revoked key's cookies stop working at once. Signing out is recorded on the server
+(``Store.console_sign_out``): every cookie of that key made until then is refused from then on,
+so a copy of the cookie is worth nothing after its browser signed out (a browser's forgetting
+the cookie was all there was, and a copy kept working for 12 hours). It is ``HttpOnly`` (no script reads it),
 ``SameSite=Lax`` (no other site's page sends it with a POST; a link from elsewhere still opens
 a page signed in, and no GET changes anything) and ``Secure`` over HTTPS.
 
@@ -36,6 +39,7 @@ def _derived(secret: bytes, purpose: str) -> bytes:
 class SignedIn:
     digest: str  # the SHA-256 of the key signed in with
     expires_at: float
+    issued_at: float  # when the cookie was made: a sign-out of its key since refuses it
 
 
 class ConsoleSignIn:
@@ -51,8 +55,8 @@ class ConsoleSignIn:
 
     def cookie(self, key_digest: str, now: float | None = None) -> str:
         """The cookie's value for a key (by its SHA-256), valid for ``lifetime_s``."""
-        expires = int((time.time() if now is None else now) + self.lifetime_s)
-        body = f"{key_digest}.{expires}"
+        expires_ms = int(((time.time() if now is None else now) + self.lifetime_s) * 1000)
+        body = f"{key_digest}.{expires_ms}"
         return f"{body}.{self._mac(self._cookie_key, body)}"
 
     def verify(self, value: str | None, now: float | None = None) -> SignedIn | None:
@@ -62,13 +66,12 @@ class ConsoleSignIn:
         digest, expires, mac = value.split(".")
         if not _same(mac, self._mac(self._cookie_key, f"{digest}.{expires}")):
             return None
-        try:
-            expires_at = float(expires)
-        except ValueError:
+        if not expires.isdigit():
             return None
+        expires_at = int(expires) / 1000
         if expires_at <= (time.time() if now is None else now):
             return None
-        return SignedIn(digest=digest, expires_at=expires_at)
+        return SignedIn(digest=digest, expires_at=expires_at, issued_at=expires_at - self.lifetime_s)
 
     def csrf_token(self, cookie: str) -> str:
         """The token every changing form of this cookie's pages carries."""
