@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -67,3 +68,69 @@ def test_a_rank_that_cannot_start_stops_serve_with_its_reason_in_one_line(
     last = started.stderr.strip().splitlines()[-1]
     assert re.match(f"hosted-tinker serve: {said}", last), started.stderr[-2000:]
     assert "build_state" not in started.stderr  # no traceback from the gateway
+
+
+def _database_with_rows_in_its_wal(db_path: Path) -> None:
+    """A database whose last rows are in its ``-wal`` only, as a kill leaves it."""
+    db = sqlite3.connect(db_path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA wal_autocheckpoint=0")
+    db.execute("CREATE TABLE filler (x BLOB)")
+    db.executemany("INSERT INTO filler VALUES (?)", [(bytes(4000),)] * 50)
+    wal = db_path.with_name(db_path.name + "-wal").read_bytes()
+    db.close()  # checkpoints and removes the -wal: put it back as the kill would have left it
+    db_path.with_name(db_path.name + "-wal").write_bytes(wal)
+
+
+@pytest.mark.parametrize("damage", ["garbled", "flipped", "short", "no database"])
+def test_a_garbage_wal_stops_the_start_like_a_garbage_database(tmp_path: Path, tiny_model_dir: Path, damage):
+    """SQLite ignores a ``-wal`` whose header is not one (and deletes it): the server started
+    silently empty, whatever the log held."""
+    db_path = tmp_path / "hosted_tinker.sqlite"
+    wal_path = tmp_path / "hosted_tinker.sqlite-wal"
+    _database_with_rows_in_its_wal(db_path)
+    if damage == "garbled":
+        wal_path.write_bytes(b"garbage" * 1000)
+    elif damage == "flipped":  # a byte of its header's salt: only its checksum tells
+        data = bytearray(wal_path.read_bytes())
+        data[17] ^= 0xFF
+        wal_path.write_bytes(bytes(data))
+    elif damage == "short":
+        wal_path.write_bytes(wal_path.read_bytes()[:20])
+    else:
+        db_path.unlink()
+    kept = wal_path.read_bytes()
+    for result in (_serve(tmp_path, tiny_model_dir), _keys_list(tmp_path)):
+        assert result.returncode != 0
+        assert "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert str(wal_path) in result.stderr and "backup" in result.stderr, result.stderr[-2000:]
+    assert wal_path.read_bytes() == kept  # left as it was, for whoever looks into it
+
+
+def test_a_sound_wal_passes_the_check_and_its_rows_are_read(tmp_path: Path):
+    """A ``-wal`` a kill left holds the database's last rows: the check lets it be."""
+    from hosted_tinker.server.schema import check
+
+    db_path = tmp_path / "hosted_tinker.sqlite"
+    _database_with_rows_in_its_wal(db_path)
+    check(db_path)
+    assert sqlite3.connect(db_path).execute("SELECT COUNT(*) FROM filler").fetchone() == (50,)
+
+
+def test_a_clean_stop_checkpoints_the_wal(tmp_path: Path, tiny_model_dir: Path):
+    """A clean stop (SIGTERM) checkpoints the log into the database: it left 4 MB un-checkpointed."""
+    from tests.conftest import start_server
+    from tests.test_tenants import cli
+
+    key = cli("keys", "create", "--data-dir", str(tmp_path), "--name", "alice")
+    wal_path = tmp_path / "hosted_tinker.sqlite-wal"
+    srv = start_server(tmp_path, "--model", str(tiny_model_dir))
+    try:
+        with httpx.Client(base_url=srv.base_url, headers={"X-API-Key": key}, timeout=30) as c:
+            for _ in range(20):
+                assert c.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).status_code == 200
+        assert wal_path.stat().st_size > 0
+    finally:
+        srv.stop()
+    assert not wal_path.exists() or wal_path.stat().st_size == 0
+    assert "alice" in _keys_list(tmp_path).stdout

@@ -6,6 +6,7 @@ file (``connect``), and the columns added since a data directory was created (``
 from __future__ import annotations
 
 import sqlite3
+import struct
 from pathlib import Path
 
 DATABASE = "hosted_tinker.sqlite"  # in the data directory
@@ -161,12 +162,41 @@ class DatabaseDamaged(RuntimeError):
     """The server's database file cannot be used as it is: said once, clearly, at start-up."""
 
 
+WAL_SUFFIX = "-wal"  # SQLite's write-ahead log, beside the database: its last commits until a checkpoint
+WAL_MAGIC = (0x377F0682, 0x377F0683)  # the last bit: the byte order of its checksums (big-endian if set)
+WAL_VERSION = 3007000
+
+
+def wal_problem(header: bytes) -> str | None:
+    """What is wrong with a write-ahead log whose file starts with ``header`` (its first 32
+    bytes), if anything: SQLite itself ignores a log whose header is not one, and deletes it,
+    and with it the commits it held (a silent empty start)."""
+    if len(header) < 32:
+        return f"is cut short ({len(header)} bytes, not a log's 32-byte header)"
+    magic, version, page_size, *_, sum1, sum2 = struct.unpack(">8I", header[:32])
+    if magic not in WAL_MAGIC or version != WAL_VERSION or page_size & (page_size - 1) or not 512 <= page_size <= 65536:
+        return "is not a SQLite write-ahead log (its header is garbled)"
+    words = struct.unpack((">" if magic & 1 else "<") + "6I", header[:24])
+    s1 = s2 = 0
+    for first, second in zip(words[::2], words[1::2], strict=True):  # SQLite's checksum of the header
+        s1 = (s1 + first + s2) & 0xFFFFFFFF
+        s2 = (s2 + second + s1) & 0xFFFFFFFF
+    return None if (s1, s2) == (sum1, sum2) else "has a header whose checksum does not hold (it is garbled)"
+
+
 def check(path: Path) -> None:
     """``PRAGMA quick_check`` of the whole file, so that a damaged page is found at start-up and
-    not by whichever request first reads it; ``DatabaseDamaged`` says what to do."""
+    not by whichever request first reads it, and of its write-ahead log's header, so that a
+    garbled log is not silently dropped; ``DatabaseDamaged`` says what to do."""
+    advice = "restore it from a backup, or move it aside to start with an empty one"
+    wal = path.with_name(path.name + WAL_SUFFIX)
+    if wal.exists() and wal.stat().st_size > 0:  # empty: checkpointed, nothing in it
+        with open(wal, "rb") as f:
+            problem = wal_problem(f.read(32)) if path.exists() else f"has no database {path} beside it"
+        if problem is not None:
+            raise DatabaseDamaged(f"the database's write-ahead log {wal} {problem}: {advice}")
     if not path.exists():
         return
-    advice = "restore it from a backup, or move it aside to start with an empty one"
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
