@@ -8,6 +8,7 @@ Retry-After) are expected: the SDK sends them again, and the server's count of t
 
     python benchmarks/load.py [--trainers 32 --steps 10 --samplers 64 --max-pending 48
                                --max-pending-per-model 16 --model DIR --device cpu]
+    python benchmarks/load.py --scenario hostile [--phase-s 20]   (benchmarks/hostile.py)
 
 Prints a table, writes benchmarks/results/load-<device>.json and exits 1 on any error or on an
 exceeded bound.
@@ -403,8 +404,16 @@ def main() -> None:
     parser.add_argument("--max-pending-per-model", type=int, default=16, help="server's per-model/sampler bound")
     parser.add_argument("--poll-interval", type=float, default=0.05, help="/healthz polling period (s)")
     parser.add_argument("--timeout", type=float, default=900, help="fail the run after this many seconds")
+    parser.add_argument(
+        "--scenario", choices=["load", "hostile"], default="load", help="hostile: benchmarks/hostile.py"
+    )
+    parser.add_argument("--phase-s", type=float, default=20.0, help="hostile: seconds of each attack")
     add_common_args(parser)
     args = parser.parse_args()
+    if args.scenario == "hostile":
+        from benchmarks.hostile import run_hostile
+
+        sys.exit(run_hostile(args))
     began = time.perf_counter()
 
     work, model, vocab = setup(args.model)

@@ -260,8 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-inflight-body-bytes",
         type=int,
         default=1 << 30,
-        help="request bodies held at once, as received and inflated (503 above; a key's share: 429); "
-        "at least 2 x --max-body-bytes",
+        help="request bodies held at once, as read (twice) and inflated (503 above; a key's share: 429); "
+        "at least 3 x --max-body-bytes",
     )
     serve.add_argument(
         "--request-log-anonymous-per-s",

@@ -96,8 +96,9 @@ class ServerConfig(BaseModel):
     # targets (~20 MB for 40K tokens with dense top-64 targets: raise it for longer contexts);
     # JSON, parsed off the event loop but for json.loads' own share (~12-50 ms per MiB).
     max_prompt_body_bytes: int = Field(32 << 20, ge=1024)
-    # Request bodies the API process holds at once, as received and as inflated (503 above; a
-    # key's share: quotas.Limits.body_bytes, 429 above); at least one largest body, inflated.
+    # Request bodies the API process holds at once, as received (twice: while it is read) and as
+    # inflated (503 above; a key's share: quotas.Limits.body_bytes, 429 above; api.inflight); at
+    # least one largest body, read and inflated.
     max_inflight_body_bytes: int = Field(1 << 30, ge=1024)
     max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
     max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
@@ -163,10 +164,10 @@ class ServerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_body_fits(self) -> ServerConfig:
-        if self.max_inflight_body_bytes < 2 * self.max_body_bytes:
+        if self.max_inflight_body_bytes < 3 * self.max_body_bytes:
             raise ValueError(
-                f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must hold one largest body and its "
-                f"inflated form: at least 2 x max_body_bytes ({2 * self.max_body_bytes})"
+                f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must hold one largest body as it is "
+                f"read (twice) and inflated: at least 3 x max_body_bytes ({3 * self.max_body_bytes})"
             )
         return self
 

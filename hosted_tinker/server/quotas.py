@@ -73,8 +73,8 @@ class Limits(BaseModel):
 # pending: one key cannot fill its bounds (with requests that wait for a seq_id it never sends,
 # say) and leave every other key only 429s.
 PENDING_SHARE = 4
-# A key may hold half the request bodies the server holds at once: with the default bounds, one
-# body of the largest size, zstd-compressed, and its inflated form.
+# A key may hold half the request bodies the server holds at once (with the default bounds, one
+# of the largest size as it is read; more while it holds nothing else: api.inflight).
 BODY_SHARE = 2
 # The limits whose default (None above) the server derives from its own settings.
 DERIVED = {

@@ -93,7 +93,7 @@ class BodyLimit:
         try:
             if hold is not None and declared.isdigit():
                 try:
-                    hold.take(int(declared))  # all of it, before any is read
+                    hold.receive(int(declared))  # all of it, before any is read
                 except ApiError as busy:  # refused unread, to be sent again
                     await _busy(scope, busy)(scope, receive, send)
                     return
@@ -126,7 +126,7 @@ class BodyLimit:
                     raise _BodyTooLarge
                 if hold is not None and chunk:
                     try:
-                        hold.take(len(chunk))
+                        hold.receive(len(chunk))
                     except ApiError as e:
                         over, busy = True, e
                         raise _BodyTooLarge from None

@@ -3,8 +3,8 @@ bounded per key and in all.
 
 The body limits bound one request; this bounds how many a key may have in flight together (an
 attacker's eight concurrent 120 MiB uploads took 2.1 GB of the gateway). A body takes its bytes
-as they arrive (its whole Content-Length at once when it declares one) and as ``forward_backward``
-inflates them, and gives them back when its request is answered. Past its key's bound
+as they arrive (its whole Content-Length at once when it declares one; ``RECEIVED_COPIES`` of
+each) and as ``forward_backward`` inflates them, and gives them back when its request is answered. Past its key's bound
 (``Limits.body_bytes``) it is a 429, past the server's (``--max-inflight-body-bytes``) a 503,
 both with Retry-After, which the SDK waits out and resends (the ``seq_id`` is not used up).
 A body is never refused while nothing else is held (its key's, for the key's bound; anyone's,
@@ -20,6 +20,9 @@ from collections.abc import Callable
 from hosted_tinker.core.errors import ApiError
 
 RETRY_AFTER_S = 1
+# A body is in memory twice while it is read: Starlette keeps the pieces as they come, then joins
+# them (``Request.body``). A received byte is held as this many.
+RECEIVED_COPIES = 2
 
 
 class BodyBytes:
@@ -86,6 +89,10 @@ class Hold:
     def take(self, size: int) -> None:
         """Hold ``size`` more bytes, or raise the 429/503 that refuses them."""
         self.ledger._take(self, size)
+
+    def receive(self, size: int) -> None:
+        """Hold ``size`` bytes of body, as read (``RECEIVED_COPIES`` of each)."""
+        self.take(RECEIVED_COPIES * size)
 
     def release(self) -> None:
         self.ledger._release(self)
