@@ -16,6 +16,8 @@ MASK_LOGPROB = -99999.0  # the SDK's marker for an empty top-k cell
 
 # (request index, sample index, token, logprob), for each token of a streamed request.
 TokenListener = Callable[[int, int, int, float], None]
+# (request index, its output), once every row of that request has left the decode.
+FinishListener = Callable[[int, "SampleOutput"], None]
 
 
 @dataclass
@@ -76,8 +78,10 @@ class SampleOutput:
 @dataclass
 class Admission:
     """What the server hands a running decode between its steps (``generate``'s ``admit``):
-    requests that join it, on the same weights, and the numbers of requests whose clients gave
-    up (``cancel_future``), whose rows leave it."""
+    requests that join it, on the same weights, the numbers of requests whose clients gave
+    up (``cancel_future``), whose rows leave it, and whether its time slice is over (the
+    decode pauses, its state kept, and gives the worker back)."""
 
     arrivals: list[SampleSpec] = field(default_factory=list)
     dropped: tuple[int, ...] = ()
+    pause: bool = False

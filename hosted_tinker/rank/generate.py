@@ -22,6 +22,7 @@ from hosted_tinker.core.logprobs import chunk_tokens_for, target_logprobs
 from hosted_tinker.core.sampling import (
     MASK_LOGPROB,
     Admission,
+    FinishListener,
     SampledSequence,
     SampleOutput,
     SampleSpec,
@@ -176,7 +177,156 @@ class _Live:
         self.generators += other.generators
 
 
-@torch.no_grad()
+class Decode:
+    """One decode run, which can stop between two steps and go on later where it stopped (its
+    rows, their KV cache and generators kept here): the embedded engine decodes a long run in
+    time slices, giving the worker to training and to other runs in between. Stopping changes
+    nothing it samples: a step reads only the run's own state.
+
+    Every request contributes ``num_samples`` rows; requests are numbered in the order they
+    came in (``specs`` first, then admitted ones), for ``on_token`` and ``on_finished``.
+    """
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        specs: list[SampleSpec],
+        *,
+        pad_id: int,
+        decode: Callable[[list[int]], str],
+        default_seed: Callable[[], int],
+    ) -> None:
+        self.device = next(lm.parameters()).device
+        self.decoder = getattr(lm, lm.base_model_prefix)
+        self.head = lm.get_output_embeddings()
+        self.pad_id, self.decode, self.default_seed = pad_id, decode, default_seed
+        self.specs: list[SampleSpec] = []
+        self.outputs: list[SampleOutput] = []
+        self.best: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}  # (request, sample) -> per token
+        self.unfinished: list[int] = []  # requests not yet reported finished, in order
+        self.live = self._prefill(specs)
+
+    @torch.no_grad()
+    def _prefill(self, new: list[SampleSpec]) -> _Live:
+        """Rows for the requests ``new``, their prompts run through the decoder (and scored, if
+        asked); a request of ``max_tokens`` 0 has its output already."""
+        first = len(self.outputs)
+        self.specs.extend(new)
+        self.outputs.extend(SampleOutput([SampledSequence() for _ in range(spec.num_samples)]) for spec in new)
+        self.unfinished.extend(range(first, len(self.outputs)))
+        specs, head, device = self.specs, self.head, self.device
+        rows = [(first + i, s) for i, spec in enumerate(new) for s in range(spec.num_samples)]
+        seeds = [spec.seed if spec.seed is not None else self.default_seed() for spec in new]
+        generators = [_row_generator(seeds[i - first], s, device) for i, s in rows]
+        longest = max(len(spec.prompt) for spec in new)
+        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for r, (i, _) in enumerate(rows):
+            prompt = specs[i].prompt
+            ids[r, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[r, longest - len(prompt) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        hidden = out.last_hidden_state  # (rows, longest, H)
+        for r, (i, s) in enumerate(rows):
+            spec, output = specs[i], self.outputs[i]
+            if s == 0 and spec.scores_prompt:
+                row_hidden = hidden[r, longest - len(spec.prompt) :]
+                output.prompt_logprobs, output.topk_prompt = _prompt_scores(head, row_hidden, spec.prompt, spec)
+                # Alternative draws have a generator of their own: the samples' do not move.
+                extras_generator = _row_generator(seeds[i - first], spec.num_samples, device)
+                output.target_prompt, output.prompt_alt = _prompt_extras(head, row_hidden, spec, extras_generator)
+        live = _Live(rows, generators, mask, positions[:, -1:], out.past_key_values, hidden[:, -1])
+        live.select([r for r, (i, _) in enumerate(rows) if specs[i].max_tokens > 0])
+        return live
+
+    @torch.no_grad()
+    def run(
+        self,
+        admit: Callable[[], Admission] | None = None,
+        on_token: TokenListener | None = None,
+        on_finished: FinishListener | None = None,
+    ) -> bool:
+        """Decode until the run ends (True) or ``admit`` says its slice is over (False: call again
+        to go on). Between decode steps, ``admit`` may hand over more requests (same weights):
+        they are prefilled and join the running rows, so a request never waits for a whole run
+        to end; and it may name requests to drop, whose rows leave with what they have so far.
+        ``on_token`` hears every token of a ``stream`` spec; ``on_finished`` each request's
+        output as soon as its last row has left, before the run ends."""
+        self._report(on_finished)
+        while self.live.rows:
+            self._step(on_token)
+            admission = admit() if admit is not None else Admission()
+            if admission.dropped:
+                gone = set(admission.dropped)
+                keep = [r for r, (i, _) in enumerate(self.live.rows) if i not in gone]
+                if len(keep) < len(self.live.rows):
+                    self.live.select(keep)
+            if arrivals := admission.arrivals:
+                joined = self._prefill(arrivals)
+                if self.live.rows:
+                    self.live.merge(joined)
+                else:
+                    self.live = joined
+            self._report(on_finished)
+            if admission.pause and self.live.rows:
+                return False
+        return True
+
+    def _step(self, on_token: TokenListener | None) -> None:
+        """One token for every live row; finished rows leave; the others' next state."""
+        specs, live = self.specs, self.live
+        logits = self.head(live.last).float()  # (R, V)
+        logp = torch.log_softmax(logits, -1)
+        top = _top_k_rows(logp, [specs[i].topk_sample_logprobs for i, _ in live.rows])
+        picked = _choose(logits, [specs[i] for i, _ in live.rows], live.generators)
+        # The step's one wait for the device (the log-probs' copy follows it at once).
+        tokens, token_logprobs = picked.tolist(), logp.gather(-1, picked[:, None])[:, 0].tolist()
+        keep = []
+        for r, (i, s) in enumerate(live.rows):
+            spec, seq, token = specs[i], self.outputs[i].sequences[s], tokens[r]
+            seq.tokens.append(token)
+            seq.logprobs.append(token_logprobs[r])
+            if r in top:
+                self.best.setdefault((i, s), []).append(top[r])
+            if spec.stream and on_token is not None:
+                on_token(i, s, token, seq.logprobs[-1])
+            if token in spec.stop_token_ids or _hit_stop_string(seq.tokens, spec.stop_strings, self.decode):
+                seq.stop_reason = "stop"
+            elif len(seq.tokens) < spec.max_tokens:
+                keep.append(r)
+        if len(keep) < len(live.rows):
+            live.select(keep)  # finished rows leave the batch
+            picked = picked[torch.tensor(keep, dtype=torch.long, device=picked.device)]
+        if live.rows:
+            live.mask = torch.cat([live.mask, live.mask.new_ones((len(live.rows), 1))], dim=1)
+            live.positions = live.positions + 1
+            out = self.decoder(
+                input_ids=picked[:, None],
+                attention_mask=live.mask,
+                position_ids=live.positions,
+                past_key_values=live.cache,
+                use_cache=True,
+            )
+            live.cache, live.last = out.past_key_values, out.last_hidden_state[:, -1]
+
+    def _report(self, on_finished: FinishListener | None) -> None:
+        """Each request none of whose rows is left is finished: its top-k rows are put together
+        and ``on_finished`` hears it (once)."""
+        decoding = {i for i, _ in self.live.rows}
+        done = [i for i in self.unfinished if i not in decoding]
+        if not done:
+            return
+        self.unfinished = [i for i in self.unfinished if i in decoding]
+        for i in done:
+            for s, seq in enumerate(self.outputs[i].sequences):
+                if rows := self.best.pop((i, s), None):
+                    seq.topk = (np.stack([ids for ids, _ in rows]), np.stack([lps for _, lps in rows]))
+            if on_finished is not None:
+                on_finished(i, self.outputs[i])
+
+
 def generate(
     lm: nn.Module,
     specs: list[SampleSpec],
@@ -187,104 +337,12 @@ def generate(
     admit: Callable[[], Admission] | None = None,
     on_token: TokenListener | None = None,
 ) -> list[SampleOutput]:
-    """Sample every request of ``specs``; ``lm`` is a causal LM with its adapter set.
-
-    Between decode steps, ``admit`` may hand over more requests (same weights): they are
-    prefilled and join the running batch, so a request never waits for a whole batch to end;
-    and it may name requests to drop, whose rows leave the batch with what they have so far.
-    Returns one output per request, ``specs`` first, then admitted ones in order; requests
-    are numbered in that order for ``on_token``, which hears every token of a ``stream`` spec.
-    """
-    device = next(lm.parameters()).device
-    decoder = getattr(lm, lm.base_model_prefix)
-    head = lm.get_output_embeddings()
-    specs = list(specs)
-    outputs: list[SampleOutput] = []
-
-    def prefill(new: list[SampleSpec]) -> _Live:
-        first = len(outputs)
-        outputs.extend(SampleOutput([SampledSequence() for _ in range(spec.num_samples)]) for spec in new)
-        rows = [(first + i, s) for i, spec in enumerate(new) for s in range(spec.num_samples)]
-        seeds = [spec.seed if spec.seed is not None else default_seed() for spec in new]
-        generators = [_row_generator(seeds[i - first], s, device) for i, s in rows]
-        longest = max(len(spec.prompt) for spec in new)
-        ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for r, (i, _) in enumerate(rows):
-            prompt = specs[i].prompt
-            ids[r, longest - len(prompt) :] = torch.tensor(prompt)
-            mask[r, longest - len(prompt) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        hidden = out.last_hidden_state  # (rows, longest, H)
-        for r, (i, s) in enumerate(rows):
-            spec = specs[i]
-            if s == 0 and spec.scores_prompt:
-                row_hidden = hidden[r, longest - len(spec.prompt) :]
-                outputs[i].prompt_logprobs, outputs[i].topk_prompt = _prompt_scores(head, row_hidden, spec.prompt, spec)
-                # Alternative draws have a generator of their own: the samples' do not move.
-                extras_generator = _row_generator(seeds[i - first], spec.num_samples, device)
-                outputs[i].target_prompt, outputs[i].prompt_alt = _prompt_extras(
-                    head, row_hidden, spec, extras_generator
-                )
-        live = _Live(rows, generators, mask, positions[:, -1:], out.past_key_values, hidden[:, -1])
-        live.select([r for r, (i, _) in enumerate(rows) if specs[i].max_tokens > 0])
-        return live
-
-    live = prefill(specs)
-    best: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}  # (request, sample) -> per token
-    while live.rows:
-        logits = head(live.last).float()  # (R, V)
-        logp = torch.log_softmax(logits, -1)
-        top = _top_k_rows(logp, [specs[i].topk_sample_logprobs for i, _ in live.rows])
-        picked = _choose(logits, [specs[i] for i, _ in live.rows], live.generators)
-        # The step's one wait for the device (the log-probs' copy follows it at once).
-        tokens, token_logprobs = picked.tolist(), logp.gather(-1, picked[:, None])[:, 0].tolist()
-        keep = []
-        for r, (i, s) in enumerate(live.rows):
-            spec, seq, token = specs[i], outputs[i].sequences[s], tokens[r]
-            seq.tokens.append(token)
-            seq.logprobs.append(token_logprobs[r])
-            if r in top:
-                best.setdefault((i, s), []).append(top[r])
-            if spec.stream and on_token is not None:
-                on_token(i, s, token, seq.logprobs[-1])
-            if token in spec.stop_token_ids or _hit_stop_string(seq.tokens, spec.stop_strings, decode):
-                seq.stop_reason = "stop"
-            elif len(seq.tokens) < spec.max_tokens:
-                keep.append(r)
-        if len(keep) < len(live.rows):
-            live.select(keep)  # finished rows leave the batch
-            picked = picked[torch.tensor(keep, dtype=torch.long, device=picked.device)]
-        if live.rows:
-            live.mask = torch.cat([live.mask, live.mask.new_ones((len(live.rows), 1))], dim=1)
-            live.positions = live.positions + 1
-            step = picked[:, None]
-            out = decoder(
-                input_ids=step,
-                attention_mask=live.mask,
-                position_ids=live.positions,
-                past_key_values=live.cache,
-                use_cache=True,
-            )
-            live.cache, live.last = out.past_key_values, out.last_hidden_state[:, -1]
-        admission = admit() if admit is not None else Admission()
-        if admission.dropped:
-            gone = set(admission.dropped)
-            keep = [r for r, (i, _) in enumerate(live.rows) if i not in gone]
-            if len(keep) < len(live.rows):
-                live.select(keep)
-        if arrivals := admission.arrivals:
-            specs.extend(arrivals)
-            joined = prefill(arrivals)
-            if live.rows:
-                live.merge(joined)
-            else:
-                live = joined
-    for (i, s), rows in best.items():
-        outputs[i].sequences[s].topk = (np.stack([ids for ids, _ in rows]), np.stack([lps for _, lps in rows]))
-    return outputs
+    """Sample every request of ``specs`` in one ``Decode`` run to its end (``lm``: a causal LM
+    with its adapter set); one output per request, ``specs`` first, then admitted ones."""
+    run = Decode(lm, specs, pad_id=pad_id, decode=decode, default_seed=default_seed)
+    while not run.run(admit, on_token):
+        pass  # a pause asked for here has no one to give the worker to
+    return run.outputs
 
 
 def _top_k_rows(logp: Tensor, ks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:

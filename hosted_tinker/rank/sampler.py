@@ -19,11 +19,14 @@ from torch import nn
 
 from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.errors import UserError
-from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.rank.adapters import KEY_PREFIX, Adapter, Lora, LoraAdapters
-from hosted_tinker.rank.generate import generate
+from hosted_tinker.rank.generate import Decode, generate
 
 MAX_SAMPLER_ADAPTERS = 16
+# Paused runs kept at once (the engine keeps fewer: ``inference.embedded.MAX_LIVE_RUNS``); each
+# pins its adapter, so there must be fewer than MAX_SAMPLER_ADAPTERS.
+MAX_RUNS = 8
 # PEFT LoRA settings that this server's adapters do not have (and never write): refused, not ignored.
 UNSUPPORTED = (
     "alpha_pattern",
@@ -53,6 +56,7 @@ class EmbeddedSampler:
         self.pad_id = base.config.pad_token_id or 0
         self.adapters = LoraAdapters(base, lora_compute)
         self.loaded: OrderedDict[str, str] = OrderedDict()  # key -> adapter name, least recently used first
+        self.runs: dict[str, tuple[str | None, Decode]] = {}  # run id -> (its weights' key, its state)
 
     @rank_call("first")
     def has_sampler(self, key: str) -> bool:
@@ -65,9 +69,9 @@ class EmbeddedSampler:
             self.loaded.move_to_end(key)
             return
         self.loaded[key] = self.adapters.add(self._adapter(key, adapter_config, weights))
-        while len(self.loaded) > MAX_SAMPLER_ADAPTERS:
-            _, evicted = self.loaded.popitem(last=False)
-            self.adapters.remove(evicted)
+        in_use = {weights for weights, _ in self.runs.values()}  # a paused run resumes on its adapter
+        for old in [k for k in self.loaded if k not in in_use][: max(len(self.loaded) - MAX_SAMPLER_ADAPTERS, 0)]:
+            self.adapters.remove(self.loaded.pop(old))
 
     def _adapter(self, key: str, config: dict, weights: dict[str, torch.Tensor]) -> Adapter:
         """The adapter that ``config`` and ``weights`` describe, as PEFT would build it on this
@@ -121,6 +125,38 @@ class EmbeddedSampler:
             admit=admit,
             on_token=on_token,
         )
+
+    @rank_call("first")
+    def decode_slice(
+        self,
+        run_id: str,
+        key: str | None,
+        specs: list[SampleSpec],
+        admit: Callable[[], Admission],
+        on_token: TokenListener | None = None,
+        on_finished: FinishListener | None = None,
+    ) -> bool:
+        """Run ``run_id`` on weights ``key`` until ``admit`` ends its slice (False: it is kept
+        here, paused, for the next call) or it ends (True). Its first call brings its ``specs``
+        and starts it; ``on_finished`` hears each request's output as soon as it is complete."""
+        try:
+            if run_id not in self.runs and not specs:  # its state went with a worker that died meanwhile
+                raise RuntimeError(f"sampling run {run_id} was lost: the worker restarted while it was paused")
+            self.adapters.routes.everything(None if key is None else self.loaded[key])  # as another run left them
+            if run_id in self.runs:
+                run = self.runs[run_id][1]
+            elif len(self.runs) >= MAX_RUNS:
+                raise RuntimeError(f"{MAX_RUNS} sampling runs are paused already")
+            else:
+                run = Decode(self.adapters.lm, specs, pad_id=self.pad_id, decode=self._decode, default_seed=_seed)
+                self.runs[run_id] = (key, run)
+            done = run.run(admit, on_token, on_finished)
+        except BaseException:
+            self.runs.pop(run_id, None)  # its KV cache with it
+            raise
+        if done:
+            del self.runs[run_id]
+        return done
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)

@@ -27,7 +27,7 @@ import torch
 from hosted_tinker.core.calls import call_spec
 from hosted_tinker.core.errors import RolledBack, ServerError, UserError, WorkerCrashed, WorkerDied, WorkerError
 from hosted_tinker.core.messages import Listener
-from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.core.sharding import merge_many, merge_results, shard_batch, shard_by_tokens
 from hosted_tinker.core.types import (
     AdamParams,
@@ -326,3 +326,17 @@ class SamplerClient:
     ) -> list[SampleOutput]:
         listener = Listener(on_token) if on_token is not None else None
         return self.backend._call(EmbeddedSampler, "generate", key, specs, admit=admit, on_token=listener)
+
+    def decode_slice(
+        self,
+        run_id: str,
+        key: str | None,
+        specs: list[SampleSpec],
+        admit: Callable[[], Admission],
+        on_token: TokenListener | None = None,
+        on_finished: FinishListener | None = None,
+    ) -> bool:
+        listeners = {
+            name: Listener(fn) for name, fn in (("on_token", on_token), ("on_finished", on_finished)) if fn is not None
+        }
+        return self.backend._call(EmbeddedSampler, "decode_slice", run_id, key, specs, admit=admit, **listeners)
