@@ -250,6 +250,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--sample-batch-window-ms", type=float, default=10.0, help="how long an idle sampler gathers a batch"
     )
+    serve.add_argument(
+        "--max-sample-tokens",
+        type=int,
+        default=65536,
+        help="n * max_tokens of one request to the embedded sampler, which shares the training worker (400 above)",
+    )
+    serve.add_argument(
+        "--sample-slice",
+        dest="sample_slice_s",
+        type=float,
+        default=0.1,
+        help="seconds a sampling run decodes before it gives the worker to training and other runs",
+    )
     serve.add_argument("--log-level", default="info", help="the server log's level (debug, info, warning)")
     serve.add_argument(
         "--request-log",

@@ -1,8 +1,12 @@
-"""The embedded engine: rank 0's sampler (``rank.sampler``), fed requests in batches.
+"""The embedded engine: rank 0's sampler (``rank.sampler``), fed requests in runs.
 
-Requests that arrive while the worker is busy (training another model, or a previous batch)
-accumulate and go out as one batch, so concurrent requests share forward passes, and a
-training request waits for at most one sampling batch (``MAX_BATCH_ROWS`` sequences).
+Requests that arrive while the worker is busy (training another model, or a run) accumulate
+and go out as one run, so concurrent requests share forward passes. A run decodes in time
+slices: after ``slice_s`` it pauses (its state kept on the worker) and goes to the back of the
+worker's queue, so the training requests and the other runs queued meanwhile go first; a
+request waits for a slice, never for another request's whole run. Each key has one run at a
+time (its requests on the same weights join it); up to ``MAX_LIVE_RUNS`` runs take turns. A
+request is answered as soon as its own rows have finished, whatever is left of its run.
 """
 
 from __future__ import annotations
@@ -10,22 +14,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import secrets
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from safetensors.torch import load as load_safetensors
 
-from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.errors import WorkerError
+from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 
 MAX_BATCH_ROWS = 64  # sequences decoded together in one run
 # Newcomers join a run during its first this many decode steps only: a run then ends within
 # ADMIT_STEPS + max_tokens steps however requests keep coming (each late one would otherwise
-# hold the worker, and the training requests queued behind the run, up to max_tokens more).
+# keep its key's next requests waiting, up to max_tokens more).
 ADMIT_STEPS = 256
+# Runs that take turns on the worker, each holding its KV cache between its slices (one per
+# key, so a key cannot take every turn); a key that finds them all taken waits for one to end.
+MAX_LIVE_RUNS = 4
 
 
 @dataclass
@@ -35,10 +46,25 @@ class _Pending:
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
     on_token: SampleListener | None = None
+    owner: str | None = None  # the key it counts for: each key has one run at a time
     abandoned: bool = False  # its caller stopped waiting (a cancelled request): not worth decoding
 
     def settle(self, result: SampleOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(_settle, self.done, result)
+
+
+@dataclass
+class _Run:
+    """A run of one key's requests on one set of weights, decoded slice by slice."""
+
+    weights: WeightsRef
+    owner: str | None
+    items: list[_Pending]  # in the order the sampler numbers its requests
+    budget: int  # rows it may still admit
+    id: str = field(default_factory=lambda: secrets.token_hex(8))
+    steps: int = 0
+    started: bool = False  # its first slice (with the prefill) has been asked for
+    dropped: set[int] = field(default_factory=set)
 
 
 class Sampler(Protocol):
@@ -48,119 +74,153 @@ class Sampler(Protocol):
 
     def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
 
-    def generate(
+    def decode_slice(
         self,
+        run_id: str,
         key: str | None,
         specs: list[SampleSpec],
-        admit: Callable[[], Admission] | None = None,
+        admit: Callable[[], Admission],
         on_token: TokenListener | None = None,
-    ) -> list[SampleOutput]: ...
+        on_finished: FinishListener | None = None,
+    ) -> bool: ...
 
 
 class EmbeddedEngine:
     name = "embedded"
 
     def __init__(
-        self, sampler: Sampler, run_on_worker: Callable[[Callable[[], None]], None], batch_window_s: float = 0.01
+        self,
+        sampler: Sampler,
+        run_on_worker: Callable[[Callable[[], None]], None],
+        batch_window_s: float = 0.01,
+        slice_s: float = 0.1,
     ) -> None:
         self.sampler = sampler
-        # Queues a batch behind the worker's earlier jobs (``Scheduler.run_on_worker``): sampling
+        # Queues a job behind the worker's earlier jobs (``Scheduler.run_on_worker``): sampling
         # and training share the worker, one call at a time.
         self.run_on_worker = run_on_worker
         # A request that finds the engine idle waits this long for company: clients send a
         # group's requests at once, and one batch of 16 costs about what a batch of 1 does.
         self.batch_window_s = batch_window_s
+        self.slice_s = slice_s  # a run's turn on the worker (``--sample-slice``)
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []
-        self._scheduled = False
+        self._runs: deque[_Run] = deque()  # the next to decode first
+        self._scheduled = False  # a turn is queued on the worker (one at a time)
 
     def status(self) -> dict:
         with self._lock:
-            waiting = len(self._pending)
-        return {"engine": self.name, "state": "ready", "waiting": waiting}
+            waiting, runs = len(self._pending), len(self._runs)
+        return {"engine": self.name, "state": "ready", "waiting": waiting, "runs": runs}
 
     async def sample(
-        self, weights: WeightsRef, spec: SampleSpec, on_token: SampleListener | None = None
+        self, weights: WeightsRef, spec: SampleSpec, on_token: SampleListener | None = None, owner: str | None = None
     ) -> SampleOutput:
         loop = asyncio.get_running_loop()
         spec = dataclasses.replace(spec, stream=on_token is not None)
-        item = _Pending(weights, spec, loop.create_future(), loop, on_token)
+        item = _Pending(weights, spec, loop.create_future(), loop, on_token, owner)
         item.done.add_done_callback(lambda done: setattr(item, "abandoned", done.cancelled()))
         with self._lock:
             self._pending.append(item)
             start = not self._scheduled
             self._scheduled = True
         if start and self.batch_window_s > 0:
-            loop.call_later(self.batch_window_s, self.run_on_worker, self._run_batch)
+            loop.call_later(self.batch_window_s, self.run_on_worker, self._turn)
         elif start:
-            self.run_on_worker(self._run_batch)
+            self.run_on_worker(self._turn)
         return await item.done
 
     # ---- on the worker ----------------------------------------------------------------------
 
-    def _take(self, key: str | None, max_rows: int, at_least_one: bool = False) -> list[_Pending]:
-        """Oldest-first waiting requests on weights ``key``, up to ``max_rows`` sequences; with
-        ``at_least_one``, the oldest even if it alone has more (it then runs alone: a request
-        validation accepted must be served, and one left waiting would be retried forever)."""
-        with self._lock:
-            taken, rest, rows = [], [], 0
-            for item in self._pending:
-                if item.abandoned:  # never started: nothing to stop
-                    continue
-                fits = rows + item.spec.num_samples <= max_rows or (at_least_one and not taken)
-                if item.weights.key == key and fits:
-                    taken.append(item)
-                    rows += item.spec.num_samples
-                else:
-                    rest.append(item)
-            self._pending = rest
-            return taken
+    def _take(self, key: str | None, owner: str | None, max_rows: int, at_least_one: bool = False) -> list[_Pending]:
+        """``owner``'s oldest-first waiting requests on weights ``key``, up to ``max_rows``
+        sequences; with ``at_least_one``, the oldest even if it alone has more (it then runs
+        alone: a request validation accepted must be served, and one left waiting would be
+        retried forever). Call with the lock held."""
+        taken, rest, rows = [], [], 0
+        for item in self._pending:
+            if item.abandoned:  # never started: nothing to stop
+                continue
+            fits = rows + item.spec.num_samples <= max_rows or (at_least_one and not taken)
+            if item.weights.key == key and item.owner == owner and fits:
+                taken.append(item)
+                rows += item.spec.num_samples
+            else:
+                rest.append(item)
+        self._pending = rest
+        return taken
 
-    def _run_batch(self) -> None:
-        """Decode the oldest request's weights group, admitting newcomers on the same weights
-        between steps, up to ``MAX_BATCH_ROWS`` sequences per run (so a run ends, and training
-        requests queued behind it wait for one run at most)."""
+    def _open_runs(self) -> None:
+        """New runs, first in line, for the oldest waiting requests of keys that have none, while
+        fewer than ``MAX_LIVE_RUNS`` are live. A key's request that finds its key's run waits
+        for it: it joins it (``_slice``'s admissions) or follows it. Call with the lock held."""
+        self._pending = [item for item in self._pending if not item.abandoned]
+        busy = {run.owner for run in self._runs}
+        for item in list(self._pending):
+            if len(self._runs) >= MAX_LIVE_RUNS:
+                return
+            if item.owner in busy:
+                continue
+            items = self._take(item.weights.key, item.owner, MAX_BATCH_ROWS, at_least_one=True)
+            budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)  # below 0 after a large one: none admitted
+            self._runs.appendleft(_Run(item.weights, item.owner, items, budget))
+            busy.add(item.owner)
+
+    def _turn(self) -> None:
+        """One turn on the worker: open runs for waiting requests, give the first run in line
+        one slice (it then goes to the back of the line), and queue the next turn behind
+        whatever was queued meanwhile (the next training requests)."""
         with self._lock:
-            head = self._pending[0] if self._pending else None
-        if head is not None:
-            self._sample_group(head.weights)
+            self._open_runs()
+            run = self._runs.popleft() if self._runs else None
+        if run is not None and not self._slice(run):
+            with self._lock:
+                self._runs.append(run)
         with self._lock:
-            more = bool(self._pending)
+            more = bool(self._runs or self._pending)
             self._scheduled = more
         if more:
-            self.run_on_worker(self._run_batch)
+            self.run_on_worker(self._turn)
 
-    def _sample_group(self, weights: WeightsRef) -> None:
-        items = self._take(weights.key, MAX_BATCH_ROWS, at_least_one=True)
-        budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)  # below 0 after a large one: none admitted
-        steps = 0
-        dropped: set[int] = set()
+    def _slice(self, run: _Run) -> bool:
+        """Decode ``run`` for one slice, admitting its key's newcomers on the same weights
+        between steps, up to ``MAX_BATCH_ROWS`` sequences; whether it has ended."""
+        end = time.monotonic() + self.slice_s
 
         def admit() -> Admission:  # between decode steps
-            nonlocal budget, steps
-            steps += 1
-            gone = [n for n, item in enumerate(items) if item.abandoned and n not in dropped]
-            dropped.update(gone)
-            arrivals = self._take(weights.key, budget) if budget > 0 and steps <= ADMIT_STEPS else []
-            budget -= sum(i.spec.num_samples for i in arrivals)
-            items.extend(arrivals)
-            return Admission([i.spec for i in arrivals], tuple(gone))
+            run.steps += 1
+            gone = [n for n, item in enumerate(run.items) if item.abandoned and n not in run.dropped]
+            run.dropped.update(gone)
+            arrivals = []
+            if run.budget > 0 and run.steps <= ADMIT_STEPS:
+                with self._lock:
+                    arrivals = self._take(run.weights.key, run.owner, run.budget)
+            run.budget -= sum(i.spec.num_samples for i in arrivals)
+            run.items.extend(arrivals)
+            return Admission([i.spec for i in arrivals], tuple(gone), pause=time.monotonic() >= end)
 
         def on_token(request: int, sample: int, token: int, logprob: float) -> None:
-            listener = items[request].on_token  # items and the engine's requests share one order
+            listener = run.items[request].on_token  # items and the sampler's requests share one order
             if listener is not None:
                 listener(sample, token, logprob)
 
+        def on_finished(request: int, output: SampleOutput) -> None:
+            run.items[request].settle(output)
+
         try:
-            self._ensure_loaded(weights)
-            specs = [i.spec for i in items]
-            outputs = self.sampler.generate(weights.key, specs, admit, on_token)
+            specs = [] if run.started else [i.spec for i in run.items]
+            if not run.started:
+                self._ensure_loaded(run.weights)
+                run.started = True
+            done = self.sampler.decode_slice(run.id, run.weights.key, specs, admit, on_token, on_finished)
         except Exception as e:  # UserError or not: the caller tells them apart
-            for item in items:
+            for item in run.items:
                 item.settle(e)
-            return
-        for item, output in zip(items, outputs, strict=True):
-            item.settle(output)
+            return True
+        if done:  # each was settled as it finished (a failed listener was logged): none may wait on
+            for item in run.items:
+                item.settle(WorkerError("the sampler ended its run without this request's output"))
+        return done
 
     def _ensure_loaded(self, weights: WeightsRef) -> None:
         if weights.key is None or self.sampler.has_sampler(weights.key):

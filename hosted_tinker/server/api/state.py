@@ -44,6 +44,7 @@ from hosted_tinker.server.serving.recovery import ModelRecovery
 from hosted_tinker.server.serving.residency import Residency, park_after_kill
 from hosted_tinker.server.serving.run_metrics import RunMetrics
 from hosted_tinker.server.serving.runs import RunViews
+from hosted_tinker.server.serving.sample_budget import SampleBudget
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.sessions import SessionService
 from hosted_tinker.server.serving.tenancy import Tenancy
@@ -169,11 +170,16 @@ def build_state(config: ServerConfig) -> ServerState:
         ephemeral,
         tokenizer,
         _eos_ids(model_path, tokenizer),
-        EmbeddedEngine(SamplerClient(backend), scheduler.run_on_worker, config.sample_batch_window_s),
+        EmbeddedEngine(
+            SamplerClient(backend), scheduler.run_on_worker, config.sample_batch_window_s, config.sample_slice_s
+        ),
         sequences,
         vllm,
         served_names=config.served_names(),
         usage=usage,
+        budget=SampleBudget(
+            config.max_sample_tokens, lambda key: None if (lim := quotas.of(key)) is None else lim.sample_tokens
+        ),
     )
     mirror = CheckpointMirror(config.checkpoint_mirror, files, store) if config.checkpoint_mirror else None
     if mirror is not None:

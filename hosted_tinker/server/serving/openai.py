@@ -156,7 +156,9 @@ class OpenAIService:
             temperature=req.temperature,
             top_p=req.top_p,
         )
-        return self.sampling.spec(prompt, params, num_samples=req.n, topk_sample_logprobs=topk)
+        return self.sampling.spec(
+            prompt, params, num_samples=req.n, topk_sample_logprobs=topk, cost_field="n * max_tokens"
+        )
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         if req.echo:
@@ -267,8 +269,9 @@ class OpenAIService:
     async def respond(self, req: CompletionRequest | ChatCompletionRequest, tenant: str) -> dict:
         """A whole completion or chat completion: every choice, its text, logprobs and usage."""
         weights = self.resolve(req.model, tenant)
-        with self.slot(req.model, tenant):
+        with self.slot(req.model, tenant), ExitStack() as reserved:
             prompt, spec = await self._prepare(req)
+            reserved.callback(self.sampling.reserve(tenant, spec))
             output = await self.sampling.run(weights, spec, charge=self.charge(tenant))
         # The texts and logprobs of many long choices: a tokenizer.decode per token and per alternative.
         return await self._on_tokenizer_thread(self._answer, req, prompt, spec, output)
@@ -310,6 +313,7 @@ class OpenAIService:
         held.enter_context(self.slot(req.model, tenant))
         try:
             prompt, spec = await self._prepare(req)
+            held.callback(self.sampling.reserve(tenant, spec))
         except BaseException:
             held.close()
             raise

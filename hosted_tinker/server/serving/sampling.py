@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +29,7 @@ from hosted_tinker.server.protocol.proto_codec import decode_tensor_json, encode
 from hosted_tinker.server.records import SamplerRecord
 from hosted_tinker.server.scheduler import Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
+from hosted_tinker.server.serving.sample_budget import SampleBudget
 from hosted_tinker.server.serving.usage import Charge, UsageLedger
 from hosted_tinker.server.store import Store
 
@@ -92,8 +93,10 @@ class SamplingService:
         *,
         served_names: Sequence[str] = (),
         usage: UsageLedger | None = None,
+        budget: SampleBudget | None = None,
     ) -> None:
         self.usage = usage  # what each key sampled (``serving.usage``)
+        self.budget = budget  # what a request and a key may ask of the embedded engine (None: no bound)
         self.backend = backend
         self.scheduler = scheduler
         self.store = store
@@ -132,7 +135,9 @@ class SamplingService:
         topk_sample_logprobs: int = 0,
         target_prompt_ids: np.ndarray | None = None,
         prompt_alt_tokens_k: int = 0,
+        cost_field: str = "num_samples * sampling_params.max_tokens",
     ) -> SampleSpec:
+        """The validated request; ``cost_field`` is how the client spells ``n * max_tokens``."""
         caps = self.backend.capabilities
         if not prompt:
             raise bad_request("prompt is empty")
@@ -204,7 +209,16 @@ class SamplingService:
             prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
         self._check_engine(spec)  # every request passes here before anything is queued
+        if self.budget is not None and not self.uses_vllm(spec):  # vLLM does not run on the training worker
+            self.budget.check(spec, cost_field)
         return spec
+
+    def reserve(self, owner: str | None, spec: SampleSpec) -> Callable[[], None]:
+        """Count ``spec`` against its key's ``sample_tokens`` until the returned function is called
+        (a 429 naming the limit when it would pass it)."""
+        if self.budget is None or self.uses_vllm(spec):
+            return lambda: None
+        return self.budget.reserve(owner, spec)
 
     def _check_engine(self, spec: SampleSpec) -> None:
         """Refuse at once what no engine here serves: the embedded sampler runs only where the
@@ -321,15 +335,26 @@ class SamplingService:
         if self.uses_vllm(spec):
             self._check_vllm_ready()  # a 503 the SDK retries, rather than a failed future
         self.scheduler.check_capacity(sampler.sampler_id, None)
-        request_id = self.scheduler.register("sample", model_id=sampler.sampler_id, seq_id=seq_id)
+        charge = self._charge(sampler)
+        release = self.reserve(charge.owner, spec)
+        try:
+            request_id = self.scheduler.register("sample", model_id=sampler.sampler_id, seq_id=seq_id)
+        except BaseException:
+            release()
+            raise
         # With record_stability_info, what the sampler chose is recorded for training
         # (``server.sequences``) under the ids the client gets, before the result is visible.
         record = Recording(sampler.session_id, request_key, sequence_ids) if req.record_stability_info else None
         task = asyncio.get_running_loop().create_task(
-            self._sample_into(request_id, self.weights_of(sampler), spec, record, target_layout, self._charge(sampler))
+            self._sample_into(request_id, self.weights_of(sampler), spec, record, target_layout, charge)
         )
         self._running[request_id] = task
-        task.add_done_callback(lambda _: self._running.pop(request_id, None))
+
+        def ended(_: asyncio.Task) -> None:
+            self._running.pop(request_id, None)
+            release()
+
+        task.add_done_callback(ended)
         return request_id, sequence_ids
 
     def cancel(self, request_id: str) -> bool:
@@ -417,7 +442,8 @@ class SamplingService:
         if self.uses_vllm(spec):
             output = await self.vllm.sample(weights, spec, on_token)
         else:
-            output = await self.embedded.sample(weights, spec, on_token)
+            owner = charge.owner if charge is not None else None  # each key's requests take turns with the others'
+            output = await self.embedded.sample(weights, spec, on_token, owner=owner)
         sampled = sum(len(s.tokens) for s in output.sequences)
         self.scheduler.metrics.tokens_sampled.inc(sampled)
         if self.usage is not None and charge is not None:
