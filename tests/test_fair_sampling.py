@@ -180,6 +180,9 @@ def test_a_key_over_its_tokens_in_flight_is_a_429_naming_the_limit(keyed):
         )
         first.start()  # 1,600 tokens: over the key's 100, and let in since it holds none
         deadline = time.monotonic() + 60
+        while not _running(srv, keys["small"]):  # sent before it, a 1-token request would be the one let in
+            assert time.monotonic() < deadline, "the first request never reached the worker"
+            time.sleep(0.01)
         while True:
             try:
                 client.completions.create(model=ALIAS, prompt=[5, 6], n=1, max_tokens=1)
