@@ -4,6 +4,8 @@ gradients), and every kind of node it must refuse refused, at creation or when r
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
@@ -174,7 +176,7 @@ def test_the_values_of_a_pass_are_bounded_in_all():
     """512 nodes each as large as a datum may make one are over what a pass's losses may hold in
     all (as if each node held its datum's inputs): refused at the node that passes it."""
     big = (_call("w", "torch.cat", [LP] * 64), *_outer({"ref": "w"}, {"ref": "w"}, "x"))  # 262,144 each
-    copies = tuple(_call(f"c{i}", "torch.exp", {"ref": "x"}) for i in range(500))
+    copies = tuple(_call(f"c{i}", "torch.exp", {"ref": f"c{i - 1}" if i else "x"}) for i in range(500))
     loss = compile_loss("heavy", [("logprobs", 1)], _graph(*big, *copies))
     with pytest.raises(CustomLossError, match="over their bound of 8388608 bytes in all"):
         loss(torch.zeros(8), {})
@@ -253,7 +255,8 @@ def _masked_copies(times: int) -> tuple[dict, ...]:
         _call("dbl", "double", {"ref": "wide"}, op="call_method"),
         _call("mask", "operator.gt", {"ref": "dbl"}, float("-inf")),
         *(_call(f"sel{i}", "operator.getitem", {"ref": "dbl"}, {"ref": "mask"}) for i in range(times)),
-        _call("total", "sum", {"ref": f"sel{times - 1}"}, op="call_method"),
+        _call("total", "torch.stack", [{"ref": f"sel{i}"} for i in range(times)]),
+        _call("sum", "sum", {"ref": "total"}, op="call_method"),
     )
 
 
@@ -280,11 +283,79 @@ def test_a_boolean_mask_is_charged_at_its_largest_before_it_runs(monkeypatch: py
 def test_a_joint_pass_shares_one_bound():
     """Each request's losses have their own allowance, and all those of one pass (a joint
     pass's requests) are also held to the pass's: several requests cannot add up past it."""
-    from hosted_tinker.core.custom_loss import MAX_PASS_BYTES, Allowance, allowance_for
+    from hosted_tinker.core.custom_loss import MAX_PASS_BYTES, allowance_for, pass_allowance
 
-    shared = Allowance(MAX_PASS_BYTES)
+    shared = pass_allowance()
     big = [[torch.zeros(1 << 20)]]  # 4 MiB of inputs: each request may hold 1 GiB alone
     first, second = allowance_for(big, within=shared), allowance_for(big, within=shared)
     first.take(MAX_PASS_BYTES // 2 + 1)
     with pytest.raises(CustomLossError, match="over their bound"):
         second.take(MAX_PASS_BYTES // 2)
+
+
+# ---- from a review as an attacker: work and memory a node makes without returning it -----------
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+def test_what_operands_broadcast_to_is_bounded_even_when_the_node_reduces_it():
+    """``mse_loss`` of a column and a row makes the whole square before it reduces it to one
+    number (40,000 elements: 6.4 GB, charged 4 bytes); the broadcast is sized first."""
+    import torch.nn.functional as F
+
+    def bomb(logprobs, x):
+        return F.mse_loss(x.unsqueeze(1), x.unsqueeze(0)) + logprobs.sum(), {}
+
+    _, loss = _ours(bomb, {"logprobs": 1, "x": 1})
+    with pytest.raises(CustomLossError, match="its operands broadcast to 1600000000 elements, over"):
+        loss(torch.zeros(40_000), {"x": torch.zeros(40_000)})
+
+
+def test_work_is_bounded_as_well_as_memory():
+    """500 log-sum-exps over the largest value a datum may make hold almost nothing but took 20 s
+    of a CPU; the elements a datum's nodes work through are bounded (1,024 per input element):
+    here the 14th of 250 is refused."""
+    wide = _call("w", "torch.cat", [LP] * 64)
+    reductions = [_call(f"r{i}", "torch.logsumexp", {"ref": "w"}, 0) for i in range(250)]
+    sums = [_call(f"a{i}", "operator.add", {"ref": f"a{i - 1}" if i else "r0"}, {"ref": f"r{i}"}) for i in range(250)]
+    loss = compile_loss("slow", [("logprobs", 1)], _graph(wide, *reductions, *sums))
+    started = time.perf_counter()
+    with pytest.raises(CustomLossError, match="node .r13.: the loss works through over its bound of 67108864 elements"):
+        loss(torch.zeros(65_536), {})
+    assert time.perf_counter() - started < 5
+
+
+def test_nodes_the_output_does_not_use_are_not_run(monkeypatch: pytest.MonkeyPatch):
+    ran: list[str] = []
+    real_exp = torch.exp
+    monkeypatch.setitem(
+        __import__("hosted_tinker.core.custom_loss", fromlist=["FUNCTIONS"]).FUNCTIONS,
+        "torch.exp",
+        lambda *a, **k: ran.append("exp") or real_exp(*a, **k),
+    )
+    nodes = _graph(_call("unused", "torch.exp", LP), _call("s", "sum", LP, op="call_method"))
+    loss = compile_loss("lean", [("logprobs", 1)], nodes)
+    assert [n.name for n in loss.nodes] == ["logprobs", "s", "output"]
+    assert loss(torch.ones(3), {})[0].item() == 3.0 and ran == []
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        _call("r", "torch.nn.functional.relu", LP, inplace=True),
+        _call("r", "torch.nn.functional.relu", LP, True),
+        _call("r", "torch.nn.functional.silu", LP, True),
+    ],
+)
+def test_inplace_is_refused_by_name_and_by_position(node: dict):
+    with pytest.raises(CustomLossError, match=r"\(r\): inplace= is not allowed"):
+        compile_loss("evil", [("logprobs", 1)], _graph(node, _call("s", "sum", {"ref": "r"}, op="call_method")))
+
+
+def test_the_fields_of_a_reductions_named_tuple_may_be_read():
+    def top(logprobs):
+        best = logprobs.max(dim=-1)
+        return -best.values.sum() + best.indices.sum() * 0, {}
+
+    _, loss = _ours(top, {"logprobs": 2})
+    lp = torch.tensor([[1.0, 3.0], [5.0, 2.0]])
+    assert loss(lp, {})[0].item() == -8.0

@@ -12,10 +12,13 @@ averaged over them (as the SDK's client-side runner does).
 A loss runs alone with its own datum, whatever else shares the pass (another tenant's datums,
 in a joint pass): its inputs are handed over as fresh tensors (copies, ``logprobs`` still in
 autograd), so nothing a graph does can reach another datum's memory, and no node may write into
-a value (no ``out=``, no in-place method). Every node's result is sized on the meta device
-before it runs (a data-dependent shape, as a boolean mask's, at its largest: every element
-selected) and charged against the datum's and the pass's bounds; a node that cannot be sized
-is refused. A graph has at most ``MAX_NODES`` nodes.
+a value (no ``out=``, no ``inplace``, no in-place method). Every node's result is sized on the
+meta device before it runs (a data-dependent shape, as a boolean mask's, at its largest: every
+element selected), as is what its operands broadcast to (``mse_loss`` of a column and a row
+makes the whole square before it reduces it), and charged against the datum's and the pass's
+bounds, in bytes held and in elements worked through; a node that cannot be sized is refused.
+A graph has at most ``MAX_NODES`` nodes; those its output does not use are not run, and a value
+is let go after its last use.
 """
 
 from __future__ import annotations
@@ -84,7 +87,11 @@ ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "T", "mT"})
 _DTYPES = {n: getattr(torch, n) for n in "float32 float64 float16 bfloat16 int64 int32 bool".split()}
 # Keyword arguments that would make a node write into a value it was given (``out=`` resizes
 # and fills its tensor: a view of shared memory would be written past its end).
-WRITING_KWARGS = frozenset({"out"})
+WRITING_KWARGS = frozenset({"out", "inplace"})
+# Functions whose second positional argument is ``inplace``.
+_INPLACE_SECOND = frozenset({F.relu, F.silu})
+# Fields of the named tuples some reductions return (``x.max(dim=0).values``).
+RETURN_FIELDS = frozenset({"values", "indices"})
 # Functions whose result is a Python number, never a tensor: nothing to size.
 _NUMBER_RESULTS = frozenset(getattr(math, n) for n in _MATH.split())
 
@@ -126,7 +133,8 @@ class CustomLoss:
 
     name: str
     inputs: tuple[CustomLossInput, ...]  # ``logprobs`` first
-    nodes: tuple[_Node, ...]
+    nodes: tuple[_Node, ...]  # the ones the output uses, in order
+    last_use: tuple[tuple[str, ...], ...] = ()  # by node: the values no later node reads
 
     def __call__(
         self, logprobs: Tensor, inputs: Mapping[str, Tensor], allowance: Allowance | None = None
@@ -138,17 +146,17 @@ class CustomLoss:
         values = [logprobs.clone(), *(inputs[i.name].clone() for i in self.inputs[1:])]
         budget = max(MIN_ELEMENTS, ELEMENTS_PER_INPUT * max(v.numel() for v in values))
         allowance = allowance if allowance is not None else allowance_for([values])
-        env: dict[str, Any] = {}
-        args = iter(values)
-        for node in self.nodes:
+        env: dict[str, Any] = dict(zip((i.name for i in self.inputs), values, strict=True))
+        for node, done in zip(self.nodes, self.last_use or [()] * len(self.nodes), strict=True):
             try:
                 if node.op == "placeholder":
-                    env[node.name] = next(args)
                     continue
                 a, kw = _resolve(node.args, env), _resolve(node.kwargs, env)
                 if node.op != "output":
                     _check_size(node, a, kw, budget, allowance)  # before anything is allocated
                     env[node.name] = _bounded(_apply(node, a, kw), budget)
+                    for name in done:  # autograd keeps what the backward pass needs
+                        del env[name]
                     continue
             except Exception as e:  # shapes, dtypes, arguments, bounds: the loss's own mistake
                 raise CustomLossError(f"custom loss {self.name!r} failed at node {node.name!r}: {e}") from None
@@ -165,6 +173,14 @@ MIN_ELEMENTS = 1 << 20
 # MAX_PASS_BYTES, whatever the batch: the worker is shared by every tenant.
 MIN_PASS_BYTES = 8 << 20
 MAX_PASS_BYTES = 1 << 30
+# The elements a datum's nodes may read and write in all (a node's operands, what they broadcast
+# to, and its results): this many per element of its inputs (at least MIN_WORK), and those of one
+# pass at most MAX_PASS_WORK, so that a graph cheap in memory cannot hold the shared worker for
+# long (500 log-sum-exps over the largest value a datum may make took 20 s of a CPU). A loss
+# reads its inputs some tens of times.
+WORK_PER_ELEMENT = 1024
+MIN_WORK = 1 << 24
+MAX_PASS_WORK = 1 << 30
 _NUMBERS = (Tensor, int, float, bool)
 _ARITHMETIC = {getattr(operator, n) for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")}
 
@@ -177,8 +193,11 @@ def _apply(node: _Node, a: list, kw: dict) -> Any:
             raise CustomLossError("to() takes a dtype or a device object here, not a string")
         return getattr(a[0], node.target)(*a[1:], **kw)
     fn = node.target
-    if fn is builtins.getattr and not (len(a) == 2 and isinstance(a[0], Tensor) and a[1] in ATTRIBUTES):
-        raise CustomLossError(f"only these tensor attributes may be read: {sorted(ATTRIBUTES)}")
+    if fn is builtins.getattr and not (len(a) == 2 and _readable(a[0], a[1])):
+        raise CustomLossError(
+            f"only these tensor attributes may be read: {sorted(ATTRIBUTES)}, and {sorted(RETURN_FIELDS)} "
+            "of what max, min and the like return"
+        )
     if fn in _ARITHMETIC:
         if not all(isinstance(x, _NUMBERS) for x in a):
             raise CustomLossError("arithmetic is on tensors and numbers only")
@@ -187,35 +206,47 @@ def _apply(node: _Node, a: list, kw: dict) -> Any:
     return fn(*a, **kw)
 
 
-class Allowance:
-    """Bytes the values of one backward pass's custom losses may still take (each datum's graph
-    stays in autograd until the pass's backward); what is taken is also taken from ``within``,
-    the bound of every request that shares the pass."""
+def _readable(value: Any, attribute: Any) -> bool:
+    if isinstance(value, Tensor):
+        return attribute in ATTRIBUTES
+    return type(value).__module__ == "torch.return_types" and attribute in RETURN_FIELDS
 
-    def __init__(self, bytes_: int, within: Allowance | None = None) -> None:
-        self.bound = self.left = bytes_
+
+class Allowance:
+    """What the custom losses of one backward pass may still take: bytes of values (each datum's
+    graph stays in autograd until the pass's backward) and elements worked through; what is
+    taken is also taken from ``within``, the bound of every request that shares the pass."""
+
+    def __init__(self, bytes_: int, work: int, within: Allowance | None = None) -> None:
+        self.bound, self.work_bound = bytes_, work
+        self.left, self.work_left = bytes_, work
         self.within = within
 
-    def take(self, bytes_: int) -> None:
+    def take(self, bytes_: int, work: int = 0) -> None:
         if bytes_ > self.left:
             raise CustomLossError(f"the loss's values are over their bound of {self.bound} bytes in all")
+        if work > self.work_left:
+            raise CustomLossError(f"the loss works through over its bound of {self.work_bound} elements in all")
         if self.within is not None:
-            self.within.take(bytes_)
+            self.within.take(bytes_, work)
         self.left -= bytes_
+        self.work_left -= work
 
 
 def pass_allowance() -> Allowance:
     """What every custom loss of one pass (one micro-batch, a joint pass's requests together)
-    may hold: the worker is shared by every tenant."""
-    return Allowance(MAX_PASS_BYTES)
+    may take: the worker is shared by every tenant."""
+    return Allowance(MAX_PASS_BYTES, MAX_PASS_WORK)
 
 
 def allowance_for(datums: list[list[Tensor]], within: Allowance | None = None) -> Allowance:
-    """What the losses of ``datums`` (each its logprobs and inputs) may hold in all: as if every
-    node of a largest graph held a value the size of its datum's inputs, within the pass's
-    bounds."""
+    """What the losses of ``datums`` (each its logprobs and inputs) may take: as if every node of
+    a largest graph held a value the size of its datum's inputs, and each read its inputs
+    ``WORK_PER_ELEMENT`` times, within the pass's bounds."""
     held = sum(v.numel() * v.element_size() for values in datums for v in values)
-    return Allowance(min(MAX_PASS_BYTES, max(MIN_PASS_BYTES, MAX_NODES * held)), within)
+    elements = sum(v.numel() for values in datums for v in values)
+    bytes_ = min(MAX_PASS_BYTES, max(MIN_PASS_BYTES, MAX_NODES * held))
+    return Allowance(bytes_, min(MAX_PASS_WORK, max(MIN_WORK, WORK_PER_ELEMENT * elements)), within)
 
 
 def _check_size(node: _Node, a: list, kw: dict, budget: int, allowance: Allowance) -> None:
@@ -224,15 +255,29 @@ def _check_size(node: _Node, a: list, kw: dict, budget: int, allowance: Allowanc
     not allocated. A shape that depends on the data (a boolean mask's selection) is taken at its
     largest, every element selected; a node the meta device cannot run is refused with its error
     (a node of numbers only has nothing to size)."""
-    if node.target in _NUMBER_RESULTS or not _tensors([a, kw]):
+    operands = _tensors([a, kw])
+    if node.target in _NUMBER_RESULTS or not operands:
         return
     with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         meta = _apply(node, _on_meta(a), _on_meta(kw))
     made = _tensors(meta)
     largest = max((t.numel() for t in made), default=0)
-    if largest > budget:
-        raise CustomLossError(f"a value of {largest} elements is over this datum's bound of {budget}")
-    allowance.take(sum(t.numel() * t.element_size() for t in made))
+    broadcast = _broadcast_numel([v for v in (*a, *kw.values()) if isinstance(v, Tensor)])
+    if max(largest, broadcast) > budget:
+        what = "a value" if largest >= broadcast else "its operands broadcast to"
+        raise CustomLossError(f"{what} {max(largest, broadcast)} elements, over this datum's bound of {budget}")
+    work = sum(t.numel() for t in operands) + sum(t.numel() for t in made) + broadcast
+    allowance.take(sum(t.numel() * t.element_size() for t in made), work)
+
+
+def _broadcast_numel(tensors: list[Tensor]) -> int:
+    """The elements two or more operands broadcast to (0: fewer, or shapes that do not broadcast)."""
+    if len(tensors) < 2:
+        return 0
+    try:
+        return math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    except RuntimeError:
+        return 0
 
 
 def _on_meta(value: Any) -> Any:
@@ -290,7 +335,42 @@ def compile_loss(name: str, inputs: list[tuple[str, int]], nodes: list[dict]) ->
         built.append(node)
     if not built or built[-1].op != "output":
         raise CustomLossError("graph: the last node must be its output")
-    return CustomLoss(name, tuple(CustomLossInput(n, r) for n, r in inputs), tuple(built))
+    used = _used(built)
+    return CustomLoss(name, tuple(CustomLossInput(n, r) for n, r in inputs), used, _last_uses(used))
+
+
+def _refs(value: Any) -> list[str]:
+    if isinstance(value, _Ref):
+        return [value.name]
+    if isinstance(value, list | tuple):
+        return [r for v in value for r in _refs(v)]
+    if isinstance(value, dict):
+        return [r for v in value.values() for r in _refs(v)]
+    if isinstance(value, slice):
+        return _refs([value.start, value.stop, value.step])
+    return []
+
+
+def _used(nodes: list[_Node]) -> tuple[_Node, ...]:
+    """The placeholders and the nodes the output reads, directly or not (no node has an effect
+    of its own: the rest would be work for nothing)."""
+    wanted = {nodes[-1].name}
+    for node in reversed(nodes):
+        if node.name in wanted:
+            wanted.update(_refs([node.args, node.kwargs]))
+    return tuple(n for n in nodes if n.op == "placeholder" or n.name in wanted)
+
+
+def _last_uses(nodes: tuple[_Node, ...]) -> tuple[tuple[str, ...], ...]:
+    """By node, the values whose last reader it is."""
+    last: dict[str, int] = {}
+    for index, node in enumerate(nodes):
+        for name in _refs([node.args, node.kwargs]):
+            last[name] = index
+    done: list[list[str]] = [[] for _ in nodes]
+    for name, index in last.items():
+        done[index].append(name)
+    return tuple(tuple(names) for names in done)
 
 
 def _node(raw: dict, index: int, known: set[str]) -> _Node:
@@ -308,6 +388,8 @@ def _node(raw: dict, index: int, known: set[str]) -> _Node:
         fn = FUNCTIONS.get(target) if isinstance(target, str) else None
         if fn is None:
             raise CustomLossError(f"{where} ({name}): calling {target!r} is not allowed in a custom loss")
+        if fn in _INPLACE_SECOND and len(args) > 1:
+            raise CustomLossError(f"{where} ({name}): inplace= is not allowed: a node makes new values only")
         return _Node(op, name, fn, tuple(args), kwargs)
     if op == "call_method":
         if target not in METHODS:
