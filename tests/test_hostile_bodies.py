@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import resource
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,7 +80,7 @@ def test_a_compressed_bomb_is_refused_within_the_api_processs_memory(keyed):
     finally:
         resource.prlimit(pid, resource.RLIMIT_DATA, old)
     assert r.status_code == 400, r.text
-    assert "data: over 16384 values in one ForwardBackwardRequest" in r.json()["detail"]
+    assert "data: over 4096 values in one ForwardBackwardRequest" in r.json()["detail"]
     assert took < 10
     assert (_status(pid)["VmHWM"] - before["VmHWM"]) << 10 < 256 << 20
 
@@ -107,6 +108,24 @@ def _stalled_upload(srv: ServerProcess, key: str, declared: int) -> socket.socke
     return conn
 
 
+def test_a_long_poll_holds_nothing_while_it_waits(keyed):
+    """From a review: a retrieve_future long poll held its few bytes for its 30 s, and a body
+    that filled the key's share alone was refused whenever anything else of the key was held; the
+    SDK polls a later request while it resends an earlier one, so both waited on each other for
+    ever (429 on every try). A body is let go once it is read: the poll holds nothing."""
+    srv, keys = keyed
+    attacker = _api(srv, keys["attacker"])
+    model_id = attacker.new_model()
+    step = attacker.post("optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})
+    poll = threading.Thread(target=attacker.result, args=(step.json()["request_id"],), daemon=True)
+    poll.start()  # waits for seq 1, in long polls
+    body = fwdbwd_body(model_id, 1, n_datums=8, length=2048, forward_only=False)
+    assert 2 * len(body) > ATTACKER_BODY_BYTES  # alone, over the key's share
+    assert attacker.result(_api(srv, keys["attacker"]).fwdbwd(body))
+    poll.join(timeout=60)
+    assert not poll.is_alive()
+
+
 def _held(srv: ServerProcess) -> dict:
     return httpx.get(f"{srv.base_url}/healthz", timeout=10).json()["body_bytes"]
 
@@ -119,9 +138,11 @@ def _wait_held(srv: ServerProcess, condition) -> dict:
 
 
 def test_a_key_holds_at_most_its_share_of_bodies_in_flight(keyed):
-    """While one of the attacker's uploads is held, its next one is a 429 naming body_bytes
-    (Retry-After, body unread: the SDK resends it), and the victim's goes through; once the first
-    is answered, the attacker's next upload is accepted again. A first body bigger than the key's
+    """While one of the attacker's uploads is being read, its next one is a 429 naming body_bytes
+    if what it declares would not fit (Retry-After, body unread: the SDK resends it), and the
+    victim's goes through; once the first is answered, the attacker's next upload is accepted
+    again. A body holds what it has sent (twice, as it is read), not what it declares: a slow
+    upload cannot hold the server's bound with a few bytes. A first body bigger than the key's
     share is not refused for it: alone, the body limits bound it, and a bound it could never fit
     would have the SDK resend it forever."""
     srv, keys = keyed
@@ -130,7 +151,8 @@ def test_a_key_holds_at_most_its_share_of_bodies_in_flight(keyed):
     big = 3 * ATTACKER_BODY_BYTES // 4
     stalled = _stalled_upload(srv, keys["attacker"], big)
     try:
-        _wait_held(srv, lambda h: h["held_bytes"] >= big and h["keys_holding"] == 1)
+        held = _wait_held(srv, lambda h: h["held_bytes"] > 0 and h["keys_holding"] == 1)
+        assert held["held_bytes"] == 2  # the one byte it sent, as read
         r = attacker.post("forward_backward", content=b"\x0a" * big, headers={"Content-Type": "application/x-protobuf"})
         assert r.status_code == 429, r.text
         assert "limit body_bytes reached" in r.json()["detail"] and r.headers["Retry-After"] == "1"

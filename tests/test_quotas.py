@@ -40,6 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
         "beats": key("beats", "requests_per_s=1").strip(),
         "bytes": key("bytes", "pending_bytes=20000").strip(),
         "ckpt": key("ckpt", "checkpoint_bytes=200000").strip(),
+        "ckpt2": key("ckpt2", "checkpoint_bytes=200000").strip(),
         "losses": key("losses", "custom_loss_bytes=20000").strip(),
     }
     srv = start_server(data, "--model", str(tiny_model_dir), "--key-limit", "sessions=2")
@@ -137,6 +138,26 @@ def test_stored_checkpoint_bytes_never_pass_the_limit_however_many_saves_race(se
         tc.save_weights_and_get_sampling_client().result()  # a sampler's snapshot is not stored
         rest.delete_checkpoint_from_tinker_path(saved[0]).result()
         assert tc.save_weights_for_sampler("again").result().path.endswith("/again")
+
+
+def test_a_save_that_never_runs_lets_its_reservation_go(server):
+    """From a review: a save queued behind a missing seq_id reserved its bytes, and its model's
+    unloading dropped it without running it: the reservation stayed until a restart, refusing
+    later saves that fit. A request's reservation now goes with it however it ends."""
+    srv, keys, _ = server
+    api = Api(srv.base_url)
+    api.http.headers["X-API-Key"] = keys["ckpt2"]
+    model = api.new_model()
+    save = {"model_id": model, "seq_id": 1, "path": "first"}
+    assert api.result(api.post("save_weights_for_sampler", json=save).json()["request_id"])["path"]
+    waiting = api.post("save_weights_for_sampler", json={**save, "seq_id": 3, "path": "never"}).json()
+    assert api.result(api.post("unload_model", json={"model_id": model}).json()["request_id"]) is not None
+    dropped = api.poll(waiting["request_id"]).json()
+    assert "before this request ran" in dropped["error"]
+    other = api.new_model()  # its first save: ~93 KB more fits under 200,000 unless the dropped one's is still held
+    body = {"model_id": other, "seq_id": 1, "path": "second"}
+    stored = api.result(api.post("save_weights_for_sampler", json=body).json()["request_id"])
+    assert stored.get("path", "").endswith("/second"), stored
 
 
 def _loss(k: int):

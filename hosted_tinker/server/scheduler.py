@@ -87,6 +87,7 @@ class Scheduler:
         self.keys = keys
         self.metrics = metrics or ServerMetrics()  # the server's counters, for every service that has the scheduler
         self._pending: dict[str, str | None] = {}  # request id -> its model, until it finishes
+        self._when_done: dict[str, Callable[[], None]] = {}  # request id -> what its end lets go
         self._pending_per_model: dict[str | None, int] = {}
         self._owners: dict[str, str] = {}  # request id -> the key it counts against (``keys``)
         self._pending_per_key: dict[str, int] = {}
@@ -300,7 +301,23 @@ class Scheduler:
                 if owner is not None:
                     self._pending_bytes_per_key[owner] = self._pending_bytes_per_key.get(owner, 0) + size
 
+    def when_done(self, request_id: str, release: Callable[[], None]) -> None:
+        """Call ``release`` when the request finishes however it does (done, failed, or dropped
+        before it ran: its model unloaded); at once if it already has."""
+        with self._count_lock:
+            if request_id in self._pending:
+                self._when_done[request_id] = release
+                return
+        release()
+
     def _release(self, request_id: str) -> None:
+        with self._count_lock:
+            release = self._when_done.pop(request_id, None)
+        if release is not None:
+            try:
+                release()
+            except Exception:
+                log.exception("releasing what request %s held failed", request_id)
         with self._count_lock:
             if request_id in self._pending:
                 _decrement(self._pending_per_model, self._pending.pop(request_id))

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hosted_tinker.core.errors import ApiError
 from hosted_tinker.server.api.auth import presented_key
 from hosted_tinker.server.api.errors import LARGE_BODY, error_response, ordered_kind, refuse_unparsed, route_mark
-from hosted_tinker.server.api.inflight import BodyBytes, Hold
+from hosted_tinker.server.api.inflight import RECEIVED_COPIES, BodyBytes, Hold
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol.ordering import head_limit, order_of
 
@@ -41,10 +41,12 @@ class BodyLimit:
     ``HEAD_WAIT_S`` at most) is read for the seq_id it uses up (``refuse_unparsed``), so that
     the model's later requests do not wait for it.
 
-    Each body is also held in ``body_bytes`` (``api.inflight``) while its request runs: its
-    Content-Length before any of it is read, else each piece as it comes; a body past its key's
+    A keyed request's body is also held in ``body_bytes`` (``api.inflight``) while it is read:
+    each piece as it comes (a declared Content-Length that would not fit now is refused unread),
+    let go once it is in, or for ``forward_backward`` once it is decoded; a body past its key's
     share or the server's bound is a 429 / 503 the SDK resends (its seq_id not used up). The
-    route finds the hold in ``scope["state"]["body_hold"]``, to add what it inflates."""
+    route finds the hold in ``scope["state"]["body_hold"]``, to add what it inflates and to let
+    go."""
 
     ENCODINGS = ("identity", "zstd")
 
@@ -89,25 +91,38 @@ class BodyLimit:
             detail = f"body of {declared} bytes exceeds the limit of {max_bytes} bytes ({setting}; Content-Length)"
             await self._too_large(scope, head, detail)(scope, receive, send)
             return
-        hold = self.body_bytes.hold(scope.get("state", {}).get("tenant")) if self.body_bytes else None
+        # Keyed requests only: a keyless route reads no body worth holding (a console form, 8 KiB).
+        tenant = scope.get("state", {}).get("tenant")
+        hold = self.body_bytes.hold(tenant) if self.body_bytes is not None and tenant is not None else None
+        if hold is not None and declared.isdigit():
+            try:  # what it declares must fit now, else it is refused unread, to be sent again
+                hold.check(RECEIVED_COPIES * int(declared))
+            except ApiError as busy:
+                await _busy(scope, busy)(scope, receive, send)
+                return
         try:
-            if hold is not None and declared.isdigit():
-                try:
-                    hold.receive(int(declared))  # all of it, before any is read
-                except ApiError as busy:  # refused unread, to be sent again
-                    await _busy(scope, busy)(scope, receive, send)
-                    return
-                scope.setdefault("state", {})["body_hold"] = hold
-            await self._limited(scope, receive, send, max_bytes, setting, keep, None if declared.isdigit() else hold)
+            # The protobuf route lets go once it has inflated and decoded the body; the others
+            # once the body is in (a long poll holds nothing while it waits).
+            until_read = route_mark(Request(scope), LARGE_BODY) is not True
+            await self._limited(scope, receive, send, max_bytes, setting, keep, hold, until_read)
         finally:
             if hold is not None:
                 hold.release()
 
     async def _limited(
-        self, scope: Scope, receive: Receive, send: Send, max_bytes: int, setting: str, keep: int, hold: Hold | None
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        max_bytes: int,
+        setting: str,
+        keep: int,
+        hold: Hold | None,
+        until_read: bool,
     ) -> None:
-        """The app, its body cut off past ``max_bytes``; each piece taken into ``hold`` if given
-        (a body of no declared length), whose refusal is answered in place of the app's."""
+        """The app, its body cut off past ``max_bytes``; each piece taken into ``hold`` as it
+        comes (its refusal answered in place of the app's), let go once the body is in if
+        ``until_read``."""
         if hold is not None:
             scope.setdefault("state", {})["body_hold"] = hold
         head, received, over, answered = bytearray(), 0, False, False
@@ -130,6 +145,8 @@ class BodyLimit:
                     except ApiError as e:
                         over, busy = True, e
                         raise _BodyTooLarge from None
+                if hold is not None and until_read and not message.get("more_body", False):
+                    hold.release()
             return message
 
         async def refuse() -> None:

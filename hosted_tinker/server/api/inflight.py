@@ -2,9 +2,11 @@
 bounded per key and in all.
 
 The body limits bound one request; this bounds how many a key may have in flight together (an
-attacker's eight concurrent 120 MiB uploads took 2.1 GB of the gateway). A body takes its bytes
-as they arrive (its whole Content-Length at once when it declares one; ``RECEIVED_COPIES`` of
-each) and as ``forward_backward`` inflates them, and gives them back when its request is answered. Past its key's bound
+attacker's eight concurrent 120 MiB uploads took 2.1 GB of the gateway). A keyed request's body
+takes its bytes as they arrive (``RECEIVED_COPIES`` of each; a declared Content-Length that would
+not fit now is refused before any is read) and as ``forward_backward`` inflates them, and gives
+them back once it is read (``forward_backward``: decoded), so a request that then waits (a long
+poll) or sends a large answer holds nothing. Past its key's bound
 (``Limits.body_bytes``) it is a 429, past the server's (``--max-inflight-body-bytes``) a 503,
 both with Retry-After, which the SDK waits out and resends (the ``seq_id`` is not used up).
 A body is never refused while nothing else is held (its key's, for the key's bound; anyone's,
@@ -45,7 +47,7 @@ class BodyBytes:
         with self._lock:
             return {"max_bytes": self.total, "held_bytes": self.held, "keys_holding": len(self._by_key)}
 
-    def _take(self, hold: Hold, size: int) -> None:
+    def _take(self, hold: Hold, size: int, only_check: bool = False) -> None:
         key_bound = self.per_key(hold.tenant) if hold.tenant is not None else None
         with self._lock:
             key_held = self._by_key.get(hold.tenant, 0) if hold.tenant is not None else 0
@@ -61,6 +63,8 @@ class BodyBytes:
                     f"the server holds {self.held} bytes of request bodies, its bound is {self.total} "
                     "(--max-inflight-body-bytes); retry shortly",
                 )
+            if only_check:
+                return
             self.held += size
             hold.bytes += size
             if hold.tenant is not None:
@@ -79,7 +83,7 @@ class BodyBytes:
 
 
 class Hold:
-    """One request's bytes in ``BodyBytes``: ``take`` as they come, ``release`` once answered."""
+    """One request's bytes in ``BodyBytes``: ``take`` as they come, ``release`` once read (idempotent)."""
 
     def __init__(self, ledger: BodyBytes, tenant: str | None) -> None:
         self.ledger = ledger
@@ -89,6 +93,10 @@ class Hold:
     def take(self, size: int) -> None:
         """Hold ``size`` more bytes, or raise the 429/503 that refuses them."""
         self.ledger._take(self, size)
+
+    def check(self, size: int) -> None:
+        """Raise the 429/503 that ``take(size)`` would, taking nothing."""
+        self.ledger._take(self, size, only_check=True)
 
     def receive(self, size: int) -> None:
         """Hold ``size`` bytes of body, as read (``RECEIVED_COPIES`` of each)."""

@@ -26,13 +26,16 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope
 
 from hosted_tinker.server.api.errors import LARGE_BODY
-from hosted_tinker.server.body_thread import OFF_LOOP_BYTES, off_loop
+from hosted_tinker.server.body_thread import OFF_LOOP_BYTES, off_loop, too_many_containers
 
 PARSE_ERROR = "There was an error parsing the body"  # FastAPI's words for a body it cannot read
 
 
 def parse(model: type[BaseModel], body: bytes) -> BaseModel | RequestValidationError | HTTPException:
-    """``body`` as a ``model``, or the error FastAPI itself would have raised for it."""
+    """``body`` as a ``model``, or the error FastAPI itself would have raised for it (or a 400
+    for a body of more arrays and objects than it may hold)."""
+    if (why := too_many_containers(body)) is not None:
+        return HTTPException(400, why)
     try:
         doc = json.loads(body)
     except json.JSONDecodeError as e:

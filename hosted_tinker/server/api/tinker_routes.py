@@ -171,6 +171,9 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
         raise refuse_unparsed(request, body[: head_limit(encoding)], refused) from None
     note(request, model_id=req.model_id, seq_id=req.seq_id, loss_fn=req.loss_fn, datums=req.num_datums)
     state.tenancy.model(tenant_of(request), req.model_id)  # before any datum is built
+    await asyncio.to_thread(req.build)  # the datums, off the event loop; the body let go
+    if hold is not None:
+        hold.release()  # from here the batch is counted as pending (--max-pending-bytes)
     return _future(request, state.training.forward_backward(req, size), req.model_id)
 
 

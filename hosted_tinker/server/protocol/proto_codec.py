@@ -66,20 +66,35 @@ class WireForwardBackward:
     seq_id: int
     loss_fn: str
     forward_only: bool
-    body: bytes = b""
+    body: bytes | bytearray = b""
     spans: list[tuple[int, int]] = field(default_factory=list)  # each datum's (start, end) in body
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+    _built: list[WireDatum] | WireError | None = None
 
     @property
     def num_datums(self) -> int:
         return len(self.spans)
 
+    def build(self) -> None:
+        """Decode the datums now (off the event loop) and let the body go; ``datums()`` then
+        returns them, or raises what decoding them raised."""
+        try:
+            self._built = self._decode()
+        except WireError as e:
+            self._built = e
+        self.body = b""
+
     def datums(self) -> list[WireDatum]:
-        budget = [MAX_REQUEST_ELEMENTS]
-        return [_datum(_parse_datum(self.body[a:b], i), i, budget) for i, (a, b) in enumerate(self.spans)]
+        if isinstance(self._built, WireError):
+            raise self._built
+        return self._built if self._built is not None else self._decode()
+
+    def _decode(self) -> list[WireDatum]:
+        budget, view = [MAX_REQUEST_ELEMENTS], memoryview(self.body)
+        return [_datum(_parse_datum(view[a:b], i), i, budget) for i, (a, b) in enumerate(self.spans)]
 
 
-def _parse_datum(raw: bytes, index: int) -> pb.Datum:
+def _parse_datum(raw: bytes | memoryview, index: int) -> pb.Datum:
     try:
         return pb.Datum.FromString(raw)
     except DecodeError as e:
@@ -88,7 +103,7 @@ def _parse_datum(raw: bytes, index: int) -> pb.Datum:
 
 def decompress(
     body: bytes, content_encoding: str | None, max_bytes: int, charge: Callable[[int], None] | None = None
-) -> bytes:
+) -> bytes | bytearray:
     """Undo ``Content-Encoding: zstd`` (one or more frames), refusing to inflate past
     ``max_bytes``; ``charge`` is told of each piece inflated before the next is (it raises to
     stop: the request's share of the process's memory)."""
@@ -116,7 +131,7 @@ def decompress(
             pos -= len(frame.unused_data)  # the next frame starts inside the last piece
     except zstandard.ZstdError as e:
         raise WireError(f"body is not valid zstd: {e}") from None
-    return bytes(out)
+    return out  # not copied into bytes: what it holds was charged once
 
 
 def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
@@ -225,7 +240,7 @@ def _span(msg: pb.ProvenanceSpan, where: str) -> Span:
     return Span(kind == "sampled_tokens", arm.sequence_id, arm.offset, arm.length)
 
 
-def decode_forward_backward(body: bytes, max_tokens: int | None = None) -> WireForwardBackward:
+def decode_forward_backward(body: bytes | bytearray, max_tokens: int | None = None) -> WireForwardBackward:
     """The request's header, and where its datums lie, from a walk that stops at the first
     bound it passes (``proto_scan``: datums, fields, tokens) before protobuf builds anything."""
     scanned = scan_forward_backward(body, max_tokens)

@@ -27,13 +27,15 @@ from tinker.proto import tinker_public_pb2 as pb
 from hosted_tinker.core.errors import WireError
 
 # The SDK sends at most 1,024 datums per request (``fwdbwd_max_chunk_len``); other clients get
-# sixteen times that.
-MAX_DATUMS = 1 << 14
-MAX_FIELDS = 1 << 20  # in the whole body, nested ones included: ~0.3 s of this walk at most
+# four times that.
+MAX_DATUMS = 1 << 12
+# In the whole body, nested ones included (an SDK datum has ~30, ~5 more per provenance span):
+# the walk is Python (0.35 s for them all on a 2-core CPU), holding the GIL but for switch intervals.
+MAX_FIELDS = 1 << 18
 # How often a repeated field may occur in one message, by its full name; unlisted: 64.
 REPEATS = {
     "tinker_public.ForwardBackwardRequest.data": MAX_DATUMS,
-    "tinker_public.Datum.model_input": 1024,
+    "tinker_public.Datum.model_input": 256,
     "tinker_public.Datum.model_input_spans": 1 << 16,
     "tinker_public.Datum.loss_fn_input_spans": 1 << 16,
     "tinker_public.Tensor.shape": 8,

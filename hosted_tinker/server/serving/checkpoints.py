@@ -178,10 +178,13 @@ class CheckpointService:
             return job
 
         try:
-            return self.training.submit_ordered(request_kind, model_id, seq_id, prepare_owning)
+            request_id = self.training.submit_ordered(request_kind, model_id, seq_id, prepare_owning)
         finally:
             if held is not None and not queued:  # refused, or a resend of a save already queued
                 held.release()
+        if held is not None:  # a job dropped before it runs (its model unloaded) lets go too
+            self.scheduler.when_done(request_id, held.release)
+        return request_id
 
     def likely_size(self, model_id: str, kind: str) -> int:
         """What a save of ``model_id``'s ``kind`` will likely take: its newest such checkpoint's

@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from hosted_tinker.core.errors import ApiError, EngineUnavailable, UserError, bad_request, unavailable
 from hosted_tinker.inference.vllm_engine import REQUEST_TIMEOUT_S, VllmEngine
-from hosted_tinker.server.body_thread import sized
+from hosted_tinker.server.body_thread import sized, too_many_containers
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy_edits import USAGE, GreedyCopies, Meter
 
@@ -89,6 +89,8 @@ class OpenAIProxy:
         if path in BLOCKED:
             raise ApiError(404, f"/v1/{path} is not available through this server")
         payload = None
+        if body and (why := too_many_containers(body)) is not None:
+            raise bad_request(why)
         if body:
             try:
                 payload = await sized(json.loads, len(body), body)

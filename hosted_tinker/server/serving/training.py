@@ -296,10 +296,12 @@ class TrainingService:
 
     def forward_backward(self, req: WireForwardBackward, size: int = 0) -> str:
         """``size``: the request's bytes (as sent, inflated), what its batch holds until it runs."""
+        # The job keeps only these and the checked batch, not the request's decoded wire form.
+        model_id, seq_id, forward_only = req.model_id, req.seq_id, req.forward_only
 
         def prepare() -> Job:
             batch = self._validate_batch(req)
-            entry = self.joint.register(req.model_id, req.seq_id, batch)
+            entry = self.joint.register(model_id, seq_id, batch)
 
             def job() -> tuple[bytes, str]:
                 # Whichever pass ran it (its own, or earlier in another model's joint pass), a
@@ -309,7 +311,7 @@ class TrainingService:
                 tokens = sum(d.num_tokens for d in batch.data)
                 self.scheduler.metrics.tokens_trained.labels(kind).inc(tokens)
                 if self.usage is not None:
-                    self.usage.trained(req.model_id, tokens)
+                    self.usage.trained(model_id, tokens)
                 outputs = [
                     {"logprobs": lp} if terms is None else {"logprobs": lp, "elementwise_loss": terms}
                     for lp, terms in zip(result.logprobs, result.elementwise_loss, strict=True)
@@ -320,14 +322,14 @@ class TrainingService:
                     **reduce_metrics(result.metrics, len(batch.data)),
                 }
                 encoded = encode_forward_backward_output(outputs, metrics)
-                if not req.forward_only:  # a forward-only call is not part of a step
-                    self.record_call(req.model_id, req.seq_id, FORWARD_BACKWARD, duration_s, tokens, metrics)
+                if not forward_only:  # a forward-only call is not part of a step
+                    self.record_call(model_id, seq_id, FORWARD_BACKWARD, duration_s, tokens, metrics)
                 return encoded, PROTOBUF
 
             return job
 
-        kind = "forward" if req.forward_only else "forward_backward"
-        return self.submit_ordered(kind, req.model_id, req.seq_id, prepare, size)
+        kind = "forward" if forward_only else "forward_backward"
+        return self.submit_ordered(kind, model_id, seq_id, prepare, size)
 
     def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
         caps = self.backend.capabilities
