@@ -189,7 +189,8 @@ class Attacker:
             self.count("mask loss refused")
 
     def sampler_hog(self) -> None:
-        body = {"model": ALIAS, "prompt": [11, 12, 13], "n": 128, "max_tokens": 512, "stop": [], "temperature": 1}
+        # n * (prompt + max_tokens) at --max-sample-tokens' default, 65,536
+        body = {"model": ALIAS, "prompt": [11, 12, 13], "n": 128, "max_tokens": 509, "stop": [], "temperature": 1}
         try:  # the largest n x max_tokens allowed; cut off at the phase's end (the server drops it then)
             r = self.http.post("/v1/completions", json=body, timeout=self.phase_s)
             self.count(f"hog {r.status_code}", r)

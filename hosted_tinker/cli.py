@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-sample-tokens",
         type=int,
         default=65536,
-        help="n * max_tokens of one request to the embedded sampler, which shares the training worker (400 above)",
+        help="n * (prompt + max_tokens) of one request to the embedded sampler, which shares the training worker "
+        "(400 above)",
     )
     serve.add_argument(
         "--sample-slice",

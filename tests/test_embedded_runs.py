@@ -192,3 +192,27 @@ def test_an_admission_asks_for_a_pause_once_the_slice_is_over() -> None:
     asyncio.run(main())
     assert calls == [True]  # one call, with its specs: never paused
     assert Admission().pause is False
+
+
+def test_a_keys_runs_that_keep_opening_do_not_take_every_turn() -> None:
+    """From a review: new runs went first in line, so a key whose requests each fill a run (64
+    rows of one step: nothing joins them) opened one after another ahead of another key's paused
+    run, which waited until the key stopped (41 s for a 100-token sample). New runs now go last:
+    the victim's 20 steps end while the attacker's 30 runs are still being served."""
+
+    async def main() -> list[tuple]:
+        loop = asyncio.get_running_loop()
+        sent: list = []
+        hog = SampleSpec(prompt=[2, 7], max_tokens=1, num_samples=64)
+        with ThreadPoolExecutor(1) as worker:
+            sampler = Steps(arrive_at=(1,), send=lambda _: _send_from_the_worker(engine, loop, [(hog, "a")] * 30, sent))
+            engine = _engine(sampler, worker)
+            await engine.sample(WeightsRef(None), spec(1, max_tokens=20), owner="v")
+            for future in sent:
+                await asyncio.wrap_future(future)
+            return sampler.log
+
+    log = asyncio.run(main())
+    victim_done = log.index((1, 20))
+    attacker_steps = [i for i, (run, _) in enumerate(log) if run == 2]
+    assert len(attacker_steps) == 30 and victim_done < attacker_steps[-1], log

@@ -34,9 +34,9 @@ from tests.conftest import ALIAS, ServerProcess, start_server
 
 pytestmark = pytest.mark.timeout(300)
 
-# The hog's request: as large as the per-request bound allows (HOG_N * HOG_TOKENS of it).
-HOG_N, HOG_TOKENS = 64, 512
-PER_REQUEST = HOG_N * HOG_TOKENS
+# The hog's request: as large as the per-request bound allows (HOG_N * (HOG_PROMPT + HOG_TOKENS)).
+HOG_N, HOG_TOKENS, HOG_PROMPT = 64, 512, 4
+PER_REQUEST = HOG_N * (HOG_PROMPT + HOG_TOKENS)
 PER_KEY = 2 * PER_REQUEST
 
 
@@ -150,8 +150,8 @@ def test_a_request_whose_rows_finished_is_answered_before_its_run_ends(keyed):
 def test_a_request_over_the_per_request_bound_is_a_400_naming_it(keyed):
     srv, keys = keyed
     with _openai(srv, keys["victim"]) as client, pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model=ALIAS, prompt=[5, 6], n=HOG_N, max_tokens=HOG_TOKENS + 1)
-    assert "n * max_tokens" in str(refused.value) and "--max-sample-tokens" in str(refused.value)
+        client.completions.create(model=ALIAS, prompt=[5, 6, 7, 8], n=HOG_N, max_tokens=HOG_TOKENS + 1)
+    assert "n * (prompt tokens + max_tokens)" in str(refused.value) and "--max-sample-tokens" in str(refused.value)
     with httpx.Client(base_url=srv.base_url, headers={"X-API-Key": keys["victim"]}, timeout=60) as http:
         session = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()
         body = {"session_id": session["session_id"], "sampling_session_seq_id": 0, "base_model": ALIAS}
@@ -161,10 +161,10 @@ def test_a_request_over_the_per_request_bound_is_a_400_naming_it(keyed):
             "seq_id": 1,
             "num_samples": 16,
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
-            "sampling_params": {"max_tokens": PER_REQUEST // 16 + 1},
+            "sampling_params": {"max_tokens": PER_REQUEST // 16 - 1},
         }
         r = http.post("/api/v1/asample", json=body)
-    assert r.status_code == 400 and "num_samples * sampling_params.max_tokens" in r.text, r.text
+    assert r.status_code == 400 and "num_samples * (prompt tokens + sampling_params.max_tokens)" in r.text, r.text
 
 
 @pytest.mark.slow
@@ -201,12 +201,16 @@ def test_a_key_over_its_tokens_in_flight_is_a_429_naming_the_limit(keyed):
 @pytest.mark.fast
 def test_the_budget_bounds_a_request_and_a_keys_requests_in_flight() -> None:
     budget = SampleBudget(100, {"k": 150}.get)
-    budget.check(SampleSpec(prompt=[1], max_tokens=25, num_samples=4), "n * max_tokens")
+    budget.check(SampleSpec(prompt=[1], max_tokens=24, num_samples=4), "n * (prompt + max_tokens)")
     with pytest.raises(ApiError) as refused:
-        budget.check(SampleSpec(prompt=[1], max_tokens=26, num_samples=4), "n * max_tokens")
-    assert refused.value.status == 400 and "n * max_tokens must be at most 100" in refused.value.detail
-    first = budget.reserve("k", SampleSpec(prompt=[1], max_tokens=100))
-    second = budget.reserve("k", SampleSpec(prompt=[1], max_tokens=50))  # 150: at the limit, not past it
+        budget.check(SampleSpec(prompt=[1], max_tokens=25, num_samples=4), "n * (prompt + max_tokens)")
+    assert refused.value.status == 400 and "n * (prompt + max_tokens) must be at most 100" in refused.value.detail
+    assert "got 4 * (1 + 25) = 104" in refused.value.detail
+    # The prompt counts: 128 rows of a 4,000-token prompt with nothing to sample held the worker 20 s.
+    with pytest.raises(ApiError, match="got 128 \\* \\(4000 \\+ 0\\) = 512000"):
+        budget.check(SampleSpec(prompt=[1] * 4000, max_tokens=0, num_samples=128), "n * (prompt + max_tokens)")
+    first = budget.reserve("k", SampleSpec(prompt=[1], max_tokens=99))
+    second = budget.reserve("k", SampleSpec(prompt=[1], max_tokens=49))  # 150: at the limit, not past it
     with pytest.raises(ApiError) as refused:
         budget.reserve("k", SampleSpec(prompt=[1], max_tokens=1))
     assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"

@@ -84,9 +84,10 @@ class ServerConfig(BaseModel):
     lora_compute: Literal["float32", "base"] = "float32"
     max_seq_len: int | None = None
     sample_batch_window_s: float = 0.01  # how long an idle sampler waits to gather a batch
-    # The embedded sampler shares the training worker: a request's n * max_tokens is at most
-    # max_sample_tokens (400 above), and a run gives the worker back after each sample_slice_s
-    # of decoding, so training and other keys' runs wait for a slice, not for a whole run.
+    # The embedded sampler shares the training worker: a request's n * (prompt + max_tokens), the
+    # positions its rows hold, is at most max_sample_tokens (400 above), and a run gives the
+    # worker back after each sample_slice_s of decoding, so training and other keys' runs wait
+    # for a slice, not for a whole run.
     max_sample_tokens: int = Field(65536, ge=1)
     sample_slice_s: float = Field(0.1, ge=0)
     poll_timeout_s: float = 30.0  # long-poll cap of retrieve_future (the SDK times out at 45 s)

@@ -151,9 +151,11 @@ class EmbeddedEngine:
         return taken
 
     def _open_runs(self) -> None:
-        """New runs, first in line, for the oldest waiting requests of keys that have none, while
+        """New runs, last in line, for the oldest waiting requests of keys that have none, while
         fewer than ``MAX_LIVE_RUNS`` are live. A key's request that finds its key's run waits
-        for it: it joins it (``_slice``'s admissions) or follows it. Call with the lock held."""
+        for it: it joins it (``_slice``'s admissions) or follows it. Last in line: a key whose
+        one-step runs kept opening first took every turn from another key's paused run. Call
+        with the lock held."""
         self._pending = [item for item in self._pending if not item.abandoned]
         busy = {run.owner for run in self._runs}
         for item in list(self._pending):
@@ -163,7 +165,7 @@ class EmbeddedEngine:
                 continue
             items = self._take(item.weights.key, item.owner, MAX_BATCH_ROWS, at_least_one=True)
             budget = MAX_BATCH_ROWS - sum(i.spec.num_samples for i in items)  # below 0 after a large one: none admitted
-            self._runs.appendleft(_Run(item.weights, item.owner, items, budget))
+            self._runs.append(_Run(item.weights, item.owner, items, budget))
             busy.add(item.owner)
 
     def _turn(self) -> None:

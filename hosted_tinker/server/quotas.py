@@ -15,7 +15,7 @@ limit                what it bounds                                         refu
 ``requests_per_s``   calls per second, in bursts of ``BURST_S`` seconds'    429
 ``pending``          requests accepted and unfinished (queued or running)   429
 ``pending_bytes``    the forward_backward batches those hold, in bytes      429
-``sample_tokens``    n * max_tokens of its embedded-sampler requests        429
+``sample_tokens``    n * (prompt + max_tokens) of its sampler requests      429
 ``body_bytes``       request bodies in flight, as received and inflated     429
 ``custom_loss_bytes``  custom losses stored for its unfinished sessions     403
 ===================  =====================================================  ======
@@ -66,7 +66,7 @@ class Limits(BaseModel):
     requests_per_s: float = Field(100.0, ge=0)  # 0: unlimited
     pending: int | None = Field(None, ge=1)  # None: --max-pending / PENDING_SHARE
     pending_bytes: int | None = Field(None, ge=1)  # None: --max-pending-bytes / PENDING_SHARE
-    # n * max_tokens of the key's requests to the embedded sampler in flight (429 above; one
+    # n * (prompt + max_tokens) of the key's requests to the embedded sampler in flight (429 above; one
     # always fits when the key has none: serving.sample_budget); 4 x --max-sample-tokens' default
     sample_tokens: int = Field(1 << 18, ge=1)
     body_bytes: int | None = Field(None, ge=1)  # None: --max-inflight-body-bytes / BODY_SHARE (api.inflight)

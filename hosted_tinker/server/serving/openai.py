@@ -157,7 +157,7 @@ class OpenAIService:
             top_p=req.top_p,
         )
         return self.sampling.spec(
-            prompt, params, num_samples=req.n, topk_sample_logprobs=topk, cost_field="n * max_tokens"
+            prompt, params, num_samples=req.n, topk_sample_logprobs=topk, cost_field="n * (prompt tokens + max_tokens)"
         )
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:

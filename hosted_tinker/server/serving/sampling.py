@@ -135,9 +135,9 @@ class SamplingService:
         topk_sample_logprobs: int = 0,
         target_prompt_ids: np.ndarray | None = None,
         prompt_alt_tokens_k: int = 0,
-        cost_field: str = "num_samples * sampling_params.max_tokens",
+        cost_field: str = "num_samples * (prompt tokens + sampling_params.max_tokens)",
     ) -> SampleSpec:
-        """The validated request; ``cost_field`` is how the client spells ``n * max_tokens``."""
+        """The validated request; ``cost_field`` is how the client spells ``n * (prompt + max_tokens)``."""
         caps = self.backend.capabilities
         if not prompt:
             raise bad_request("prompt is empty")
