@@ -204,3 +204,54 @@ def test_a_silent_connection_to_the_cluster_port_does_not_block_a_join(tmp_path)
         if agent is not None:
             agent.stop()
         cluster.close()
+
+
+def test_one_peer_opening_connections_cannot_take_every_place_at_the_cluster_port(tmp_path):
+    """From a review: a peer without the key that kept opening connections filled the 64 places
+    being greeted, and every agent was turned away (and died of the EOFError). One address is
+    greeted at most ``MAX_HANDSHAKES_PER_PEER`` at a time: here 64 silent connections from
+    127.0.0.2 leave a real agent from 127.0.0.1 to join."""
+    import socket
+
+    from hosted_tinker.server.workers import cluster as cluster_module
+
+    key = b"a-test-cluster-key-that-is-long-enough"
+    key_file = tmp_path / "cluster.key"
+    key_file.write_bytes(key)
+    cluster = cluster_module.Cluster(2, 1, ("127.0.0.1", 0), key)
+    flood = [
+        socket.create_connection(cluster.address, timeout=10, source_address=("127.0.0.2", 0))
+        for _ in range(cluster_module.MAX_HANDSHAKES)
+    ]
+    agent = None
+    try:
+        agent = Agent(tmp_path / "agent.log", cluster.address[1], key_file)
+        deadline = time.monotonic() + 60
+        while not cluster.status()[0]["connected"]:
+            assert agent.proc.poll() is None, agent.log_path.read_text()
+            assert time.monotonic() < deadline, "the agent never joined past the flood"
+            time.sleep(0.1)
+    finally:
+        for s in flood:
+            s.close()
+        if agent is not None:
+            agent.stop()
+        cluster.close()
+
+
+def test_an_agent_turned_away_tries_again(monkeypatch: pytest.MonkeyPatch):
+    """A connection the server closes during its handshake (all its places taken) is an EOFError
+    in ``Client``: the agent tries again, as for a refused connection, instead of dying."""
+    from hosted_tinker.node import agent as agent_module
+
+    tries: list[int] = []
+
+    def client(*args, **kwargs):
+        tries.append(1)
+        if len(tries) < 3:
+            raise EOFError
+        return "connected"
+
+    monkeypatch.setattr(agent_module, "Client", client)
+    monkeypatch.setattr(agent_module, "RETRY_S", 0.0)
+    assert agent_module._connect(("127.0.0.1", 1), b"key") == "connected" and len(tries) == 3

@@ -69,7 +69,7 @@ def _connect(address: tuple[str, int], authkey: bytes) -> Connection:
     while True:
         try:
             return Client(address, family="AF_INET", authkey=authkey)
-        except OSError as e:  # refused, reset, unreachable: not up yet
+        except (OSError, EOFError) as e:  # refused, reset, unreachable, turned away while busy: try again
             if time.monotonic() - said > SAY_WAITING_EVERY_S:
                 log.info("waiting for the server at %s:%d (%s)", *address, e)
                 said = time.monotonic()

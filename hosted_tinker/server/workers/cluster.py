@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
@@ -48,6 +49,10 @@ HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not proved the key and named
 # Connections being greeted at once: past it a new one is closed at once (each holds a thread
 # for at most HANDSHAKE_TIMEOUT_S; an agent that is turned away tries again a second later).
 MAX_HANDSHAKES = 64
+# ... and from one address at once: one peer that keeps opening connections cannot take every
+# place (a node's agent, from its own address, finds one).
+MAX_HANDSHAKES_PER_PEER = 4
+DROPPED_LOG_EVERY_S = 10.0  # connections refused or dropped are logged once in this, counted
 EXIT_REPORT_WAIT_S = 2.0  # after a rank's socket closed, how long to wait for its agent to say how it ended
 
 Factory = Callable[[], Any]
@@ -82,6 +87,8 @@ class Cluster:
         self._socket = socket.create_server(address, backlog=MAX_HANDSHAKES)
         self.address: tuple[str, int] = self._socket.getsockname()[:2]
         self._greeting = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._greeted_by: dict[str, int] = {}  # peer address -> its connections being greeted
+        self._dropped, self._dropped_said = 0, 0.0  # since the last warning, and when that was
         self._changed = threading.Condition()  # guards everything below
         self._nodes: dict[int, _Node] = {}
         self._generation = 0
@@ -171,13 +178,31 @@ class Cluster:
                     return
                 log.warning("the cluster port could not accept a connection: %s", e)
                 continue
-            if not self._greeting.acquire(blocking=False):
-                log.warning(
-                    "closed a connection to the cluster port from %s: %d already being greeted", peer[0], MAX_HANDSHAKES
+            with self._changed:
+                from_peer = self._greeted_by.get(peer[0], 0)
+                admitted = from_peer < MAX_HANDSHAKES_PER_PEER and self._greeting.acquire(blocking=False)
+                if admitted:
+                    self._greeted_by[peer[0]] = from_peer + 1
+            if not admitted:
+                self._drop(
+                    peer[0], f"{from_peer} of its connections (or {MAX_HANDSHAKES} in all) already being greeted"
                 )
                 sock.close()
                 continue
             threading.Thread(target=self._greet, args=(sock, peer[0]), name="cluster-greet", daemon=True).start()
+
+    def _drop(self, peer: str, why: str) -> None:
+        """Log a connection refused or dropped, at most once per ``DROPPED_LOG_EVERY_S`` with the
+        count since (a peer opening thousands a second would fill the server's log)."""
+        with self._changed:
+            self._dropped += 1
+            now = time.monotonic()
+            if now - self._dropped_said < DROPPED_LOG_EVERY_S:
+                return
+            count, self._dropped, self._dropped_said = self._dropped, 0, now
+        log.warning(
+            "dropped a connection to the cluster port from %s: %s (%d dropped since the last warning)", peer, why, count
+        )
 
     def _greet(self, sock: socket.socket, peer: str) -> None:
         """The cluster key's challenge both ways and the peer's first message, all within
@@ -201,7 +226,7 @@ class Cluster:
             answer_challenge(conn, self._authkey)
             hello = recv(conn)
         except Exception as e:  # a wrong key, a port scan, silence past the deadline
-            log.warning("dropped a connection to the cluster port from %s: %s: %s", peer, type(e).__name__, e)
+            self._drop(peer, f"{type(e).__name__}: {e}")
             conn.close()
             return
         finally:
@@ -209,6 +234,10 @@ class Cluster:
                 done[0] = True
             deadline.cancel()
             sock.close()  # the connection lives on in ``conn``'s own descriptor
+            with self._changed:
+                left = self._greeted_by.pop(peer, 1) - 1
+                if left:
+                    self._greeted_by[peer] = left
             self._greeting.release()
         try:
             _keep_alive(conn)
