@@ -193,3 +193,19 @@ def test_a_trace_link_ends_with_its_key(keyed: Keyed):
         cli("keys", "revoke", "--data-dir", str(keyed.server.data_dir), keyed.ids["carol"])
         revoked = anonymous.get(url)
         assert revoked.status_code == 404 and "no such download" in revoked.text
+
+
+def test_a_links_fetches_are_held_to_its_keys_rate(keyed: Keyed):
+    """From a review: a link's fetch carries no key on the wire, so it passed the rate check: a
+    key at requests_per_s=10 fetched its trace link 2,000 times in 3 s, each a keyed line of the
+    request log. A fetch is its key's request, in a bucket of its own (here 1/s, bursts of 10)."""
+    data = keyed.server.data_dir
+    key = cli("keys", "create", "--data-dir", str(data), "--name", "erin", "--limit=requests_per_s=1")
+    with httpx.Client(base_url=keyed.server.base_url, headers={"X-API-Key": key}, timeout=30) as erin:
+        session = erin.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()
+        url = erin.get(f"/api/v1/sessions/{session['session_id']}/trace_export").json()["url"]
+    with keyed.http(None) as anonymous:
+        answers = [anonymous.get(url) for _ in range(30)]
+    codes = [a.status_code for a in answers]
+    assert codes[:10] == [200] * 10 and 429 in codes, codes
+    assert "requests_per_s" in answers[-1].text

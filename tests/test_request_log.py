@@ -134,6 +134,9 @@ def test_secrets_in_a_query_string_or_a_link_are_never_logged():
     assert redacted("/api/v1/files/7b22/0123abcd/adapter.bin") == "/api/v1/files/7b22/.../adapter.bin"
     assert redacted("/api/v1/traces/7b22/0123abcd/s.json?x=1") == "/api/v1/traces/7b22/.../s.json?x=1"
     assert redacted("/healthz") == "/healthz"
+    # other spellings (a review found these written as they came)
+    for query in ("api%5Fkey=s", "x-api-key=s", "authorization=Bearer%20s", "a=1;api_key=s", "api_key[]=s"):
+        assert "=s" not in redacted(f"/v1/models?{query}").replace("=...", ""), query
     record = logging.LogRecord(
         "uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
         ("127.0.0.1:5", "GET", "/api/v1/x?api_key=tml-secret", "1.1", 401), None,

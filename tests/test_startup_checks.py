@@ -117,6 +117,20 @@ def test_a_sound_wal_passes_the_check_and_its_rows_are_read(tmp_path: Path):
     assert sqlite3.connect(db_path).execute("SELECT COUNT(*) FROM filler").fetchone() == (50,)
 
 
+def test_a_wal_never_written_is_let_be_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """From a review: a ``-wal`` of zeros (a power loss after the file grew, before its header was
+    written) holds no commit, and SQLite opens the database past it; the check let it stop the
+    start. It is now said, not refused."""
+    from hosted_tinker.server.schema import check
+
+    db_path = tmp_path / "hosted_tinker.sqlite"
+    _database_with_rows_in_its_wal(db_path)
+    db_path.with_name(db_path.name + "-wal").write_bytes(bytes(12 << 10))
+    with caplog.at_level("WARNING"):
+        check(db_path)
+    assert "was never written (all zeros)" in caplog.text
+
+
 def test_a_clean_stop_checkpoints_the_wal(tmp_path: Path, tiny_model_dir: Path):
     """A clean stop (SIGTERM) checkpoints the log into the database: it left 4 MB un-checkpointed."""
     from tests.conftest import start_server

@@ -5,9 +5,12 @@ file (``connect``), and the columns added since a data directory was created (``
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import struct
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 DATABASE = "hosted_tinker.sqlite"  # in the data directory
 
@@ -192,8 +195,13 @@ def check(path: Path) -> None:
     wal = path.with_name(path.name + WAL_SUFFIX)
     if wal.exists() and wal.stat().st_size > 0:  # empty: checkpointed, nothing in it
         with open(wal, "rb") as f:
-            problem = wal_problem(f.read(32)) if path.exists() else f"has no database {path} beside it"
-        if problem is not None:
+            header = f.read(32)
+        problem = wal_problem(header) if path.exists() else f"has no database {path} beside it"
+        if path.exists() and header == bytes(32):
+            # Never written (a power loss after the file grew): it holds no commit, as SQLite
+            # finds too, and the start goes on, said.
+            log.warning("the database's write-ahead log %s was never written (all zeros): ignored", wal)
+        elif problem is not None:
             raise DatabaseDamaged(f"the database's write-ahead log {wal} {problem}: {advice}")
     if not path.exists():
         return

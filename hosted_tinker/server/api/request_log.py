@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_plus
 
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -43,11 +44,12 @@ BURST_S = 60.0  # the limited lines' allowance holds this many seconds' worth
 SUMMARY_EVERY_S = 60.0  # what was held back is written as one line this often (and at shutdown)
 MAX_GROUPS = 1000  # distinct groups counted between summaries; requests of any further one count as "others"
 GROUPS_SHOWN = 20  # the largest groups, in a summary line
-# Query parameters whose values are credentials (a key sent as ?api_key=, a token, a signature).
-SECRET_PARAMETERS = frozenset({"api_key", "apikey", "key", "token", "access_token", "sig", "signature", "secret"})
+# Query parameters whose values may be credentials (a key sent as ?api_key=, a token, a
+# signature): any whose name, unquoted, holds one of these (x-api-key, api%5Fkey, authorization).
+_SECRET_NAME = re.compile(r"key|token|sig|secret|auth|pass|cred", re.IGNORECASE)
 # A signed link's signature is its credential: /api/v1/{files,traces}/<payload>/<signature>/<name>.
 _LINK_SIGNATURE = re.compile(r"^(/api/v1/(?:files|traces)/[^/?]*/)[^/?]+")
-_QUERY_SECRET = re.compile(r"(^|&)([^=&]+)=([^&]*)")
+_QUERY_SECRET = re.compile(r"(^|[&;])([^=&;]+)=([^&;]*)")
 HIDDEN = "..."
 
 
@@ -59,7 +61,7 @@ def redacted(path: str) -> str:
         return path
 
     def hide(m: re.Match[str]) -> str:
-        secret = m.group(2).lower() in SECRET_PARAMETERS
+        secret = _SECRET_NAME.search(unquote_plus(m.group(2))) is not None
         return f"{m.group(1)}{m.group(2)}={HIDDEN if secret else m.group(3)}"
 
     return f"{path}?{_QUERY_SECRET.sub(hide, query)}"
