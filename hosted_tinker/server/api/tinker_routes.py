@@ -18,6 +18,7 @@ from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.ordering import head_limit
 from hosted_tinker.server.protocol.proto_codec import WireForwardBackward, decode_forward_backward, decompress
+from hosted_tinker.server.protocol.proto_scan import check_prefix
 from hosted_tinker.server.serving.futures import check_cancellable
 from hosted_tinker.server.serving.training import Admit
 
@@ -161,7 +162,8 @@ async def forward_backward(request: Request) -> wire.UntypedFuture:
     hold = request.scope.get("state", {}).get("body_hold")
 
     def decode() -> tuple[WireForwardBackward, int]:
-        raw = decompress(body, encoding, limit, charge=hold.take if hold is not None else None)
+        charge = hold.take if hold is not None else None
+        raw = decompress(body, encoding, limit, charge, check=lambda start: check_prefix(start, max_tokens))
         return decode_forward_backward(raw, max_tokens), len(raw)
 
     try:  # inflating and walking up to the limit takes a while: not on the event loop

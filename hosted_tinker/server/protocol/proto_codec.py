@@ -46,9 +46,12 @@ class WireDatum:
     loss_fn_input_spans: list[Span] = field(default_factory=list)
 
 
-# Input is fed in small pieces so one piece can never inflate far past the limit
-# (a zstd block of a few bytes may expand to 128 KiB).
+# Input is fed in small pieces so one piece can never inflate far past the limit (a zstd block
+# of a few bytes may expand to 128 KiB: a KiB to 32 MiB), smaller ones while the start is being
+# walked (64 bytes: 2 MiB at most), so that a bomb is refused before it has inflated much.
 _ZSTD_PIECE = 1024
+_ZSTD_FIRST_PIECE, _ZSTD_FIRST_BYTES = 64, 1 << 20
+_FIRST_CHECK = 64 << 10  # the inflated size at which its start is first walked (then at each fourfold)
 # Every loss_fn_input is (N,) or (N, K) with N = the datum's token count (§6.1). Dense tensors
 # are bounded by the body size; sparse ones are held to N rows, K ≤ 256 columns, and a
 # per-request total, so that a small body cannot make the server allocate gigabytes.
@@ -102,17 +105,23 @@ def _parse_datum(raw: bytes | memoryview, index: int) -> pb.Datum:
 
 
 def decompress(
-    body: bytes, content_encoding: str | None, max_bytes: int, charge: Callable[[int], None] | None = None
+    body: bytes,
+    content_encoding: str | None,
+    max_bytes: int,
+    charge: Callable[[int], None] | None = None,
+    check: Callable[[bytearray], None] | None = None,
 ) -> bytes | bytearray:
     """Undo ``Content-Encoding: zstd`` (one or more frames), refusing to inflate past
     ``max_bytes``; ``charge`` is told of each piece inflated before the next is (it raises to
-    stop: the request's share of the process's memory)."""
+    stop: the request's share of the process's memory), and ``check`` is shown what has come
+    at each fourfold of its size from 64 KiB (it raises to stop: a bound the start already
+    passes, ``proto_scan.check_prefix``)."""
     if not content_encoding or content_encoding.lower() == "identity":
         return body
     if content_encoding.lower() != "zstd":
         raise UnsupportedEncoding(f"Content-Encoding {content_encoding!r} is not supported (use zstd or none)")
     dctx = zstandard.ZstdDecompressor()
-    out = bytearray()
+    out, next_check = bytearray(), _FIRST_CHECK
     view, pos = memoryview(body), 0  # an offset, not slices: slicing bytes copies the rest each time
     try:
         while pos < len(view):
@@ -120,7 +129,7 @@ def decompress(
             while not frame.eof:
                 if pos >= len(view):
                     raise WireError("zstd body is truncated: its last frame is incomplete")
-                piece = view[pos : pos + _ZSTD_PIECE]
+                piece = view[pos : pos + (_ZSTD_FIRST_PIECE if len(out) < _ZSTD_FIRST_BYTES else _ZSTD_PIECE)]
                 pos += len(piece)
                 inflated = frame.decompress(piece)
                 if charge is not None and inflated:
@@ -128,6 +137,9 @@ def decompress(
                 out += inflated
                 if len(out) > max_bytes:
                     raise WireError(f"decompressed body exceeds {max_bytes} bytes")
+                if check is not None and len(out) >= next_check:
+                    check(out)
+                    next_check = 4 * len(out)
             pos -= len(frame.unused_data)  # the next frame starts inside the last piece
     except zstandard.ZstdError as e:
         raise WireError(f"body is not valid zstd: {e}") from None
