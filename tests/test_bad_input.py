@@ -326,7 +326,18 @@ def declared_oversize(path: str, content_type: str, size: int | None = None) -> 
 
 
 def _zstd_bomb(_: bytes) -> bytes:
-    # ~10 KiB that inflates to 300 MiB, past the 256 MiB body limit.
+    # ~10 KiB that inflates to 300 MiB, past the 256 MiB body limit: one field (model_id) whose
+    # start the walk as it inflates finds nothing wrong with.
+    length = bytearray()
+    value = 300 << 20
+    while value >= 0x80:
+        length.append(value & 0x7F | 0x80)
+        value >>= 7
+    return zstandard.ZstdCompressor(level=19).compress(b"\x0a" + bytes(length + bytes([value])) + b"\0" * (300 << 20))
+
+
+def _zstd_field_bomb(_: bytes) -> bytes:
+    # the same size of zero bytes: 150 M empty fields, refused as the walk of its start counts them
     return zstandard.ZstdCompressor(level=19).compress(b"\0" * (300 << 20))
 
 
@@ -527,6 +538,7 @@ CASES: list[Case] = [
         "zstd",
     ),
     Case("fb zstd bomb", fb_raw(_zstd_bomb, {"Content-Encoding": "zstd"}), 400, "exceeds"),
+    Case("fb zstd bomb of fields", fb_raw(_zstd_field_bomb, {"Content-Encoding": "zstd"}), 400, "protobuf fields"),
     Case("fb body over the limit", declared_oversize("forward_backward", "application/x-protobuf"), 413, "body"),
     # optim_step
     Case("optim negative learning_rate", optim({"learning_rate": -1e-3}), 400, "adam_params.learning_rate"),
