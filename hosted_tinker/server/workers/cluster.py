@@ -67,6 +67,8 @@ class _Node:
     conn: Connection
     lost: str | None = None  # why it is gone
     lock: threading.Lock = field(default_factory=threading.Lock)  # one sender at a time
+    _closed: bool = False
+    _closing: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, *message: Any) -> None:
         with self.lock:
@@ -74,6 +76,16 @@ class _Node:
                 send(self.conn, *message)
             except OSError:  # its reader notices the disconnect and says so
                 pass
+
+    def close(self) -> None:
+        """Close the connection once. Its reader (on the agent's disconnect) and ``Cluster.close``
+        may both get here at the same moment; ``Connection.close`` is not safe to race (the second
+        closes a descriptor already closed, or one the process has since reused)."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+        self.conn.close()
 
 
 class Cluster:
@@ -138,7 +150,7 @@ class Cluster:
             pass
         self._socket.close()
         for node in nodes:
-            node.conn.close()
+            node.close()
 
     # ---- what a RemoteWorker asks of its node ------------------------------------------------
 
@@ -293,7 +305,7 @@ class Cluster:
         with self._changed:
             node.lost = f"disconnected (node {node.rank}, {node.host})"
             self._changed.notify_all()
-        node.conn.close()
+        node.close()
         if not self._closed:
             log.error("node %d (%s) disconnected", node.rank, node.host)
 
