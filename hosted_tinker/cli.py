@@ -15,6 +15,7 @@ from pathlib import Path
 from hosted_tinker.cli_keys import add_keys_parser
 from hosted_tinker.core.config import CLUSTER_KEY_ENV, ServerConfig, read_cluster_key
 from hosted_tinker.core.errors import WorkerDied, WorkerStartFailed
+from hosted_tinker.core.tiny_model import FAMILIES
 from hosted_tinker.rank.plans import BACKENDS, backend_options
 from hosted_tinker.server.quotas import Limits, parse_limits
 from hosted_tinker.settings import CONFIG_ENV, env_example, layered_defaults
@@ -110,7 +111,10 @@ def _setup_vllm(args: argparse.Namespace) -> int:
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from hosted_tinker.core.tiny_model import build_tiny_model
 
-    print(build_tiny_model(args.dir, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed))
+    built = build_tiny_model(
+        args.dir, family=args.family, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed
+    )
+    print(built)
     return 0
 
 
@@ -457,8 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     setup.set_defaults(func=_setup_vllm)
 
-    tiny = sub.add_parser("make-tiny-model", help="build the offline tiny Qwen3 model + tokenizer")
+    tiny = sub.add_parser("make-tiny-model", help="build an offline tiny random model + tokenizer (Qwen3 by default)")
     tiny.add_argument("dir")
+    tiny.add_argument(
+        "--family", choices=FAMILIES, default="qwen3", help="the architecture (MoE: qwen3_moe, deepseek_v3)"
+    )
     tiny.add_argument("--hidden-size", type=int, default=128)
     tiny.add_argument("--num-layers", type=int, default=2)
     tiny.add_argument("--seed", type=int, default=0)

@@ -63,7 +63,11 @@ def matrix_sign(x: Tensor, steps: int = NS_STEPS) -> Tensor:
 
 
 def direction(m: Tensor, *, rank: int, damping: float) -> Tensor:
-    """The unit-free update direction of one matrix: Frobenius norm √rank (zero for zero ``m``)."""
+    """The unit-free update direction of one matrix: Frobenius norm √rank (zero for zero ``m``).
+    A stack of matrices ``(E, rows, cols)`` (one LoRA per routed expert) is that many matrices,
+    each its own direction: an expert no token reached has zero momentum and does not move."""
+    if m.dim() == 3:
+        return torch.stack([direction(one, rank=rank, damping=damping) for one in m])
     o = matrix_sign(precondition(m.double(), damping))
     return o * (rank**0.5 / (torch.linalg.matrix_norm(o) + EPS))
 

@@ -1,4 +1,4 @@
-"""Build a tiny random Qwen3 causal LM and a ChatML byte-level BPE tokenizer, fully offline.
+"""Build a tiny random causal LM (Qwen3, or another family of the lineup) and a ChatML tokenizer, offline.
 
 The result loads with ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(dir)`` under
 ``HF_HUB_OFFLINE=1``. ``initializer_range=0.1`` (not the default 0.02) lets a frozen tied
@@ -64,9 +64,73 @@ def build_tokenizer(vocab_size: int = 512):
     return fast
 
 
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")  # what ``family`` may name
+
+
+def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: int, initializer_range: float, tok):
+    """The transformers config of a tiny random model of ``family`` (one of ``FAMILIES``): the
+    same attention shape for all, and for mixture-of-experts families 8 routed experts, 2 per
+    token, as the lineup's reference configs (``../shared/reference/model-lineup.md``)."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        max_position_embeddings=4096,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        initializer_range=initializer_range,
+        dtype="float32",
+    )
+    head_dim = hidden_size // 4  # Qwen3's configs default to 128 whatever the hidden size
+    if family == "qwen3":
+        return transformers.Qwen3Config(
+            **common,
+            intermediate_size=3 * hidden_size,
+            num_key_value_heads=2,
+            head_dim=head_dim,
+            tie_word_embeddings=True,
+        )
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common,
+            intermediate_size=3 * hidden_size,
+            num_key_value_heads=2,
+            head_dim=head_dim,
+            moe_intermediate_size=hidden_size // 2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        )
+    if family == "deepseek_v3":  # MLA; a dense MLP in layer 0, routed + shared experts after
+        return transformers.DeepseekV3Config(
+            **common,
+            intermediate_size=3 * hidden_size,
+            moe_intermediate_size=hidden_size // 2,
+            first_k_dense_replace=1,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=hidden_size // 2,
+            kv_lora_rank=hidden_size // 4,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=head_dim,
+            tie_word_embeddings=False,
+        )
+    raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
+
+
 def build_tiny_model(
     out_dir: str | os.PathLike,
     *,
+    family: str = "qwen3",
     hidden_size: int = 128,
     num_layers: int = 2,
     vocab_size: int = 512,
@@ -75,7 +139,7 @@ def build_tiny_model(
 ) -> Path:
     """Write the model and tokenizer into ``out_dir`` atomically and return its path."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -84,25 +148,17 @@ def build_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
 
     tok = build_tokenizer(vocab_size)
-    cfg = Qwen3Config(
+    cfg = tiny_config(
+        family,
         vocab_size=max(vocab_size, len(tok)),
         hidden_size=hidden_size,
-        intermediate_size=3 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden_size // 4,  # Qwen3Config defaults to 128 whatever the hidden size
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
+        num_layers=num_layers,
         initializer_range=initializer_range,
-        dtype="float32",
+        tok=tok,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(tmp)

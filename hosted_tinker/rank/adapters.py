@@ -32,6 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hosted_tinker.rank.experts import (
+    HOOK_ATTR,
+    PROJECTIONS,
+    ExpertsHook,
+    ExpertSpan,
+    experts_modules,
+    use_lora_experts,
+)
+
 # [start, end) of the token stream (end None: to its end, however long), and the adapter it runs under
 Segment = tuple[int, int | None, str]
 KEY_PREFIX = "base_model.model."  # PEFT's state-dict keys start so
@@ -103,10 +112,11 @@ class Routes:
 
 @dataclass
 class Lora:
-    """One linear layer's LoRA under one adapter: ``y += scale · B(A x)``."""
+    """One linear layer's LoRA under one adapter: ``y += scale · B(A x)``; or one projection of
+    a layer's routed experts, one LoRA per expert (``rank.experts``)."""
 
-    A: nn.Parameter  # (r, in)
-    B: nn.Parameter  # (out, r)
+    A: nn.Parameter  # (r, in), or (E, r, in)
+    B: nn.Parameter  # (out, r), or (E, out, r)
 
 
 @dataclass
@@ -140,6 +150,13 @@ def draw_lora(in_features: int, out_features: int, rank: int) -> tuple[Tensor, T
     return kaiming(rank, in_features), torch.zeros(out_features, rank)
 
 
+def draw_expert_lora(experts: int, in_features: int, out_features: int, rank: int) -> tuple[Tensor, Tensor]:
+    """One experts projection's new (A, B), ``(E, r, in)`` and ``(E, out, r)``: each expert's
+    ``A`` as ``nn.Linear(in, r)`` draws its weight, one expert after another; ``B`` zero, so a
+    new adapter changes nothing, as a dense one."""
+    return torch.stack([kaiming(rank, in_features) for _ in range(experts)]), torch.zeros(experts, out_features, rank)
+
+
 def lora_config(rank: int, alpha: float, modules: list[str], base: str) -> dict:
     """The ``adapter_config.json`` PEFT writes for a LoRA of ``rank`` on ``modules`` of ``base``."""
     from peft import LoraConfig
@@ -164,7 +181,15 @@ class LoraAdapters:
         self.adapters: dict[str, Adapter] = {}  # by the names ``add`` gives: a0, a1, ...
         self._added = 0
         self._hooked: set[str] = set()
-        self._order = {name: i for i, (name, _) in enumerate(lm.named_modules())}
+        # LoRA targets in the model's order: its modules, and after each fused experts module
+        # its projections (``<experts>.w1`` ...), which are not modules of their own
+        self.experts = experts_modules(lm)
+        targets = [
+            (name, *([f"{name}.{p}" for p in PROJECTIONS] if name in self.experts else []))
+            for name, _ in lm.named_modules()
+        ]
+        self._order = {target: i for i, target in enumerate(t for group in targets for t in group)}
+        use_lora_experts(lm)
 
     def linear(self, module: str) -> nn.Linear:
         """The linear layer ``module`` of the tree (``KeyError`` naming it if there is none)."""
@@ -172,6 +197,16 @@ class LoraAdapters:
         if not isinstance(layer, nn.Linear):
             raise KeyError(module)
         return layer
+
+    def features(self, target: str) -> tuple[int | None, int, int]:
+        """``(experts, out, in)`` of a LoRA target: a linear layer (experts None), or one
+        projection of a fused experts module (``<experts>.w1``); ``KeyError`` if it is neither."""
+        experts, _, projection = target.rpartition(".")
+        if experts in self.experts and projection in PROJECTIONS:
+            shape = self.experts[experts]
+            return (shape.experts, *shape.features(projection))
+        out_features, in_features = self.linear(target).weight.shape
+        return None, out_features, in_features
 
     def in_model_order(self, modules: Iterable[str]) -> list[str]:
         return sorted(set(modules), key=self._order.__getitem__)
@@ -185,15 +220,25 @@ class LoraAdapters:
             # for good, which fork_rng(devices=[]) does not restore
             torch.random.default_generator.manual_seed(seed)
             for module in self.in_model_order(modules):
-                out_features, in_features = self.linear(module).weight.shape
-                a, b = draw_lora(in_features, out_features, rank)
+                experts, out_features, in_features = self.features(module)
+                a, b = (
+                    draw_lora(in_features, out_features, rank)
+                    if experts is None
+                    else draw_expert_lora(experts, in_features, out_features, rank)
+                )
                 layers[module] = Lora(nn.Parameter(a.to(device)), nn.Parameter(b.to(device)))
         return Adapter(layers, alpha / rank)
 
     def add(self, adapter: Adapter) -> str:
         """Put ``adapter`` on the tree; the name routes use for it."""
         for module in adapter.layers:
-            if module not in self._hooked:
+            experts, _, projection = module.rpartition(".")
+            if experts in self.experts and projection in PROJECTIONS:
+                if experts not in self._hooked:
+                    hook = ExpertsHook(self._expert_spans(experts), self.compute)
+                    setattr(self.lm.get_submodule(experts), HOOK_ATTR, hook)
+                    self._hooked.add(experts)
+            elif module not in self._hooked:
                 self.linear(module).register_forward_hook(self._hook(module))
                 self._hooked.add(module)
         name = f"a{self._added}"
@@ -217,6 +262,25 @@ class LoraAdapters:
             return add_into(output, span_updates(x, spans, output.shape[-1], dtype))
 
         return add_updates
+
+    def _expert_spans(self, experts: str) -> Callable[[int], list[ExpertSpan]]:
+        """The spans of a fused experts module's input of ``tokens`` tokens, as routed now."""
+
+        def spans(tokens: int) -> list[ExpertSpan]:
+            out = []
+            for start, end, name in self.routes.segments:
+                adapter = self.adapters.get(name)  # None: removed since the routes were set
+                loras = (
+                    {}
+                    if adapter is None
+                    else {p: (lora.A, lora.B) for p in PROJECTIONS if (lora := adapter.layers.get(f"{experts}.{p}"))}
+                )
+                out.append(
+                    ExpertSpan(start, tokens if end is None else end, loras, 0.0 if adapter is None else adapter.scale)
+                )
+            return out
+
+        return spans
 
     def _span(self, module: str, start: int, end: int, name: str) -> Span:
         adapter = self.adapters.get(name)  # None: removed since the routes were set; no update

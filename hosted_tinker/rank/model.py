@@ -25,6 +25,7 @@ from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank import attention
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import LoraAdapters, lora_config, segments
+from hosted_tinker.rank.experts import PROJECTIONS, experts_modules
 
 _ATTN_HINTS = ("attn", "attention")
 _MLP_HINTS = ("mlp", "feed_forward", "ffn")
@@ -89,12 +90,17 @@ def zero_adapter(target: str, out_features: int, in_features: int, base: str) ->
 
 
 def target_modules(model: nn.Module) -> dict[str, list[str]]:
-    """Fully qualified names of the linear layers LoRA may wrap, grouped as Tinker's flags."""
+    """Fully qualified names of what LoRA may wrap, grouped as Tinker's flags: linear layers, and
+    the projections of fused routed experts (``<experts>.w1``, ``.w3``, ``.w2``), which
+    ``train_mlp`` covers as the service's does."""
     head = model.get_output_embeddings()
+    experts = experts_modules(model)
     groups: dict[str, list[str]] = {"attn": [], "mlp": [], "unembed": []}
     for name, module in model.named_modules():
         if module is head:
             groups["unembed"].append(name)
+        elif name in experts:
+            groups["mlp"].extend(f"{name}.{p}" for p in PROJECTIONS)
         elif isinstance(module, nn.Linear):
             parts = name.lower().split(".")
             if any(h in p for p in parts for h in _ATTN_HINTS):
@@ -169,7 +175,7 @@ class HfLoraModel:
 
     def adapter_config(self, handle: AdapterHandle) -> dict:
         modules = list(self.adapters.adapters[handle.name].layers)
-        rank = handle.params[0].shape[0]
+        rank = handle.params[0].shape[-2]  # the first lora_A: (r, in), or (E, r, in) for experts
         return lora_config(rank, self.lora_alpha, modules, self.base.config.name_or_path)
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
@@ -190,6 +196,9 @@ class HfLoraModel:
             hidden = decoder(
                 input_ids=packed.tokens[None].to(self.device),
                 position_ids=packed.positions[None].to(self.device),
+                # no KV cache: a pass keeps nothing for a next one, and a recomputed layer would
+                # append its keys to the cache a second time (DeepSeek-V3's MLA then attends over both)
+                use_cache=False,
                 **attention.packing_kwargs(packed.cu_seqlens, packed.max_len, self.attention_impl, self.device),
             ).last_hidden_state[0]  # (ΣN, H), datum order
         targets = packed_targets(data).to(self.device)

@@ -21,6 +21,7 @@ from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.rank.adapters import KEY_PREFIX, Adapter, Lora, LoraAdapters
+from hosted_tinker.rank.experts import PROJECTIONS
 from hosted_tinker.rank.generate import Decode, generate
 
 MAX_SAMPLER_ADAPTERS = 16
@@ -85,19 +86,32 @@ class EmbeddedSampler:
         if config.get("peft_type", "LORA") != "LORA" or config.get("bias", "none") != "none" or not rank:
             raise misfit
         head = self.adapters.lm.get_output_embeddings()
+        wanted = config.get("target_modules")
         selected = {
             name
             for name, module in self.adapters.lm.named_modules()
-            if isinstance(module, nn.Linear) and targeted(name, config.get("target_modules"), module is head)
+            if isinstance(module, nn.Linear) and targeted(name, wanted, module is head)
         }
+        # routed experts' projections (``rank.experts``): named as modules are, though they are not,
+        # and never by ``all-linear`` (PEFT's, which selects linear layers only)
+        if not (isinstance(wanted, str) and wanted.lower() == "all-linear"):
+            selected |= {
+                f"{experts}.{p}"
+                for experts in self.adapters.experts
+                for p in PROJECTIONS
+                if targeted(f"{experts}.{p}", wanted, False)
+            }
+        device = next(self.adapters.lm.parameters()).device
         layers: dict[str, Lora] = {}
         for module in self.adapters.in_model_order(selected):
-            weight = self.adapters.linear(module).weight
-            out_features, in_features = weight.shape
+            experts, out_features, in_features = self.adapters.features(module)
+            shapes = ((rank, in_features), (out_features, rank))
+            if experts is not None:
+                shapes = tuple((experts, *shape) for shape in shapes)
             a, b = (weights.get(f"{KEY_PREFIX}{module}.lora_{part}.weight") for part in "AB")
-            if a is None or b is None or a.shape != (rank, in_features) or b.shape != (out_features, rank):
+            if a is None or b is None or (tuple(a.shape), tuple(b.shape)) != shapes:
                 raise misfit
-            a, b = (m.to(weight.device, torch.float32, copy=True) for m in (a, b))  # never the caller's
+            a, b = (m.to(device, torch.float32, copy=True) for m in (a, b))  # never the caller's
             layers[module] = Lora(nn.Parameter(a, False), nn.Parameter(b, False))
         if not layers or len(weights) != 2 * len(layers):
             raise misfit

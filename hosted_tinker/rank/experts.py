@@ -1,0 +1,209 @@
+"""LoRA on the routed experts of a mixture-of-experts layer, where Tinker puts it.
+
+transformers 5 keeps a layer's routed experts as one module of 3-D weights (``gate_up_proj``
+``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)``, or their transposes), with gate and up rows
+concatenated (Qwen3-MoE, Qwen3.5/3.6-MoE, DeepSeek-V3) or interleaved (gpt-oss). There is no
+linear layer per expert to hook, so LoRA enters through transformers' own seam for this: an
+experts implementation registered in ``ALL_EXPERTS_FUNCTIONS`` (``lora_experts_forward``), which
+``LoraAdapters`` selects on its tree.
+
+Tinker trains one LoRA per expert per projection, named as its checkpoints name them (and as
+the cookbook's ``weights`` tools read them): ``<experts>.w1`` (gate), ``.w3`` (up) and ``.w2``
+(down), ``lora_A`` ``(E, r, in)`` and ``lora_B`` ``(E, out, r)``. A token routed to expert ``e``
+gets ``scale · B_e(A_e x)`` added to that expert's gate, up and down outputs, exactly as a
+per-expert linear layer under PEFT would (float32 products, the sum rounded once to the base's
+dtype).
+
+The token-expert pairs are sorted by (expert, adapter span) once, so the base product of each
+expert and the LoRA products of each (expert, adapter) run over contiguous rows: one grouped
+product per projection where the device has one (``torch._grouped_mm``: CUDA, bfloat16), a
+product per non-empty group otherwise. No dense ``ΔW`` is ever formed, and an expert that no
+token reached takes part in nothing (its LoRA's gradient is zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IMPLEMENTATION = "hosted_tinker_lora"  # its name in transformers' ALL_EXPERTS_FUNCTIONS
+PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down: Tinker's names, in the order adapters are drawn
+HOOK_ATTR = "_hosted_tinker_lora"  # on an experts module: its ``ExpertsHook``
+
+
+@dataclass(frozen=True)
+class ExpertsShape:
+    """What LoRA needs to know of one fused experts module."""
+
+    experts: int  # E
+    hidden: int  # H
+    intermediate: int  # I
+
+    def features(self, projection: str) -> tuple[int, int]:
+        """(out, in) of one expert's ``projection``."""
+        return (self.hidden, self.intermediate) if projection == "w2" else (self.intermediate, self.hidden)
+
+
+@dataclass
+class ExpertSpan:
+    """Tokens [start, end) of the layer's input and their adapter's expert LoRA: per projection
+    its ``(A, B)`` (``(E, r, in)``, ``(E, out, r)``), absent where the adapter has none."""
+
+    start: int
+    end: int
+    loras: dict[str, tuple[Tensor, Tensor]]
+    scale: float
+
+
+@dataclass(frozen=True)
+class ExpertsHook:
+    """What ``LoraAdapters`` leaves on an experts module it has put LoRA on."""
+
+    spans: Callable[[int], list[ExpertSpan]]  # tokens of the layer's input -> the spans covering them
+    compute: str  # ``--lora-compute``: the dtype of LoRA's products (``adapters.products_dtype``)
+
+
+def fused_experts(module: nn.Module) -> ExpertsShape | None:
+    """The shape of ``module`` if it is a fused experts module LoRA can enter (transformers'
+    ``@use_experts_implementation`` with a gate), else None."""
+    if not hasattr(module, "is_concatenated") or not getattr(module, "has_gate", False):
+        return None
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3:
+        return None
+    experts, out, hidden = gate_up.shape
+    if module.is_transposed:
+        experts, hidden, out = gate_up.shape
+    return ExpertsShape(experts, hidden, out // 2)
+
+
+def experts_modules(model: nn.Module) -> dict[str, ExpertsShape]:
+    """Every fused experts module of ``model`` by name, in module order."""
+    return {name: shape for name, m in model.named_modules() if (shape := fused_experts(m)) is not None}
+
+
+def use_lora_experts(model: nn.Module) -> None:
+    """Have ``model``'s experts modules run ``lora_experts_forward`` (a no-op for a model without)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, lora_experts_forward)
+    if experts_modules(model):
+        model.set_experts_implementation(IMPLEMENTATION)
+
+
+# ---- grouped products ----------------------------------------------------------------------------
+
+
+def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+    """Rows of ``x`` ``(S, in)`` in consecutive groups of ``counts``, group ``g`` times
+    ``weight[g]`` ``(out, in)``: ``(S, out)``."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    parts, start = [], 0
+    for g, n in enumerate(counts):
+        if n:
+            parts.append(F.linear(x[start : start + n], weight[g]))
+        start += n
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-2])
+
+
+def _as_out_in(weight: Tensor, transposed: bool) -> Tensor:
+    return weight.transpose(-2, -1) if transposed else weight
+
+
+# ---- the experts' forward pass -----------------------------------------------------------------
+
+
+def lora_experts_forward(
+    experts: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """``experts``' output for ``hidden_states`` ``(T, H)`` routed to ``top_k_index`` ``(T, K)``
+    with ``top_k_weights``, each token's experts under its own adapter's expert LoRA. Without
+    LoRA, the same as transformers' own (the expert outputs weighted and summed in float32)."""
+    from hosted_tinker.rank.adapters import add_into, in_dtype, products_dtype
+
+    tokens, top_k = top_k_index.shape
+    n_experts = experts.num_experts
+    hook: ExpertsHook | None = getattr(experts, HOOK_ATTR, None)
+    spans = [s for s in (hook.spans(tokens) if hook is not None else []) if s.loras]
+    n_spans = max(len(spans), 1)
+
+    # (expert, span) of each token-expert pair, pairs in token-major order as top_k_index has them
+    expert_ids = top_k_index.reshape(-1)
+    span_of_token = torch.zeros(tokens, dtype=torch.long, device=hidden_states.device)
+    for i, span in enumerate(spans):
+        span_of_token[span.start : span.end] = i
+    key = expert_ids * n_spans + span_of_token.repeat_interleave(top_k)
+    key_sorted, perm = torch.sort(key, stable=True)
+    group_counts = torch.bincount(key_sorted, minlength=n_experts * n_spans).tolist()  # one sync per layer
+    expert_counts = [sum(group_counts[e * n_spans : (e + 1) * n_spans]) for e in range(n_experts)]
+    x = hidden_states[perm // top_k]  # (S, H), sorted
+    expert_sorted = key_sorted // n_spans
+    dtype = products_dtype(hook.compute, x.dtype) if hook is not None else None
+
+    def lora_update(projection: str, inputs: Tensor) -> Tensor | None:
+        """The LoRA update of ``projection`` for the sorted pairs, or None if no span has one."""
+        present = [s for s in spans if projection in s.loras]
+        if not present:
+            return None
+        a_of = [s.loras[projection][0] if projection in s.loras else None for s in spans]
+        b_of = [s.loras[projection][1] if projection in s.loras else None for s in spans]
+        like_a, like_b = present[0].loras[projection]
+        a_of = [in_dtype(a, dtype) if a is not None else in_dtype(torch.zeros_like(like_a), dtype) for a in a_of]
+        b_of = [in_dtype(b, dtype) if b is not None else in_dtype(torch.zeros_like(like_b), dtype) for b in b_of]
+        # group (e, s) at e * n_spans + s: the adapters' matrices interleaved expert by expert
+        a = a_of[0] if n_spans == 1 else torch.stack(a_of, dim=1).flatten(0, 1)  # (E·n, r, in)
+        b = b_of[0] if n_spans == 1 else torch.stack(b_of, dim=1).flatten(0, 1)  # (E·n, out, r)
+        down = _grouped_lora_down(inputs, a, group_counts)
+        update = grouped_linear(down, b, group_counts)
+        scales = [s.scale for s in spans]
+        if len(set(scales)) == 1:
+            return update if scales[0] == 1.0 else update * scales[0]
+        per_row = torch.tensor(scales, device=x.device, dtype=update.dtype)[key_sorted % n_spans]
+        return update * per_row[:, None]
+
+    # gate and up
+    gate_up = grouped_linear(x, _as_out_in(experts.gate_up_proj, experts.is_transposed), expert_counts)
+    if experts.has_bias:
+        gate_up = gate_up + experts.gate_up_proj_bias[expert_sorted]
+    gate, up = lora_update("w1", x), lora_update("w3", x)
+    if gate is not None or up is not None:
+        gate = gate if gate is not None else torch.zeros_like(up)
+        up = up if up is not None else torch.zeros_like(gate)
+        paired = torch.cat([gate, up], -1) if experts.is_concatenated else torch.stack([gate, up], -1).flatten(-2)
+        gate_up = add_into(gate_up, paired)
+    hidden = experts._apply_gate(gate_up)  # (S, I)
+
+    # down
+    out = grouped_linear(hidden, _as_out_in(experts.down_proj, experts.is_transposed), expert_counts)
+    if experts.has_bias:
+        out = out + experts.down_proj_bias[expert_sorted]
+    down = lora_update("w2", hidden)
+    if down is not None:
+        out = add_into(out, down)
+    if experts.has_post_expert_norm:
+        out = experts.post_expert_norm(out)
+
+    weighted = out * top_k_weights.reshape(-1)[perm, None]
+    back = torch.empty_like(perm)
+    back[perm] = torch.arange(perm.numel(), device=perm.device)
+    return weighted[back].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _grouped_lora_down(x: Tensor, a: Tensor, counts: list[int]) -> Tensor:
+    """``x`` (the base's dtype) times each group's ``A`` ``(r, in)``, in A's dtype: the grouped
+    form of ``adapters.lora_down`` (which keeps ``x`` as it came for the backward pass)."""
+    from hosted_tinker.rank.adapters import lora_down
+
+    parts, start = [], 0
+    for g, n in enumerate(counts):
+        if n:
+            parts.append(lora_down(x[start : start + n], a[g]))
+        start += n
+    return torch.cat(parts) if parts else x.new_zeros(0, a.shape[-2], dtype=a.dtype)

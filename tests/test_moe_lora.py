@@ -1,0 +1,255 @@
+"""LoRA on the routed experts of mixture-of-experts models (``rank.experts``), pinned against an
+independent float64 reference: the same HF model in float64 with every adapter applied by hand,
+each routed token through its own expert's ``B_e(A_e x)`` one token at a time (no sorting, no
+grouping), and every dense LoRA layer as ``B(A x)`` in a forward hook. Tiny random Qwen3-MoE
+(fused concatenated experts) and DeepSeek-V3 (MLA, a dense layer 0, shared experts) models are
+built in the test; nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from hosted_tinker.core.tiny_model import build_tiny_model
+from hosted_tinker.core.types import DatumInput, LoraSpec
+from hosted_tinker.rank.adapters import KEY_PREFIX
+from hosted_tinker.rank.model import HfLoraModel
+from hosted_tinker.rank.serve import Rank, local_rank
+
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(300)]
+
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def rank(request, tmp_path_factory) -> Rank:
+    path = build_tiny_model(tmp_path_factory.mktemp("models") / request.param, family=request.param, hidden_size=64)
+    return local_rank(str(path))
+
+
+def datum(tokens: list[int]) -> DatumInput:
+    return DatumInput(
+        tokens=torch.tensor(tokens[:-1]),
+        target_tokens=torch.tensor(tokens[1:]),
+        inputs={"weights": torch.ones(len(tokens) - 1)},
+    )
+
+
+def trained_looking(model: HfLoraModel, spec: LoraSpec):
+    """An adapter whose B matrices are off zero (a new one changes nothing)."""
+    handle = model.add_adapter(spec)
+    g = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for key, p in zip(handle.keys, handle.params, strict=True):
+            if ".lora_B." in key:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return handle
+
+
+def assert_close_in_float32(got: Tensor, want: Tensor) -> None:
+    """Equal up to float32's rounding, measured against the tensor's largest entry (gradients
+    reach the first layers through sums of many terms: their small entries keep no fixed
+    relative precision)."""
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=2e-5 * float(want.abs().max()) + 1e-9)
+
+
+# ---- the reference -----------------------------------------------------------------------------
+
+
+def reference_logprobs(model: HfLoraModel, weights: dict[str, Tensor], scale: float, data: DatumInput):
+    """Target log-probs of ``data`` under ``weights`` (keyed as checkpoints key them), and their
+    gradients with respect to each tensor: float64 throughout, every update applied by hand."""
+    ref = copy.deepcopy(model.shareable_base).double()  # the clean tree: no hook of ours on it
+    leaves = {k: v.detach().double().clone().requires_grad_(True) for k, v in weights.items()}
+    loras: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in leaves.items():
+        module, part = key.removeprefix(KEY_PREFIX).rsplit(".", 2)[:2]
+        loras.setdefault(module, {})[part] = tensor
+    for name, module in ref.named_modules():
+        if name in loras and isinstance(module, nn.Linear):
+            lora = loras[name]
+            module.register_forward_hook(
+                lambda m, args, out, lora=lora: out + scale * (args[0] @ lora["lora_A"].T @ lora["lora_B"].T)
+            )
+        elif f"{name}.w1" in loras or f"{name}.w2" in loras:
+            module.forward = types.MethodType(per_token_experts(name, loras, scale), module)
+    logits = ref(input_ids=data.tokens[None]).logits[0]
+    logprobs = logits.log_softmax(-1).gather(-1, data.target_tokens[:, None])[:, 0]
+    grads = torch.autograd.grad(logprobs.sum(), list(leaves.values()))
+    return logprobs.detach(), dict(zip(leaves, grads, strict=True))
+
+
+def per_token_experts(name: str, loras: dict[str, dict[str, Tensor]], scale: float):
+    def update(lora: dict[str, Tensor] | None, e: int, v: Tensor) -> Tensor | int:
+        return 0 if lora is None else scale * (lora["lora_B"][e] @ (lora["lora_A"][e] @ v))
+
+    def forward(experts: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        size = experts.intermediate_dim
+        out = []
+        for t in range(hidden.shape[0]):
+            x, total = hidden[t], torch.zeros_like(hidden[t])
+            for k in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, k])
+
+                gate = experts.gate_up_proj[e][:size] @ x + update(loras.get(f"{name}.w1"), e, x)
+                up = experts.gate_up_proj[e][size:] @ x + update(loras.get(f"{name}.w3"), e, x)
+                h = experts.act_fn(gate) * up
+                total = total + top_k_weights[t, k] * (experts.down_proj[e] @ h + update(loras.get(f"{name}.w2"), e, h))
+            out.append(total)
+        return torch.stack(out)
+
+    return forward
+
+
+# ---- the tests -----------------------------------------------------------------------------------
+
+
+def test_train_mlp_puts_lora_on_every_expert_in_tinkers_layout(rank: Rank):
+    model: HfLoraModel = rank.trainer.model
+    handle = model.add_adapter(LoraSpec(rank=4, seed=1, train_attn=False, train_unembed=False))
+    try:
+        shapes = dict(zip(handle.keys, (tuple(p.shape) for p in handle.params), strict=True))
+        experts = [k for k in shapes if ".experts." in k]
+        layers_with_experts = {k.split(".experts.")[0] for k in experts}
+        assert layers_with_experts and len(experts) == 6 * len(layers_with_experts)
+        for prefix in layers_with_experts:
+            e, h, i = (model.adapters.experts[prefix.removeprefix(KEY_PREFIX) + ".experts"].experts, 64, 32)
+            assert shapes[f"{prefix}.experts.w1.lora_A.weight"] == (e, 4, h)
+            assert shapes[f"{prefix}.experts.w1.lora_B.weight"] == (e, i, 4)
+            assert shapes[f"{prefix}.experts.w3.lora_B.weight"] == (e, i, 4)
+            assert shapes[f"{prefix}.experts.w2.lora_A.weight"] == (e, 4, i)
+            assert shapes[f"{prefix}.experts.w2.lora_B.weight"] == (e, h, 4)
+        assert not any("router" in k or k.endswith("mlp.gate.lora_A.weight") for k in shapes)  # routers frozen
+        assert model.adapter_config(handle)["r"] == 4
+    finally:
+        model.remove_adapter(handle)
+
+
+def test_logprobs_and_every_experts_gradients_equal_the_float64_reference(rank: Rank):
+    model: HfLoraModel = rank.trainer.model
+    handle = trained_looking(model, LoraSpec(rank=4, seed=2, train_unembed=False))  # attention, MLPs, experts
+    try:
+        data = datum(list(range(7, 40)))
+        ours = model.logprobs([handle], [data])[0]
+        grads = torch.autograd.grad(ours.sum(), handle.params)
+        weights = dict(zip(handle.keys, handle.params, strict=True))
+        expected, expected_grads = reference_logprobs(model, weights, model.adapters.adapters[handle.name].scale, data)
+        torch.testing.assert_close(ours.double(), expected, rtol=0, atol=2e-5)
+        for key, grad in zip(handle.keys, grads, strict=True):
+            assert_close_in_float32(grad.double(), expected_grads[key])
+        assert any(".experts." in k and g.abs().sum() > 0 for k, g in zip(handle.keys, grads, strict=True))
+    finally:
+        model.remove_adapter(handle)
+
+
+def test_only_the_experts_a_batch_routed_to_get_gradients(rank: Rank):
+    model: HfLoraModel = rank.trainer.model
+    handle = trained_looking(model, LoraSpec(rank=4, seed=3, train_attn=False, train_unembed=False))
+    routed: dict[str, set[int]] = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: routed.setdefault(name, set()).update(args[1].flatten().tolist())
+        )
+        for name, module in model.base.named_modules()
+        if name in model.adapters.experts
+    ]
+    try:
+        ours = model.logprobs([handle], [datum([5, 9, 11])])[0]  # 2 tokens, 2 experts each: at most 4 of 8
+        grads = dict(zip(handle.keys, torch.autograd.grad(ours.sum(), handle.params), strict=True))
+    finally:
+        for h in hooks:
+            h.remove()
+        model.remove_adapter(handle)
+    for experts, hit in routed.items():
+        assert len(hit) < 8
+        for projection in ("w1", "w3", "w2"):
+            grad = grads[f"{KEY_PREFIX}{experts}.{projection}.lora_B.weight"]
+            with_gradient = {e for e in range(grad.shape[0]) if grad[e].abs().sum() > 0}
+            assert with_gradient == hit, (experts, projection)
+
+
+def test_a_joint_pass_gives_each_model_its_own_experts(rank: Rank):
+    """Two models' data in one pass over the base: each token through its own adapter's experts,
+    so each model's log-probs and gradients are what it gets alone."""
+    model: HfLoraModel = rank.trainer.model
+    a = trained_looking(model, LoraSpec(rank=4, seed=4, train_unembed=False))
+    b = trained_looking(model, LoraSpec(rank=4, seed=5, train_unembed=False))
+    try:
+        da, db = datum(list(range(3, 30))), datum(list(range(40, 52)))
+        joint = model.logprobs([a, b], [da, db])
+        joint_grads = torch.autograd.grad(joint[0].sum() + joint[1].sum(), a.params + b.params)
+        alone_a = model.logprobs([a], [da])[0]
+        grads_a = torch.autograd.grad(alone_a.sum(), a.params)
+        alone_b = model.logprobs([b], [db])[0]
+        grads_b = torch.autograd.grad(alone_b.sum(), b.params)
+        torch.testing.assert_close(joint[0], alone_a, rtol=0, atol=1e-5)
+        torch.testing.assert_close(joint[1], alone_b, rtol=0, atol=1e-5)
+        for got, want in zip(joint_grads, grads_a + grads_b, strict=True):
+            assert_close_in_float32(got, want)
+    finally:
+        model.remove_adapter(a)
+        model.remove_adapter(b)
+
+
+def test_experts_without_an_adapter_are_transformers_own(rank: Rank):
+    """Tokens under an adapter without expert LoRA (attention only) or none: the experts compute
+    exactly what transformers' eager implementation computes."""
+    model: HfLoraModel = rank.trainer.model
+    handle = trained_looking(model, LoraSpec(rank=4, seed=6, train_mlp=False, train_unembed=False))
+    try:
+        name = next(iter(model.adapters.experts))
+        experts = model.base.get_submodule(name)
+        hidden = torch.randn(10, 64)
+        index = torch.stack([torch.randperm(experts.num_experts)[:2] for _ in range(10)])
+        weight = torch.rand(10, 2).softmax(-1)
+        model.adapters.routes.everything(handle.name)
+        ours = experts(hidden, index, weight)
+        eager = type(experts).forward.__wrapped__(experts, hidden, index, weight)  # the class's own forward
+        torch.testing.assert_close(ours, eager, rtol=0, atol=1e-6)
+    finally:
+        model.adapters.routes.everything(None)
+        model.remove_adapter(handle)
+
+
+def test_the_sampler_samples_the_expert_adapter_as_trained(rank: Rank):
+    """The embedded sampler, fed the adapter's config and tensors as a checkpoint holds them,
+    scores tokens exactly as the trainer does."""
+    model: HfLoraModel = rank.trainer.model
+    handle = trained_looking(model, LoraSpec(rank=4, seed=7))
+    try:
+        data = datum(list(range(12, 44)))
+        with torch.no_grad():
+            trained = model.logprobs([handle], [data])[0]
+        tensors = {k: p.detach().clone() for k, p in zip(handle.keys, handle.params, strict=True)}
+        rank.sampler.load_sampler("moe-sampler", model.adapter_config(handle), tensors)
+        sampler = rank.sampler.adapters
+        sampler.routes.everything(rank.sampler.loaded["moe-sampler"])
+        with torch.no_grad():
+            logits = sampler.lm(input_ids=data.tokens[None]).logits[0]
+        sampled = logits.log_softmax(-1).gather(-1, data.target_tokens[:, None])[:, 0]
+        torch.testing.assert_close(sampled, trained, rtol=0, atol=1e-5)
+    finally:
+        rank.sampler.adapters.routes.everything(None)
+        model.remove_adapter(handle)
+
+
+def test_recomputed_layers_give_the_same_gradients(rank: Rank):
+    """Layers that keep only their input and run again in the backward pass route each token to
+    the same experts under the same adapter: the same log-probs and gradients."""
+    model: HfLoraModel = rank.trainer.model
+    handle = trained_looking(model, LoraSpec(rank=4, seed=8, train_unembed=False))
+    try:
+        data = datum(list(range(20, 50)))
+        kept = model.logprobs([handle], [data])[0]
+        kept_grads = torch.autograd.grad(kept.sum(), handle.params)
+        again = model.logprobs([handle], [data], recompute=len(model.layers))[0]
+        again_grads = torch.autograd.grad(again.sum(), handle.params)
+        torch.testing.assert_close(again, kept, rtol=0, atol=0)
+        for got, want in zip(again_grads, kept_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        model.remove_adapter(handle)

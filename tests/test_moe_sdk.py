@@ -1,0 +1,119 @@
+"""A mixture-of-experts model through the front door: a server started on a tiny random
+Qwen3-MoE model (fused experts, as transformers 5 builds Qwen3-30B-A3B), trained with the real
+tinker SDK; its export downloaded through the SDK's signed URLs and read by the cookbook's own
+``weights`` tools, as a user of the service would read what the service wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from hosted_tinker.core.tiny_model import build_tiny_model
+from tests.conftest import start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ALIAS = "tiny-qwen3-moe"
+TOKENS = list(range(5, 45))
+
+
+def datum(tokens: list[int], weight: float = 1.0) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [weight] * (len(tokens) - 1)},
+    )
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """The server, a model trained a few steps on it, and the model's folder."""
+    root = tmp_path_factory.mktemp("moe")
+    model_dir = build_tiny_model(root / "model", family="qwen3_moe", hidden_size=64)
+    server = start_server(root / "data", "--model", str(model_dir), alias=ALIAS)
+    sc = tinker.ServiceClient(base_url=server.base_url)
+    tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
+    losses = []
+    for _ in range(4):
+        losses.append(tc.forward_backward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    yield {"server": server, "sc": sc, "tc": tc, "model_dir": model_dir, "losses": losses, "root": root}
+    sc.close("success").result()
+    server.stop()
+
+
+def forward_logprobs(tc, tokens: list[int]) -> np.ndarray:
+    out = tc.forward([datum(tokens, 0.0)], "cross_entropy").result()
+    return out.loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def download(base_url: str, path: str, into: Path) -> Path:
+    urls = tinker.RestClient(base_url=base_url).get_external_weights_urls(path).result().urls
+    into.mkdir(parents=True)
+    for name, url in urls.items():
+        (into / name).write_bytes(httpx.get(url, timeout=60).raise_for_status().content)
+    return into
+
+
+def test_training_moves_the_experts_and_the_export_holds_them_as_tinker_does(moe):
+    assert moe["losses"][-1] < moe["losses"][0]
+    path = moe["tc"].save_weights_external("experts").result().path
+    adapter = download(moe["server"].base_url, path, moe["root"] / "export")
+    from safetensors.torch import load_file
+
+    weights = load_file(adapter / "adapter_model.safetensors")
+    for layer in (0, 1):
+        prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
+        assert weights[f"{prefix}.w1.lora_A.weight"].shape == (8, 4, 64)
+        assert weights[f"{prefix}.w3.lora_B.weight"].shape == (8, 32, 4)
+        assert weights[f"{prefix}.w2.lora_B.weight"].shape == (8, 64, 4)
+        assert weights[f"{prefix}.w2.lora_B.weight"].abs().sum() > 0  # trained, not the zeros it starts at
+
+
+def test_the_cookbooks_merge_of_the_export_scores_as_the_server_does(moe):
+    from tinker_cookbook.weights import build_hf_model, build_lora_adapter
+    from transformers import AutoModelForCausalLM
+
+    path = moe["tc"].save_weights_external("to-merge").result().path
+    adapter = download(moe["server"].base_url, path, moe["root"] / "to-merge")
+    merged = moe["root"] / "merged"
+    build_hf_model(base_model=str(moe["model_dir"]), adapter_path=str(adapter), output_path=str(merged))
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([TOKENS[:-1]])).logits[0]
+    theirs = logits.log_softmax(-1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(theirs, forward_logprobs(moe["tc"], TOKENS), rtol=0, atol=1e-5)
+
+    # the serving conversion: every expert's LoRA as its own PEFT module (vLLM's layout)
+    served = moe["root"] / "served"
+    build_lora_adapter(base_model=str(moe["model_dir"]), adapter_path=str(adapter), output_path=str(served))
+    from safetensors.torch import load_file
+
+    peft = load_file(served / "adapter_model.safetensors")
+    assert sum(".experts." in k for k in peft) == 2 * 3 * 8 * 2  # layers × projections × experts × (A, B)
+
+
+def test_sampling_the_trained_experts_scores_as_the_trainer(moe):
+    sampler = moe["tc"].save_weights_and_get_sampling_client().result()
+    prompt = TOKENS[:10]
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
+    for seq in sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences:
+        trainer = forward_logprobs(moe["tc"], prompt + seq.tokens)
+        np.testing.assert_allclose(seq.logprobs, trainer[len(prompt) - 1 :], atol=1e-4)
+
+
+def test_resume_continues_exactly(moe):
+    """save_state, then a new client from it: the same scores, and the same next step."""
+    sc, tc = moe["sc"], moe["tc"]
+    state = tc.save_state("resume").result().path
+    resumed = sc.create_training_client_from_state_with_optimizer(state).result()
+    np.testing.assert_array_equal(forward_logprobs(resumed, TOKENS), forward_logprobs(tc, TOKENS))
+    for client in (tc, resumed):
+        client.forward_backward([datum(TOKENS)], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    np.testing.assert_array_equal(forward_logprobs(resumed, TOKENS), forward_logprobs(tc, TOKENS))
