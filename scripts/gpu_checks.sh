@@ -40,6 +40,10 @@
 #      path stores every layer: 16,384 ran an H200 out of memory)
 #   8. lora-compute: benchmarks/lora_compute.py: that model, one 4K-token sequence, LoRA's
 #      products in float32 against the base's bf16 (--lora-compute base); not yet run on a GPU
+#   9. moe-step: benchmarks/moe_step.py: Qwen3-30B-A3B's shape (random bf16, 12 of its 48 layers,
+#      so that it builds and loads within the section), one 4K-token sequence, LoRA on every
+#      routed expert against attention-only LoRA, MFU on active parameters; its JSON travels in
+#      logs.tar.gz (the device tool brings back 8 files); not yet run on a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -89,9 +93,9 @@ run() { # run [SECTION...]: all sections, or only those named
   fi
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   # MFU's peak: the benchmarks know the H100's and H200's dense bf16 peaks by the device's name
-  local device=cuda shape=qwen3-8b dtype=bfloat16 seq=4096 seqs=4
+  local device=cuda shape=qwen3-8b dtype=bfloat16 seq=4096 seqs=4 moe_layers=12
   if [ -n "${GPU_CHECKS_SMALL:-}" ]; then
-    device=cpu shape=qwen3-h512-l4 dtype=float32 seq=256 seqs=2
+    device=cpu shape=qwen3-h512-l4 dtype=float32 seq=256 seqs=2 moe_layers=1
     SLOWER=4 # the limits are the GPU's
     export HT_TEST_GPU_DEVICE=cpu # tests/test_gpu.py's tests, run on the CPU
   else
@@ -117,13 +121,15 @@ run() { # run [SECTION...]: all sections, or only those named
     --out "$OUT/train_efficiency-mixed-$device.json"
   section lora-compute 60 python3 benchmarks/lora_compute.py --device "$device" --shape "$shape" --dtype "$dtype" \
     --seqs 1 --seq-len "$seq" --out "$OUT/lora_compute-$device.json"
+  section moe-step 120 python3 benchmarks/moe_step.py --device "$device" --dtype "$dtype" --layers "$moe_layers" \
+    --tokens "$seq" --rounds 2 --out "$OUT/moe_step-$device.log.json"
   # The device tool brings back at most 8 files: the logs travel as one
-  (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
+  (cd "$OUT" && shopt -s nullglob && tar -czf logs.tar.gz ./*.log ./*.log.json && rm -f ./*.log ./*.log.json)
   cat "$OUT/summary.txt"
 }
 
 case "${1:-}" in
   wheels) wheels ;;
   run) shift && run "$@" ;;
-  *) sed -n '2,36p' "$0" && exit 2 ;;
+  *) sed -n '2,46p' "$0" && exit 2 ;;
 esac

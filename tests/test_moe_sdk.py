@@ -117,3 +117,18 @@ def test_resume_continues_exactly(moe):
         client.forward_backward([datum(TOKENS)], "cross_entropy").result()
         client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
     np.testing.assert_array_equal(forward_logprobs(resumed, TOKENS), forward_logprobs(tc, TOKENS))
+
+
+def test_the_server_says_it_trains_the_experts(moe):
+    health = httpx.get(f"{moe['server'].base_url}/healthz", timeout=10).raise_for_status().json()
+    assert health["capabilities"]["arch"] == "Qwen3MoeForCausalLM"
+    assert health["capabilities"]["routed_experts"] == 8
+
+
+def test_vllm_is_refused_in_one_line_for_expert_lora(moe):
+    """vLLM cannot be handed the experts' LoRA yet: the server says so at start, naming the model,
+    rather than train adapters whose samples would leave the experts' LoRA out."""
+    with pytest.raises(RuntimeError) as failed:
+        start_server(moe["root"] / "vllm", "--model", str(moe["model_dir"]), "--inference", "vllm", timeout=120)
+    log = str(failed.value)
+    assert "Qwen3MoeForCausalLM trains a LoRA on every routed expert" in log and "Traceback" not in log

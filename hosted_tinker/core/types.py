@@ -158,6 +158,8 @@ class Capabilities:
     dtype: str = "float32"
     lora_compute: str = "float32"
     activation_memory_gib: float | str | None = None
+    # routed experts per mixture-of-experts layer (0: a dense model); train_mlp puts a LoRA on each
+    routed_experts: int = 0
 
 
 class TrainingBackend(Protocol):

@@ -123,6 +123,7 @@ def build_rank(spec: RankSpec) -> Rank:
         dtype=spec.dtype,
         lora_compute=spec.lora_compute,
         activation_memory_gib=activation_memory / 2**30 if isinstance(activation_memory, float) else activation_memory,
+        routed_experts=model.routed_experts,
     )
     return Rank(capabilities, trainer, sampler)
 

@@ -285,6 +285,12 @@ def _cluster(config: ServerConfig) -> Cluster | None:
 
 def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) -> VllmEngine:
     """The vLLM engine: a supervised child process, or a server at ``--inference-url``."""
+    if backend.capabilities.routed_experts:
+        # its adapters hold one LoRA per expert as 3-D tensors, which vLLM's PEFT loader does not read
+        raise SystemExit(
+            f"--inference vllm: {backend.capabilities.arch} trains a LoRA on every routed expert, which is not "
+            "handed to vLLM yet; serve it with the embedded engine (leave out --inference vllm / --inference-url)"
+        )
     if config.inference_url is not None:
         host = ExternalVllm(config.inference_url)
     else:
