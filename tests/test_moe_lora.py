@@ -8,6 +8,7 @@ built in the test; nothing is downloaded."""
 from __future__ import annotations
 
 import copy
+import math
 import types
 
 import pytest
@@ -85,7 +86,10 @@ def reference_logprobs(model: HfLoraModel, weights: dict[str, Tensor], scale: fl
 
 def per_token_experts(name: str, loras: dict[str, dict[str, Tensor]], scale: float):
     def update(lora: dict[str, Tensor] | None, e: int, v: Tensor) -> Tensor | int:
-        return 0 if lora is None else scale * (lora["lora_B"][e] @ (lora["lora_A"][e] @ v))
+        if lora is None:
+            return 0
+        a, b = lora["lora_A"], lora["lora_B"]  # a factor of leading dimension 1 is every expert's
+        return scale * (b[e if len(b) > 1 else 0] @ (a[e if len(a) > 1 else 0] @ v))
 
     def forward(experts: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         size = experts.intermediate_dim
@@ -116,13 +120,14 @@ def test_train_mlp_puts_lora_on_every_expert_in_tinkers_layout(rank: Rank):
         experts = [k for k in shapes if ".experts." in k]
         layers_with_experts = {k.split(".experts.")[0] for k in experts}
         assert layers_with_experts and len(experts) == 6 * len(layers_with_experts)
-        for prefix in layers_with_experts:
-            e, h, i = (model.adapters.experts[prefix.removeprefix(KEY_PREFIX) + ".experts"].experts, 64, 32)
-            assert shapes[f"{prefix}.experts.w1.lora_A.weight"] == (e, 4, h)
+        for prefix in layers_with_experts:  # the hidden side's factor one for all experts (Tinker's)
+            e, h, i = 8, 64, 32
+            assert shapes[f"{prefix}.experts.w1.lora_A.weight"] == (1, 4, h)
             assert shapes[f"{prefix}.experts.w1.lora_B.weight"] == (e, i, 4)
+            assert shapes[f"{prefix}.experts.w3.lora_A.weight"] == (1, 4, h)
             assert shapes[f"{prefix}.experts.w3.lora_B.weight"] == (e, i, 4)
             assert shapes[f"{prefix}.experts.w2.lora_A.weight"] == (e, 4, i)
-            assert shapes[f"{prefix}.experts.w2.lora_B.weight"] == (e, h, 4)
+            assert shapes[f"{prefix}.experts.w2.lora_B.weight"] == (1, h, 4)
         assert not any("router" in k or k.endswith("mlp.gate.lora_A.weight") for k in shapes)  # routers frozen
         assert model.adapter_config(handle)["r"] == 4
     finally:
@@ -166,8 +171,8 @@ def test_only_the_experts_a_batch_routed_to_get_gradients(rank: Rank):
         model.remove_adapter(handle)
     for experts, hit in routed.items():
         assert len(hit) < 8
-        for projection in ("w1", "w3", "w2"):
-            grad = grads[f"{KEY_PREFIX}{experts}.{projection}.lora_B.weight"]
+        for projection, part in (("w1", "B"), ("w3", "B"), ("w2", "A")):  # the experts' own factors
+            grad = grads[f"{KEY_PREFIX}{experts}.{projection}.lora_{part}.weight"]
             with_gradient = {e for e in range(grad.shape[0]) if grad[e].abs().sum() > 0}
             assert with_gradient == hit, (experts, projection)
 
@@ -253,3 +258,101 @@ def test_recomputed_layers_give_the_same_gradients(rank: Rank):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     finally:
         model.remove_adapter(handle)
+
+
+# ---- Tinker's own counts ---------------------------------------------------------------------------
+
+QWEN3 = {"num_attention_heads": 32, "head_dim": 128, "vocab_size": 151936}
+# Hugging Face configs of models the service trains, as far as LoRA's shapes depend on them
+REAL_CONFIGS = {
+    "Qwen/Qwen3-8B": (
+        "Qwen3Config",
+        QWEN3 | {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_key_value_heads": 8},
+    ),
+    "Qwen/Qwen3-32B": (
+        "Qwen3Config",
+        QWEN3
+        | {
+            "hidden_size": 5120,
+            "intermediate_size": 25600,
+            "num_hidden_layers": 64,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+        },
+    ),
+    "Qwen/Qwen3-4B-Instruct-2507": (
+        "Qwen3Config",
+        QWEN3
+        | {
+            "hidden_size": 2560,
+            "intermediate_size": 9728,
+            "num_hidden_layers": 36,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "Qwen/Qwen3-30B-A3B": (
+        "Qwen3MoeConfig",
+        QWEN3
+        | {
+            "hidden_size": 2048,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 4,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+        },
+    ),
+    "Qwen/Qwen3-235B-A22B-Instruct-2507": (
+        "Qwen3MoeConfig",
+        QWEN3
+        | {
+            "hidden_size": 4096,
+            "moe_intermediate_size": 1536,
+            "num_hidden_layers": 94,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 4,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+        },
+    ),
+    # linear attention (issue #40) aside, only its MLP and unembedding are compared
+    "Qwen/Qwen3.5-35B-A3B": (
+        "Qwen3_5MoeTextConfig",
+        {
+            "hidden_size": 2048,
+            "num_hidden_layers": 40,
+            "moe_intermediate_size": 512,
+            "vocab_size": 248320,
+            "shared_expert_intermediate_size": 512,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_lora_parameters_per_rank_are_the_services(name: str):
+    """The cookbook lists, for the service's models, how many LoRA parameters one rank adds under
+    each of train_attn, train_mlp and train_unembed (measured on the service). The modules and
+    shapes this server puts LoRA on give the same counts: for MoE models that is one LoRA per
+    routed expert with the hidden side's factor shared (``rank.experts``), shared experts as
+    linear layers, and no LoRA on routers or a shared expert's gate."""
+    import transformers
+    from tinker_cookbook.hyperparam_utils import _LORA_PARAMS_PER_RANK_BY_COMPONENT as SERVICE
+
+    from hosted_tinker.rank.adapters import LoraAdapters
+    from hosted_tinker.rank.model import target_modules
+
+    config_class, fields = REAL_CONFIGS[name]
+    with torch.device("meta"):  # shapes only: no memory, no weights
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**fields))
+    adapters = LoraAdapters(model)
+    counts = {
+        group: sum(math.prod(shape) for target in targets for shape in adapters.lora_shapes(target, 1))
+        for group, targets in target_modules(model).items()
+    }
+    expected = SERVICE[name]
+    groups = ("mlp", "unembed") if "3.5" in name else ("mlp", "attn", "unembed")
+    assert {g: counts[g] for g in groups} == {g: expected[g] for g in groups}

@@ -69,9 +69,10 @@ def test_training_moves_the_experts_and_the_export_holds_them_as_tinker_does(moe
     weights = load_file(adapter / "adapter_model.safetensors")
     for layer in (0, 1):
         prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
-        assert weights[f"{prefix}.w1.lora_A.weight"].shape == (8, 4, 64)
-        assert weights[f"{prefix}.w3.lora_B.weight"].shape == (8, 32, 4)
-        assert weights[f"{prefix}.w2.lora_B.weight"].shape == (8, 64, 4)
+        assert weights[f"{prefix}.w1.lora_A.weight"].shape == (1, 4, 64)  # one for all experts
+        assert weights[f"{prefix}.w3.lora_B.weight"].shape == (8, 32, 4)  # each expert's
+        assert weights[f"{prefix}.w2.lora_A.weight"].shape == (8, 4, 32)
+        assert weights[f"{prefix}.w2.lora_B.weight"].shape == (1, 64, 4)
         assert weights[f"{prefix}.w2.lora_B.weight"].abs().sum() > 0  # trained, not the zeros it starts at
 
 

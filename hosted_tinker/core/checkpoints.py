@@ -201,16 +201,45 @@ class CheckpointFiles:
 # ---- training state <-> files ------------------------------------------------------------------
 
 
+# Tinker's adapters name the unembedding's LoRA ``model.unembed_tokens`` (the cookbook's ``weights``
+# tools map it to ``lm_head``, or to ``embed_tokens`` where the embeddings are tied); PEFT, this
+# server's ranks and vLLM name it after the module. Files say Tinker's name; the ranks see PEFT's.
+PEFT_HEAD, TINKER_HEAD = "base_model.model.lm_head.", "base_model.model.model.unembed_tokens."
+
+
+def tinker_keys(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` under the names Tinker's adapters use (the unembedding's ``unembed_tokens``)."""
+    return {TINKER_HEAD + k.removeprefix(PEFT_HEAD) if k.startswith(PEFT_HEAD) else k: v for k, v in weights.items()}
+
+
+def peft_keys(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` under PEFT's names, whichever a file used (checkpoints written before this
+    server wrote Tinker's names hold PEFT's)."""
+    return {PEFT_HEAD + k.removeprefix(TINKER_HEAD) if k.startswith(TINKER_HEAD) else k: v for k, v in weights.items()}
+
+
 def peft_adapter_files(adapter_config: dict, weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
-    """A PEFT adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors``."""
+    """A PEFT adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors`` (what vLLM loads)."""
     return {
         "adapter_config.json": json.dumps(adapter_config, indent=2).encode(),
         "adapter_model.safetensors": save_safetensors({k: v.contiguous() for k, v in weights.items()}),
     }
 
 
+def adapter_files(adapter_config: dict, weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """An adapter directory as Tinker writes one, which every checkpoint and export holds: PEFT's
+    files, with Tinker's key names (``tinker_keys``; routed experts' LoRA as ``rank.experts``
+    names them), so the cookbook's ``weights`` tools read it as they read the service's."""
+    return peft_adapter_files(adapter_config, tinker_keys(weights))
+
+
+def adapter_weights(data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of an ``adapter_model.safetensors`` under the ranks' (PEFT's) names."""
+    return peft_keys(load_safetensors(data))
+
+
 def state_to_files(state: AdapterState, adapter_config: dict, base_model: str) -> dict[str, bytes]:
-    files = peft_adapter_files(adapter_config, state.weights)
+    files = adapter_files(adapter_config, state.weights)
     files["optimizer.safetensors"] = save_safetensors({k: v.contiguous() for k, v in state.optimizer.items()})
     if state.gradients:  # a parked model's, not yet applied by an optim_step
         files["gradients.safetensors"] = save_safetensors({k: v.contiguous() for k, v in state.gradients.items()})
@@ -243,7 +272,7 @@ def training_meta(path: TinkerPath, files: dict[str, bytes]) -> tuple[str, LoraS
 def state_from_files(path: TinkerPath, files: dict[str, bytes]) -> LoadedState:
     try:
         meta = json.loads(files["training_state.json"])
-        weights = load_safetensors(files["adapter_model.safetensors"])
+        weights = adapter_weights(files["adapter_model.safetensors"])
         optimizer = load_safetensors(files["optimizer.safetensors"])
         rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8)
         gradients = load_safetensors(files["gradients.safetensors"]) if "gradients.safetensors" in files else {}

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from safetensors.torch import load as load_safetensors
 
+from hosted_tinker.core.checkpoints import adapter_weights
 from hosted_tinker.core.errors import WorkerError
 from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
@@ -229,7 +229,7 @@ class EmbeddedEngine:
             return
         files = weights.files.read(weights.path, only=("adapter_config.json", "adapter_model.safetensors"))
         config = json.loads(files["adapter_config.json"])
-        self.sampler.load_sampler(weights.key, config, load_safetensors(files["adapter_model.safetensors"]))
+        self.sampler.load_sampler(weights.key, config, adapter_weights(files["adapter_model.safetensors"]))
 
 
 def _settle(future: asyncio.Future, result: object) -> None:

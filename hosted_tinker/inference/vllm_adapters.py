@@ -33,6 +33,7 @@ class LoadedAdapter:
     gone: bool = False  # vLLM no longer holds it (unloaded, or vLLM restarted)
     last_used: float = field(default_factory=time.monotonic)
     cleanup: Callable[[], None] | None = None  # for a retired version's files, run once
+    scratch: Callable[[], None] | None = None  # files made for this load alone: deleted once vLLM lets it go
 
 
 class AdapterRegistry:
@@ -61,6 +62,7 @@ class AdapterRegistry:
         """vLLM restarted: it holds none of our adapters now."""
         for adapter in self._loaded.values():
             adapter.gone = True
+            _run_scratch(adapter)
             if adapter.retired and adapter.users == 0:
                 _run_cleanup(adapter)
         self._loaded.clear()
@@ -71,6 +73,7 @@ class AdapterRegistry:
         for key, adapter in list(self._loaded.items()):
             if adapter.name == name:
                 adapter.gone = True
+                _run_scratch(adapter)
                 del self._loaded[key]
 
     async def acquire(
@@ -79,9 +82,11 @@ class AdapterRegistry:
         directory: Path,
         cleanup: Callable[[], None] | None = None,
         verify: Callable[[], None] | None = None,
+        prepare: Callable[[Path], tuple[Path, Callable[[], None] | None]] | None = None,
     ) -> LoadedAdapter:
         """Adapter version ``key``, loaded from ``directory`` if vLLM lacks it (after ``verify``
-        passes), counted as in use until ``release``."""
+        passes; what ``prepare`` makes of ``directory``, with what deletes that, if given),
+        counted as in use until ``release``."""
         while (adapter := self._loaded.get(key)) is None:
             pending = self._loading.get(key)
             if pending is not None:
@@ -94,16 +99,22 @@ class AdapterRegistry:
                 continue
             pending = asyncio.get_running_loop().create_future()
             self._loading[key] = pending
+            scratch = None
             try:
                 if verify is not None:
                     await asyncio.to_thread(verify)
+                source = directory
+                if prepare is not None:
+                    source, scratch = await asyncio.to_thread(prepare, directory)
                 name = f"{self.prefix}-{next(self._counter)}"
-                await self._load(name, directory)
+                await self._load(name, source)
                 retired = key in self._retired
                 self._retired.discard(key)
-                self._loaded[key] = LoadedAdapter(key, name, retired=retired, cleanup=cleanup)
+                self._loaded[key] = LoadedAdapter(key, name, retired=retired, cleanup=cleanup, scratch=scratch)
                 pending.set_result(None)
             except BaseException as e:
+                if scratch is not None:
+                    scratch()
                 if key in self._retired and cleanup is not None:  # retired meanwhile: nobody will load it
                     self._retired.discard(key)
                     cleanup()
@@ -173,6 +184,7 @@ class AdapterRegistry:
             )
         except httpx.HTTPError as e:  # vLLM is down: it forgot the adapter anyway
             log.info("unloading %s: %s", adapter.name, e)
+        _run_scratch(adapter)
         if cleanup:
             _run_cleanup(adapter)
 
@@ -181,6 +193,12 @@ def _run_cleanup(adapter: LoadedAdapter) -> None:
     cleanup, adapter.cleanup = adapter.cleanup, None
     if cleanup is not None:
         cleanup()
+
+
+def _run_scratch(adapter: LoadedAdapter) -> None:
+    scratch, adapter.scratch = adapter.scratch, None
+    if scratch is not None:
+        scratch()
 
 
 _background: set[asyncio.Task] = set()

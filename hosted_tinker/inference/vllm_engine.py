@@ -9,7 +9,9 @@ with ``ignore_eos``, because our spec already holds EOS when the request named n
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -17,7 +19,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from safetensors import safe_open
 
+from hosted_tinker.core.checkpoints import TINKER_HEAD, adapter_weights, peft_adapter_files
 from hosted_tinker.core.errors import EngineUnavailable, UserError
 from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
@@ -91,7 +95,7 @@ class VllmEngine:
     async def lease(self, weights: WeightsRef) -> AsyncIterator[str]:
         """The vLLM model name serving ``weights``, kept loaded while the block runs."""
         self.check_ready()
-        cleanup = verify = None
+        cleanup = verify = prepare = None
         if weights.live is not None:
             key, directory = await self.live.current(weights.live)
             cleanup = remove_dir(directory)
@@ -111,11 +115,26 @@ class VllmEngine:
             def verify() -> None:
                 self._verify(weights)
 
-        adapter = await self.adapters.acquire(key, directory, cleanup, verify)
+            prepare = self._peft_view
+        adapter = await self.adapters.acquire(key, directory, cleanup, verify, prepare)
         try:
             yield adapter.name
         finally:
             self.adapters.release(adapter)
+
+    def _peft_view(self, directory: Path) -> tuple[Path, Callable[[], None] | None]:
+        """The saved adapter at ``directory`` as vLLM reads one: itself if its keys are PEFT's,
+        else a copy under PEFT's names (``core.checkpoints.peft_keys``: checkpoints say Tinker's
+        ``unembed_tokens``, which vLLM refuses), deleted once vLLM has let it go."""
+        weights_file = directory / "adapter_model.safetensors"
+        with safe_open(weights_file, "pt") as f:
+            if not any(k.startswith(TINKER_HEAD) for k in f.keys()):  # noqa: SIM118 - not a dict
+                return directory, None
+        view = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.live.root))
+        config = json.loads((directory / "adapter_config.json").read_text())
+        for name, data in peft_adapter_files(config, adapter_weights(weights_file.read_bytes())).items():
+            (view / name).write_bytes(data)
+        return view, remove_dir(view)
 
     def prefetch_threadsafe(self, weights: WeightsRef) -> None:
         self._loop.call_soon_threadsafe(self.prefetch, weights)

@@ -115,8 +115,8 @@ class Lora:
     """One linear layer's LoRA under one adapter: ``y += scale · B(A x)``; or one projection of
     a layer's routed experts, one LoRA per expert (``rank.experts``)."""
 
-    A: nn.Parameter  # (r, in), or (E, r, in)
-    B: nn.Parameter  # (out, r), or (E, out, r)
+    A: nn.Parameter  # (r, in), or (E or 1, r, in): 1 is one for every expert
+    B: nn.Parameter  # (out, r), or (E or 1, out, r)
 
 
 @dataclass
@@ -150,11 +150,12 @@ def draw_lora(in_features: int, out_features: int, rank: int) -> tuple[Tensor, T
     return kaiming(rank, in_features), torch.zeros(out_features, rank)
 
 
-def draw_expert_lora(experts: int, in_features: int, out_features: int, rank: int) -> tuple[Tensor, Tensor]:
-    """One experts projection's new (A, B), ``(E, r, in)`` and ``(E, out, r)``: each expert's
-    ``A`` as ``nn.Linear(in, r)`` draws its weight, one expert after another; ``B`` zero, so a
-    new adapter changes nothing, as a dense one."""
-    return torch.stack([kaiming(rank, in_features) for _ in range(experts)]), torch.zeros(experts, out_features, rank)
+def draw_expert_lora(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """One experts projection's new (A, B) of these shapes (``rank.experts``): each ``A`` (one
+    for all experts, or each expert's) as ``nn.Linear(in, r)`` draws its weight, one after
+    another; ``B`` zero, so a new adapter changes nothing, as a dense one."""
+    count, rank, in_features = a_shape
+    return torch.stack([kaiming(rank, in_features) for _ in range(count)]), torch.zeros(b_shape)
 
 
 def lora_config(rank: int, alpha: float, modules: list[str], base: str) -> dict:
@@ -198,15 +199,15 @@ class LoraAdapters:
             raise KeyError(module)
         return layer
 
-    def features(self, target: str) -> tuple[int | None, int, int]:
-        """``(experts, out, in)`` of a LoRA target: a linear layer (experts None), or one
-        projection of a fused experts module (``<experts>.w1``); ``KeyError`` if it is neither."""
+    def lora_shapes(self, target: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of ``lora_A`` and ``lora_B`` of a LoRA target: a linear layer's ``(r, in)``
+        and ``(out, r)``, or an experts projection's (``<experts>.w1``: ``ExpertsShape.lora_shapes``);
+        ``KeyError`` if it is neither."""
         experts, _, projection = target.rpartition(".")
         if experts in self.experts and projection in PROJECTIONS:
-            shape = self.experts[experts]
-            return (shape.experts, *shape.features(projection))
+            return self.experts[experts].lora_shapes(projection, rank)
         out_features, in_features = self.linear(target).weight.shape
-        return None, out_features, in_features
+        return (rank, in_features), (out_features, rank)
 
     def in_model_order(self, modules: Iterable[str]) -> list[str]:
         return sorted(set(modules), key=self._order.__getitem__)
@@ -220,11 +221,9 @@ class LoraAdapters:
             # for good, which fork_rng(devices=[]) does not restore
             torch.random.default_generator.manual_seed(seed)
             for module in self.in_model_order(modules):
-                experts, out_features, in_features = self.features(module)
+                a_shape, b_shape = self.lora_shapes(module, rank)
                 a, b = (
-                    draw_lora(in_features, out_features, rank)
-                    if experts is None
-                    else draw_expert_lora(experts, in_features, out_features, rank)
+                    draw_lora(a_shape[1], b_shape[0], rank) if len(a_shape) == 2 else draw_expert_lora(a_shape, b_shape)
                 )
                 layers[module] = Lora(nn.Parameter(a.to(device)), nn.Parameter(b.to(device)))
         return Adapter(layers, alpha / rank)

@@ -7,10 +7,16 @@ linear layer per expert to hook, so LoRA enters through transformers' own seam f
 experts implementation registered in ``ALL_EXPERTS_FUNCTIONS`` (``lora_experts_forward``), which
 ``LoraAdapters`` selects on its tree.
 
-Tinker trains one LoRA per expert per projection, named as its checkpoints name them (and as
-the cookbook's ``weights`` tools read them): ``<experts>.w1`` (gate), ``.w3`` (up) and ``.w2``
-(down), ``lora_A`` ``(E, r, in)`` and ``lora_B`` ``(E, out, r)``. A token routed to expert ``e``
-gets ``scale · B_e(A_e x)`` added to that expert's gate, up and down outputs, exactly as a
+Tinker's layout, as its checkpoints name it and the cookbook's ``weights`` tools read it: per
+projection ``<experts>.w1`` (gate), ``.w3`` (up) and ``.w2`` (down), a ``lora_A`` and a ``lora_B``
+of three dimensions, ``(experts, rank, in)`` and ``(experts, out, rank)``, where the factor on the
+hidden-state side is one for all experts (its leading dimension 1, broadcast): gate and up have
+one ``A`` ``(1, r, H)`` and each expert's ``B`` ``(E, I, r)``; down has each expert's ``A``
+``(E, r, I)`` and one ``B`` ``(1, H, r)``. That is what the service trains: the LoRA parameter
+counts the cookbook lists for its MoE models (``hyperparam_utils``, e.g. Qwen3-30B-A3B's
+14,450,688 per rank for ``mlp``) are exactly this layout's, and 3.6 times fewer than a full
+``(A, B)`` per expert (``tests/test_moe_lora.py`` checks the counts). A token routed to expert
+``e`` gets ``scale · B_e(A_e x)`` added to that expert's gate, up and down outputs, as a
 per-expert linear layer under PEFT would (float32 products, the sum rounded once to the base's
 dtype).
 
@@ -47,11 +53,19 @@ class ExpertsShape:
         """(out, in) of one expert's ``projection``."""
         return (self.hidden, self.intermediate) if projection == "w2" else (self.intermediate, self.hidden)
 
+    def lora_shapes(self, projection: str, rank: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """The shapes of ``projection``'s ``lora_A`` and ``lora_B`` in Tinker's layout: the factor
+        on the hidden side one for all experts, the other each expert's own."""
+        out_features, in_features = self.features(projection)
+        if projection == "w2":  # I -> H: each expert's A, one B
+            return (self.experts, rank, in_features), (1, out_features, rank)
+        return (1, rank, in_features), (self.experts, out_features, rank)  # H -> I: one A, each expert's B
+
 
 @dataclass
 class ExpertSpan:
     """Tokens [start, end) of the layer's input and their adapter's expert LoRA: per projection
-    its ``(A, B)`` (``(E, r, in)``, ``(E, out, r)``), absent where the adapter has none."""
+    its ``(A, B)`` (``ExpertsShape.lora_shapes``), absent where the adapter has none."""
 
     start: int
     end: int
@@ -126,7 +140,7 @@ def lora_experts_forward(
     """``experts``' output for ``hidden_states`` ``(T, H)`` routed to ``top_k_index`` ``(T, K)``
     with ``top_k_weights``, each token's experts under its own adapter's expert LoRA. Without
     LoRA, the same as transformers' own (the expert outputs weighted and summed in float32)."""
-    from hosted_tinker.rank.adapters import add_into, in_dtype, products_dtype
+    from hosted_tinker.rank.adapters import add_into, in_dtype, lora_down, products_dtype
 
     tokens, top_k = top_k_index.shape
     n_experts = experts.num_experts
@@ -157,11 +171,16 @@ def lora_experts_forward(
         like_a, like_b = present[0].loras[projection]
         a_of = [in_dtype(a, dtype) if a is not None else in_dtype(torch.zeros_like(like_a), dtype) for a in a_of]
         b_of = [in_dtype(b, dtype) if b is not None else in_dtype(torch.zeros_like(like_b), dtype) for b in b_of]
-        # group (e, s) at e * n_spans + s: the adapters' matrices interleaved expert by expert
-        a = a_of[0] if n_spans == 1 else torch.stack(a_of, dim=1).flatten(0, 1)  # (E·n, r, in)
-        b = b_of[0] if n_spans == 1 else torch.stack(b_of, dim=1).flatten(0, 1)  # (E·n, out, r)
-        down = _grouped_lora_down(inputs, a, group_counts)
-        update = grouped_linear(down, b, group_counts)
+        if n_spans == 1 and a_of[0].shape[0] == 1:  # one A for every expert: one product for all rows
+            down = lora_down(inputs, a_of[0][0])
+        else:  # group (e, s) at e * n_spans + s: the adapters' matrices interleaved expert by expert
+            a = torch.stack([a.expand(n_experts, -1, -1) for a in a_of], dim=1).flatten(0, 1)  # (E·n, r, in)
+            down = _grouped_lora_down(inputs, a, group_counts)
+        if n_spans == 1 and b_of[0].shape[0] == 1:
+            update = F.linear(down, b_of[0][0])
+        else:
+            b = torch.stack([b.expand(n_experts, -1, -1) for b in b_of], dim=1).flatten(0, 1)  # (E·n, out, r)
+            update = grouped_linear(down, b, group_counts)
         scales = [s.scale for s in spans]
         if len(set(scales)) == 1:
             return update if scales[0] == 1.0 else update * scales[0]

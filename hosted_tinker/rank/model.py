@@ -102,13 +102,21 @@ def target_modules(model: nn.Module) -> dict[str, list[str]]:
             groups["unembed"].append(name)
         elif name in experts:
             groups["mlp"].extend(f"{name}.{p}" for p in PROJECTIONS)
-        elif isinstance(module, nn.Linear):
+        elif isinstance(module, nn.Linear) and not _routes(name):
             parts = name.lower().split(".")
             if any(h in p for p in parts for h in _ATTN_HINTS):
                 groups["attn"].append(name)
             elif any(h in p for p in parts for h in _MLP_HINTS):
                 groups["mlp"].append(name)
     return groups
+
+
+def _routes(name: str) -> bool:
+    """Whether the linear layer ``name`` routes tokens rather than transforms them: a MoE router
+    (``mlp.gate``, ``router``) or a shared expert's gate (``shared_expert_gate``). Tinker trains
+    no LoRA on them (the cookbook's LoRA parameter counts leave them out), nor does this server."""
+    last = name.rsplit(".", 1)[-1]
+    return last in ("gate", "router") or last.endswith("_gate")
 
 
 def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:

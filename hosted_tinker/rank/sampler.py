@@ -104,10 +104,7 @@ class EmbeddedSampler:
         device = next(self.adapters.lm.parameters()).device
         layers: dict[str, Lora] = {}
         for module in self.adapters.in_model_order(selected):
-            experts, out_features, in_features = self.adapters.features(module)
-            shapes = ((rank, in_features), (out_features, rank))
-            if experts is not None:
-                shapes = tuple((experts, *shape) for shape in shapes)
+            shapes = self.adapters.lora_shapes(module, rank)
             a, b = (weights.get(f"{KEY_PREFIX}{module}.lora_{part}.weight") for part in "AB")
             if a is None or b is None or (tuple(a.shape), tuple(b.shape)) != shapes:
                 raise misfit

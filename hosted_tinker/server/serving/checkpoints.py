@@ -18,7 +18,7 @@ from hosted_tinker.core.checkpoints import (
     CheckpointError,
     CheckpointFiles,
     TinkerPath,
-    peft_adapter_files,
+    adapter_files,
     state_from_files,
     state_to_files,
     training_meta,
@@ -198,7 +198,7 @@ class CheckpointService:
         state = self.backend.export_state(model.model_id, with_optimizer=kind == "weights")
         if kind == "weights":
             return state_to_files(state, config, model.base_model)
-        return peft_adapter_files(config, state.weights)
+        return adapter_files(config, state.weights)
 
     def save_weights(self, req: wire.SaveWeightsRequest, held: Reservation | None = None) -> str:
         name = req.path if req.path is not None else f"seq-{req.seq_id}"
