@@ -1,5 +1,6 @@
-"""Checkpoints through the real SDK: exact resume, PEFT-format sampler weights, integrity,
-path rules, the REST surface, and a SIGKILL restart."""
+"""Checkpoints through the real SDK: exact resume, sampler weights in Tinker's adapter layout
+(which the cookbook's tools read, and PEFT loads under PEFT's names), integrity, path rules, the
+REST surface, and a SIGKILL restart."""
 
 from __future__ import annotations
 
@@ -86,8 +87,14 @@ def test_load_state_on_an_existing_client(base_url):
         assert_identical(train(other, 1), train(tc, 1))  # both went on from the same state
 
 
-def test_sampler_weights_are_a_peft_adapter(base_url, server, tiny_model_dir):
+def test_sampler_weights_are_tinkers_adapter_layout(base_url, server, tiny_model_dir, tmp_path):
+    """PEFT's files and key names, but for the unembedding's LoRA, which Tinker's adapters call
+    ``model.unembed_tokens``: renamed to PEFT's ``lm_head``, PEFT loads the adapter and scores as
+    the server does; as written, the cookbook's ``build_hf_model`` merges it (on this tied model
+    into ``embed_tokens``, as it merges the service's), each weight the base's plus scale·B·A."""
     from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from tinker_cookbook.weights import build_hf_model
     from transformers import AutoModelForCausalLM
 
     with tinker.ServiceClient(base_url=base_url) as sc:
@@ -99,9 +106,20 @@ def test_sampler_weights_are_a_peft_adapter(base_url, server, tiny_model_dir):
     run_id, kind, name = path.removeprefix("tinker://").split("/")
     assert kind == "sampler_weights"
     directory = server.data_dir / "checkpoints" / run_id / kind / name
-    assert (directory / "adapter_config.json").exists() and (directory / "adapter_model.safetensors").exists()
+    config = json.loads((directory / "adapter_config.json").read_text())
+    tensors = load_file(directory / "adapter_model.safetensors")
+    head = "base_model.model.model.unembed_tokens"
+    assert {f"{head}.lora_A.weight", f"{head}.lora_B.weight"} <= set(tensors)
+    assert not any(".lm_head." in k for k in tensors)
+    peft_dir = tmp_path / "peft"
+    peft_dir.mkdir()
+    (peft_dir / "adapter_config.json").write_text(json.dumps(config))
+    save_file(
+        {k.replace(head, "base_model.model.lm_head"): v for k, v in tensors.items()},
+        peft_dir / "adapter_model.safetensors",
+    )
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
-    model = PeftModel.from_pretrained(base, str(directory)).eval()
+    model = PeftModel.from_pretrained(base, str(peft_dir)).eval()
     for datum, out in zip(DATA, served.loss_fn_outputs, strict=True):
         tokens = torch.tensor([datum.model_input.to_ints()])
         targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].to_numpy())
@@ -109,6 +127,15 @@ def test_sampler_weights_are_a_peft_adapter(base_url, server, tiny_model_dir):
             logp = torch.log_softmax(model(tokens).logits[0].float(), -1)
         local = logp.gather(-1, targets[:, None])[:, 0].numpy()
         np.testing.assert_allclose(local, out["logprobs"].to_numpy(), atol=1e-5)
+
+    build_hf_model(base_model=str(tiny_model_dir), adapter_path=str(directory), output_path=str(tmp_path / "merged"))
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    original = load_file(tiny_model_dir / "model.safetensors")
+    scale = config["lora_alpha"] / config["r"]
+    for adapted, module in ((head, "model.embed_tokens"), ("base_model.model.model.layers.1.self_attn.q_proj", None)):
+        key = f"{module or adapted.removeprefix('base_model.model.')}.weight"
+        delta = scale * tensors[f"{adapted}.lora_B.weight"] @ tensors[f"{adapted}.lora_A.weight"]
+        torch.testing.assert_close(merged[key], original[key] + delta, rtol=0, atol=1e-6)
 
 
 def test_corrupted_checkpoint_is_refused_naming_the_file(base_url, server):

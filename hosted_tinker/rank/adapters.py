@@ -18,7 +18,9 @@ costs its own layers whatever else is resident. PEFT's ``add_adapter`` walked ev
 every resident adapter: 2.1 s to add the 64th on a 0.5B model, on the thread every tenant's
 training waits on. PEFT still defines what an adapter is here: parameters are keyed by its
 state-dict names (``base_model.model.<module>.lora_A.weight``), drawn as it draws them for a
-seed, and described by its ``adapter_config.json``; so every checkpoint is a PEFT checkpoint.
+seed, and described by its ``adapter_config.json``; checkpoints add only Tinker's name for the
+unembedding's LoRA (``core.checkpoints.adapter_files``). Routed experts, which PEFT has no
+linear layer for, take Tinker's 3-D layout (``rank.experts``).
 """
 
 from __future__ import annotations

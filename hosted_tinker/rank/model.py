@@ -5,7 +5,7 @@
 own model with the same interface (``LoraModel``); the trainer sees nothing else of either.
 
 Adapter parameters are keyed by PEFT's state-dict names (``...q_proj.lora_A.weight``), so every
-checkpoint is a PEFT checkpoint whichever plan wrote it.
+plan's checkpoints are alike (``core.checkpoints.adapter_files`` writes them in Tinker's layout).
 """
 
 from __future__ import annotations
