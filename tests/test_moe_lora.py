@@ -356,3 +356,54 @@ def test_lora_parameters_per_rank_are_the_services(name: str):
     expected = SERVICE[name]
     groups = ("mlp", "unembed") if "3.5" in name else ("mlp", "attn", "unembed")
     assert {g: counts[g] for g in groups} == {g: expected[g] for g in groups}
+
+
+def test_interleaved_transposed_experts_with_biases_take_lora_as_the_reference():
+    """gpt-oss keeps its experts transposed, gate and up rows interleaved, with biases and a
+    clamped gate of its own (issue #40 makes the model start): the same seam gives each routed
+    token its expert's LoRA there too, against a float64 reference one token at a time."""
+    import transformers
+
+    from hosted_tinker.rank.experts import HOOK_ATTR, ExpertsHook, ExpertSpan, fused_experts, lora_experts_forward
+
+    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(config)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    shape = fused_experts(experts)
+    assert (shape.experts, shape.hidden, shape.intermediate) == (8, 64, 32)
+    loras = {}
+    for projection in ("w1", "w3", "w2"):
+        a_shape, b_shape = shape.lora_shapes(projection, 4)
+        loras[projection] = (0.3 * torch.randn(a_shape), 0.3 * torch.randn(b_shape))
+    hidden = torch.randn(12, 64)
+    index = torch.stack([torch.randperm(8)[:2] for _ in range(12)])
+    weight = torch.rand(12, 2).softmax(-1)
+    without = lora_experts_forward(experts, hidden, index, weight)
+    torch.testing.assert_close(
+        without, type(experts).forward.__wrapped__(experts, hidden, index, weight), atol=1e-5, rtol=0
+    )
+
+    setattr(experts, HOOK_ATTR, ExpertsHook(lambda tokens: [ExpertSpan(0, tokens, loras, 0.5)], "float32"))
+    ours = lora_experts_forward(experts, hidden, index, weight)
+
+    ref = copy.deepcopy(experts).double()
+    d = {p: (a.double(), b.double()) for p, (a, b) in loras.items()}
+
+    def update(projection: str, e: int, v: Tensor) -> Tensor:
+        a, b = d[projection]
+        return 0.5 * (b[e if len(b) > 1 else 0] @ (a[e if len(a) > 1 else 0] @ v))
+
+    expected = torch.zeros(12, 64, dtype=torch.float64)
+    for t in range(12):
+        x = hidden[t].double()
+        for k in range(2):
+            e = int(index[t, k])
+            gate_up = x @ ref.gate_up_proj[e] + ref.gate_up_proj_bias[e]
+            lora = torch.stack([update("w1", e, x), update("w3", e, x)], -1).flatten()  # g0, u0, g1, u1, ...
+            h = ref._apply_gate(gate_up + lora)
+            out = h @ ref.down_proj[e] + ref.down_proj_bias[e] + update("w2", e, h)
+            expected[t] += weight[t, k].double() * out
+    torch.testing.assert_close(ours.double(), expected, atol=2e-5, rtol=0)
+    assert not torch.allclose(ours, without)
