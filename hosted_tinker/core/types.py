@@ -160,6 +160,8 @@ class Capabilities:
     activation_memory_gib: float | str | None = None
     # routed experts per mixture-of-experts layer (0: a dense model); train_mlp puts a LoRA on each
     routed_experts: int = 0
+    # which of train_attn / train_mlp / train_unembed find layers to train on this model
+    lora_groups: tuple[str, ...] = ("attn", "mlp", "unembed")
 
 
 class TrainingBackend(Protocol):

@@ -52,6 +52,7 @@ class LoraModel(Protocol):
     device: torch.device
     arch: str  # the base model's architecture class, e.g. Qwen3ForCausalLM
     routed_experts: int  # per mixture-of-experts layer, each with its own LoRA under train_mlp (0: dense)
+    lora_groups: tuple[str, ...]  # the LoRA flags (attn, mlp, unembed) that find layers on this model
     vocab_size: int
     max_positions: int
     layers: Sequence[nn.Module]  # the decoder layers, first to last (``rank.activations``)
@@ -167,6 +168,7 @@ class HfLoraModel:
         self.layers = [m for m in self.base.modules() if isinstance(m, GradientCheckpointingLayer)]
         self.adapters = LoraAdapters(self.base, lora_compute)
         self.routed_experts = max((shape.experts for shape in self.adapters.experts.values()), default=0)
+        self.lora_groups = tuple(group for group, targets in self.targets.items() if targets)
 
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
         groups = (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))

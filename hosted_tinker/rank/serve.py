@@ -124,6 +124,7 @@ def build_rank(spec: RankSpec) -> Rank:
         lora_compute=spec.lora_compute,
         activation_memory_gib=activation_memory / 2**30 if isinstance(activation_memory, float) else activation_memory,
         routed_experts=model.routed_experts,
+        lora_groups=model.lora_groups,
     )
     return Rank(capabilities, trainer, sampler)
 

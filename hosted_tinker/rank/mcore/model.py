@@ -81,6 +81,9 @@ class McoreLoraModel:
         self.pad_id = 0  # fills a sequence-parallel stream to a multiple of tp, as its own sequence
         self.lora_alpha = lora_alpha
         self.lora = TpLora(self.gpt, shape, tp, sequence_parallel, lora_compute)
+        self.lora_groups = tuple(
+            sorted({group_of(name) for name in self.lora.sites}, key=("attn", "mlp", "unembed").index)
+        )
         self.sequence_parallel = sequence_parallel
         self.te = te
         self._next = 0

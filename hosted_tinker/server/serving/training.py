@@ -147,6 +147,10 @@ class TrainingService:
         lc = req.lora_config
         if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
             raise bad_request("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+        caps = self.backend.capabilities
+        for group in ("attn", "mlp", "unembed"):
+            if getattr(lc, f"train_{group}") and group not in caps.lora_groups:
+                raise bad_request(f"lora_config.train_{group}: {caps.arch} has no {group} layer that LoRA can train")
         # An unseeded adapter still gets a recorded seed, so its initialisation is reproducible.
         spec = LoraSpec(
             lc.rank,
