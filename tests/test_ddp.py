@@ -336,3 +336,32 @@ def test_adapters_are_made_on_every_rank_or_none_and_ranks_that_disagree_are_rep
         assert len(backend.forward_backward("fits", batch(np.random.default_rng(5), 3)).logprobs) == 3
     finally:
         backend.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_mixture_of_experts_exactly_like_one_process(tmp_path_factory):
+    """The same for Qwen3-MoE, with a LoRA on every routed expert: each rank's shard routes its
+    tokens to its own experts, and the summed gradients give one process's update."""
+    from hosted_tinker.core.tiny_model import build_tiny_model
+
+    model = str(build_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3-moe", family="qwen3_moe", hidden_size=64))
+    config = ServerConfig(model=model, backend="ddp", train_devices="cpu:2")
+    ddp = ProcessBackend(rank_factories(config, model))
+    reference = local_rank(model).trainer
+    try:
+        assert ddp.capabilities.routed_experts == 8
+        for backend in (ddp, reference):
+            backend.create_adapter("moe", LoraSpec(rank=4, seed=5))
+        rng = np.random.default_rng(1)
+        probe = batch(rng, 4)
+        for step in range(3):
+            b = batch(rng, 5)
+            got, want = ddp.forward_backward("moe", b), reference.forward_backward("moe", b)
+            assert_same(got.logprobs, want.logprobs, f"step {step}")
+            got, want = ddp.optim_step("moe", ADAM), reference.optim_step("moe", ADAM)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert_same(forward(ddp, "moe", probe), forward(reference, "moe", probe), "after three steps")
+        state = ddp.export_state("moe")
+        assert any(".experts.w2.lora_A" in k and v.abs().sum() > 0 for k, v in state.weights.items())
+    finally:
+        ddp.close()
