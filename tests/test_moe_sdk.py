@@ -1,7 +1,8 @@
-"""A mixture-of-experts model through the front door: a server started on a tiny random
-Qwen3-MoE model (fused experts, as transformers 5 builds Qwen3-30B-A3B), trained with the real
-tinker SDK; its export downloaded through the SDK's signed URLs and read by the cookbook's own
-``weights`` tools, as a user of the service would read what the service wrote."""
+"""Mixture-of-experts models through the front door: a server started on a tiny random Qwen3-MoE
+(fused experts, as transformers 5 builds Qwen3-30B-A3B) or DeepSeek-V3 (MLA, a dense first
+layer, shared experts: Kimi-K2's architecture), trained with the real tinker SDK; its export
+downloaded through the SDK's signed URLs and read by the cookbook's own ``weights`` tools, as a
+user of the service would read what the service wrote."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from tests.conftest import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-ALIAS = "tiny-qwen3-moe"
+ALIAS = "tiny-moe"
 TOKENS = list(range(5, 45))
+ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def datum(tokens: list[int], weight: float = 1.0) -> types.Datum:
@@ -30,11 +32,11 @@ def datum(tokens: list[int], weight: float = 1.0) -> types.Datum:
     )
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(ARCHS))
+def moe(request, tmp_path_factory):
     """The server, a model trained a few steps on it, and the model's folder."""
-    root = tmp_path_factory.mktemp("moe")
-    model_dir = build_tiny_model(root / "model", family="qwen3_moe", hidden_size=64)
+    root = tmp_path_factory.mktemp(request.param)
+    model_dir = build_tiny_model(root / "model", family=request.param, hidden_size=64)
     server = start_server(root / "data", "--model", str(model_dir), alias=ALIAS)
     sc = tinker.ServiceClient(base_url=server.base_url)
     tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
@@ -42,7 +44,8 @@ def moe(tmp_path_factory):
     for _ in range(4):
         losses.append(tc.forward_backward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"])
         tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-    yield {"server": server, "sc": sc, "tc": tc, "model_dir": model_dir, "losses": losses, "root": root}
+    arch = ARCHS[request.param]
+    yield {"server": server, "sc": sc, "tc": tc, "model_dir": model_dir, "losses": losses, "root": root, "arch": arch}
     sc.close("success").result()
     server.stop()
 
@@ -67,7 +70,7 @@ def test_training_moves_the_experts_and_the_export_holds_them_as_tinker_does(moe
     from safetensors.torch import load_file
 
     weights = load_file(adapter / "adapter_model.safetensors")
-    for layer in (0, 1):
+    for layer in (0, 1) if moe["arch"] == "Qwen3MoeForCausalLM" else (1,):  # DeepSeek's layer 0 is dense
         prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
         assert weights[f"{prefix}.w1.lora_A.weight"].shape == (1, 4, 64)  # one for all experts
         assert weights[f"{prefix}.w3.lora_B.weight"].shape == (8, 32, 4)  # each expert's
@@ -90,13 +93,22 @@ def test_the_cookbooks_merge_of_the_export_scores_as_the_server_does(moe):
     theirs = logits.log_softmax(-1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
     np.testing.assert_allclose(theirs, forward_logprobs(moe["tc"], TOKENS), rtol=0, atol=1e-5)
 
-    # the serving conversion: every expert's LoRA as its own PEFT module (vLLM's layout)
+    # the serving conversion: every expert's LoRA as its own PEFT module (vLLM's layout); the
+    # cookbook refuses it for DeepSeek-V3, whose LoRA neither vLLM nor SGLang serve
     served = moe["root"] / "served"
+    if moe["arch"] == "DeepseekV3ForCausalLM":
+        from tinker_cookbook.exceptions import WeightsAdapterError
+
+        with pytest.raises(WeightsAdapterError, match="does not support LoRA adapter serving"):
+            build_lora_adapter(base_model=str(moe["model_dir"]), adapter_path=str(adapter), output_path=str(served))
+        return
     build_lora_adapter(base_model=str(moe["model_dir"]), adapter_path=str(adapter), output_path=str(served))
     from safetensors.torch import load_file
 
     peft = load_file(served / "adapter_model.safetensors")
-    assert sum(".experts." in k for k in peft) == 2 * 3 * 8 * 2  # layers × projections × experts × (A, B)
+    layers = 2 if moe["arch"] == "Qwen3MoeForCausalLM" else 1
+    routed = [k for k in peft if ".experts." in k and ".shared_experts." not in k]
+    assert len(routed) == layers * 3 * 8 * 2  # layers × projections × experts × (A, B)
 
 
 def test_sampling_the_trained_experts_scores_as_the_trainer(moe):
@@ -122,7 +134,7 @@ def test_resume_continues_exactly(moe):
 
 def test_the_server_says_it_trains_the_experts(moe):
     health = httpx.get(f"{moe['server'].base_url}/healthz", timeout=10).raise_for_status().json()
-    assert health["capabilities"]["arch"] == "Qwen3MoeForCausalLM"
+    assert health["capabilities"]["arch"] == moe["arch"]
     assert health["capabilities"]["routed_experts"] == 8
 
 
@@ -132,4 +144,4 @@ def test_vllm_is_refused_in_one_line_for_expert_lora(moe):
     with pytest.raises(RuntimeError) as failed:
         start_server(moe["root"] / "vllm", "--model", str(moe["model_dir"]), "--inference", "vllm", timeout=120)
     log = str(failed.value)
-    assert "Qwen3MoeForCausalLM trains a LoRA on every routed expert" in log and "Traceback" not in log
+    assert f"{moe['arch']} trains a LoRA on every routed expert" in log and "Traceback" not in log
