@@ -329,3 +329,34 @@ def test_manifest_lists_every_file(base_url, server):
     on_disk = {p.name for p in directory.iterdir()} - {"manifest.json"}
     assert set(manifest) == on_disk
     assert {"adapter_model.safetensors", "optimizer.safetensors", "training_state.json"} <= on_disk
+
+
+def test_checkpoints_written_with_peft_names_still_load():
+    """This server wrote PEFT's ``lm_head`` before it wrote Tinker's ``unembed_tokens``: both read
+    back to the same tensors under the ranks' (PEFT's) names, optimizer state alongside."""
+    from safetensors.torch import save as save_safetensors
+
+    from hosted_tinker.core.checkpoints import TinkerPath, state_from_files, state_to_files
+    from hosted_tinker.core.types import AdapterState, LoraSpec
+
+    head = "base_model.model.lm_head.lora_A.weight"
+    weights = {
+        head: torch.randn(4, 8),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 8),
+    }
+    optimizer = {f"{k}.exp_avg": torch.randn(v.shape) for k, v in weights.items()}
+    state = AdapterState(LoraSpec(rank=4, seed=1), weights, optimizer, 3, torch.zeros(8, dtype=torch.uint8))
+    path = TinkerPath.parse("tinker://run/weights/old")
+    files = state_to_files(state, {"r": 4, "lora_alpha": 32}, "tiny")
+    assert "model.unembed_tokens" in str(load_safetensors_keys(files["adapter_model.safetensors"]))
+    old = dict(files, **{"adapter_model.safetensors": save_safetensors(weights)})  # as written before
+    for written in (files, old):
+        loaded = state_from_files(path, written).state
+        assert loaded.weights.keys() == weights.keys() and loaded.optimizer.keys() == optimizer.keys()
+        assert all(torch.equal(loaded.weights[k], v) for k, v in weights.items())
+
+
+def load_safetensors_keys(data: bytes) -> list[str]:
+    from safetensors.torch import load
+
+    return list(load(data))
