@@ -407,3 +407,20 @@ def test_interleaved_transposed_experts_with_biases_take_lora_as_the_reference()
             expected[t] += weight[t, k].double() * out
     torch.testing.assert_close(ours.double(), expected, atol=2e-5, rtol=0)
     assert not torch.allclose(ours, without)
+
+
+def test_the_gpus_padded_grouped_product_is_the_per_group_one():
+    """On a GPU the experts' products run as one batched product over padded groups
+    (``padded_grouped_linear``): the same values and gradients as a product per group, here on
+    the CPU, with empty groups and one larger than the rest."""
+    from hosted_tinker.rank.experts import grouped_linear, padded_grouped_linear
+
+    counts = [3, 0, 7, 1, 0, 2]
+    x = torch.randn(sum(counts), 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(len(counts), 5, 16, dtype=torch.float64, requires_grad=True)
+    looped = grouped_linear(x, weight, counts)  # the CPU's
+    grads = torch.autograd.grad(looped.square().sum(), (x, weight))
+    padded = padded_grouped_linear(x, weight, counts)
+    torch.testing.assert_close(padded, looped, rtol=0, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(padded.square().sum(), (x, weight)), grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

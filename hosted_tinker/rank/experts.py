@@ -115,16 +115,31 @@ def use_lora_experts(model: nn.Module) -> None:
 
 def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
     """Rows of ``x`` ``(S, in)`` in consecutive groups of ``counts``, group ``g`` times
-    ``weight[g]`` ``(out, in)``: ``(S, out)``."""
+    ``weight[g]`` ``(out, in)``: ``(S, out)``. On a GPU one kernel for all groups (torch's
+    grouped GEMM for bfloat16, else a batched one over padded groups), never a launch per
+    expert; on a CPU a product per non-empty group (launches are cheap there, padding is not)."""
     if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    if x.is_cuda:
+        return padded_grouped_linear(x, weight, counts)
     parts, start = [], 0
     for g, n in enumerate(counts):
         if n:
             parts.append(F.linear(x[start : start + n], weight[g]))
         start += n
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-2])
+
+
+def padded_grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+    """``grouped_linear`` as one batched product: each group's rows copied into a zero-padded
+    slab of the largest group's size, ``(G, n, in) @ (G, in, out)``, then gathered back. Costs
+    the padding (the routing's imbalance), saves a kernel launch per group."""
+    counts_t = torch.tensor(counts, device=x.device)
+    group = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts_t)
+    slot = torch.arange(x.shape[0], device=x.device) - (counts_t.cumsum(0) - counts_t)[group]
+    padded = x.new_zeros(len(counts), max(counts, default=0), x.shape[-1]).index_put((group, slot), x)
+    return torch.bmm(padded, weight.transpose(-2, -1))[group, slot]
 
 
 def _as_out_in(weight: Tensor, transposed: bool) -> Tensor:
@@ -220,6 +235,8 @@ def _grouped_lora_down(x: Tensor, a: Tensor, counts: list[int]) -> Tensor:
     form of ``adapters.lora_down`` (which keeps ``x`` as it came for the backward pass)."""
     from hosted_tinker.rank.adapters import lora_down
 
+    if x.is_cuda:
+        return padded_grouped_linear(x.to(a.dtype), a, counts)
     parts, start = [], 0
     for g, n in enumerate(counts):
         if n:
