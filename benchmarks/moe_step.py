@@ -61,7 +61,7 @@ def random_moe_model(layers: int, dtype: str, root: Path = MODEL_CACHE) -> str:
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = Qwen3MoeForCausalLM(config)
     finally:
@@ -70,6 +70,9 @@ def random_moe_model(layers: int, dtype: str, root: Path = MODEL_CACHE) -> str:
     model.save_pretrained(tmp)
     build_tokenizer().save_pretrained(tmp)
     tmp.rename(out)
+    del model
+    if torch.cuda.is_available():  # the trainer loads it again; this copy must not stay cached
+        torch.cuda.empty_cache()
     return str(out)
 
 
@@ -80,7 +83,8 @@ def moe_flops_per_token(model: str, context: float, rank: int) -> dict[str, floa
     c = json.loads((Path(model) / "config.json").read_text())
     hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    width, k, experts = c["moe_intermediate_size"], c["num_experts_per_tok"], c["num_experts"]
+    width, k = c["moe_intermediate_size"], c["num_experts_per_tok"]
+    experts = c.get("num_experts") or c["num_local_experts"]  # transformers 5 writes the latter
     attention = hidden * (q + 2 * kv) + q * hidden
     active = layers * (attention + hidden * experts + k * 3 * hidden * width) + vocab * hidden
     lora_attention = rank * (3 * hidden + q + 2 * kv + q + hidden)

@@ -40,8 +40,8 @@
 #      path stores every layer: 16,384 ran an H200 out of memory)
 #   8. lora-compute: benchmarks/lora_compute.py: that model, one 4K-token sequence, LoRA's
 #      products in float32 against the base's bf16 (--lora-compute base); not yet run on a GPU
-#   9. moe-step: benchmarks/moe_step.py: Qwen3-30B-A3B's shape (random bf16, 12 of its 48 layers,
-#      so that it builds and loads within the section), one 4K-token sequence, LoRA on every
+#   9. moe-model, moe-step: benchmarks/moe_step.py: Qwen3-30B-A3B's shape (random bf16, 12 of its
+#      48 layers, written once, so that it builds and loads within a section), 4K tokens, LoRA on every
 #      routed expert against attention-only LoRA, MFU on active parameters; its JSON travels in
 #      logs.tar.gz (the device tool brings back 8 files); not yet run on a GPU
 set -euo pipefail
@@ -121,6 +121,7 @@ run() { # run [SECTION...]: all sections, or only those named
     --out "$OUT/train_efficiency-mixed-$device.json"
   section lora-compute 60 python3 benchmarks/lora_compute.py --device "$device" --shape "$shape" --dtype "$dtype" \
     --seqs 1 --seq-len "$seq" --out "$OUT/lora_compute-$device.json"
+  section moe-model 120 python3 -c "from benchmarks.moe_step import random_moe_model; print(random_moe_model($moe_layers, '$dtype'))"
   section moe-step 120 python3 benchmarks/moe_step.py --device "$device" --dtype "$dtype" --layers "$moe_layers" \
     --tokens "$seq" --rounds 2 --out "$OUT/moe_step-$device.log.json"
   # The device tool brings back at most 8 files: the logs travel as one
