@@ -424,3 +424,23 @@ def test_the_gpus_padded_grouped_product_is_the_per_group_one():
     torch.testing.assert_close(padded, looped, rtol=0, atol=1e-12)
     for got, want in zip(torch.autograd.grad(padded.square().sum(), (x, weight)), grads, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_joint_pass_never_gives_one_models_experts_to_another(rank: Rank):
+    """Three models in one pass, the middle one without expert LoRA (attention only): its tokens
+    go through the base experts alone, not through a neighbour's expert LoRA; each model's
+    log-probs are what it gets alone."""
+    model: HfLoraModel = rank.trainer.model
+    a = trained_looking(model, LoraSpec(rank=4, seed=9, train_unembed=False))
+    plain = trained_looking(model, LoraSpec(rank=4, seed=10, train_mlp=False, train_unembed=False))
+    c = trained_looking(model, LoraSpec(rank=4, seed=11, train_unembed=False))
+    try:
+        data = [datum(list(range(3, 20))), datum(list(range(30, 45))), datum(list(range(50, 61)))]
+        with torch.no_grad():
+            joint = model.logprobs([a, plain, c], data)
+            alone = [model.logprobs([h], [d])[0] for h, d in zip((a, plain, c), data, strict=True)]
+        for got, want in zip(joint, alone, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    finally:
+        for h in (a, plain, c):
+            model.remove_adapter(h)

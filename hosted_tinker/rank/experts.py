@@ -160,12 +160,18 @@ def lora_experts_forward(
     tokens, top_k = top_k_index.shape
     n_experts = experts.num_experts
     hook: ExpertsHook | None = getattr(experts, HOOK_ATTR, None)
-    spans = [s for s in (hook.spans(tokens) if hook is not None else []) if s.loras]
+    spans = hook.spans(tokens) if hook is not None else []
+    if not any(s.loras for s in spans):
+        spans = []  # the base alone
+    elif sum(s.end - s.start for s in spans) < tokens:
+        # tokens under no adapter: a span of their own without LoRA (never a neighbour's)
+        spans = [*spans, ExpertSpan(0, 0, {}, 0.0)]
     n_spans = max(len(spans), 1)
 
-    # (expert, span) of each token-expert pair, pairs in token-major order as top_k_index has them
+    # (expert, span) of each token-expert pair, pairs in token-major order as top_k_index has them;
+    # a span without this layer's LoRA (another tenant's adapter on attention only) keeps its index
     expert_ids = top_k_index.reshape(-1)
-    span_of_token = torch.zeros(tokens, dtype=torch.long, device=hidden_states.device)
+    span_of_token = torch.full((tokens,), n_spans - 1, dtype=torch.long, device=hidden_states.device)
     for i, span in enumerate(spans):
         span_of_token[span.start : span.end] = i
     key = expert_ids * n_spans + span_of_token.repeat_interleave(top_k)
@@ -196,10 +202,11 @@ def lora_experts_forward(
         else:
             b = torch.stack([b.expand(n_experts, -1, -1) for b in b_of], dim=1).flatten(0, 1)  # (E·n, out, r)
             update = grouped_linear(down, b, group_counts)
-        scales = [s.scale for s in spans]
-        if len(set(scales)) == 1:
-            return update if scales[0] == 1.0 else update * scales[0]
-        per_row = torch.tensor(scales, device=x.device, dtype=update.dtype)[key_sorted % n_spans]
+        scales = {s.scale for s in present}  # rows of the other spans are zero whatever their scale
+        if len(scales) == 1:
+            scale = scales.pop()
+            return update if scale == 1.0 else update * scale
+        per_row = torch.tensor([s.scale for s in spans], device=x.device, dtype=update.dtype)[key_sorted % n_spans]
         return update * per_row[:, None]
 
     # gate and up
