@@ -221,16 +221,21 @@ def test_experts_without_an_adapter_are_transformers_own(rank: Rank):
 
 
 def test_the_sampler_samples_the_expert_adapter_as_trained(rank: Rank):
-    """The embedded sampler, fed the adapter's config and tensors as a checkpoint holds them,
-    scores tokens exactly as the trainer does."""
+    """The embedded sampler, fed the adapter's config and tensors as a checkpoint holds them
+    (written and read back through the checkpoint files), scores tokens exactly as the trainer does."""
     model: HfLoraModel = rank.trainer.model
     handle = trained_looking(model, LoraSpec(rank=4, seed=7))
     try:
         data = datum(list(range(12, 44)))
         with torch.no_grad():
             trained = model.logprobs([handle], [data])[0]
-        tensors = {k: p.detach().clone() for k, p in zip(handle.keys, handle.params, strict=True)}
-        rank.sampler.load_sampler("moe-sampler", model.adapter_config(handle), tensors)
+        from hosted_tinker.core.checkpoints import adapter_files, adapter_weights
+
+        tensors = {k: p.detach() for k, p in zip(handle.keys, handle.params, strict=True)}
+        files = adapter_files(model.adapter_config(handle), tensors)
+        rank.sampler.load_sampler(
+            "moe-sampler", model.adapter_config(handle), adapter_weights(files["adapter_model.safetensors"])
+        )
         sampler = rank.sampler.adapters
         sampler.routes.everything(rank.sampler.loaded["moe-sampler"])
         with torch.no_grad():
@@ -427,20 +432,34 @@ def test_the_gpus_padded_grouped_product_is_the_per_group_one():
 
 
 def test_a_joint_pass_never_gives_one_models_experts_to_another(rank: Rank):
-    """Three models in one pass, the middle one without expert LoRA (attention only): its tokens
-    go through the base experts alone, not through a neighbour's expert LoRA; each model's
-    log-probs are what it gets alone."""
+    """Three models in one pass: ranks 4 and 8 (so scales 8 and 4) around one without expert LoRA
+    (attention only). Each token goes through its own model's experts only, the middle model's
+    through the base experts: every model's log-probs and gradients are what it gets alone."""
     model: HfLoraModel = rank.trainer.model
     a = trained_looking(model, LoraSpec(rank=4, seed=9, train_unembed=False))
     plain = trained_looking(model, LoraSpec(rank=4, seed=10, train_mlp=False, train_unembed=False))
-    c = trained_looking(model, LoraSpec(rank=4, seed=11, train_unembed=False))
+    c = trained_looking(model, LoraSpec(rank=8, seed=11, train_unembed=False))
+    handles = (a, plain, c)
     try:
         data = [datum(list(range(3, 20))), datum(list(range(30, 45))), datum(list(range(50, 61)))]
-        with torch.no_grad():
-            joint = model.logprobs([a, plain, c], data)
-            alone = [model.logprobs([h], [d])[0] for h, d in zip((a, plain, c), data, strict=True)]
+        joint = model.logprobs(list(handles), data)
+        params = [p for h in handles for p in h.params]
+        joint_grads = torch.autograd.grad(sum(lp.sum() for lp in joint), params)
+        alone, alone_grads = [], []
+        for h, d in zip(handles, data, strict=True):
+            alone.append(model.logprobs([h], [d])[0])
+            alone_grads += torch.autograd.grad(alone[-1].sum(), h.params)
         for got, want in zip(joint, alone, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        for got, want in zip(joint_grads, alone_grads, strict=True):
+            assert_close_in_float32(got, want)
     finally:
-        for h in (a, plain, c):
+        for h in handles:
             model.remove_adapter(h)
+
+
+def test_no_tokens_is_no_output(rank: Rank):
+    name = next(iter(rank.trainer.model.adapters.experts))
+    experts = rank.trainer.model.base.get_submodule(name)
+    out = experts(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, 64)

@@ -70,6 +70,8 @@ def test_training_moves_the_experts_and_the_export_holds_them_as_tinker_does(moe
     from safetensors.torch import load_file
 
     weights = load_file(adapter / "adapter_model.safetensors")
+    assert "base_model.model.model.unembed_tokens.lora_B.weight" in weights  # Tinker's name for lm_head's
+    assert not any(".lm_head." in k for k in weights)
     for layer in (0, 1) if moe["arch"] == "Qwen3MoeForCausalLM" else (1,):  # DeepSeek's layer 0 is dense
         prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
         assert weights[f"{prefix}.w1.lora_A.weight"].shape == (1, 4, 64)  # one for all experts

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 IMPLEMENTATION = "hosted_tinker_lora"  # its name in transformers' ALL_EXPERTS_FUNCTIONS
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down: Tinker's names, in the order adapters are drawn
 HOOK_ATTR = "_hosted_tinker_lora"  # on an experts module: its ``ExpertsHook``
+MAX_PADDING = 4  # padded grouped products only while the padded slab is at most this many times the rows
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,10 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
     ``weight[g]`` ``(out, in)``: ``(S, out)``. On a GPU one kernel for all groups (torch's
     grouped GEMM for bfloat16, else a batched one over padded groups), never a launch per
     expert; on a CPU a product per non-empty group (launches are cheap there, padding is not)."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    if _grouped_mm_runs(x, weight):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    if x.is_cuda:
+    if x.is_cuda and padding_pays(counts):
         return padded_grouped_linear(x, weight, counts)
     parts, start = [], 0
     for g, n in enumerate(counts):
@@ -129,6 +130,26 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
             parts.append(F.linear(x[start : start + n], weight[g]))
         start += n
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[-2])
+
+
+def _grouped_mm_runs(x: Tensor, weight: Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: bfloat16 on a Hopper or later GPU, each
+    row 16-byte aligned (a LoRA of rank 4 is not: its products take the padded path)."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == weight.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and x.shape[-1] % 8 == 0
+        and weight.shape[-2] % 8 == 0
+    )
+
+
+def padding_pays(counts: list[int]) -> bool:
+    """Whether padding every group to the largest costs at most ``MAX_PADDING`` times the rows:
+    a batch whose tokens all go to one expert (one tenant can send that) must not make slabs of
+    experts × tokens."""
+    return len(counts) * max(counts, default=0) <= MAX_PADDING * max(sum(counts), 1)
 
 
 def padded_grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
@@ -179,41 +200,65 @@ def lora_experts_forward(
     group_counts = torch.bincount(key_sorted, minlength=n_experts * n_spans).tolist()  # one sync per layer
     expert_counts = [sum(group_counts[e * n_spans : (e + 1) * n_spans]) for e in range(n_experts)]
     x = hidden_states[perm // top_k]  # (S, H), sorted
-    expert_sorted = key_sorted // n_spans
+    expert_sorted, span_of_row = key_sorted // n_spans, key_sorted % n_spans
     dtype = products_dtype(hook.compute, x.dtype) if hook is not None else None
 
-    def lora_update(projection: str, inputs: Tensor) -> Tensor | None:
-        """The LoRA update of ``projection`` for the sorted pairs, or None if no span has one."""
+    def lora_update(projection: str, inputs: Tensor, by_token: Tensor | None = None) -> Tensor | None:
+        """The LoRA update of ``projection`` for the sorted pairs (``inputs``, a row each), or None
+        if no span has one. A factor one for all experts runs on ``by_token`` (the same inputs in
+        token order: the hidden states) or on the pairs, once per span; each expert's own factor
+        runs grouped by (expert, span). Adapters of unequal rank are padded with zeros to the
+        largest (the same products; no gradient reaches the padding)."""
         present = [s for s in spans if projection in s.loras]
         if not present:
             return None
-        a_of = [s.loras[projection][0] if projection in s.loras else None for s in spans]
-        b_of = [s.loras[projection][1] if projection in s.loras else None for s in spans]
-        like_a, like_b = present[0].loras[projection]
-        a_of = [in_dtype(a, dtype) if a is not None else in_dtype(torch.zeros_like(like_a), dtype) for a in a_of]
-        b_of = [in_dtype(b, dtype) if b is not None else in_dtype(torch.zeros_like(like_b), dtype) for b in b_of]
-        if n_spans == 1 and a_of[0].shape[0] == 1:  # one A for every expert: one product for all rows
-            down = lora_down(inputs, a_of[0][0])
-        else:  # group (e, s) at e * n_spans + s: the adapters' matrices interleaved expert by expert
-            a = torch.stack([a.expand(n_experts, -1, -1) for a in a_of], dim=1).flatten(0, 1)  # (E·n, r, in)
-            down = _grouped_lora_down(inputs, a, group_counts)
-        if n_spans == 1 and b_of[0].shape[0] == 1:
-            update = F.linear(down, b_of[0][0])
-        else:
-            b = torch.stack([b.expand(n_experts, -1, -1) for b in b_of], dim=1).flatten(0, 1)  # (E·n, out, r)
-            update = grouped_linear(down, b, group_counts)
-        scales = {s.scale for s in present}  # rows of the other spans are zero whatever their scale
+        rank = max(s.loras[projection][0].shape[-2] for s in present)
+
+        def padded(span: ExpertSpan) -> tuple[Tensor, Tensor] | None:
+            if projection not in span.loras:
+                return None
+            a, b = span.loras[projection]
+            extra = rank - a.shape[-2]
+            return in_dtype(F.pad(a, (0, 0, 0, extra)), dtype), in_dtype(F.pad(b, (0, extra)), dtype)
+
+        factors = [padded(span) for span in spans]
+        like_a, like_b = next(f for f in factors if f is not None)
+        if like_a.shape[0] == 1:  # gate, up: one A for every expert, once per token
+            down_by_token = by_token.new_zeros(tokens, rank, dtype=like_a.dtype)
+            for span, f in zip(spans, factors, strict=True):
+                if f is not None and span.end > span.start:
+                    rows = torch.arange(span.start, span.end, device=x.device)
+                    down_by_token = down_by_token.index_copy(
+                        0, rows, lora_down(by_token[span.start : span.end], f[0][0])
+                    )
+            down = down_by_token[perm // top_k]
+        else:  # down: each expert's A; group (e, s) at e * n_spans + s
+            a = torch.stack([f[0] if f is not None else torch.zeros_like(like_a) for f in factors], dim=1)
+            down = _grouped_lora_down(inputs, a.flatten(0, 1), group_counts)
+        if like_b.shape[0] == 1:  # down: one B for every expert, once per span's rows
+            if n_spans == 1:
+                update = F.linear(down, like_b[0])
+            else:
+                update = down.new_zeros(down.shape[0], like_b.shape[-2])
+                for i, f in enumerate(factors):
+                    if f is not None:
+                        rows = (span_of_row == i).nonzero().squeeze(1)
+                        update = update.index_copy(0, rows, F.linear(down[rows], f[1][0]))
+        else:  # gate, up: each expert's B
+            b = torch.stack([f[1] if f is not None else torch.zeros_like(like_b) for f in factors], dim=1)
+            update = grouped_linear(down, b.flatten(0, 1), group_counts)
+        scales = {span.scale for span in present}  # the other spans' rows are zero whatever their scale
         if len(scales) == 1:
             scale = scales.pop()
             return update if scale == 1.0 else update * scale
-        per_row = torch.tensor([s.scale for s in spans], device=x.device, dtype=update.dtype)[key_sorted % n_spans]
-        return update * per_row[:, None]
+        per_span = torch.tensor([span.scale for span in spans], device=x.device, dtype=update.dtype)
+        return update * per_span[span_of_row][:, None]
 
     # gate and up
     gate_up = grouped_linear(x, _as_out_in(experts.gate_up_proj, experts.is_transposed), expert_counts)
     if experts.has_bias:
         gate_up = gate_up + experts.gate_up_proj_bias[expert_sorted]
-    gate, up = lora_update("w1", x), lora_update("w3", x)
+    gate, up = lora_update("w1", x, hidden_states), lora_update("w3", x, hidden_states)
     if gate is not None or up is not None:
         gate = gate if gate is not None else torch.zeros_like(up)
         up = up if up is not None else torch.zeros_like(gate)
@@ -234,7 +279,7 @@ def lora_experts_forward(
     weighted = out * top_k_weights.reshape(-1)[perm, None]
     back = torch.empty_like(perm)
     back[perm] = torch.arange(perm.numel(), device=perm.device)
-    return weighted[back].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return weighted[back].view(tokens, top_k, weighted.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
 
 def _grouped_lora_down(x: Tensor, a: Tensor, counts: list[int]) -> Tensor:
@@ -242,7 +287,7 @@ def _grouped_lora_down(x: Tensor, a: Tensor, counts: list[int]) -> Tensor:
     form of ``adapters.lora_down`` (which keeps ``x`` as it came for the backward pass)."""
     from hosted_tinker.rank.adapters import lora_down
 
-    if x.is_cuda:
+    if x.is_cuda and padding_pays(counts):
         return padded_grouped_linear(x.to(a.dtype), a, counts)
     parts, start = [], 0
     for g, n in enumerate(counts):
