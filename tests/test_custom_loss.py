@@ -72,7 +72,26 @@ def test_runs_as_the_sdk_traced_graph_does(fn, ranks, shapes):
 
 
 def test_metrics_reduce_as_the_sdk_does():
-    assert reduce_metrics({"custom/a:sum": 6.0, "custom/b:mean": 6.0}, 3) == {"custom/a:sum": 6.0, "custom/b:mean": 2.0}
+    """The server sums a custom loss's metrics over the datums and reduces them once; the SDK's own
+    reducer (``_metrics_reduction``, which folds chunked results, weighting each by its datums)
+    over one result per datum gives the same: sums add up, means are the datums' mean."""
+    from tinker import types
+    from tinker.lib.chunked_fwdbwd_helpers import _metrics_reduction
+
+    per_datum = [
+        {"custom/a:sum": 1.5, "custom/b:mean": 0.25},
+        {"custom/a:sum": 4.0, "custom/b:mean": 3.0},
+        {"custom/a:sum": -2.0, "custom/b:mean": 1.0},
+    ]
+    sdk = _metrics_reduction(
+        [
+            types.ForwardBackwardOutput(loss_fn_output_type="TorchLossReturn", loss_fn_outputs=[{}], metrics=m)
+            for m in per_datum
+        ]
+    )
+    sums = {key: sum(m[key] for m in per_datum) for key in per_datum[0]}
+    assert reduce_metrics(sums, len(per_datum)) == pytest.approx(sdk)
+    assert sdk == pytest.approx({"custom/a:sum": 3.5, "custom/b:mean": 4.25 / 3})
 
 
 def _graph(*middle: dict, output: object = None) -> list[dict]:

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,7 @@ from hosted_tinker.server.keys import create_key
 from hosted_tinker.server.mirror import RECORD, CheckpointMirror
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.records import COPY_STATUS
+from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.store import Store
@@ -35,6 +37,9 @@ class Disk:
         self.store = Store.in_data_dir(root)
         self.files = CheckpointFiles(root / "checkpoints")
         self.mirror = CheckpointMirror(f"file://{bucket}", self.files, self.store, keys_poll_s=0.05)
+        # the service's own deletion (only its store, files and mirror take part in it)
+        training = SimpleNamespace(backend=None, scheduler=None, store=self.store)
+        self.service = CheckpointService(training, self.files, self.files, links=None, mirror=self.mirror)
 
     def save(self, path: TinkerPath = STATE, data: bytes = b"adapter", ttl_seconds: int | None = None) -> None:
         if self.store.session_owner(SESSION) is None:
@@ -49,10 +54,8 @@ class Disk:
         self.mirror.saved(path)
 
     def delete(self, path: TinkerPath = STATE) -> None:
-        """What ``CheckpointService.delete`` does."""
-        self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=True)
-        self.files.delete(path)
-        self.mirror.deleted(path)
+        """A deletion as ``CheckpointService`` makes it, by its owner or its TTL."""
+        self.service._delete(path)
 
     def settle(self) -> None:
         assert self.mirror.drain(time.monotonic() + 20), "the mirror's transfers did not finish"
