@@ -341,7 +341,8 @@ def test_adapters_are_made_on_every_rank_or_none_and_ranks_that_disagree_are_rep
 @pytest.mark.slow
 def test_two_ranks_train_a_mixture_of_experts_exactly_like_one_process(tmp_path_factory):
     """The same for Qwen3-MoE, with a LoRA on every routed expert: each rank's shard routes its
-    tokens to its own experts, and the summed gradients give one process's update."""
+    tokens to its own experts, the summed gradients give one process's update, and the routed
+    token counts behind the MoE metrics add up to one process's."""
     from hosted_tinker.core.tiny_model import build_tiny_model
 
     model = str(build_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3-moe", family="qwen3_moe", hidden_size=64))
@@ -358,6 +359,7 @@ def test_two_ranks_train_a_mixture_of_experts_exactly_like_one_process(tmp_path_
             b = batch(rng, 5)
             got, want = ddp.forward_backward("moe", b), reference.forward_backward("moe", b)
             assert_same(got.logprobs, want.logprobs, f"step {step}")
+            np.testing.assert_array_equal(got.routed, want.routed)  # the replicas' routed tokens add up
             got, want = ddp.optim_step("moe", ADAM), reference.optim_step("moe", ADAM)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         assert_same(forward(ddp, "moe", probe), forward(reference, "moe", probe), "after three steps")

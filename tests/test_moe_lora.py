@@ -11,6 +11,7 @@ import copy
 import math
 import types
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -463,3 +464,68 @@ def test_no_tokens_is_no_output(rank: Rank):
     experts = rank.trainer.model.base.get_submodule(name)
     out = experts(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
     assert out.shape == (0, 64)
+
+
+# ---- the service's routing metrics ---------------------------------------------------------------
+
+
+def test_routing_metrics_are_the_sdks_documented_ones():
+    """``ForwardBackwardOutput``'s documentation defines five MoE metrics; here they are by hand
+    for two layers of four experts (8 assignments each, so a perfect balance of 2)."""
+    from hosted_tinker.core.routing import routing_metrics
+
+    counts = np.array([[2, 2, 2, 2], [5, 3, 0, 0]])
+    assert routing_metrics(counts) == pytest.approx(
+        {
+            "e_frac_with_tokens:mean": (1.0 + 0.5) / 2,
+            "e_frac_oversubscribed:mean": (0.0 + 0.5) / 2,
+            "e_max_violation:mean": (0.0 + 1.5) / 2,  # (5 - 2) / 2
+            "e_max_violation:max": 1.5,
+            "e_min_violation:mean": (0.0 - 1.0) / 2,  # (0 - 2) / 2
+        }
+    )
+    assert routing_metrics(np.zeros((2, 4))) == {}
+
+
+def test_the_trainer_counts_each_requests_routing_once(rank: Rank):
+    """Each request's routed tokens, counted in the forward pass only (not again when layers are
+    recomputed), per model in a joint pass, are the base router's choices for its tokens (a new
+    adapter changes nothing) and add up to tokens × experts per token in every layer."""
+    trainer = rank.trainer
+    for name in ("r1", "r2"):
+        trainer.create_adapter(name, LoraSpec(rank=4, seed=12))
+    threshold, trainer.recompute_above_tokens = trainer.recompute_above_tokens, 0  # every layer recomputed
+    try:
+        a, b = datum(list(range(4, 30))), datum(list(range(40, 49)))
+        joint = trainer.forward_backward_many([("r1", one_datum_batch(a)), ("r2", one_datum_batch(b))])
+        for result, d in zip(joint, (a, b), strict=True):
+            np.testing.assert_array_equal(result.routed, base_routing(trainer.model, d))
+            assert (result.routed.sum(axis=1) == d.num_tokens * 2).all()
+    finally:
+        trainer.recompute_above_tokens = threshold
+        for name in ("r1", "r2"):
+            trainer.delete_adapter(name)
+
+
+def one_datum_batch(d: DatumInput):
+    from hosted_tinker.core.types import ForwardBackwardBatch
+
+    return ForwardBackwardBatch(data=[d], loss_fn="cross_entropy", loss_config={}, forward_only=False)
+
+
+def base_routing(model: HfLoraModel, data: DatumInput) -> np.ndarray:
+    """The tokens each expert of each layer gets from the base model's own routers, one sequence."""
+    base = copy.deepcopy(model.shareable_base)
+    counts = []
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda m, args: counts.append(np.bincount(args[1].reshape(-1).numpy(), minlength=m.num_experts))
+        )
+        for name, module in base.named_modules()
+        if name in model.adapters.experts
+    ]
+    with torch.no_grad():
+        base(input_ids=data.tokens[None])
+    for h in hooks:
+        h.remove()
+    return np.stack(counts)

@@ -134,6 +134,35 @@ def test_resume_continues_exactly(moe):
     np.testing.assert_array_equal(forward_logprobs(resumed, TOKENS), forward_logprobs(tc, TOKENS))
 
 
+def test_forward_backward_reports_the_services_moe_metrics(moe):
+    """The five routing metrics the SDK documents for MoE training, over the request's tokens:
+    for a new model (its LoRA changes nothing yet) they are those of the base model's own routers."""
+    from transformers import AutoModelForCausalLM
+
+    from hosted_tinker.core.routing import routing_metrics
+
+    fresh = moe["sc"].create_lora_training_client(base_model=ALIAS, rank=4, seed=9).result()
+    metrics = fresh.forward_backward([datum(TOKENS)], "cross_entropy").result().metrics
+    base = AutoModelForCausalLM.from_pretrained(moe["model_dir"]).eval()
+    counts = []
+    for module in base.modules():
+        if hasattr(module, "gate_up_proj") and hasattr(module, "num_experts"):
+            module.register_forward_pre_hook(
+                lambda m, args: counts.append(np.bincount(args[1].reshape(-1).numpy(), minlength=m.num_experts))
+            )
+    with torch.no_grad():
+        base(input_ids=torch.tensor([TOKENS[:-1]]))
+    expected = routing_metrics(np.stack(counts))
+    assert set(expected) == {
+        "e_frac_with_tokens:mean",
+        "e_frac_oversubscribed:mean",
+        "e_max_violation:mean",
+        "e_max_violation:max",
+        "e_min_violation:mean",
+    }
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected)
+
+
 def test_the_server_says_it_trains_the_experts(moe):
     health = httpx.get(f"{moe['server'].base_url}/healthz", timeout=10).raise_for_status().json()
     assert health["capabilities"]["arch"] == moe["arch"]

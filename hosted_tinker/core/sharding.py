@@ -28,7 +28,8 @@ def shard_batch(batch: ForwardBackwardBatch, shards: list[list[int]]) -> list[Fo
 
 
 def merge_results(results: list[ForwardBackwardResult], shards: list[list[int]]) -> ForwardBackwardResult:
-    """The ranks' results as one: per-datum arrays back in batch order, losses and metric sums summed."""
+    """The ranks' results as one: per-datum arrays back in batch order, losses, metric sums and
+    routed-token counts summed."""
     n = sum(len(s) for s in shards)
     logprobs: list[np.ndarray | None] = [None] * n
     elementwise: list[np.ndarray | None] = [None] * n
@@ -39,7 +40,10 @@ def merge_results(results: list[ForwardBackwardResult], shards: list[list[int]])
     for result in results:
         for key, value in result.metrics.items():
             metrics[key] = metrics.get(key, 0.0) + value
-    return ForwardBackwardResult(logprobs, sum(r.loss_sum for r in results), elementwise, metrics)
+    routed = [r.routed for r in results if r.routed is not None]  # each replica's tokens: they add up
+    return ForwardBackwardResult(
+        logprobs, sum(r.loss_sum for r in results), elementwise, metrics, sum(routed) if routed else None
+    )
 
 
 def merge_many(

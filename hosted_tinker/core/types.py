@@ -75,6 +75,9 @@ class ForwardBackwardResult:
     loss_sum: float
     elementwise_loss: list[np.ndarray | None] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    # a mixture-of-experts model's routing: tokens each expert of each layer received, int64
+    # ``(layers, experts)`` over the request's tokens (``core.routing``); None for a dense model
+    routed: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hosted_tinker.rank.experts import (
+    COUNTER_ATTR,
     HOOK_ATTR,
     PROJECTIONS,
     ExpertsHook,
     ExpertSpan,
+    RoutingCounter,
     experts_modules,
     use_lora_experts,
 )
@@ -193,6 +195,9 @@ class LoraAdapters:
         ]
         self._order = {target: i for i, target in enumerate(t for group in targets for t in group)}
         use_lora_experts(lm)
+        self.routing = RoutingCounter(lambda: self.routes.segments)
+        for name in self.experts:
+            setattr(lm.get_submodule(name), COUNTER_ATTR, (self.routing, name))
 
     def linear(self, module: str) -> nn.Linear:
         """The linear layer ``module`` of the tree (``KeyError`` naming it if there is none)."""

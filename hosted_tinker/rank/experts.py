@@ -39,6 +39,7 @@ from torch import Tensor, nn
 IMPLEMENTATION = "hosted_tinker_lora"  # its name in transformers' ALL_EXPERTS_FUNCTIONS
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down: Tinker's names, in the order adapters are drawn
 HOOK_ATTR = "_hosted_tinker_lora"  # on an experts module: its ``ExpertsHook``
+COUNTER_ATTR = "_hosted_tinker_routing"  # on an experts module: (its tree's ``RoutingCounter``, its name)
 MAX_PADDING = 4  # padded grouped products only while the padded slab is at most this many times the rows
 
 
@@ -80,6 +81,32 @@ class ExpertsHook:
 
     spans: Callable[[int], list[ExpertSpan]]  # tokens of the layer's input -> the spans covering them
     compute: str  # ``--lora-compute``: the dtype of LoRA's products (``adapters.products_dtype``)
+
+
+class RoutingCounter:
+    """How many tokens each routed expert of each layer receives, per adapter, while ``active``
+    (a training pass's forward, not its recomputation in the backward pass): what the service's
+    MoE metrics are computed from (``core.routing``). ``segments`` says which tokens run under
+    which adapter (``adapters.Routes``)."""
+
+    def __init__(self, segments: Callable[[], list[tuple[int, int | None, str]]]) -> None:
+        self.segments = segments
+        self.active = False
+        self.counts: dict[str, dict[str, Tensor]] = {}  # adapter -> experts module -> (E,) counts
+
+    def record(self, module: str, top_k_index: Tensor, experts: int) -> None:
+        if not self.active:
+            return
+        for start, end, name in self.segments():
+            routed = top_k_index[start:end].reshape(-1)
+            counts = torch.bincount(routed, minlength=experts)[:experts]  # stays on the device
+            layers = self.counts.setdefault(name, {})
+            layers[module] = counts if module not in layers else layers[module] + counts
+
+    def take(self, order: list[str]) -> dict[str, Tensor]:
+        """Each adapter's counts, ``(layers, experts)`` in ``order``, since the last call."""
+        taken, self.counts = self.counts, {}
+        return {name: torch.stack([layers[m] for m in order if m in layers]) for name, layers in taken.items()}
 
 
 def fused_experts(module: nn.Module) -> ExpertsShape | None:
@@ -180,6 +207,8 @@ def lora_experts_forward(
 
     tokens, top_k = top_k_index.shape
     n_experts = experts.num_experts
+    if (counter := getattr(experts, COUNTER_ATTR, None)) is not None:
+        counter[0].record(counter[1], top_k_index, n_experts)
     hook: ExpertsHook | None = getattr(experts, HOOK_ATTR, None)
     spans = hook.spans(tokens) if hook is not None else []
     if not any(s.loras for s in spans):

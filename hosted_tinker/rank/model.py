@@ -10,11 +10,13 @@ plan's checkpoints are alike (``core.checkpoints.adapter_files`` writes them in 
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -70,6 +72,12 @@ class LoraModel(Protocol):
 
     def adapter_config(self, handle: AdapterHandle) -> dict:
         """The adapter's ``adapter_config.json``, as PEFT writes it."""
+        ...
+
+    def take_routed(self) -> dict[str, np.ndarray]:
+        """A mixture-of-experts model's routing in the ``logprobs`` calls since the last call:
+        per adapter (``AdapterHandle.name``), the tokens each expert of each layer received,
+        ``(layers, experts)``; empty for a dense model."""
         ...
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
@@ -204,7 +212,7 @@ class HfLoraModel:
         routes = self.adapters.routes
         routes.segments = segments([h.name for h in handles], [d.num_tokens for d in data])
         decoder = getattr(lm, lm.base_model_prefix)
-        with recomputed(self.layers, recompute):
+        with recomputed(self.layers, recompute), self._counting_routes():
             hidden = decoder(
                 input_ids=packed.tokens[None].to(self.device),
                 position_ids=packed.positions[None].to(self.device),
@@ -220,6 +228,19 @@ class HfLoraModel:
             target_logprobs(routes.head(head, name), hidden[s:e], targets[s:e], chunk) for s, e, name in routes.segments
         ]
         return unpacked(torch.cat(parts), data)
+
+    @contextlib.contextmanager
+    def _counting_routes(self) -> Iterator[None]:
+        """Routing is counted in the forward pass only (a recomputed layer routes again)."""
+        self.adapters.routing.active = bool(self.adapters.experts)
+        try:
+            yield
+        finally:
+            self.adapters.routing.active = False
+
+    def take_routed(self) -> dict[str, np.ndarray]:
+        taken = self.adapters.routing.take(list(self.adapters.experts))
+        return {name: counts.cpu().numpy() for name, counts in taken.items()}
 
 
 class SyntheticLoraModel(HfLoraModel):

@@ -71,6 +71,10 @@ class _Outcome:
         self.elementwise: list[np.ndarray | None] = [None] * len(batch.data)
         self.metrics: dict[str, float] = {}
         self.loss_sum = 0.0
+        self.routed: np.ndarray | None = None  # a mixture-of-experts model's routing (``core.routing``)
+
+    def add_routed(self, counts: np.ndarray) -> None:
+        self.routed = counts if self.routed is None else self.routed + counts
 
     def add(self, scored: list[tuple[int, torch.Tensor]], shared: Allowance) -> torch.Tensor:
         """The loss of some of the request's datums (``(index, log-probs)``), as a 0-d tensor in
@@ -98,7 +102,7 @@ class _Outcome:
         return loss
 
     def result(self) -> ForwardBackwardResult:
-        return ForwardBackwardResult(self.logprobs, self.loss_sum, self.elementwise, self.metrics)
+        return ForwardBackwardResult(self.logprobs, self.loss_sum, self.elementwise, self.metrics, self.routed)
 
 
 @dataclass
@@ -273,6 +277,10 @@ class Trainer:
                 chosen = [handles[i] for i in indices], [data[i] for i in indices]
                 with self._measuring(recompute, tokens, forward_only):
                     lps = self.model.logprobs(*chosen, recompute=recompute)
+                routed = self.model.take_routed()  # by adapter: a joint pass has one request per model
+                for r, (handle, _) in enumerate(requests):
+                    if handle.name in routed:
+                        outs[r].add_routed(routed[handle.name])
                 total, shared = None, pass_allowance()
                 for r in sorted({owner[i] for i in indices}):
                     mine = [(i - first[r], lp) for i, lp in zip(indices, lps, strict=True) if owner[i] == r]

@@ -120,6 +120,9 @@ class McoreLoraModel:
         rank = next(iter(adapter.projections.values()))[0].A.shape[0]
         return lora_config(rank, self.lora_alpha, modules, self.model_path)
 
+    def take_routed(self) -> dict:
+        return {}  # dense models only: no routing
+
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
         s = self.shape
         return zero_adapter("model.layers.0.self_attn.q_proj", s.heads * s.head_dim, s.hidden, self.model_path)

@@ -24,6 +24,7 @@ from hosted_tinker.core.errors import (
     bad_request,
     not_found,
 )
+from hosted_tinker.core.routing import routing_metrics
 from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.server.protocol import json_types as wire
@@ -324,6 +325,7 @@ class TrainingService:
                     "loss:sum": result.loss_sum,
                     **losses.sampler_gap(batch.data, result.logprobs),
                     **reduce_metrics(result.metrics, len(batch.data)),
+                    **(routing_metrics(result.routed) if result.routed is not None else {}),
                 }
                 encoded = encode_forward_backward_output(outputs, metrics)
                 if not forward_only:  # a forward-only call is not part of a step
