@@ -66,7 +66,30 @@ def start_server(
     profile: Path | None = None,
 ) -> ServerProcess:
     """A server on 127.0.0.1, healthy; ``port`` to come back where a stopped one was;
-    ``profile``: run under cProfile, which writes there when the server exits (benchmarks)."""
+    ``profile``: run under cProfile, which writes there when the server exits (benchmarks).
+    A free port found here can be taken by another process before the server binds it: then
+    the start is tried again on another one (never when ``port`` was given)."""
+    for attempt in range(3):
+        try:
+            return _start_server(data_dir, *extra, alias=alias, timeout=timeout, port=port, profile=profile)
+        except PortTaken:
+            if port is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def _start_server(
+    data_dir: Path,
+    *extra: str,
+    alias: str | None,
+    timeout: float,
+    port: int | None,
+    profile: Path | None,
+) -> ServerProcess:
     port = port or free_port()
     log_path = data_dir / f"server-{port}.log"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -94,7 +117,9 @@ def start_server(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            log_text = log_path.read_text()
+            failure = PortTaken if "address already in use" in log_text else RuntimeError
+            raise failure(f"server exited with {proc.returncode}:\n{log_text[-4000:]}")
         try:
             if httpx.get(f"{base_url}/healthz", timeout=1.0).status_code == 200:
                 return ServerProcess(proc, base_url, data_dir, log_path)
