@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, print_table, result_header, write_results  # noqa: E402
-from benchmarks.shapes import MODEL_CACHE, peak_tflops  # noqa: E402
+from benchmarks.shapes import MODEL_CACHE, peak_tflops, write_random_model  # noqa: E402
 from benchmarks.train_efficiency import efficiency, make_batch, timed, trainer_on  # noqa: E402
 
 LORA_RANK = 32
@@ -49,31 +49,10 @@ QWEN3_30B_A3B = {
 
 def random_moe_model(layers: int, dtype: str, root: Path = MODEL_CACHE) -> str:
     """Qwen3-30B-A3B's shape cut to ``layers``, random weights in ``dtype``, written once."""
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from hosted_tinker.core.tiny_model import build_tokenizer
-
-    out = root / f"qwen3-30b-a3b-l{layers}-random-{dtype}"
-    if (out / "config.json").exists():
-        return str(out)
     config = Qwen3MoeConfig(**QWEN3_30B_A3B, num_hidden_layers=layers, dtype=dtype)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = Qwen3MoeForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp)
-    build_tokenizer().save_pretrained(tmp)
-    tmp.rename(out)
-    del model
-    if torch.cuda.is_available():  # the trainer loads it again; this copy must not stay cached
-        torch.cuda.empty_cache()
-    return str(out)
+    return write_random_model(Qwen3MoeForCausalLM, config, root / f"qwen3-30b-a3b-l{layers}-random-{dtype}")
 
 
 def moe_flops_per_token(model: str, context: float, rank: int) -> dict[str, float]:

@@ -81,21 +81,28 @@ MODEL_CACHE = Path.home() / ".cache" / "hosted-tinker" / "bench-models"
 def random_model(shape: str, dtype: str, root: Path = MODEL_CACHE) -> str:
     """A model folder of ``SHAPES[shape]`` with random weights in ``dtype`` (and the tiny
     tokenizer: the benchmark feeds token ids), written once and reused."""
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return write_random_model(
+        Qwen3ForCausalLM, Qwen3Config(**SHAPES[shape], dtype=dtype), root / f"{shape}-random-{dtype}"
+    )
+
+
+def write_random_model(model_class: type, config: Any, out: Path) -> str:
+    """``model_class(config)`` with seeded random weights (drawn on the GPU where there is one) and
+    the tiny tokenizer, written to ``out`` once (a folder there already is the same model)."""
+    import torch
 
     from hosted_tinker.core.tiny_model import build_tokenizer
 
-    out = root / f"{shape}-random-{dtype}"
     if (out / "config.json").exists():
         return str(out)
-    config = Qwen3Config(**SHAPES[shape], dtype=dtype)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
+    torch.set_default_dtype(getattr(torch, str(config.dtype).removeprefix("torch.")))
     try:
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = Qwen3ForCausalLM(config)
+            model = model_class(config)
     finally:
         torch.set_default_dtype(default)
     tmp = out.with_name(out.name + ".partial")
