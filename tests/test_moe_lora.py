@@ -529,3 +529,15 @@ def base_routing(model: HfLoraModel, data: DatumInput) -> np.ndarray:
     for h in hooks:
         h.remove()
     return np.stack(counts)
+
+
+def test_one_tenant_routing_everything_to_one_expert_gets_no_padded_slab():
+    """On a GPU a padded grouped product costs experts × the largest group: a batch whose tokens
+    all go to one expert (one tenant can send 16K copies of a token) would need experts × tokens
+    rows. Past ``MAX_PADDING`` times the rows the product goes group by group instead."""
+    from hosted_tinker.rank.experts import MAX_PADDING, padding_pays
+
+    assert padding_pays([130, 120, 125, 140] * 32)  # balanced routing over 128 experts
+    assert not padding_pays([16384 * 8] + [0] * 127)  # everything to one expert
+    assert not padding_pays([0] * 255 + [1000, 1000])  # two spans × 128 experts, one group busy
+    assert MAX_PADDING <= 4
