@@ -54,7 +54,7 @@ def padded_logprobs(model, handles, data: list[DatumInput], **_) -> list[torch.T
         p.requires_grad_(True)
     lm = model.adapters.lm
     longest = max(d.num_tokens for d in data)
-    model.adapters.routes.segments = [(0, longest, handle.name)]  # every row, whole
+    model.adapters.routes.everything(handle.name)  # every row, whole (an MoE block sees them flattened)
     ids = torch.zeros((len(data), longest), dtype=torch.long)
     mask = torch.zeros((len(data), longest), dtype=torch.long)
     for row, d in enumerate(data):

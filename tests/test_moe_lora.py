@@ -1,113 +1,35 @@
 """LoRA on the routed experts of mixture-of-experts models (``rank.experts``), pinned against an
-independent float64 reference: the same HF model in float64 with every adapter applied by hand,
-each routed token through its own expert's ``B_e(A_e x)`` one token at a time (no sorting, no
-grouping), and every dense LoRA layer as ``B(A x)`` in a forward hook. Tiny random Qwen3-MoE
-(fused concatenated experts) and DeepSeek-V3 (MLA, a dense layer 0, shared experts) models are
-built in the test; nothing is downloaded."""
+independent float64 reference (``tests.support.lora_reference``): the same HF model in float64
+with every adapter applied by hand. Tiny random Qwen3-MoE (fused concatenated experts),
+DeepSeek-V3 (MLA, a dense layer 0, shared experts) and Qwen3.5-MoE (hybrid linear attention,
+a shared expert with its gate) models are built in the test; nothing is downloaded."""
 
 from __future__ import annotations
 
 import copy
 import math
-import types
 
 import numpy as np
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from hosted_tinker.core.tiny_model import build_tiny_model
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.adapters import KEY_PREFIX
 from hosted_tinker.rank.model import HfLoraModel
 from hosted_tinker.rank.serve import Rank, local_rank
+from tests.support.lora_reference import assert_close_in_float32, datum, reference_logprobs, trained_looking
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(300)]
 
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "qwen3_5_moe")  # the last: hybrid linear attention
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
 def rank(request, tmp_path_factory) -> Rank:
     path = build_tiny_model(tmp_path_factory.mktemp("models") / request.param, family=request.param, hidden_size=64)
     return local_rank(str(path))
-
-
-def datum(tokens: list[int]) -> DatumInput:
-    return DatumInput(
-        tokens=torch.tensor(tokens[:-1]),
-        target_tokens=torch.tensor(tokens[1:]),
-        inputs={"weights": torch.ones(len(tokens) - 1)},
-    )
-
-
-def trained_looking(model: HfLoraModel, spec: LoraSpec):
-    """An adapter whose B matrices are off zero (a new one changes nothing)."""
-    handle = model.add_adapter(spec)
-    g = torch.Generator().manual_seed(spec.seed)
-    with torch.no_grad():
-        for key, p in zip(handle.keys, handle.params, strict=True):
-            if ".lora_B." in key:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return handle
-
-
-def assert_close_in_float32(got: Tensor, want: Tensor) -> None:
-    """Equal up to float32's rounding, measured against the tensor's largest entry (gradients
-    reach the first layers through sums of many terms: their small entries keep no fixed
-    relative precision)."""
-    torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=2e-5 * float(want.abs().max()) + 1e-9)
-
-
-# ---- the reference -----------------------------------------------------------------------------
-
-
-def reference_logprobs(model: HfLoraModel, weights: dict[str, Tensor], scale: float, data: DatumInput):
-    """Target log-probs of ``data`` under ``weights`` (keyed as checkpoints key them), and their
-    gradients with respect to each tensor: float64 throughout, every update applied by hand."""
-    ref = copy.deepcopy(model.shareable_base).double()  # the clean tree: no hook of ours on it
-    leaves = {k: v.detach().double().clone().requires_grad_(True) for k, v in weights.items()}
-    loras: dict[str, dict[str, Tensor]] = {}
-    for key, tensor in leaves.items():
-        module, part = key.removeprefix(KEY_PREFIX).rsplit(".", 2)[:2]
-        loras.setdefault(module, {})[part] = tensor
-    for name, module in ref.named_modules():
-        if name in loras and isinstance(module, nn.Linear):
-            lora = loras[name]
-            module.register_forward_hook(
-                lambda m, args, out, lora=lora: out + scale * (args[0] @ lora["lora_A"].T @ lora["lora_B"].T)
-            )
-        elif f"{name}.w1" in loras or f"{name}.w2" in loras:
-            module.forward = types.MethodType(per_token_experts(name, loras, scale), module)
-    logits = ref(input_ids=data.tokens[None]).logits[0]
-    logprobs = logits.log_softmax(-1).gather(-1, data.target_tokens[:, None])[:, 0]
-    grads = torch.autograd.grad(logprobs.sum(), list(leaves.values()))
-    return logprobs.detach(), dict(zip(leaves, grads, strict=True))
-
-
-def per_token_experts(name: str, loras: dict[str, dict[str, Tensor]], scale: float):
-    def update(lora: dict[str, Tensor] | None, e: int, v: Tensor) -> Tensor | int:
-        if lora is None:
-            return 0
-        a, b = lora["lora_A"], lora["lora_B"]  # a factor of leading dimension 1 is every expert's
-        return scale * (b[e if len(b) > 1 else 0] @ (a[e if len(a) > 1 else 0] @ v))
-
-    def forward(experts: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        size = experts.intermediate_dim
-        out = []
-        for t in range(hidden.shape[0]):
-            x, total = hidden[t], torch.zeros_like(hidden[t])
-            for k in range(top_k_index.shape[1]):
-                e = int(top_k_index[t, k])
-
-                gate = experts.gate_up_proj[e][:size] @ x + update(loras.get(f"{name}.w1"), e, x)
-                up = experts.gate_up_proj[e][size:] @ x + update(loras.get(f"{name}.w3"), e, x)
-                h = experts.act_fn(gate) * up
-                total = total + top_k_weights[t, k] * (experts.down_proj[e] @ h + update(loras.get(f"{name}.w2"), e, h))
-            out.append(total)
-        return torch.stack(out)
-
-    return forward
 
 
 # ---- the tests -----------------------------------------------------------------------------------
@@ -322,14 +244,27 @@ REAL_CONFIGS = {
             "num_experts_per_tok": 8,
         },
     ),
-    # linear attention (issue #40) aside, only its MLP and unembedding are compared
+    # hybrid: three Gated-DeltaNet layers (LoRA on q, k, v apart, z and out) to one gated full
+    # attention layer (``rank.linear_attention``); transformers' defaults are Qwen3.5-9B's shape
+    "Qwen/Qwen3.5-4B": (
+        "Qwen3_5TextConfig",
+        {"hidden_size": 2560, "intermediate_size": 9216, "tie_word_embeddings": True},
+    ),
+    "Qwen/Qwen3.5-9B": ("Qwen3_5TextConfig", {}),
+    "Qwen/Qwen3.5-27B": (
+        "Qwen3_5TextConfig",
+        {
+            "hidden_size": 5120,
+            "intermediate_size": 17408,
+            "num_hidden_layers": 64,
+            "num_attention_heads": 24,
+            "linear_num_value_heads": 48,
+        },
+    ),
     "Qwen/Qwen3.5-35B-A3B": (
         "Qwen3_5MoeTextConfig",
         {
-            "hidden_size": 2048,
-            "num_hidden_layers": 40,
             "moe_intermediate_size": 512,
-            "vocab_size": 248320,
             "shared_expert_intermediate_size": 512,
             "num_experts": 256,
             "num_experts_per_tok": 8,
@@ -344,7 +279,8 @@ def test_lora_parameters_per_rank_are_the_services(name: str):
     each of train_attn, train_mlp and train_unembed (measured on the service). The modules and
     shapes this server puts LoRA on give the same counts: for MoE models that is one LoRA per
     routed expert with the hidden side's factor shared (``rank.experts``), shared experts as
-    linear layers, and no LoRA on routers or a shared expert's gate."""
+    linear layers, and no LoRA on routers or a shared expert's gate; for Qwen3.5's linear
+    attention, q, k and v each their own LoRA and none on the per-head gates."""
     import transformers
     from tinker_cookbook.hyperparam_utils import _LORA_PARAMS_PER_RANK_BY_COMPONENT as SERVICE
 
@@ -359,9 +295,7 @@ def test_lora_parameters_per_rank_are_the_services(name: str):
         group: sum(math.prod(shape) for target in targets for shape in adapters.lora_shapes(target, 1))
         for group, targets in target_modules(model).items()
     }
-    expected = SERVICE[name]
-    groups = ("mlp", "unembed") if "3.5" in name else ("mlp", "attn", "unembed")
-    assert {g: counts[g] for g in groups} == {g: expected[g] for g in groups}
+    assert counts == SERVICE[name]
 
 
 def test_interleaved_transposed_experts_with_biases_take_lora_as_the_reference():

@@ -1,6 +1,7 @@
 """Mixture-of-experts models through the front door: a server started on a tiny random Qwen3-MoE
-(fused experts, as transformers 5 builds Qwen3-30B-A3B) or DeepSeek-V3 (MLA, a dense first
-layer, shared experts: Kimi-K2's architecture), trained with the real tinker SDK; its export
+(fused experts, as transformers 5 builds Qwen3-30B-A3B), DeepSeek-V3 (MLA, a dense first
+layer, shared experts: Kimi-K2's architecture) or Qwen3.5-MoE (Qwen3.6-35B-A3B's: hybrid
+linear attention, a gated shared expert), trained with the real tinker SDK; its export
 downloaded through the SDK's signed URLs and read by the cookbook's own ``weights`` tools, as a
 user of the service would read what the service wrote."""
 
@@ -22,7 +23,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ALIAS = "tiny-moe"
 TOKENS = list(range(5, 45))
-ARCHS = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+ARCHS = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",  # and hybrid linear attention
+}
 
 
 def datum(tokens: list[int], weight: float = 1.0) -> types.Datum:
@@ -72,7 +77,7 @@ def test_training_moves_the_experts_and_the_export_holds_them_as_tinker_does(moe
     weights = load_file(adapter / "adapter_model.safetensors")
     assert "base_model.model.model.unembed_tokens.lora_B.weight" in weights  # Tinker's name for lm_head's
     assert not any(".lm_head." in k for k in weights)
-    for layer in (0, 1) if moe["arch"] == "Qwen3MoeForCausalLM" else (1,):  # DeepSeek's layer 0 is dense
+    for layer in (1,) if moe["arch"] == "DeepseekV3ForCausalLM" else (0, 1):  # DeepSeek's layer 0 is dense
         prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
         assert weights[f"{prefix}.w1.lora_A.weight"].shape == (1, 4, 64)  # one for all experts
         assert weights[f"{prefix}.w3.lora_B.weight"].shape == (8, 32, 4)  # each expert's
@@ -108,7 +113,7 @@ def test_the_cookbooks_merge_of_the_export_scores_as_the_server_does(moe):
     from safetensors.torch import load_file
 
     peft = load_file(served / "adapter_model.safetensors")
-    layers = 2 if moe["arch"] == "Qwen3MoeForCausalLM" else 1
+    layers = 1 if moe["arch"] == "DeepseekV3ForCausalLM" else 2
     routed = [k for k in peft if ".experts." in k and ".shared_experts." not in k]
     assert len(routed) == layers * 3 * 8 * 2  # layers × projections × experts × (A, B)
 

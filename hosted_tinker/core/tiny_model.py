@@ -64,7 +64,7 @@ def build_tokenizer(vocab_size: int = 512):
     return fast
 
 
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")  # what ``family`` may name
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe")  # what ``family`` may name
 
 
 def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: int, initializer_range: float, tok):
@@ -124,6 +124,44 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             v_head_dim=head_dim,
             tie_word_embeddings=False,
         )
+    if family in ("qwen3_5", "qwen3_5_moe"):  # Gated-DeltaNet layers, then gated full attention
+        hybrid = dict(
+            common,
+            intermediate_size=3 * hidden_size,
+            num_key_value_heads=2,
+            head_dim=head_dim,
+            layer_types=["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=family == "qwen3_5",  # as Qwen3.5-4B; the MoE models keep their own head
+        )
+        # Every Qwen3.5 / 3.6 checkpoint is a vision-language model (its language model's weights
+        # under model.language_model.): so is this one, with a vision tower of one small block.
+        vision = dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=hidden_size,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            initializer_range=initializer_range,
+        )
+        tied = hybrid.pop("tie_word_embeddings")
+        if family == "qwen3_5":
+            return transformers.Qwen3_5Config(text_config=hybrid, vision_config=vision, tie_word_embeddings=tied)
+        moe = dict(
+            moe_intermediate_size=hidden_size // 2,
+            shared_expert_intermediate_size=hidden_size // 2,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
+        return transformers.Qwen3_5MoeConfig(text_config=hybrid | moe, vision_config=vision, tie_word_embeddings=tied)
     raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
 
 
@@ -139,7 +177,7 @@ def build_tiny_model(
 ) -> Path:
     """Write the model and tokenizer into ``out_dir`` atomically and return its path."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -158,7 +196,9 @@ def build_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg)
+        # a vision-language config builds the whole model (tower and all), as its checkpoints hold it
+        auto = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
+        model = auto.from_config(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(tmp)

@@ -161,8 +161,12 @@ class Capabilities:
     dtype: str = "float32"
     lora_compute: str = "float32"
     activation_memory_gib: float | str | None = None
+    family: str = ""  # its config's model_type, e.g. qwen3_5_moe
     # routed experts per mixture-of-experts layer (0: a dense model); train_mlp puts a LoRA on each
     routed_experts: int = 0
+    # Gated-DeltaNet (linear attention) layers, trained over packed sequences (0: none)
+    linear_attention_layers: int = 0
+    images: bool = False  # whether a ModelInput may hold images (ImageChunk) for this model
     # which of train_attn / train_mlp / train_unembed find layers to train on this model
     lora_groups: tuple[str, ...] = ("attn", "mlp", "unembed")
 

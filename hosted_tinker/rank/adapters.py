@@ -44,6 +44,7 @@ from hosted_tinker.rank.experts import (
     experts_modules,
     use_lora_experts,
 )
+from hosted_tinker.rank.linear_attention import split_targets
 
 # [start, end) of the token stream (end None: to its end, however long), and the adapter it runs under
 Segment = tuple[int, int | None, str]
@@ -189,8 +190,18 @@ class LoraAdapters:
         # LoRA targets in the model's order: its modules, and after each fused experts module
         # its projections (``<experts>.w1`` ...), which are not modules of their own
         self.experts = experts_modules(lm)
+        # and after each fused q/k/v projection of a Gated-DeltaNet layer, Tinker's separate
+        # q, k and v targets (``rank.linear_attention``): row slices of it, each a LoRA of its own
+        self.slices = split_targets(lm)
+        self._parts: dict[str, list[str]] = {}  # fused linear layer -> its slice targets, in row order
+        for target, (fused, _, _) in self.slices.items():
+            self._parts.setdefault(fused, []).append(target)
         targets = [
-            (name, *([f"{name}.{p}" for p in PROJECTIONS] if name in self.experts else []))
+            (
+                name,
+                *([f"{name}.{p}" for p in PROJECTIONS] if name in self.experts else []),
+                *self._parts.get(name, []),
+            )
             for name, _ in lm.named_modules()
         ]
         self._order = {target: i for i, target in enumerate(t for group in targets for t in group)}
@@ -213,6 +224,9 @@ class LoraAdapters:
         experts, _, projection = target.rpartition(".")
         if experts in self.experts and projection in PROJECTIONS:
             return self.experts[experts].lora_shapes(projection, rank)
+        if target in self.slices:
+            fused, start, end = self.slices[target]
+            return (rank, self.linear(fused).in_features), (end - start, rank)
         out_features, in_features = self.linear(target).weight.shape
         return (rank, in_features), (out_features, rank)
 
@@ -244,9 +258,11 @@ class LoraAdapters:
                     hook = ExpertsHook(self._expert_spans(experts), self.compute)
                     setattr(self.lm.get_submodule(experts), HOOK_ATTR, hook)
                     self._hooked.add(experts)
-            elif module not in self._hooked:
-                self.linear(module).register_forward_hook(self._hook(module))
-                self._hooked.add(module)
+            else:
+                layer = self.slices[module][0] if module in self.slices else module
+                if layer not in self._hooked:
+                    self.linear(layer).register_forward_hook(self._hook(layer))
+                    self._hooked.add(layer)
         name = f"a{self._added}"
         self._added += 1
         self.adapters[name] = adapter
@@ -256,18 +272,31 @@ class LoraAdapters:
         self.adapters.pop(name, None)
 
     def _hook(self, module: str) -> Callable[[nn.Module, tuple, Tensor], Tensor]:
+        parts = self._parts.get(module, [])
+
         def add_updates(layer: nn.Module, args: tuple, output: Tensor) -> Tensor:
             x = args[0]
-            spans = [
-                self._span(module, start, x.shape[-2] if end is None else end, name)
-                for start, end, name in self.routes.segments
-            ]
-            if all(span.lora is None for span in spans):
-                return output
             dtype = products_dtype(self.compute, output.dtype)
-            return add_into(output, span_updates(x, spans, output.shape[-1], dtype))
+            whole = self._spans(module, x)
+            update = (
+                None if all(span.lora is None for span in whole) else span_updates(x, whole, output.shape[-1], dtype)
+            )
+            if parts:  # Tinker's q/k/v of a fused projection: each slice of rows its own LoRA
+                sliced = [self._spans(part, x) for part in parts]
+                if any(span.lora is not None for spans in sliced for span in spans):
+                    rows = [self.slices[part][2] - self.slices[part][1] for part in parts]
+                    by_rows = torch.cat([span_updates(x, s, n, dtype) for s, n in zip(sliced, rows, strict=True)], -1)
+                    update = by_rows if update is None else update + by_rows
+            return output if update is None else add_into(output, update)
 
         return add_updates
+
+    def _spans(self, module: str, x: Tensor) -> list[Span]:
+        """The spans of ``module``'s input ``x`` as routed now, each with its adapter's LoRA there."""
+        return [
+            self._span(module, start, x.shape[-2] if end is None else end, name)
+            for start, end, name in self.routes.segments
+        ]
 
     def _expert_spans(self, experts: str) -> Callable[[int], list[ExpertSpan]]:
         """The spans of a fused experts module's input of ``tokens`` tokens, as routed now."""

@@ -132,6 +132,14 @@ def _prompt_scores(
     return logprobs, topk
 
 
+def _recurrent_states(layer: object) -> list[dict[int, Tensor | None]]:
+    """A cache layer's per-row states of linear attention (Qwen3.5's Gated-DeltaNet: the causal
+    convolution's window and the delta rule's state, batch first), if it has them."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return [layer.conv_states, layer.recurrent_states] if isinstance(layer, LinearAttentionCacheLayerMixin) else []
+
+
 @dataclass
 class _Live:
     """The rows being decoded: row r is sample ``rows[r][1]`` of request ``rows[r][0]``.
@@ -153,7 +161,12 @@ class _Live:
         self.rows = [self.rows[r] for r in keep]
         self.generators = [self.generators[r] for r in keep]
         self.mask, self.positions, self.last = self.mask[index], self.positions[index], self.last[index]
-        self.cache.batch_select_indices(index)
+        for layer in self.cache.layers:
+            for states in _recurrent_states(layer):
+                for i, state in states.items():
+                    states[i] = None if state is None else state[index]
+            if hasattr(layer, "batch_select_indices"):  # keys and values (a linear-attention layer has none)
+                layer.batch_select_indices(index)
 
     def merge(self, other: _Live) -> None:
         """Append ``other``'s rows, left-padding the shorter history so both line up."""
@@ -168,8 +181,14 @@ class _Live:
             return torch.cat([t.new_zeros(shape), t], dim=dim)
 
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)])
-            mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)])
+            # a linear-attention layer's states are one fixed-size tensor per row: no history to align
+            for my_states, their_states in zip(_recurrent_states(mine), _recurrent_states(theirs), strict=True):
+                for i, state in my_states.items():
+                    if state is not None:
+                        my_states[i] = torch.cat([state, their_states[i]])
+            if hasattr(mine, "keys"):
+                mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)])
+                mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)])
         self.mask = torch.cat([pad(self.mask, 1), pad(other.mask, 1)])
         self.positions = torch.cat([self.positions, other.positions])
         self.last = torch.cat([self.last, other.last])

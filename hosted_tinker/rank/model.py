@@ -24,10 +24,11 @@ from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.logprobs import chunk_tokens_for, packed_targets, target_logprobs, unpacked
 from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
-from hosted_tinker.rank import attention
+from hosted_tinker.rank import attention, linear_attention
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import LoraAdapters, lora_config, segments
 from hosted_tinker.rank.experts import PROJECTIONS, experts_modules
+from hosted_tinker.rank.linear_attention import GATES, gated_delta_modules, split_targets
 
 _ATTN_HINTS = ("attn", "attention")
 _MLP_HINTS = ("mlp", "feed_forward", "ffn")
@@ -53,6 +54,8 @@ class LoraModel(Protocol):
 
     device: torch.device
     arch: str  # the base model's architecture class, e.g. Qwen3ForCausalLM
+    family: str  # its config's model_type, e.g. qwen3_5_moe
+    linear_attention_layers: int  # Gated-DeltaNet layers (``rank.linear_attention``)
     routed_experts: int  # per mixture-of-experts layer, each with its own LoRA under train_mlp (0: dense)
     lora_groups: tuple[str, ...]  # the LoRA flags (attn, mlp, unembed) that find layers on this model
     vocab_size: int
@@ -100,18 +103,26 @@ def zero_adapter(target: str, out_features: int, in_features: int, base: str) ->
 
 
 def target_modules(model: nn.Module) -> dict[str, list[str]]:
-    """Fully qualified names of what LoRA may wrap, grouped as Tinker's flags: linear layers, and
-    the projections of fused routed experts (``<experts>.w1``, ``.w3``, ``.w2``), which
-    ``train_mlp`` covers as the service's does."""
+    """Fully qualified names of what LoRA may wrap, grouped as Tinker's flags: linear layers, the
+    projections of fused routed experts (``<experts>.w1``, ``.w3``, ``.w2``), which ``train_mlp``
+    covers as the service's does, and a Gated-DeltaNet layer's q/k/v slices (``<layer>.in_proj_q``)."""
     head = model.get_output_embeddings()
     experts = experts_modules(model)
+    # a Gated-DeltaNet layer's fused q/k/v projection takes LoRA as Tinker's three slices, its
+    # per-head gates none (``rank.linear_attention``)
+    sliced: dict[str, list[str]] = {}
+    for target, (fused, _, _) in split_targets(model).items():
+        sliced.setdefault(fused, []).append(target)
+    gates = {f"{layer}.{gate}" for layer in gated_delta_modules(model) for gate in GATES}
     groups: dict[str, list[str]] = {"attn": [], "mlp": [], "unembed": []}
     for name, module in model.named_modules():
         if module is head:
             groups["unembed"].append(name)
         elif name in experts:
             groups["mlp"].extend(f"{name}.{p}" for p in PROJECTIONS)
-        elif isinstance(module, nn.Linear) and not _routes(name):
+        elif name in sliced:
+            groups["attn"].extend(sliced[name])
+        elif isinstance(module, nn.Linear) and not _routes(name) and name not in gates:
             parts = name.lower().split(".")
             if any(h in p for p in parts for h in _ATTN_HINTS):
                 groups["attn"].append(name)
@@ -128,11 +139,26 @@ def _routes(name: str) -> bool:
     return last in ("gate", "router") or last.endswith("_gate")
 
 
+def family(model_path: str) -> str:
+    """The checkpoint's ``model_type`` (``qwen3_5`` for Qwen3.5, whose language model alone,
+    what trains here, is ``qwen3_5_text``)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path).model_type
+
+
 def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:
     """The frozen HF causal LM from ``model_path`` (a local folder), in eval mode on ``device``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    config = AutoConfig.from_pretrained(model_path)
+    text = config.get_text_config()
+    if text is not config and getattr(config, "tie_word_embeddings", False):
+        # A vision-language checkpoint (every Qwen3.5 / 3.6) loads as its language model alone, under
+        # its text config, which need not repeat the top level's tie: Qwen3.5-4B's head would be
+        # drawn at random instead of being its embeddings.
+        text.tie_word_embeddings = True
+    base = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=getattr(torch, dtype))
     base.to(device).eval()
     base.requires_grad_(False)
     return base
@@ -160,6 +186,7 @@ class HfLoraModel:
         self.device = torch.device(device)
         self.base = load_base(model_path, self.device, dtype)
         self.arch = type(self.base).__name__
+        self.family = family(model_path)
         self.vocab_size = self.base.config.vocab_size
         self.max_positions = getattr(self.base.config, "max_position_embeddings", None) or 32768
         self.lora_alpha = lora_alpha
@@ -171,6 +198,7 @@ class HfLoraModel:
         # The training tree runs packed sequences (``rank.attention``); the sampler's keeps sdpa.
         self.attention_impl = attention.implementation(self.device, self.base.dtype)
         self.base.set_attn_implementation(self.attention_impl)
+        self.linear_attention_layers = linear_attention.install(self.base)
         from transformers.modeling_layers import GradientCheckpointingLayer  # the decoder layers
 
         self.layers = [m for m in self.base.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -199,7 +227,8 @@ class HfLoraModel:
         return lora_config(rank, self.lora_alpha, modules, self.base.config.name_or_path)
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
-        target = (self.targets["attn"] or self.targets["mlp"])[0]
+        linear = (t for t in (*self.targets["attn"], *self.targets["mlp"]) if t not in self.adapters.slices)
+        target = next(linear)  # a module of its own: not a slice of one
         out_features, in_features = self.shareable_base.get_submodule(target).weight.shape  # the clean tree
         return zero_adapter(target, out_features, in_features, self.base.config.name_or_path)
 

@@ -92,15 +92,12 @@ class EmbeddedSampler:
             for name, module in self.adapters.lm.named_modules()
             if isinstance(module, nn.Linear) and targeted(name, wanted, module is head)
         }
-        # routed experts' projections (``rank.experts``): named as modules are, though they are not,
-        # and never by ``all-linear`` (PEFT's, which selects linear layers only)
+        # routed experts' projections (``rank.experts``) and Tinker's q/k/v slices of a fused
+        # projection (``rank.linear_attention``): named as modules are, though they are not, and
+        # never by ``all-linear`` (PEFT's, which selects linear layers only)
         if not (isinstance(wanted, str) and wanted.lower() == "all-linear"):
-            selected |= {
-                f"{experts}.{p}"
-                for experts in self.adapters.experts
-                for p in PROJECTIONS
-                if targeted(f"{experts}.{p}", wanted, False)
-            }
+            virtual = [f"{experts}.{p}" for experts in self.adapters.experts for p in PROJECTIONS]
+            selected |= {target for target in (*virtual, *self.adapters.slices) if targeted(target, wanted, False)}
         device = next(self.adapters.lm.parameters()).device
         layers: dict[str, Lora] = {}
         for module in self.adapters.in_model_order(selected):

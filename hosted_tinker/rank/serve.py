@@ -123,7 +123,9 @@ def build_rank(spec: RankSpec) -> Rank:
         dtype=spec.dtype,
         lora_compute=spec.lora_compute,
         activation_memory_gib=activation_memory / 2**30 if isinstance(activation_memory, float) else activation_memory,
+        family=model.family,
         routed_experts=model.routed_experts,
+        linear_attention_layers=model.linear_attention_layers,
         lora_groups=model.lora_groups,
     )
     return Rank(capabilities, trainer, sampler)

@@ -31,6 +31,7 @@ class HfShape:
     """What of the HF config decides the megatron model and its sharding."""
 
     arch: str
+    family: str  # the config's model_type
     layers: int
     hidden: int
     heads: int
@@ -57,6 +58,7 @@ class HfShape:
         heads = config["num_attention_heads"]
         return cls(
             arch=arch,
+            family=config.get("model_type", ""),
             layers=config["num_hidden_layers"],
             hidden=config["hidden_size"],
             heads=heads,

@@ -75,7 +75,9 @@ class McoreLoraModel:
         self.gpt.requires_grad_(False)
         self.layers = list(self.gpt.decoder.layers)
         self.arch = shape.arch
+        self.family = shape.family
         self.routed_experts = 0  # dense models only (mixture-of-experts is the HF path's)
+        self.linear_attention_layers = 0  # so is linear attention
         self.vocab_size = shape.vocab
         self.max_positions = shape.max_positions
         self.pad_id = 0  # fills a sequence-parallel stream to a multiple of tp, as its own sequence

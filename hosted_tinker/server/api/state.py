@@ -291,6 +291,12 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
             f"--inference vllm: {backend.capabilities.arch} trains a LoRA on every routed expert, which is not "
             "handed to vLLM yet; serve it with the embedded engine (leave out --inference vllm / --inference-url)"
         )
+    if backend.capabilities.linear_attention_layers:
+        # Tinker's separate q/k/v LoRA would have to be fused into vLLM's in_proj_qkv, not done yet
+        raise SystemExit(
+            f"--inference vllm: {backend.capabilities.arch} has linear-attention layers whose LoRA is not "
+            "handed to vLLM yet; serve it with the embedded engine (leave out --inference vllm / --inference-url)"
+        )
     if config.inference_url is not None:
         host = ExternalVllm(config.inference_url)
     else:

@@ -1,0 +1,1 @@
+"""What tests share: independent references, data builders (no tests here)."""
