@@ -61,7 +61,7 @@ def padded_logprobs(model, handles, data: list[DatumInput], **_) -> list[torch.T
         ids[row, : d.num_tokens] = d.tokens
         mask[row, : d.num_tokens] = 1
     packed_implementation = lm.config._attn_implementation
-    lm.set_attn_implementation("sdpa")
+    lm.set_attn_implementation("sdpa" if lm._supports_sdpa else "eager")  # gpt-oss: eager only
     try:
         decoder = getattr(lm, lm.base_model_prefix)
         hidden = decoder(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state

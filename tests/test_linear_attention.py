@@ -1,8 +1,8 @@
 """Qwen3.5's hybrid linear attention (``rank.linear_attention``): packed sequences kept apart in
 the Gated-DeltaNet layers, LoRA in Tinker's layout there (q, k, v apart; z and out; no gates),
 against transformers' own forward of each sequence alone and an independent float64 reference
-(``tests.support.lora_reference``); and the embedded sampler's per-row linear-attention state
-as rows leave and join a decode. Packed == padded for every loss: ``tests/test_packing.py``;
+(``tests.support.lora_reference``). Packed == padded for every loss: ``tests/test_packing.py``;
+rows leaving and joining a decode: ``tests/test_sampling_families.py``;
 the MoE variant's experts: ``tests/test_moe_lora.py``; through the SDK:
 ``tests/test_linear_attention_sdk.py``."""
 
@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hosted_tinker.core.sampling import Admission, SampleSpec
 from hosted_tinker.core.tiny_model import build_tiny_model
 from hosted_tinker.core.types import LoraSpec
 from hosted_tinker.rank import linear_attention
@@ -149,46 +148,6 @@ def test_recomputed_linear_attention_layers_give_the_same_bits(rank: Rank):
         for got, want in zip([*again, *again_grads], [*kept, *kept_grads], strict=True):
             assert torch.equal(got, want)
     finally:
-        model.remove_adapter(handle)
-
-
-def test_rows_leaving_and_joining_a_decode_keep_their_own_state(rank: Rank):
-    """The embedded sampler decodes rows of unequal prompts (left-padded: the linear-attention
-    layers must see zeros there, as transformers masks them), drops finished rows and takes in a
-    request mid-run: every sampled token's log-prob is the trainer's for that sequence."""
-    model: HfLoraModel = rank.trainer.model
-    handle = trained_looking(model, LoraSpec(rank=4, seed=5))
-    key = "linear-attention-sampler"
-    try:
-        from hosted_tinker.core.checkpoints import adapter_files, adapter_weights
-
-        tensors = {k: p.detach() for k, p in zip(handle.keys, handle.params, strict=True)}
-        files = adapter_files(model.adapter_config(handle), tensors)
-        rank.sampler.load_sampler(
-            key, model.adapter_config(handle), adapter_weights(files["adapter_model.safetensors"])
-        )
-        first = [
-            SampleSpec(prompt=list(range(10, 31)), max_tokens=3, num_samples=2, seed=1),
-            SampleSpec(prompt=[40, 41, 42], max_tokens=9, seed=2),
-        ]
-        late = SampleSpec(prompt=list(range(100, 112)), max_tokens=6, seed=3)
-        steps = []
-
-        def admit() -> Admission:
-            steps.append(None)
-            return Admission([late] if len(steps) == 2 else [])  # joins after two decode steps
-
-        outputs = rank.sampler.generate(key, first, admit=admit)
-        assert len(outputs) == 3
-        with torch.no_grad():
-            for spec, output in zip([*first, late], outputs, strict=True):
-                for seq in output.sequences:
-                    assert len(seq.tokens) == spec.max_tokens
-                    tokens = spec.prompt + seq.tokens
-                    trained = model.logprobs([handle], [datum(tokens)])[0][len(spec.prompt) - 1 :]
-                    torch.testing.assert_close(torch.tensor(seq.logprobs), trained, rtol=0, atol=1e-4)
-    finally:
-        rank.sampler.adapters.routes.everything(None)
         model.remove_adapter(handle)
 
 

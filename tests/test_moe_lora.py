@@ -244,6 +244,14 @@ REAL_CONFIGS = {
             "num_experts_per_tok": 8,
         },
     ),
+    "openai/gpt-oss-20b": (
+        "GptOssConfig",
+        {"hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_local_experts": 32},
+    ),
+    "openai/gpt-oss-120b": (
+        "GptOssConfig",
+        {"hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36, "num_local_experts": 128},
+    ),
     # hybrid: three Gated-DeltaNet layers (LoRA on q, k, v apart, z and out) to one gated full
     # attention layer (``rank.linear_attention``); transformers' defaults are Qwen3.5-9B's shape
     "Qwen/Qwen3.5-4B": (

@@ -27,6 +27,7 @@ ARCHS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",  # and hybrid linear attention
+    "gpt_oss": "GptOssForCausalLM",  # attention sinks, sliding windows, interleaved experts with biases
 }
 
 

@@ -1,6 +1,7 @@
 """Packed micro-batches (no padding) and per-layer activation recomputation, against the padded
 path they replaced (``tests.batches.padded_path``), for every loss, on one in-process rank: full
-attention (Qwen3) and hybrid linear attention (Qwen3.5, dense and MoE).
+attention (Qwen3), hybrid linear attention (Qwen3.5, dense and MoE), attention sinks and sliding
+windows (gpt-oss).
 The parallel plans (ddp, megatron) are held to the same padded path in float64 by
 ``tests/test_plans.py``, with recomputation on in one layout of each."""
 
@@ -21,10 +22,11 @@ from tests.batches import padded_path, random_batch
 pytestmark = pytest.mark.fast
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", "qwen3_5_moe", "gpt_oss"])
 def rank(request, tiny_model_dir, tmp_path_factory) -> Rank:
-    """A rank on the tiny Qwen3; or on a tiny Qwen3.5, dense or MoE, whose Gated-DeltaNet layers
-    must restart their convolution and recurrence at each packed sequence (``rank.linear_attention``)."""
+    """A rank on the tiny Qwen3; on a tiny Qwen3.5, dense or MoE, whose Gated-DeltaNet layers must
+    restart their convolution and recurrence at each packed sequence (``rank.linear_attention``);
+    or on a tiny gpt-oss, whose attention has sinks and, every other layer, a sliding window."""
     if request.param == "qwen3":
         return local_rank(str(tiny_model_dir))
     path = tmp_path_factory.mktemp("models") / request.param
@@ -131,7 +133,7 @@ def test_a_long_sequence_recomputes_its_layers(trainer: Trainer, monkeypatch):
 
 
 def test_flash_attention_only_for_16_bit_models_on_cuda(monkeypatch):
-    """flash-attn's varlen kernels take fp16/bf16 only: a float32 model on CUDA stays on packed SDPA."""
+    """flash-attn's varlen kernels take fp16/bf16 only: a float32 model on CUDA stays on packed attention."""
     import importlib.util
 
     from hosted_tinker.rank import attention
@@ -144,18 +146,18 @@ def test_flash_attention_only_for_16_bit_models_on_cuda(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert attention.implementation(cuda, torch.bfloat16) == "flash_attention_2"
     assert attention.implementation(cuda, torch.float16) == "flash_attention_2"
-    assert attention.implementation(cuda, torch.float32) == attention.PACKED_SDPA
-    assert attention.implementation(torch.device("cpu"), torch.bfloat16) == attention.PACKED_SDPA
+    assert attention.implementation(cuda, torch.float32) == attention.PACKED
+    assert attention.implementation(torch.device("cpu"), torch.bfloat16) == attention.PACKED
 
 
-def test_packed_sdpa_reads_the_bounds_on_the_host():
-    """Packed SDPA cuts the row in Python in every layer: its bounds stay on the host (read from a
+def test_packed_attention_reads_the_bounds_on_the_host():
+    """Packed attention cuts the row in Python in every layer: its bounds stay on the host (read from a
     GPU, each layer would wait for it); flash-attn's kernels read them on the device ("meta"
     stands in for a GPU here; tests/test_gpu.py checks the layers on one)."""
     from hosted_tinker.rank import attention
 
     cu_seqlens, device = torch.tensor([0, 3, 8], dtype=torch.int32), torch.device("meta")
-    host = attention.packing_kwargs(cu_seqlens, 5, attention.PACKED_SDPA, device)
+    host = attention.packing_kwargs(cu_seqlens, 5, attention.PACKED, device)
     assert host["cu_seq_lens_q"].device.type == "cpu" and host["max_length_q"] == 5
     flash = attention.packing_kwargs(cu_seqlens, 5, "flash_attention_2", device)
     assert flash["cu_seq_lens_q"].device.type == "meta" and flash["cu_seq_lens_k"].device.type == "meta"

@@ -64,7 +64,7 @@ def build_tokenizer(vocab_size: int = 512):
     return fast
 
 
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe")  # what ``family`` may name
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "gpt_oss")  # what ``family`` may name
 
 
 def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: int, initializer_range: float, tok):
@@ -122,6 +122,18 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             qk_rope_head_dim=8,
             qk_nope_head_dim=8,
             v_head_dim=head_dim,
+            tie_word_embeddings=False,
+        )
+    if family == "gpt_oss":  # attention sinks, a sliding window every other layer, interleaved experts
+        return transformers.GptOssConfig(
+            **common,
+            num_key_value_heads=2,
+            head_dim=head_dim,
+            intermediate_size=hidden_size // 2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=16,  # shorter than the tests' sequences, so that it cuts
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
             tie_word_embeddings=False,
         )
     if family in ("qwen3_5", "qwen3_5_moe"):  # Gated-DeltaNet layers, then gated full attention

@@ -5,15 +5,21 @@ to T) marks where each sequence starts, and positions restart at 0 in each. No p
 computed, and attention costs ``Σ N²`` rather than ``count × longest²``.
 
 Transformers runs a model's attention through a registry of implementations; this module adds
-one, ``packed_sdpa``, that the training tree of ``rank.model`` uses. It runs PyTorch's
+one, ``packed``, that the training tree of ``rank.model`` uses. It runs PyTorch's
 ``scaled_dot_product_attention`` (causal) on each sequence's slice, which is exact on any device
 and keeps PyTorch's fused kernels (the CPU flash kernel, FlashAttention / memory-efficient on
 CUDA). Its mask function builds no mask: a ``T × T`` mask is what packing exists to avoid.
+(Its name holds no "sdpa": transformers would then refuse it for models without sdpa support.)
 
-On CUDA with ``flash_attn`` installed and a 16-bit model, transformers' own
+A layer with attention sinks (gpt-oss: a learned per-head logit that joins every softmax and
+takes its share of the weight) or a sliding window runs each sequence through the explicit
+product instead, as transformers' eager implementation computes it, the window counted within
+the sequence.
+
+On CUDA with ``flash_attn`` installed and a 16-bit model without sinks, transformers' own
 ``flash_attention_2`` is used instead (varlen kernels over the same ``cu_seq_lens`` keyword
-arguments: one launch for all sequences). No GPU has run that path here; ``packed_sdpa`` is its CPU twin and is what the
-equality tests pin.
+arguments: one launch for all sequences). No GPU has run that path here; ``packed`` is its CPU
+twin and is what the equality tests pin.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-PACKED_SDPA = "packed_sdpa"
+PACKED = "packed"
 
 
 def packed_causal_attention(
@@ -55,7 +61,43 @@ def packed_causal_attention(
     return torch.cat(parts, dim=2)
 
 
-def packed_sdpa_attention(
+def packed_attention_with_sinks(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bounds: list[int],
+    scale: float | None,
+    sinks: Tensor | None,
+    window: int | None,
+) -> Tensor:
+    """Causal attention within each packed sequence, a query seeing the last ``window`` positions
+    of its sequence at most (None: all before it), each head's softmax joined by its ``sinks``
+    logit (None: none), as transformers' eager attention of gpt-oss computes it. Shapes as
+    ``packed_causal_attention``."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    parts = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end == start:
+            continue
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        logits = (q @ k.transpose(2, 3)) * scale  # (1, H, n, n)
+        n = end - start
+        position = torch.arange(n, device=q.device)
+        hidden = position[None, :] > position[:, None]  # later keys
+        if window is not None:
+            hidden |= position[:, None] - position[None, :] >= window  # keys out of the window
+        logits = logits.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            logits = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(1, -1, n, 1).to(logits.dtype)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values  # as transformers does (16-bit overflow)
+        weights = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :n]  # the sink's share dropped
+        parts.append(weights.to(v.dtype) @ v)
+    return torch.cat(parts, dim=2)
+
+
+def packed_attention(
     module: nn.Module,
     query: Tensor,
     key: Tensor,
@@ -64,14 +106,22 @@ def packed_sdpa_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: Tensor | None = None,
+    sliding_window: int | None = None,
+    s_aux: Tensor | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """transformers' attention signature: query ``(1, H, T, D)`` -> ``(1, T, H, D)``. Without
-    ``cu_seq_lens_q`` the row is one sequence (a caller that did not pack)."""
+    ``cu_seq_lens_q`` the row is one sequence (a caller that did not pack). ``s_aux``: the
+    layer's attention sinks (gpt-oss)."""
     if query.shape[0] != 1:
         raise ValueError("packed attention takes one row of packed sequences")
     bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
-    out = packed_causal_attention(query, key, value, bounds, scaling, dropout if module.training else 0.0)
+    if s_aux is not None or sliding_window is not None:
+        if dropout and module.training:
+            raise ValueError("packed attention with sinks or a sliding window runs without dropout")
+        out = packed_attention_with_sinks(query, key, value, bounds, scaling, s_aux, sliding_window)
+    else:
+        out = packed_causal_attention(query, key, value, bounds, scaling, dropout if module.training else 0.0)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -81,33 +131,39 @@ def _no_mask(*args, **kwargs) -> None:
 
 
 def register() -> None:
-    """Make ``packed_sdpa`` an attention implementation transformers models can be set to."""
+    """Make ``packed`` an attention implementation transformers models can be set to."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
-    AttentionMaskInterface.register(PACKED_SDPA, _no_mask)
+    AttentionInterface.register(PACKED, packed_attention)
+    AttentionMaskInterface.register(PACKED, _no_mask)
 
 
-def implementation(device: torch.device, dtype: torch.dtype) -> str:
+def has_sinks(model: nn.Module) -> bool:
+    """Whether any attention layer of ``model`` has attention sinks (gpt-oss)."""
+    return any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in model.modules())
+
+
+def implementation(device: torch.device, dtype: torch.dtype, sinks: bool = False) -> str:
     """The attention implementation packed training runs on ``device`` for a ``dtype`` model
-    (flash-attn's kernels take 16-bit inputs only)."""
+    (flash-attn's kernels take 16-bit inputs only, and no attention sinks)."""
     if (
         device.type == "cuda"
         and dtype in (torch.bfloat16, torch.float16)
+        and not sinks
         and importlib.util.find_spec("flash_attn") is not None
     ):
         return "flash_attention_2"
     register()
-    return PACKED_SDPA
+    return PACKED
 
 
 def packing_kwargs(cu_seqlens: Tensor, max_len: int, implementation: str, device: torch.device) -> dict:
     """The keyword arguments a transformers model forwards to its attention for packed rows
-    (the names of transformers' ``FlashAttentionKwargs``). ``packed_sdpa`` reads the bounds in
+    (the names of transformers' ``FlashAttentionKwargs``). ``packed`` reads the bounds in
     Python, so its ``cu_seqlens`` stay on the host: read from a GPU in every layer they would make
     the host wait for the device each time, leaving it idle while the next kernels are queued.
     flash-attn's varlen kernels read them on the device."""
-    if implementation != PACKED_SDPA:
+    if implementation != PACKED:
         cu_seqlens = cu_seqlens.to(device)
     return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}

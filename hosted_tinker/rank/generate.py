@@ -172,7 +172,7 @@ class _Live:
         """Append ``other``'s rows, left-padding the shorter history so both line up."""
         width = max(self.mask.shape[1], other.mask.shape[1])
 
-        def pad(t: Tensor, dim: int) -> Tensor:
+        def pad(t: Tensor, dim: int, width: int = width) -> Tensor:
             missing = width - t.shape[dim]
             if missing == 0:
                 return t
@@ -187,8 +187,13 @@ class _Live:
                     if state is not None:
                         my_states[i] = torch.cat([state, their_states[i]])
             if hasattr(mine, "keys"):
-                mine.keys = torch.cat([pad(mine.keys, 2), pad(theirs.keys, 2)])
-                mine.values = torch.cat([pad(mine.values, 2), pad(theirs.values, 2)])
+                # a sliding-window layer keeps its last window - 1 positions only: both right-aligned
+                # with the mask, the shorter left-padded, as a full layer's
+                keys = max(mine.keys.shape[2], theirs.keys.shape[2])
+                mine.keys = torch.cat([pad(mine.keys, 2, keys), pad(theirs.keys, 2, keys)])
+                mine.values = torch.cat([pad(mine.values, 2, keys), pad(theirs.values, 2, keys)])
+                if hasattr(mine, "cumulative_length"):  # positions seen, padding included: the mask's width
+                    mine.cumulative_length = width
         self.mask = torch.cat([pad(self.mask, 1), pad(other.mask, 1)])
         self.positions = torch.cat([self.positions, other.positions])
         self.last = torch.cat([self.last, other.last])

@@ -158,7 +158,16 @@ def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:
         # its text config, which need not repeat the top level's tie: Qwen3.5-4B's head would be
         # drawn at random instead of being its embeddings.
         text.tie_word_embeddings = True
-    base = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=getattr(torch, dtype))
+    options = {}
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
+        # gpt-oss ships its experts in MXFP4; LoRA trains on the dense experts transformers
+        # dequantizes them to (where its kernels are installed it would keep them packed, untrainable)
+        from transformers import Mxfp4Config
+
+        options["quantization_config"] = Mxfp4Config(dequantize=True)
+    base = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=getattr(torch, dtype), **options)
     base.to(device).eval()
     base.requires_grad_(False)
     return base
@@ -196,7 +205,7 @@ class HfLoraModel:
         # a deep copy would take the training adapters' hooks along.
         self.shareable_base = sharing_weights(self.base)
         # The training tree runs packed sequences (``rank.attention``); the sampler's keeps sdpa.
-        self.attention_impl = attention.implementation(self.device, self.base.dtype)
+        self.attention_impl = attention.implementation(self.device, self.base.dtype, attention.has_sinks(self.base))
         self.base.set_attn_implementation(self.attention_impl)
         self.linear_attention_layers = linear_attention.install(self.base)
         from transformers.modeling_layers import GradientCheckpointingLayer  # the decoder layers
