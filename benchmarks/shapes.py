@@ -10,12 +10,14 @@ the output layer included; embedding lookups are free):
 
 with attention_fwd = 4 · layers · (heads · head_dim) · context: scores and values over a causal
 context of ``context`` positions on average (N/2 for one sequence of N, Σ N²/2 / Σ N for many).
+Hybrid models (Qwen3.5): ``hybrid_flops_per_token``.
 Recomputed activations are not counted: MFU is of the model's FLOPs, not of the work done.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,25 @@ SHAPES = {
         "rope_theta": 1_000_000.0,
         "tie_word_embeddings": False,
     },
+    # Qwen3.5's hybrid layout (issue #40): three Gated-DeltaNet layers to one gated full-attention
+    # layer. A CPU-sized one, and Qwen3.5-9B's language model (the cookbook's default) for a GPU.
+    "qwen3.5-h512-l4": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "vocab_size": 8192,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+    },
+    "qwen3.5-9b": {"model_type": "qwen3_5_text", "vocab_size": 248320, "max_position_embeddings": 40960},
 }
 
 
@@ -81,14 +102,14 @@ MODEL_CACHE = Path.home() / ".cache" / "hosted-tinker" / "bench-models"
 def random_model(shape: str, dtype: str, root: Path = MODEL_CACHE) -> str:
     """A model folder of ``SHAPES[shape]`` with random weights in ``dtype`` (and the tiny
     tokenizer: the benchmark feeds token ids), written once and reused."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return write_random_model(
-        Qwen3ForCausalLM, Qwen3Config(**SHAPES[shape], dtype=dtype), root / f"{shape}-random-{dtype}"
-    )
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields, dtype=dtype)
+    return write_random_model(AutoModelForCausalLM.from_config, config, root / f"{shape}-random-{dtype}")
 
 
-def write_random_model(model_class: type, config: Any, out: Path) -> str:
+def write_random_model(model_class: Callable[[Any], Any], config: Any, out: Path) -> str:
     """``model_class(config)`` with seeded random weights (drawn on the GPU where there is one) and
     the tiny tokenizer, written to ``out`` once (a folder there already is the same model)."""
     import torch
@@ -123,6 +144,8 @@ def vocab_size(model: str) -> int:
 def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str, float]:
     """FLOPs per trained token of the HF model at ``model`` (see the module docstring)."""
     c = json.loads((Path(model) / "config.json").read_text())
+    if "linear_attention" in (c.get("layer_types") or []):
+        return hybrid_flops_per_token(c, mean_context, lora_rank)
     hidden, layers, ffn, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
@@ -138,6 +161,43 @@ def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str
         "lora_params": lora,
         "model_flops_6p": 6 * params + 3 * attention_fwd,
         "lora_step_flops": 4 * params + 6 * lora + 3 * attention_fwd,
+    }
+
+
+DELTA_CHUNK = 64  # the gated delta rule's chunk (transformers' and flash-linear-attention's)
+
+
+def hybrid_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: int) -> dict[str, float]:
+    """``flops_per_token`` of a Qwen3.5 language model (``c``: its text config): gated full
+    attention (q_proj twice as wide: queries and their gates) in the ``full_attention`` layers,
+    Gated-DeltaNet in the others, whose sequence mixing costs per token and value head the
+    chunked delta rule's leading terms: the state read, corrected and written (3 products of
+    d_k·d_v), and within its chunk of 64 (half of it on average) the q·k and weights·v products
+    and the triangular solve. LoRA in Tinker's layout (``rank.linear_attention``)."""
+    hidden, ffn, vocab, r = c["hidden_size"], c["intermediate_size"], c["vocab_size"], lora_rank
+    kinds = c["layer_types"][: c["num_hidden_layers"]]
+    full, linear = kinds.count("full_attention"), kinds.count("linear_attention")
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    kd, vd = (
+        c["linear_num_key_heads"] * c["linear_key_head_dim"],
+        c["linear_num_value_heads"] * c["linear_value_head_dim"],
+    )
+    nv, dk, dv = c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
+    mlp = 3 * hidden * ffn
+    full_params = hidden * (2 * q + 2 * kv) + q * hidden + mlp
+    linear_params = hidden * (2 * kd + 2 * vd + 2 * nv) + vd * hidden + mlp
+    params = full * full_params + linear * linear_params + vocab * hidden
+    lora_mlp = r * 3 * (hidden + ffn)
+    lora_full = r * ((hidden + 2 * q) + 2 * (hidden + kv) + (q + hidden)) + lora_mlp
+    lora_linear = r * (2 * (hidden + kd) + 2 * (hidden + vd) + (vd + hidden)) + lora_mlp
+    lora = full * lora_full + linear * lora_linear + r * (hidden + vocab)
+    half_chunk = DELTA_CHUNK / 2
+    mixing_fwd = full * 4 * q * mean_context + linear * nv * (6 * dk * dv + 4 * half_chunk * (dk + dv))
+    return {
+        "matmul_params": params,
+        "lora_params": lora,
+        "model_flops_6p": 6 * params + 3 * mixing_fwd,
+        "lora_step_flops": 4 * params + 6 * lora + 3 * mixing_fwd,
     }
 
 

@@ -85,3 +85,35 @@ def test_an_mxfp4_checkpoint_loads_dequantized(model_dir, tmp_path, monkeypatch)
     load_base(str(quantized), torch.device("cpu"), "float32")
     assert isinstance(asked["quantization_config"], transformers.Mxfp4Config)
     assert asked["quantization_config"].dequantize is True
+
+
+def test_long_sequences_go_in_blocks_of_queries_with_the_same_result(monkeypatch):
+    """Sinks and windows make the scores explicit: queries go in blocks of bounded scores, each
+    against the keys it can see, recomputed in the backward pass; the values and gradients are
+    those of one block (a tenant's long sequence cannot make the worker hold n² scores)."""
+    torch.manual_seed(0)
+    query = torch.randn(1, 4, 50, 8, requires_grad=True)
+    key, value = torch.randn(1, 2, 50, 8, requires_grad=True), torch.randn(1, 2, 50, 8, requires_grad=True)
+    sinks = torch.randn(4, requires_grad=True)
+    bounds = [0, 7, 50]
+    for window in (None, 5):
+        whole = attention.packed_attention_with_sinks(query, key, value, bounds, None, sinks, window)
+        grads = torch.autograd.grad(whole.square().sum(), (query, key, value, sinks))
+        blocks = []
+        monkeypatch.setattr(attention, "_sink_block", _counting(attention._sink_block, blocks))
+        monkeypatch.setattr(attention, "BLOCK_BYTES", 2 * 4 * 8 * 4)  # a few rows of scores per block
+        blocked = attention.packed_attention_with_sinks(query, key, value, bounds, None, sinks, window)
+        blocked_grads = torch.autograd.grad(blocked.square().sum(), (query, key, value, sinks))
+        monkeypatch.undo()
+        assert len(blocks) > 10 and (window is None or max(blocks) <= 5 + 8)  # keys a block sees
+        torch.testing.assert_close(blocked, whole, rtol=0, atol=1e-6)
+        for got, want in zip(blocked_grads, grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def _counting(block, seen: list[int]):
+    def counted(q, k, *rest):
+        seen.append(k.shape[2])
+        return block(q, k, *rest)
+
+    return counted

@@ -169,3 +169,19 @@ def test_flash_linear_attention_runs_on_cuda_only(monkeypatch):
     g, beta = -torch.rand(1, 5, 4), torch.rand(1, 5, 4)
     out = linear_attention.packed_delta_rule(layer, q, k, v, g, beta, bounds([2, 3]))  # no fla import on a CPU
     assert out.shape == (1, 5, 4, 4)
+
+
+def test_only_the_recurrent_layers_this_server_can_pack_are_served():
+    """Qwen3.5's Gated-DeltaNet is packed here; other recurrent or convolutional sequence mixers
+    (Qwen3-Next's fused variant, Mamba) are named, so that such a model is refused at start."""
+    from torch import nn
+
+    class Qwen3NextGatedDeltaNet(nn.Module):  # the name is what is read: no in_proj_qkv of Qwen3.5's layout
+        pass
+
+    class MambaMixer(nn.Module):
+        pass
+
+    model = nn.Sequential(Qwen3NextGatedDeltaNet(), MambaMixer(), nn.Linear(2, 2))
+    assert linear_attention.unpackable_layers(model) == ["MambaMixer", "Qwen3NextGatedDeltaNet"]
+    assert linear_attention.unpackable_layers(nn.Sequential(nn.Linear(2, 2))) == []

@@ -122,3 +122,37 @@ def test_vllm_is_refused_in_one_line_for_linear_attention_lora(hybrid):
         start_server(hybrid["root"] / "vllm", "--model", str(hybrid["model_dir"]), "--inference", "vllm", timeout=120)
     log = str(failed.value)
     assert "Qwen3_5ForCausalLM has linear-attention layers" in log and "Traceback" not in log
+
+
+def test_a_model_whose_recurrent_layers_cannot_be_packed_is_refused_in_one_line(tmp_path):
+    """Qwen3-Next's Gated-DeltaNet (a fused q/k/v/z projection) is not Qwen3.5's: left to
+    transformers it would run a packed row as one sequence. ``serve`` says so and stops."""
+    import transformers
+
+    from hosted_tinker.core.tiny_model import build_tokenizer
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    build_tokenizer().save_pretrained(tmp_path / "model")
+    with pytest.raises(RuntimeError) as failed:
+        start_server(tmp_path / "data", "--model", str(tmp_path / "model"), timeout=120)
+    log = str(failed.value)
+    assert "Qwen3NextForCausalLM is not supported: its Qwen3NextGatedDeltaNet layers carry state" in log
+    assert "Traceback" not in log

@@ -28,6 +28,7 @@ import importlib.util
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 PACKED = "packed"
@@ -61,6 +62,13 @@ def packed_causal_attention(
     return torch.cat(parts, dim=2)
 
 
+# Scores one block of queries holds at once. The explicit product is quadratic in a sequence's
+# length: a 32K-token sequence on gpt-oss-120b's 64 heads would hold 256 GiB of scores at once, so
+# queries go in blocks, each (when there is more than one) recomputed in the backward pass
+# rather than kept.
+BLOCK_BYTES = 64 << 20
+
+
 def packed_attention_with_sinks(
     query: Tensor,
     key: Tensor,
@@ -73,28 +81,47 @@ def packed_attention_with_sinks(
     """Causal attention within each packed sequence, a query seeing the last ``window`` positions
     of its sequence at most (None: all before it), each head's softmax joined by its ``sinks``
     logit (None: none), as transformers' eager attention of gpt-oss computes it. Shapes as
-    ``packed_causal_attention``."""
+    ``packed_causal_attention``. Queries run in blocks of at most ``BLOCK_BYTES`` of scores, each
+    against the keys it can see only (under a window of W, ``rows + W`` of them)."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
+    heads, width = query.shape[1], query.element_size()
     parts = []
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end == start:
-            continue
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        logits = (q @ k.transpose(2, 3)) * scale  # (1, H, n, n)
         n = end - start
-        position = torch.arange(n, device=q.device)
-        hidden = position[None, :] > position[:, None]  # later keys
-        if window is not None:
-            hidden |= position[:, None] - position[None, :] >= window  # keys out of the window
-        logits = logits.masked_fill(hidden, float("-inf"))
-        if sinks is not None:
-            logits = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(1, -1, n, 1).to(logits.dtype)], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values  # as transformers does (16-bit overflow)
-        weights = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :n]  # the sink's share dropped
-        parts.append(weights.to(v.dtype) @ v)
+        seen = n if window is None else min(n, window)
+        rows = max(1, BLOCK_BYTES // (2 * heads * (seen + 1) * width))  # logits and weights
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        blocks = range(0, n, rows)
+        for first in blocks:
+            last = min(n, first + rows)
+            lo = 0 if window is None else max(0, first - window + 1)
+            args = (q[:, :, first:last], k[:, :, lo:last], v[:, :, lo:last], sinks, scale, first, lo, window)
+            if len(blocks) > 1 and torch.is_grad_enabled():
+                parts.append(torch.utils.checkpoint.checkpoint(_sink_block, *args, use_reentrant=False))
+            else:
+                parts.append(_sink_block(*args))
     return torch.cat(parts, dim=2)
+
+
+def _sink_block(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, scale: float, q_at: int, k_at: int, window: int | None
+) -> Tensor:
+    """Queries ``q`` (positions ``q_at``.. of their sequence) over keys ``k`` (positions ``k_at``..)."""
+    logits = (q @ k.transpose(2, 3)) * scale  # (1, H, m, n)
+    q_pos = torch.arange(q.shape[2], device=q.device) + q_at
+    k_pos = torch.arange(k.shape[2], device=q.device) + k_at
+    hidden = k_pos[None, :] > q_pos[:, None]  # later keys
+    if window is not None:
+        hidden |= q_pos[:, None] - k_pos[None, :] >= window  # keys out of the window
+    logits = logits.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(1, -1, q.shape[2], 1).to(logits.dtype)
+        logits = torch.cat([logits, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values  # as transformers does (16-bit overflow)
+    weights = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., : k.shape[2]]  # the sink's share dropped
+    return weights.to(v.dtype) @ v
 
 
 def packed_attention(

@@ -48,6 +48,20 @@ def is_gated_delta_net(module: nn.Module) -> bool:
     )
 
 
+# Words in the class names of layers that mix positions by a recurrence or a convolution (linear
+# attention, state-space models): left to transformers, such a layer would run a packed row as one
+# sequence, each sequence's state flowing into the next one's (another tenant's, in a joint pass)
+SEQUENCE_MIXERS = ("DeltaNet", "Mamba", "LinearAttention", "Rwkv", "ShortConv", "Lightning")
+
+
+def unpackable_layers(model: nn.Module) -> list[str]:
+    """Class names of ``model``'s layers that carry state from position to position and that this
+    module cannot restart at packed sequence boundaries (all but Qwen3.5's Gated-DeltaNet): a model
+    with any is not served."""
+    names = {type(m).__name__ for m in model.modules() if not is_gated_delta_net(m)}
+    return sorted(name for name in names if any(word in name for word in SEQUENCE_MIXERS))
+
+
 def gated_delta_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The Gated-DeltaNet layers of ``model``, by qualified name."""
     return {name: m for name, m in model.named_modules() if is_gated_delta_net(m)}

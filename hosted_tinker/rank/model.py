@@ -195,6 +195,11 @@ class HfLoraModel:
         self.device = torch.device(device)
         self.base = load_base(model_path, self.device, dtype)
         self.arch = type(self.base).__name__
+        if unpackable := linear_attention.unpackable_layers(self.base):
+            raise UserError(
+                f"{self.arch} is not supported: its {', '.join(unpackable)} layers carry state from token to "
+                "token, which this server cannot restart at each packed sequence"
+            )
         self.family = family(model_path)
         self.vocab_size = self.base.config.vocab_size
         self.max_positions = getattr(self.base.config, "max_position_embeddings", None) or 32768

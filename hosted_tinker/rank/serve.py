@@ -160,6 +160,9 @@ def serve(conn: Connection, factory: Callable[[], Any]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
     try:
         rank = factory()
+    except UserError as e:  # a model or setting this server refuses: the gateway says it in one line
+        send(conn, "error", str(e))
+        return
     except BaseException as e:
         log.exception("could not build the rank")
         send(conn, "error", f"{type(e).__name__}: {e}")
