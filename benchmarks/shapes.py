@@ -93,6 +93,13 @@ SHAPES = {
         "tie_word_embeddings": True,
     },
     "qwen3.5-9b": {"model_type": "qwen3_5_text", "vocab_size": 248320, "max_position_embeddings": 40960},
+    # 8 of its 32 layers (6 linear, 2 full), for a GPU check that writes and loads it within a section
+    "qwen3.5-9b-l8": {
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": 8,
+        "vocab_size": 248320,
+        "max_position_embeddings": 40960,
+    },
 }
 
 

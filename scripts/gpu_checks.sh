@@ -21,7 +21,8 @@
 #                                       anywhere, on the CPU: the same steps on tiny shapes, to
 #                                       check the plumbing before spending GPU time
 #
-# run, in order of worth, each section under its own time limit (820 s in all) so that one
+# run, in order of worth, each section under its own time limit (1,330 s in all: more than one lent
+# session holds; the last sections wait for the next) so that one
 # slow section leaves the others their time, and each in a session of its own, ended after it:
 #   1. gpu-tests: tests/test_gpu.py: peft (under each rule of activation memory; also with
 #      --lora-compute base), ddp over NCCL and megatron tp=1 (also with base) on cuda:0 against
@@ -44,6 +45,9 @@
 #      48 layers, written once, so that it builds and loads within a section), 4K tokens, LoRA on every
 #      routed expert against attention-only LoRA, MFU on active parameters; its JSON travels in
 #      logs.tar.gz (the device tool brings back 8 files); not yet run on a GPU
+#  10. hybrid-model, hybrid-mixed: the mixed lengths on Qwen3.5-9B's shape cut to 8 layers (6
+#      Gated-DeltaNet, 2 gated full attention; random bf16), packed (flash-linear-attention's varlen
+#      kernels) against padded (transformers' own, fla too); JSON in logs.tar.gz; not yet run on a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,7 +58,7 @@ WHEELS="tinker==0.38.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydan
   watchfiles==1.3.0 python-dotenv==1.2.4 zstandard==0.25.0 megatron-core==0.16.1 sniffio==1.3.1
   distro==1.9.0 httpx2==2.16.2 httpcore2==2.16.2 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
   opentelemetry-api==1.45.2 orjson==3.13.0 pyqwest==0.12.0 truststore==0.10.5 openai==3.57.0 jiter==0.19.0
-  pyrage==1.4.0"
+  pyrage==1.4.0 flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1"
 
 wheels() {
   local platforms=() n
@@ -93,9 +97,9 @@ run() { # run [SECTION...]: all sections, or only those named
   fi
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   # MFU's peak: the benchmarks know the H100's and H200's dense bf16 peaks by the device's name
-  local device=cuda shape=qwen3-8b dtype=bfloat16 seq=4096 seqs=4 moe_layers=12
+  local device=cuda shape=qwen3-8b dtype=bfloat16 seq=4096 seqs=4 moe_layers=12 hybrid=qwen3.5-9b-l8
   if [ -n "${GPU_CHECKS_SMALL:-}" ]; then
-    device=cpu shape=qwen3-h512-l4 dtype=float32 seq=256 seqs=2 moe_layers=1
+    device=cpu shape=qwen3-h512-l4 dtype=float32 seq=256 seqs=2 moe_layers=1 hybrid=qwen3.5-h512-l4
     SLOWER=4 # the limits are the GPU's
     export HT_TEST_GPU_DEVICE=cpu # tests/test_gpu.py's tests, run on the CPU
   else
@@ -124,6 +128,10 @@ run() { # run [SECTION...]: all sections, or only those named
   section moe-model 120 python3 -c "from benchmarks.moe_step import random_moe_model; print(random_moe_model($moe_layers, '$dtype'))"
   section moe-step 120 python3 benchmarks/moe_step.py --device "$device" --dtype "$dtype" --layers "$moe_layers" \
     --tokens "$seq" --rounds 2 --out "$OUT/moe_step-$device.log.json"
+  section hybrid-model 120 python3 -c "from benchmarks.shapes import random_model; print(random_model('$hybrid', '$dtype'))"
+  section hybrid-mixed 150 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
+    --scenario mixed --mixed-shape "$hybrid" --microbatch-tokens 4096 --rounds 2 \
+    --out "$OUT/train_efficiency-mixed-hybrid-$device.log.json"
   # The device tool brings back at most 8 files: the logs travel as one
   (cd "$OUT" && shopt -s nullglob && tar -czf logs.tar.gz ./*.log ./*.log.json && rm -f ./*.log ./*.log.json)
   cat "$OUT/summary.txt"
@@ -132,5 +140,5 @@ run() { # run [SECTION...]: all sections, or only those named
 case "${1:-}" in
   wheels) wheels ;;
   run) shift && run "$@" ;;
-  *) sed -n '2,46p' "$0" && exit 2 ;;
+  *) sed -n '2,50p' "$0" && exit 2 ;;
 esac
