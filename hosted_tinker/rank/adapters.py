@@ -217,6 +217,10 @@ class LoraAdapters:
             raise KeyError(module)
         return layer
 
+    def linear_layers(self) -> set[str]:
+        """The names of the tree's linear layers (LoRA targets that are modules of their own)."""
+        return {name for name, m in self.lm.named_modules() if isinstance(m, nn.Linear)}
+
     def lora_shapes(self, target: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes of ``lora_A`` and ``lora_B`` of a LoRA target: a linear layer's ``(r, in)``
         and ``(out, r)``, or an experts projection's (``<experts>.w1``: ``ExpertsShape.lora_shapes``);

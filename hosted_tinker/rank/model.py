@@ -209,7 +209,8 @@ class HfLoraModel:
         # own adapters on (``rank.sampler``). Copied before any hook of ours is registered here:
         # a deep copy would take the training adapters' hooks along.
         self.shareable_base = sharing_weights(self.base)
-        # The training tree runs packed sequences (``rank.attention``); the sampler's keeps sdpa.
+        # The training tree runs packed sequences (``rank.attention``); the sampler's keeps the
+        # implementation transformers chose (sdpa; eager for gpt-oss).
         self.attention_impl = attention.implementation(self.device, self.base.dtype, attention.has_sinks(self.base))
         self.base.set_attn_implementation(self.attention_impl)
         self.linear_attention_layers = linear_attention.install(self.base)
@@ -241,8 +242,8 @@ class HfLoraModel:
         return lora_config(rank, self.lora_alpha, modules, self.base.config.name_or_path)
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
-        linear = (t for t in (*self.targets["attn"], *self.targets["mlp"]) if t not in self.adapters.slices)
-        target = next(linear)  # a module of its own: not a slice of one
+        # a linear layer of its own: not a slice of one, nor an experts projection
+        target = next(t for t in (*self.targets["attn"], *self.targets["mlp"]) if t in self.adapters.linear_layers())
         out_features, in_features = self.shareable_base.get_submodule(target).weight.shape  # the clean tree
         return zero_adapter(target, out_features, in_features, self.base.config.name_or_path)
 
