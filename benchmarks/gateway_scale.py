@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import busy_cpu_seconds, print_table, process_tree, result_header, write_results  # noqa: E402
-from tests.conftest import ALIAS, start_server  # noqa: E402
+from tests.support.server import ALIAS, start_server  # noqa: E402
 
 # Where the event loop's CPU goes, by the file a function lives in (first match wins).
 PARTS = {

@@ -27,7 +27,7 @@ import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
 from benchmarks.report import model_label, print_table, process_tree, result_header, setup, write_results
-from tests.conftest import ALIAS, start_server
+from tests.support.server import ALIAS, start_server
 
 PHASES = ("alone", "custom_loss_writer", "zstd_bomb", "mask_selections", "sampler_hog", "save_race",
           "keyless_flood", "big_uploads")  # fmt: skip
@@ -155,7 +155,7 @@ class Attacker:
             return self._losses[fn.__name__]
 
     def custom_loss_writer(self) -> None:
-        from tests.test_custom_loss_sdk import DATA, evil_writer, views_everywhere
+        from tests.support.custom_losses import DATA, evil_writer, views_everywhere
 
         try:
             self.loss(evil_writer, {"logprobs": 1})
@@ -177,7 +177,7 @@ class Attacker:
     def mask_selections(self) -> None:
         from tinker import types
 
-        from tests.test_custom_loss_sdk import masked_copies
+        from tests.support.custom_losses import masked_copies
 
         datum = types.Datum(
             model_input=types.ModelInput.from_ints([7] * 4096), loss_fn_inputs={"target_tokens": [8] * 4096}

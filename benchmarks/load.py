@@ -45,7 +45,7 @@ from benchmarks.report import (  # noqa: E402
     setup,
     write_results,
 )
-from tests.conftest import ALIAS, start_server  # noqa: E402
+from tests.support.server import ALIAS, start_server  # noqa: E402
 
 # ---- what the clients see -------------------------------------------------------------------
 

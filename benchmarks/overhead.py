@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
 from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec  # noqa: E402
 from hosted_tinker.rank.serve import local_rank  # noqa: E402
-from tests.conftest import ALIAS, start_server  # noqa: E402
+from tests.support.server import ALIAS, start_server  # noqa: E402
 
 
 def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> list[np.ndarray]:

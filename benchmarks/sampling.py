@@ -34,7 +34,7 @@ from benchmarks.report import (  # noqa: E402
     setup,
     write_results,
 )
-from tests.conftest import ALIAS, start_server  # noqa: E402
+from tests.support.server import ALIAS, start_server  # noqa: E402
 
 
 def make_prompts(n: int, vocab: int, shortest: int, longest: int, seed: int = 0) -> list[list[int]]:

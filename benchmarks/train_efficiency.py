@@ -3,7 +3,7 @@ process (the step as a rank runs it, no HTTP), four scenarios, each against its 
 the same run:
 
     mixed     16 sequences of skewed lengths (64–4096 tokens, log-uniform): packed micro-batches
-              (today's path) against the padded path they replaced (``tests.batches.padded_path``)
+              (today's path) against the padded path they replaced (``tests.support.batches.padded_path``)
     tenants   8 models × 1 datum of 256 tokens: one pass over the base for all eight
               (``Trainer.forward_backward_many``) against eight passes, one model at a time;
               and its ceiling, the same tokens as one model's batch (one adapter, one pass)
@@ -121,7 +121,7 @@ def efficiency(flops: dict[str, float], tokens: int, seconds: float, peak: float
 
 
 def scenario_mixed(args: argparse.Namespace) -> dict[str, Any]:
-    from tests.batches import padded_microbatches, padded_path
+    from tests.support.batches import padded_microbatches, padded_path
 
     model = random_model(args.mixed_shape, args.dtype)
     vocab = vocab_size(model)

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
-from tests.conftest import ALIAS, start_server  # noqa: E402
+from tests.support.server import ALIAS, start_server  # noqa: E402
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict) -> int:

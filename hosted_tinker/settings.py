@@ -121,7 +121,7 @@ def env_example(parser: argparse.ArgumentParser) -> str:
         "# docker --env-file, compose env_file:). Uncomment what you change. A flag wins over the",
         "# variable, the variable over the --config file, that over the default. Repeatable",
         "# settings take comma-separated values; switches take true or false.",
-        "# Written by `hosted-tinker serve --print-config env`; tests/test_settings.py keeps it current.",
+        "# Written by `hosted-tinker serve --print-config env`; tests/unit/test_settings.py keeps it current.",
         "",
         f"# {CONFIG_ENV}=/etc/hosted-tinker/config.toml",
     ]

@@ -24,7 +24,7 @@
 # run, in order of worth, each section under its own time limit (1,330 s in all: more than one lent
 # session holds; the last sections wait for the next) so that one
 # slow section leaves the others their time, and each in a session of its own, ended after it:
-#   1. gpu-tests: tests/test_gpu.py: peft (under each rule of activation memory; also with
+#   1. gpu-tests: tests/e2e/test_gpu.py: peft (under each rule of activation memory; also with
 #      --lora-compute base), ddp over NCCL and megatron tp=1 (also with base) on cuda:0 against
 #      the CPU; bfloat16 bases with float32 LoRA; transformer-engine's layers if importable
 #   2. model: Qwen3-8B's shape with random bf16 weights, written once (16 GB)
@@ -101,15 +101,15 @@ run() { # run [SECTION...]: all sections, or only those named
   if [ -n "${GPU_CHECKS_SMALL:-}" ]; then
     device=cpu shape=qwen3-h512-l4 dtype=float32 seq=256 seqs=2 moe_layers=1 hybrid=qwen3.5-h512-l4
     SLOWER=4 # the limits are the GPU's
-    export HT_TEST_GPU_DEVICE=cpu # tests/test_gpu.py's tests, run on the CPU
+    export HT_TEST_GPU_DEVICE=cpu # tests/e2e/test_gpu.py's tests, run on the CPU
   else
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/summary.txt"
   fi
   python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "cuda", torch.version.cuda,
     "transformers", transformers.__version__, "peft", peft.__version__)' | tee -a "$OUT/summary.txt"
 
-  section gpu-tests 360 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
-    tests/test_megatron.py::test_transformer_engine_layers_train_as_the_local_ones
+  section gpu-tests 360 python3 -m pytest -q -p no:cacheprovider -rs tests/e2e/test_gpu.py \
+    tests/e2e/test_megatron.py::test_transformer_engine_layers_train_as_the_local_ones
   section model 60 python3 -c "from benchmarks.shapes import random_model; print(random_model('$shape', '$dtype'))"
   section megatron-tp 100 python3 benchmarks/megatron_tp.py --device "$device" --shape "$shape" --dtype "$dtype" \
     --tp 1 --batch 1 --seq-len "$seq" --min-len "$seq" --one-at-a-time --steps 2 --rounds 2 --warmup 1 \

@@ -1,7 +1,9 @@
-"""Shared fixtures: a real server process on 127.0.0.1, health-checked before any SDK call.
+"""Shared fixtures: one server for the session (``tests.support.server``), the tiny model.
 
-The SDK retries a dead server for ~5 minutes, so every test that touches it is guarded by
-the health check below and by pytest-timeout.
+Layout: ``tests/unit/`` mirrors ``hosted_tinker/`` (no server, no network), ``tests/e2e/``
+starts servers, workers and real clients, ``tests/support/`` holds what tests share (references,
+data builders, the server process); a test module imports no other test module
+(``tests/unit/test_import_graph.py``).
 
 Markers (pyproject.toml): ``fast`` is the quick loop, ``pytest -m fast`` (unit tests and the SDK
 smoke test, test_smoke.py; under a minute on 2 cores); ``slow`` marks the end-to-end tests that
@@ -13,132 +15,16 @@ fixed sleep.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TINKER_API_KEY", "tml-test")
 
-ALIAS = "Qwen/Qwen3-8B-Base"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen
-    base_url: str
-    data_dir: Path
-    log_path: Path
-
-    def stop(self, sig: int | None = None) -> None:
-        if self.proc.poll() is None:
-            if sig is None:
-                self.proc.terminate()
-            else:
-                self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_server(
-    data_dir: Path,
-    *extra: str,
-    alias: str | None = ALIAS,
-    timeout: float = 180.0,
-    port: int | None = None,
-    profile: Path | None = None,
-) -> ServerProcess:
-    """A server on 127.0.0.1, healthy; ``port`` to come back where a stopped one was;
-    ``profile``: run under cProfile, which writes there when the server exits (benchmarks).
-    A free port found here can be taken by another process before the server binds it: then
-    the start is tried again on another one (never when ``port`` was given)."""
-    for attempt in range(3):
-        try:
-            return _start_server(data_dir, *extra, alias=alias, timeout=timeout, port=port, profile=profile)
-        except PortTaken:
-            if port is not None or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-class PortTaken(RuntimeError):
-    pass
-
-
-def _start_server(
-    data_dir: Path,
-    *extra: str,
-    alias: str | None,
-    timeout: float,
-    port: int | None,
-    profile: Path | None,
-) -> ServerProcess:
-    port = port or free_port()
-    log_path = data_dir / f"server-{port}.log"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        *(["-m", "cProfile", "-o", str(profile)] if profile is not None else []),
-        "-m",
-        "hosted_tinker",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--data-dir",
-        str(data_dir),
-        "--log-level",
-        "warning",
-        *extra,
-    ]
-    if alias is not None:
-        cmd += ["--model-name", alias]
-    log = open(log_path, "w")  # noqa: SIM115 - kept open for the process's lifetime
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log_text = log_path.read_text()
-            failure = PortTaken if "address already in use" in log_text else RuntimeError
-            raise failure(f"server exited with {proc.returncode}:\n{log_text[-4000:]}")
-        try:
-            if httpx.get(f"{base_url}/healthz", timeout=1.0).status_code == 200:
-                return ServerProcess(proc, base_url, data_dir, log_path)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError(f"server did not become healthy in {timeout}s:\n{log_path.read_text()[-4000:]}")
-
-
-def wait_healthy(base_url: str, timeout: float = 180.0) -> dict:
-    """Poll ``/healthz`` until it answers 200 (a server, a container or a VM coming up); its body."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return httpx.get(f"{base_url}/healthz", timeout=2).raise_for_status().json()
-        except httpx.HTTPError:
-            time.sleep(0.25)
-    raise AssertionError(f"nothing answered {base_url}/healthz in {timeout} s")
+from tests.support.server import ServerProcess, start_server  # noqa: E402 - after the environment
 
 
 @pytest.fixture(scope="session")

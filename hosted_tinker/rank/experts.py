@@ -15,7 +15,7 @@ one ``A`` ``(1, r, H)`` and each expert's ``B`` ``(E, I, r)``; down has each exp
 ``(E, r, I)`` and one ``B`` ``(1, H, r)``. That is what the service trains: the LoRA parameter
 counts the cookbook lists for its MoE models (``hyperparam_utils``, e.g. Qwen3-30B-A3B's
 14,450,688 per rank for ``mlp``) are exactly this layout's, and 3.6 times fewer than a full
-``(A, B)`` per expert (``tests/test_moe_lora.py`` checks the counts). A token routed to expert
+``(A, B)`` per expert (``tests/unit/rank/test_moe_lora.py`` checks the counts). A token routed to expert
 ``e`` gets ``scale · B_e(A_e x)`` added to that expert's gate, up and down outputs, as a
 per-expert linear layer under PEFT would (float32 products, the sum rounded once to the base's
 dtype).

@@ -9,7 +9,7 @@ model it runs on. The Tinker step itself is ``rank.trainer``, written once over 
 
 A plan is one module here that defines ``Plan`` (see ``ParallelPlan``), ``Options`` (its
 typed ``--backend-option``s) and ``DEVICES`` (where it trains, in words), plus one line in
-``PLANS``; ``tests/test_plans.py`` checks every registered plan against a float64
+``PLANS``; ``tests/e2e/test_plans.py`` checks every registered plan against a float64
 single-process reference, on the layouts its ``CHECKED_LAYOUTS`` names (``(devices, options)``
 pairs; by default two CPU ranks, or one).
 """

@@ -36,7 +36,7 @@ from hosted_tinker.rank.plans import PlanOptions
 from hosted_tinker.rank.plans.single import local_norm
 
 DEVICES = "one per rank: --train-devices cpu:N | cuda:0,1,..."  # what `hosted-tinker backends` says of where it trains
-# tests/test_plans.py: two CPU ranks as they come, and recomputing every layer over small micro-batches.
+# tests/e2e/test_plans.py: two CPU ranks as they come, and recomputing every layer over small micro-batches.
 CHECKED_LAYOUTS = [
     (None, {}),
     (None, {"recompute_above_tokens": "0", "microbatch_tokens": "48"}),

@@ -33,7 +33,7 @@ DEVICES = "tp x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option
 # The releases rank.mcore is built on and tested with (as pyproject's extra pins): 0.17 changed the
 # layer specs it reads, and pip gives Python 3.12 the newest unless told.
 MCORE_SUPPORTED = SpecifierSet(">=0.16.1,<0.17")
-# tests/test_plans.py: tensor-parallel alone, with sequence parallelism, with two data-parallel
+# tests/e2e/test_plans.py: tensor-parallel alone, with sequence parallelism, with two data-parallel
 # replicas that recompute every layer's activations, and with a memory budget that stores some.
 CHECKED_LAYOUTS = [
     ("cpu:2", {"tp": "2"}),

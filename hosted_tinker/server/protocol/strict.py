@@ -5,7 +5,7 @@ that names it, all while the event loop waits. A 14 MiB body of three million st
 numbers belong was 6 million errors: 78 s of a stalled server and a 939 MiB answer. So:
 
 - ``ListOf[T]``: a list whose validation stops at its first bad item (one error, not one per item);
-  every list of a request type is one (``tests/test_bad_input.py`` walks the schemas).
+  every list of a request type is one (``tests/e2e/test_bad_input.py`` walks the schemas).
 - ``TextMap``: a dict of strings whose first value of another type is the one error.
 - ``StrictRequest``: unknown fields are refused by name (a misspelt option is an error, never
   a silently ignored setting), and a body with more than ``MAX_UNKNOWN_NAMED`` of them is one

@@ -1,0 +1,325 @@
+"""Checkpoints are interchangeable between the megatron (tp=2) and peft backends (issue #16): a
+training state written by one, as files, loads on the other, and the next steps agree (log-probs,
+``loss:sum``, ``grad_norm``) to 1e-4; the adapter config each writes is the same PEFT config; and
+the sampler weights megatron exports load into PEFT itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hosted_tinker.core.checkpoints import TinkerPath, peft_adapter_files, state_from_files, state_to_files
+from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.types import DatumInput, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.rank.serve import local_rank
+from hosted_tinker.rank.trainer import Trainer
+from hosted_tinker.server.workers.backend import ProcessBackend
+from hosted_tinker.server.workers.launch import rank_factories
+from tests.support.batches import random_batch
+from tests.support.megatron import ADAM, LORA, steps  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def megatron(tiny_model_dir: Path):
+    config = ServerConfig(
+        model=str(tiny_model_dir), backend="megatron", train_devices="cpu:2", backend_options={"tp": "2"}
+    )
+    backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def peft(tiny_model_dir: Path) -> Trainer:
+    return local_rank(str(tiny_model_dir)).trainer
+
+
+def through_files(state, config: dict):
+    """A training state as the server writes it to disk and reads it back."""
+    path = TinkerPath("m", "weights", "x")
+    return state_from_files(path, state_to_files(state, config, "tiny")).state
+
+
+def assert_agree(got: list, want: list) -> None:
+    for (lp_g, loss_g, norm_g), (lp_w, loss_w, norm_w) in zip(got, want, strict=True):
+        for g, w in zip(lp_g, lp_w, strict=True):
+            np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL)
+        assert loss_g == pytest.approx(loss_w, rel=TOL, abs=TOL)
+        assert norm_g == pytest.approx(norm_w, rel=TOL)
+
+
+@pytest.mark.parametrize("direction", ["megatron->peft", "peft->megatron"])
+def test_a_training_state_moves_between_backends(direction: str, megatron: ProcessBackend, peft: Trainer):
+    source, target = (megatron, peft) if direction == "megatron->peft" else (peft, megatron)
+    name = direction.replace("->", "-to-")
+    source.create_adapter(name, LORA)
+    steps(source, name, seed=1, n=2)
+    config = source.peft_config(name)
+    saved = through_files(source.export_state(name), config)
+    target.create_adapter(name, LoraSpec(rank=4, seed=99, train_unembed=True))  # other weights, then the state
+    target.load_state(name, saved, with_optimizer=True)
+    assert target.peft_config(name) == config
+    assert_agree(steps(target, name, seed=2, n=3), steps(source, name, seed=2, n=3))
+    for backend in (source, target):
+        backend.delete_adapter(name)
+
+
+def test_the_same_seed_starts_at_the_same_weights(megatron: ProcessBackend, peft: Trainer):
+    """LoRA is drawn as PEFT draws it, so a seed starts a model where peft starts it."""
+    for backend in (megatron, peft):
+        backend.create_adapter("seeded", LORA)
+    got, want = megatron.export_state("seeded"), peft.export_state("seeded")
+    assert list(got.weights) == list(want.weights)
+    assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
+    for backend in (megatron, peft):
+        backend.delete_adapter("seeded")
+
+
+def test_sampler_weights_load_into_peft(megatron: ProcessBackend, tiny_model_dir: Path, tmp_path: Path):
+    """megatron's exported adapter is a PEFT folder: PEFT loads it onto the HF model, and its
+    log-probs are the trainer's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    megatron.create_adapter("export", LORA)
+    steps(megatron, "export", seed=3, n=2)
+    files = peft_adapter_files(megatron.peft_config("export"), megatron.export_state("export").weights)
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path).eval()
+    batch = random_batch(np.random.default_rng(4), 2, "cross_entropy")
+    trainer = megatron.forward_backward("export", dataclasses.replace(batch, forward_only=True))
+    for datum, lp in zip(batch.data, trainer.logprobs, strict=True):
+        with torch.no_grad():
+            logits = hf(datum.tokens[None]).logits[0].log_softmax(-1)
+        want = logits.gather(-1, datum.target_tokens[:, None])[:, 0]
+        np.testing.assert_allclose(lp, want.numpy(), rtol=TOL, atol=TOL)
+    megatron.delete_adapter("export")
+
+
+def topk_batch(rng: np.random.Generator) -> ForwardBackwardBatch:
+    """Cross-entropy against K=4 soft targets per position (distillation), unequal lengths."""
+    data = []
+    for n in (5, 11, 3):
+        tokens = torch.from_numpy(rng.integers(10, 500, n))
+        targets = torch.from_numpy(rng.integers(0, 512, (n, 4)))
+        weights = torch.from_numpy(rng.dirichlet(np.ones(4), n).astype(np.float32))
+        data.append(DatumInput(tokens=tokens, target_tokens=targets, inputs={"weights": weights}))
+    return ForwardBackwardBatch(data=data, loss_fn="cross_entropy", loss_config={}, forward_only=False)
+
+
+def test_top_k_targets(megatron: ProcessBackend, peft: Trainer):
+    """(N, K) targets, scored vocab-parallel, as peft scores them."""
+    for backend in (megatron, peft):
+        backend.create_adapter("topk", LORA)
+    batch = topk_batch(np.random.default_rng(6))
+    got, want = megatron.forward_backward("topk", batch), peft.forward_backward("topk", batch)
+    for g, w in zip(got.logprobs, want.logprobs, strict=True):
+        assert g.shape == w.shape and g.shape[1] == 4
+        np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL)
+    assert got.loss_sum == pytest.approx(want.loss_sum, rel=TOL)
+    assert megatron.optim_step("topk", ADAM)["grad_norm"] == pytest.approx(
+        peft.optim_step("topk", ADAM)["grad_norm"], rel=TOL
+    )
+    for backend in (megatron, peft):
+        backend.delete_adapter("topk")
+
+
+def other_architecture(arch: str):
+    """An untied Llama (its own vocab-parallel output layer, LoRA on lm_head, no q/k norms), or
+    a Qwen2 (q/k/v biases, sharded with their rows)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rope_theta": 5e5,
+    }
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    with torch.no_grad():
+        for module in model.modules():  # HF starts biases at zero, which would check nothing
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_other_architectures_at_tp_2(arch: str, tmp_path: Path, tiny_model_dir: Path):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        other_architecture(arch).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the embedded sampler's, for stop strings
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    layout = ServerConfig(model=str(tmp_path), backend="megatron", train_devices="cpu:2", backend_options={"tp": "2"})
+    megatron = ProcessBackend(rank_factories(layout, str(tmp_path)))
+    peft = local_rank(str(tmp_path)).trainer
+    try:
+        lora = LoraSpec(rank=4, seed=2, train_unembed=True)
+        for backend in (megatron, peft):
+            backend.create_adapter(arch, lora)
+        assert any("lm_head" in key for key in megatron.export_state(arch).weights)
+        if arch == "qwen2":
+            assert any(k.endswith("q_proj.bias") for k in load_file(tmp_path / "model.safetensors"))
+        rng = np.random.default_rng(8)
+        for loss_fn in ("cross_entropy", "ppo"):
+            batch = random_batch(rng, 3, loss_fn, vocab=256)
+            got, want = megatron.forward_backward(arch, batch), peft.forward_backward(arch, batch)
+            for g, w in zip(got.logprobs, want.logprobs, strict=True):
+                np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL)
+            assert megatron.optim_step(arch, ADAM)["grad_norm"] == pytest.approx(
+                peft.optim_step(arch, ADAM)["grad_norm"], rel=TOL
+            )
+    finally:
+        megatron.close()
+
+
+@pytest.mark.parametrize("lora_compute", ["float32", "base"])
+def test_a_bfloat16_base_trains_float32_lora(tiny_model_dir: Path, lora_compute: str):
+    """``--dtype bfloat16``: the base model in bf16, the LoRA weights, their AdamW moments and
+    the reduced gradients in fp32, whether LoRA's products are float32 or bf16 (``--lora-compute
+    base``); the first step is peft's bf16 one up to bf16's rounding."""
+    config = ServerConfig(
+        model=str(tiny_model_dir),
+        backend="megatron",
+        train_devices="cpu:2",
+        backend_options={"tp": "2"},
+        dtype="bfloat16",
+        lora_compute=lora_compute,
+    )
+    backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+    peft = local_rank(str(tiny_model_dir), dtype="bfloat16", lora_compute=lora_compute).trainer
+    try:
+        got, want = [], []
+        for trainer, out in ((backend, got), (peft, want)):
+            trainer.create_adapter("bf16", LORA)
+            out += steps(trainer, "bf16", seed=2, n=1)
+        (lp_g, loss_g, norm_g), (lp_w, loss_w, norm_w) = got[0], want[0]
+        assert loss_g == pytest.approx(loss_w, rel=2e-3)
+        assert norm_g == pytest.approx(norm_w, rel=2e-3)
+        for g, w in zip(lp_g, lp_w, strict=True):
+            assert g.dtype == np.float32
+            np.testing.assert_allclose(g, w, atol=5e-2)
+        state = backend.export_state("bf16")
+        assert {t.dtype for t in [*state.weights.values(), *state.optimizer.values()]} == {torch.float32}
+    finally:
+        backend.close()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="transformer-engine layers run on CUDA only (the CPU runs the local spec, checked above)",
+)
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="transformer-engine not installed")
+def test_transformer_engine_layers_train_as_the_local_ones(tiny_model_dir: Path):
+    """The seam behind ``layers``: the same steps on TE's layers and on megatron-core's PyTorch
+    ones (the CPU twin every other test here runs) agree, LoRA hooks included, on a bfloat16 base
+    (where ``auto`` picks TE: its fused and flash attention take 16-bit inputs only)."""
+    results = {}
+    for layers in ("te", "local"):
+        config = ServerConfig(
+            model=str(tiny_model_dir),
+            backend="megatron",
+            train_devices="cuda:0",
+            backend_options={"layers": layers},
+            dtype="bfloat16",
+        )
+        backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+        try:
+            backend.create_adapter("m", LORA)
+            results[layers] = steps(backend, "m", seed=3, n=2)
+        finally:
+            backend.close()
+    for (lp_te, loss_te, norm_te), (lp, loss, norm) in zip(results["te"], results["local"], strict=True):
+        for a, b in zip(lp_te, lp, strict=True):
+            np.testing.assert_allclose(a, b, atol=5e-2)  # bf16 kernels that sum in other orders
+        assert loss_te == pytest.approx(loss, rel=1e-2)
+        assert norm_te == pytest.approx(norm, rel=1e-2)
+
+
+@pytest.mark.fast
+def test_layers_auto_picks_transformer_engine_for_16_bit_gpu_ranks_only(monkeypatch) -> None:
+    from hosted_tinker.rank.plans import megatron
+
+    monkeypatch.setattr(megatron, "has_transformer_engine", lambda: True)
+    auto = megatron.Options(tp=1)
+    assert auto.uses_te("cuda:0", "bfloat16") and auto.uses_te("cuda:1", "float16")
+    assert not auto.uses_te("cuda:0", "float32") and not auto.uses_te("cpu", "bfloat16")
+    assert megatron.Options(tp=1, layers="te").uses_te("cuda:0", "float32")  # asked for: as asked
+    assert not megatron.Options(tp=1, layers="local").uses_te("cuda:0", "bfloat16")
+    monkeypatch.setattr(megatron, "has_transformer_engine", lambda: False)
+    assert not auto.uses_te("cuda:0", "bfloat16")
+
+
+@pytest.mark.fast
+def test_a_megatron_core_it_was_not_built_on_is_refused_at_start_up(monkeypatch) -> None:
+    """pip gives Python 3.12 the newest megatron-core, whose layer specs rank.mcore cannot read:
+    the start is refused, naming the installed release and the pip command, not a rank's traceback."""
+    from hosted_tinker.rank.plans import megatron, plan_options
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
+    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.19.2")
+    with pytest.raises(ValueError, match=r"not the installed 0\.19\.2: pip install 'megatron-core<0\.17,>=0\.16\.1'"):
+        plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0)
+    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.16.1")
+    assert plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0).tp == 2
+
+    def not_installed(dist: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(megatron.importlib.metadata, "version", not_installed)  # a Megatron-LM checkout
+    with pytest.raises(ValueError, match="importable but no megatron-core package is installed"):
+        plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0)
+
+
+@pytest.mark.fast
+def test_the_pins_are_the_ones_pyproject_installs() -> None:
+    """One release of each engine, said twice (pyproject's extras, and where the code checks or
+    installs it): the two must not drift apart."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from hosted_tinker.inference.vllm_setup import VLLM_CUDA_SPEC
+    from hosted_tinker.rank.plans.megatron import MCORE_SUPPORTED
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    assert Requirement(extras["megatron"][0]).specifier == MCORE_SUPPORTED
+    assert Requirement(extras["vllm"][0]) == Requirement(VLLM_CUDA_SPEC)
+
+
+def test_a_cpu_rank_on_a_machine_with_a_gpu_keeps_megatron_on_the_cpu() -> None:
+    """A CPU rank where ``torch.cuda.is_available()`` (e.g. the CPU checks on a GPU machine): its
+    rotary frequencies stay on the CPU (megatron-core moves them to ``torch.cuda.current_device()``
+    at the first forward), instead of a device mismatch in the rank's first step."""
+    script = """
+import torch
+torch.cuda.is_available = lambda: True  # a GPU machine, as far as megatron-core can tell
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from hosted_tinker.rank.mcore import cpu
+cpu.use_cpu()
+print(RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4).device)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["cpu"], out.stderr[-2000:]

@@ -1,0 +1,163 @@
+"""Mixture-of-experts models through the front door: a server started on a tiny random Qwen3-MoE
+(fused experts, as transformers 5 builds Qwen3-30B-A3B), DeepSeek-V3 (MLA, a dense first
+layer, shared experts: Kimi-K2's architecture) or Qwen3.5-MoE (Qwen3.6-35B-A3B's: hybrid
+linear attention, a gated shared expert), trained with the real tinker SDK; its export
+downloaded through the SDK's signed URLs and read by the cookbook's own ``weights`` tools, as a
+user of the service would read what the service wrote."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from hosted_tinker.core.tiny_model import build_tiny_model
+from tests.support.sdk import datum, download, forward_logprobs  # noqa: F401
+from tests.support.server import start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ALIAS = "tiny-moe"
+TOKENS = list(range(5, 45))
+ARCHS = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",  # and hybrid linear attention
+    "gpt_oss": "GptOssForCausalLM",  # attention sinks, sliding windows, interleaved experts with biases
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def moe(request, tmp_path_factory):
+    """The server, a model trained a few steps on it, and the model's folder."""
+    root = tmp_path_factory.mktemp(request.param)
+    model_dir = build_tiny_model(root / "model", family=request.param, hidden_size=64)
+    server = start_server(root / "data", "--model", str(model_dir), alias=ALIAS)
+    sc = tinker.ServiceClient(base_url=server.base_url)
+    tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
+    losses = []
+    for _ in range(4):
+        losses.append(tc.forward_backward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    arch = ARCHS[request.param]
+    yield {"server": server, "sc": sc, "tc": tc, "model_dir": model_dir, "losses": losses, "root": root, "arch": arch}
+    sc.close("success").result()
+    server.stop()
+
+
+def test_training_moves_the_experts_and_the_export_holds_them_as_tinker_does(moe):
+    assert moe["losses"][-1] < moe["losses"][0]
+    path = moe["tc"].save_weights_external("experts").result().path
+    adapter = download(moe["server"].base_url, path, moe["root"] / "export")
+    from safetensors.torch import load_file
+
+    weights = load_file(adapter / "adapter_model.safetensors")
+    assert "base_model.model.model.unembed_tokens.lora_B.weight" in weights  # Tinker's name for lm_head's
+    assert not any(".lm_head." in k for k in weights)
+    for layer in (1,) if moe["arch"] == "DeepseekV3ForCausalLM" else (0, 1):  # DeepSeek's layer 0 is dense
+        prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
+        assert weights[f"{prefix}.w1.lora_A.weight"].shape == (1, 4, 64)  # one for all experts
+        assert weights[f"{prefix}.w3.lora_B.weight"].shape == (8, 32, 4)  # each expert's
+        assert weights[f"{prefix}.w2.lora_A.weight"].shape == (8, 4, 32)
+        assert weights[f"{prefix}.w2.lora_B.weight"].shape == (1, 64, 4)
+        assert weights[f"{prefix}.w2.lora_B.weight"].abs().sum() > 0  # trained, not the zeros it starts at
+
+
+def test_the_cookbooks_merge_of_the_export_scores_as_the_server_does(moe):
+    from tinker_cookbook.weights import build_hf_model, build_lora_adapter
+    from transformers import AutoModelForCausalLM
+
+    path = moe["tc"].save_weights_external("to-merge").result().path
+    adapter = download(moe["server"].base_url, path, moe["root"] / "to-merge")
+    merged = moe["root"] / "merged"
+    build_hf_model(base_model=str(moe["model_dir"]), adapter_path=str(adapter), output_path=str(merged))
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([TOKENS[:-1]])).logits[0]
+    theirs = logits.log_softmax(-1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(theirs, forward_logprobs(moe["tc"], TOKENS), rtol=0, atol=1e-5)
+
+    # the serving conversion: every expert's LoRA as its own PEFT module (vLLM's layout); the
+    # cookbook refuses it for DeepSeek-V3, whose LoRA neither vLLM nor SGLang serve
+    served = moe["root"] / "served"
+    if moe["arch"] == "DeepseekV3ForCausalLM":
+        from tinker_cookbook.exceptions import WeightsAdapterError
+
+        with pytest.raises(WeightsAdapterError, match="does not support LoRA adapter serving"):
+            build_lora_adapter(base_model=str(moe["model_dir"]), adapter_path=str(adapter), output_path=str(served))
+        return
+    build_lora_adapter(base_model=str(moe["model_dir"]), adapter_path=str(adapter), output_path=str(served))
+    from safetensors.torch import load_file
+
+    peft = load_file(served / "adapter_model.safetensors")
+    layers = 1 if moe["arch"] == "DeepseekV3ForCausalLM" else 2
+    routed = [k for k in peft if ".experts." in k and ".shared_experts." not in k]
+    assert len(routed) == layers * 3 * 8 * 2  # layers × projections × experts × (A, B)
+
+
+def test_sampling_the_trained_experts_scores_as_the_trainer(moe):
+    sampler = moe["tc"].save_weights_and_get_sampling_client().result()
+    prompt = TOKENS[:10]
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
+    for seq in sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences:
+        trainer = forward_logprobs(moe["tc"], prompt + seq.tokens)
+        np.testing.assert_allclose(seq.logprobs, trainer[len(prompt) - 1 :], atol=1e-4)
+
+
+def test_resume_continues_exactly(moe):
+    """save_state, then a new client from it: the same scores, and the same next step."""
+    sc, tc = moe["sc"], moe["tc"]
+    state = tc.save_state("resume").result().path
+    resumed = sc.create_training_client_from_state_with_optimizer(state).result()
+    np.testing.assert_array_equal(forward_logprobs(resumed, TOKENS), forward_logprobs(tc, TOKENS))
+    for client in (tc, resumed):
+        client.forward_backward([datum(TOKENS)], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    np.testing.assert_array_equal(forward_logprobs(resumed, TOKENS), forward_logprobs(tc, TOKENS))
+
+
+def test_forward_backward_reports_the_services_moe_metrics(moe):
+    """The five routing metrics the SDK documents for MoE training, over the request's tokens:
+    for a new model (its LoRA changes nothing yet) they are those of the base model's own routers."""
+    from transformers import AutoModelForCausalLM
+
+    from hosted_tinker.core.routing import routing_metrics
+
+    fresh = moe["sc"].create_lora_training_client(base_model=ALIAS, rank=4, seed=9).result()
+    metrics = fresh.forward_backward([datum(TOKENS)], "cross_entropy").result().metrics
+    base = AutoModelForCausalLM.from_pretrained(moe["model_dir"]).eval()
+    counts = []
+    for module in base.modules():
+        if hasattr(module, "gate_up_proj") and hasattr(module, "num_experts"):
+            module.register_forward_pre_hook(
+                lambda m, args: counts.append(np.bincount(args[1].reshape(-1).numpy(), minlength=m.num_experts))
+            )
+    with torch.no_grad():
+        base(input_ids=torch.tensor([TOKENS[:-1]]))
+    expected = routing_metrics(np.stack(counts))
+    assert set(expected) == {
+        "e_frac_with_tokens:mean",
+        "e_frac_oversubscribed:mean",
+        "e_max_violation:mean",
+        "e_max_violation:max",
+        "e_min_violation:mean",
+    }
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected)
+
+
+def test_the_server_says_it_trains_the_experts(moe):
+    health = httpx.get(f"{moe['server'].base_url}/healthz", timeout=10).raise_for_status().json()
+    assert health["capabilities"]["arch"] == moe["arch"]
+    assert health["capabilities"]["routed_experts"] == 8
+
+
+def test_vllm_is_refused_in_one_line_for_expert_lora(moe):
+    """vLLM cannot be handed the experts' LoRA yet: the server says so at start, naming the model,
+    rather than train adapters whose samples would leave the experts' LoRA out."""
+    with pytest.raises(RuntimeError) as failed:
+        start_server(moe["root"] / "vllm", "--model", str(moe["model_dir"]), "--inference", "vllm", timeout=120)
+    log = str(failed.value)
+    assert f"{moe['arch']} trains a LoRA on every routed expert" in log and "Traceback" not in log

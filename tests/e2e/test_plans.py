@@ -1,0 +1,187 @@
+"""Every registered parallel plan (``rank.plans.PLANS``) against a float64 single-process reference.
+
+Each plan runs in worker processes through ``ProcessBackend``, as the server runs it, on two CPU
+ranks where it accepts two (else one). The reference is the single plan in float64 in this
+process on the padded path, started from the plan's own initial weights. Every loss, datums of unequal lengths,
+gradients accumulated over two calls before each step, full AdamParams: per-datum logprobs,
+``loss:sum``, ``grad_norm`` and the weights after the steps agree to float32 precision; and
+three Dimuon steps, whose update needs whole matrices where a plan shards them; a custom loss;
+and two models' requests in one pass.
+
+A new plan is checked by registering it: nothing here names one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hosted_tinker.core import losses
+from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.core.custom_loss import CustomLossDef
+from hosted_tinker.core.types import AdamParams, AdapterState, DimuonParams, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.rank.plans import PLANS, backend_options, plan_module
+from hosted_tinker.rank.serve import local_rank
+from hosted_tinker.rank.trainer import Trainer
+from hosted_tinker.server.workers.backend import ProcessBackend
+from hosted_tinker.server.workers.launch import rank_factories
+from tests.support.batches import padded_path, random_batch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ADAM = AdamParams(learning_rate=5e-3, beta1=0.85, beta2=0.98, eps=1e-8, weight_decay=0.05, grad_clip_norm=50.0)
+DIMUON = functools.partial(DimuonParams, grad_clip_norm=3.0, beta1=0.8, damping=0.05)
+RTOL = 2e-4  # float32 against float64, over a few steps
+
+
+def layouts() -> list:
+    """(plan, devices, options) to check: a plan's own ``CHECKED_LAYOUTS`` where it names them,
+    else two CPU ranks where it takes them (``devices`` None: found at run time), else one."""
+    out = []
+    for backend in sorted(PLANS):
+        named = getattr(plan_module(backend), "CHECKED_LAYOUTS", None)
+        for devices, options in named or [(None, {})]:
+            label = "-".join([backend, devices or "auto", *(f"{k}={v}" for k, v in options.items())])
+            out.append(pytest.param(backend, devices, options, id=label))
+    return out
+
+
+def devices_for(backend: str, model: Path) -> str:
+    """Two CPU ranks where the plan takes them, else one."""
+    for devices in ("cpu:2", "cpu"):
+        config = ServerConfig(model=str(model), backend=backend, train_devices=devices)
+        try:
+            backend_options(config)
+            return devices
+        except ValueError:
+            continue
+    raise AssertionError(f"plan {backend} runs on neither two CPU ranks nor one")
+
+
+def batch(rng: np.random.Generator, size: int, loss_fn: str) -> ForwardBackwardBatch:
+    return random_batch(rng, size, loss_fn)
+
+
+def as_float64(state: AdapterState) -> AdapterState:
+    return dataclasses.replace(
+        state,
+        weights={k: v.double() for k, v in state.weights.items()},
+        optimizer={k: v.double() if v.is_floating_point() else v for k, v in state.optimizer.items()},
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> Iterator[Trainer]:
+    """The single plan in float64 on the padded, stored-activation path (what packing and
+    recomputation replaced): a plan that packs, recomputes or shards must still agree with it."""
+    trainer = local_rank(str(tiny_model_dir), dtype="float64").trainer
+    with padded_path(trainer):
+        yield trainer
+
+
+@pytest.mark.parametrize("backend, devices, options", layouts())
+def test_plan_trains_like_the_float64_reference(
+    backend: str, devices: str | None, options: dict[str, str], tiny_model_dir: Path, reference: Trainer
+):
+    devices = devices or devices_for(backend, tiny_model_dir)
+    config = ServerConfig(model=str(tiny_model_dir), backend=backend, train_devices=devices, backend_options=options)
+    plan = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+    model_id = f"plan-{backend}"
+    try:
+        assert plan.capabilities.backend == backend
+        plan.create_adapter(model_id, LoraSpec(rank=8, seed=3))
+        reference.create_adapter(model_id, LoraSpec(rank=8, seed=3))
+        reference.load_state(model_id, as_float64(plan.export_state(model_id)), with_optimizer=True)
+        rng = np.random.default_rng(7)
+        for step, loss_fn in enumerate(sorted(losses.LOSSES)):
+            for size in (3, 2):  # two calls, accumulated before the step
+                b = batch(rng, size, loss_fn)
+                got, want = plan.forward_backward(model_id, b), reference.forward_backward(model_id, b)
+                for g, w in zip(got.logprobs, want.logprobs, strict=True):
+                    np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4, err_msg=f"step {step} ({loss_fn})")
+                assert got.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4), loss_fn
+            got_step, want_step = plan.optim_step(model_id, ADAM), reference.optim_step(model_id, ADAM)
+            assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), loss_fn
+        got_state, want_state = plan.export_state(model_id), reference.export_state(model_id)
+        assert got_state.steps == want_state.steps == len(losses.LOSSES)
+        assert got_state.weights.keys() == want_state.weights.keys()
+        for key, tensor in got_state.weights.items():
+            np.testing.assert_allclose(tensor.double(), want_state.weights[key], rtol=1e-3, atol=1e-5, err_msg=key)
+        check_dimuon(plan, reference, f"{model_id}-dimuon", rng)
+        check_custom_loss(plan, reference, model_id, rng)
+        check_joint_pass(plan, reference, [model_id, f"{model_id}-dimuon"], rng)
+    finally:
+        for name in (model_id, f"{model_id}-dimuon"):
+            if reference.has_adapter(name):
+                reference.delete_adapter(name)
+        plan.close()
+
+
+def _weighted_nll(logprobs, weights):
+    loss = -(logprobs * weights).sum()
+    return loss, {"custom/nll:sum": loss, "custom/weight:mean": weights.mean()}
+
+
+def check_custom_loss(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
+    """A session's custom loss runs on every rank that holds a shard; its metrics add up."""
+    from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+
+    handle = trace_loss(_weighted_nll, {"logprobs": 1, "weights": 1}, "s")
+    nodes = tuple(node.model_dump() for node in encode_graph(handle).nodes)
+    loss = CustomLossDef(handle.name, (("logprobs", 1), ("weights", 1)), nodes)
+    b = dataclasses.replace(batch(rng, 5, "cross_entropy"), loss_fn="custom", loss_config={}, custom_loss=loss)
+    got, want = plan.forward_backward(model_id, b), reference.forward_backward(model_id, b)
+    assert got.loss_sum == pytest.approx(want.loss_sum, rel=RTOL)
+    assert got.metrics.keys() == want.metrics.keys() == {"custom/nll:sum", "custom/weight:mean"}
+    assert got.metrics["custom/nll:sum"] == pytest.approx(want.loss_sum, rel=RTOL)
+    for g, w in zip(got.logprobs, want.logprobs, strict=True):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4)
+
+
+def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[str], rng: np.random.Generator) -> None:
+    """Two models' requests in one pass (``forward_backward_many``), split over the plan's
+    replicas per request: each model's results, gradients and gradient norm are those of its
+    request alone."""
+    requests = [(model_id, batch(rng, size, "ppo")) for model_id, size in zip(model_ids, (3, 4), strict=True)]
+    got = plan.forward_backward_many(requests)
+    for (model_id, b), result in zip(requests, got, strict=True):
+        want = reference.forward_backward(model_id, b)
+        assert result.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4), model_id
+        for g, w in zip(result.logprobs, want.logprobs, strict=True):
+            np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4)
+    # Parking exports the gradients not yet applied, summed over the replicas, and leaves the
+    # ranks ready to step as if nothing had been exported.
+    got_state = plan.export_state(model_ids[0], with_gradients=True)
+    want_state = reference.export_state(model_ids[0], with_gradients=True)
+    assert got_state.gradients and got_state.gradients.keys() == want_state.gradients.keys()
+    scale = max(float(t.abs().max()) for t in want_state.gradients.values())
+    for key, tensor in got_state.gradients.items():  # float32 sums against float64 ones
+        np.testing.assert_allclose(
+            tensor.double(), want_state.gradients[key], rtol=1e-3, atol=1e-4 * scale, err_msg=key
+        )
+    for model_id, params in zip(model_ids, (ADAM, DIMUON(0.02)), strict=True):
+        got_step, want_step = plan.optim_step(model_id, params), reference.optim_step(model_id, params)
+        assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), model_id
+
+
+def check_dimuon(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
+    """Dimuon takes whole matrices: a plan that shards them must make them whole for the step."""
+    spec = LoraSpec(rank=4, seed=5, optimizer="dimuon")
+    plan.create_adapter(model_id, spec)
+    reference.create_adapter(model_id, spec)
+    reference.load_state(model_id, as_float64(plan.export_state(model_id)), with_optimizer=True)
+    for lr in (0.02, 0.01, 0.03):
+        b = batch(rng, 3, "cross_entropy")
+        plan.forward_backward(model_id, b), reference.forward_backward(model_id, b)
+        got_step, want_step = plan.optim_step(model_id, DIMUON(lr)), reference.optim_step(model_id, DIMUON(lr))
+        assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4)
+    got_state, want_state = plan.export_state(model_id), reference.export_state(model_id)
+    assert {k for k in got_state.optimizer if k.endswith(".momentum")} == {f"{k}.momentum" for k in got_state.weights}
+    for key, tensor in [*got_state.weights.items(), *got_state.optimizer.items()]:
+        want = {**want_state.weights, **want_state.optimizer}[key]
+        np.testing.assert_allclose(tensor.double(), want, rtol=1e-3, atol=1e-5, err_msg=key)

@@ -1,0 +1,230 @@
+"""Sampling through the real SDK and the OpenAI SDK: which weights, stops, seeds, log-probs."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import openai
+import pytest
+import tinker
+from tinker import types
+
+from tests.support.server import ALIAS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CHAT = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+]
+GREEDY = types.SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def trained(base_url):
+    """A client trained on one chat, its tokenizer, prompt and target, and a sampler of it."""
+    sc = tinker.ServiceClient(base_url=base_url)
+    tc = sc.create_lora_training_client(base_model=ALIAS, rank=8, seed=0).result()
+    tok = tc.get_tokenizer()
+    prompt = tok.encode(tok.apply_chat_template(CHAT[:1], tokenize=False, add_generation_prompt=True))
+    full = tok.encode(tok.apply_chat_template(CHAT, tokenize=False).rstrip("\n"))
+    weights = [0.0] * (len(prompt) - 1) + [1.0] * (len(full) - len(prompt))
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:], "weights": weights},
+    )
+    for _ in range(30):
+        tc.forward_backward([datum] * 4, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-3))
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    yield {"sc": sc, "tc": tc, "tok": tok, "prompt": prompt, "full": full, "sampler": sampler}
+    sc.close("success").result()
+
+
+def text(tok, seq) -> str:
+    return tok.decode(seq.tokens)
+
+
+def test_trained_adapter_answers_and_base_does_not(trained):
+    tok, prompt = trained["tok"], types.ModelInput.from_ints(trained["prompt"])
+    seq = trained["sampler"].sample(prompt, 1, GREEDY).result().sequences[0]
+    assert text(tok, seq) == "The capital of France is Paris.<|im_end|>"
+    assert seq.stop_reason == "stop" and len(seq.logprobs) == len(seq.tokens)
+    base = trained["sc"].create_sampling_client(base_model=ALIAS).result()
+    assert "Paris" not in text(tok, base.sample(prompt, 1, GREEDY).result().sequences[0])
+    path = trained["tc"].save_weights_for_sampler("answers").result().path
+    from_path = trained["sc"].create_sampling_client(model_path=path).result()
+    assert from_path.sample(prompt, 1, GREEDY).result().sequences[0].tokens == seq.tokens
+
+
+def test_sampler_logprobs_match_the_trainer(trained):
+    tc, prompt = trained["tc"], trained["prompt"]
+    seqs = (
+        trained["sampler"]
+        .sample(
+            types.ModelInput.from_ints(prompt), 3, types.SamplingParams(max_tokens=12, temperature=1.0, seed=1, stop=[])
+        )
+        .result()
+        .sequences
+    )
+    for seq in seqs:
+        full = prompt + seq.tokens
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+        )
+        trainer = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(seq.logprobs, trainer[len(prompt) - 1 :], atol=1e-4)
+        assert len(seq.tokens) == 12 and seq.stop_reason == "length"
+    # compute_logprobs: None for the first prompt token, the trainer's values after it.
+    scored = trained["sampler"].compute_logprobs(types.ModelInput.from_ints(trained["full"])).result()
+    assert scored[0] is None
+    full = trained["full"]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+    )
+    trainer = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(scored[1:], trainer, atol=1e-4)
+
+
+def test_stops_seeds_and_prompt_logprobs(trained):
+    tok, sampler = trained["tok"], trained["sampler"]
+    prompt = types.ModelInput.from_ints(trained["prompt"])
+    by_string = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=24, temperature=0.0, stop=" France")).result()
+    assert text(tok, by_string.sequences[0]).endswith(" France") and by_string.sequences[0].stop_reason == "stop"
+    comma = tok.encode(" is")[0]
+    by_id = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=24, temperature=0.0, stop=[comma])).result()
+    assert by_id.sequences[0].tokens[-1] == comma and by_id.sequences[0].stop_reason == "stop"
+    no_stop = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])).result()
+    assert len(no_stop.sequences[0].tokens) == 12 and no_stop.sequences[0].stop_reason == "length"
+
+    # The trained adapter is near-deterministic; the base model's spread shows the seeds at work.
+    base = trained["sc"].create_sampling_client(base_model=ALIAS).result()
+    params = types.SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234, stop=[])
+    first = base.sample(prompt, 4, params).result().sequences
+    again = base.sample(prompt, 4, params).result().sequences
+    assert [s.tokens for s in first] == [s.tokens for s in again]
+    assert len({tuple(s.tokens) for s in first}) > 1  # the samples of one request differ
+
+    scored = sampler.sample(
+        prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3
+    ).result()
+    assert scored.prompt_logprobs[0] is None and all(isinstance(x, float) for x in scored.prompt_logprobs[1:])
+    assert scored.topk_prompt_logprobs[0] is None and len(scored.topk_prompt_logprobs[1]) == 3
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+    sequences = sampler.sample(prompt, 2, greedy, topk_sample_logprobs=3).result().sequences
+    assert len(sequences) == 2 and sequences[0].tokens == sequences[1].tokens  # (vLLM is asked for one)
+    for seq in sequences:
+        top = seq.topk_logprobs_np  # (6, 3) each: the best first; greedy picks the best
+        assert top.token_ids.shape == top.logprobs.shape == (6, 3)
+        assert (np.diff(top.logprobs, axis=1) <= 0).all() and top.token_ids[:, 0].tolist() == seq.tokens
+        np.testing.assert_allclose(top.logprobs[:, 0], seq.logprobs, rtol=1e-5)
+    last_n = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=3).result()
+    assert all(x is None for x in last_n[:-3]) and all(x is not None for x in last_n[-3:])
+
+
+def test_concurrent_samples_and_refusals(trained):
+    sampler, prompt = trained["sampler"], types.ModelInput.from_ints(trained["prompt"])
+    futures = [sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, seed=i, stop=[])) for i in range(16)]
+    results = [f.result() for f in futures]
+    assert all(len(r.sequences[0].tokens) == 8 for r in results)
+    with pytest.raises(tinker.BadRequestError, match="prompt_alt_tokens_k"):
+        sampler.sample(prompt, 1, GREEDY, prompt_alt_tokens_k=1000).result()
+    with pytest.raises(tinker.BadRequestError, match="temperature"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=-1.0)).result()
+
+
+def test_a_request_over_the_batch_cap_runs_alone_and_the_others_go_on(trained):
+    """num_samples above the engine's rows per run (64) and below the API's cap (128): it used to
+    be left waiting forever, and the engine retried it in a loop that stopped every sampler."""
+    sampler, prompt = trained["sampler"], types.ModelInput.from_ints(trained["prompt"])
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3, stop=[])
+    large = sampler.sample(prompt, 100, params)
+    others = [sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, seed=i, stop=[])) for i in range(4)]
+    assert len(large.result(timeout=120).sequences) == 100
+    assert all(len(f.result(timeout=120).sequences[0].tokens) == 4 for f in others)
+    again = sampler.sample(prompt, 100, params).result(timeout=120)  # the same seed, the same sequences
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in large.result().sequences]
+
+
+def test_training_continues_while_sampling(trained, base_url):
+    """Sampling of one model does not stall another model's training for long."""
+    sampler, prompt = trained["sampler"], types.ModelInput.from_ints(trained["prompt"])
+    stop = threading.Event()
+
+    def sample_forever():
+        while not stop.is_set():
+            sampler.sample(prompt, 4, types.SamplingParams(max_tokens=32, stop=[])).result()
+
+    worker = threading.Thread(target=sample_forever, daemon=True)
+    worker.start()
+    try:
+        with tinker.ServiceClient(base_url=base_url) as sc:
+            tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints([5, 6, 7]),
+                loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3},
+            )
+            for _ in range(5):
+                assert math.isfinite(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+
+
+def test_openai_sdk_base_and_adapter(trained, base_url):
+    path = trained["tc"].save_weights_for_sampler("openai").result().path
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="tml-test")
+    ids = [m.id for m in client.models.list().data]
+    assert ALIAS in ids and path in ids
+
+    answer = client.chat.completions.create(
+        model=path, messages=CHAT[:1], temperature=0, max_tokens=24, logprobs=True, top_logprobs=2
+    )
+    assert answer.choices[0].message.content == "The capital of France is Paris."
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.usage.completion_tokens == len(answer.choices[0].logprobs.content)
+    assert len(answer.choices[0].logprobs.content[0].top_logprobs) == 2
+    base = client.chat.completions.create(model=ALIAS, messages=CHAT[:1], temperature=0, max_tokens=24)
+    assert base.choices[0].message.content != answer.choices[0].message.content
+
+    stream = client.chat.completions.create(
+        model=path, messages=CHAT[:1], temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True}
+    )
+    deltas, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            deltas.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(deltas) == "The capital of France is Paris." and finish == "stop"
+    assert len([d for d in deltas if d]) > 3 and usage.completion_tokens == answer.usage.completion_tokens
+
+    completion = client.completions.create(
+        model=path,
+        prompt=trained["tok"].decode(trained["prompt"]),
+        temperature=0,
+        max_tokens=24,
+        stop=["."],
+        n=2,
+        logprobs=1,
+    )
+    assert [c.text for c in completion.choices] == ["The capital of France is Paris"] * 2
+    streamed = client.completions.create(
+        model=path,
+        prompt=trained["tok"].decode(trained["prompt"]),
+        temperature=0,
+        max_tokens=24,
+        stop=["."],
+        stream=True,
+    )
+    pieces = [(c.choices[0].text, c.choices[0].finish_reason) for c in streamed if c.choices]
+    assert "".join(text for text, _ in pieces) == "The capital of France is Paris"
+    assert pieces[-1][1] == "stop" and len(pieces) > 3
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=CHAT[:1])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=ALIAS, messages=CHAT[:1], temperature=5)

@@ -1,0 +1,30 @@
+"""SDK helpers: a cross-entropy datum, a ``forward``'s log-probs, an export downloaded through its signed URLs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import numpy as np
+import tinker
+from tinker import types
+
+
+def datum(tokens: list[int], weight: float = 1.0) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [weight] * (len(tokens) - 1)},
+    )
+
+
+def forward_logprobs(tc, tokens: list[int]) -> np.ndarray:
+    out = tc.forward([datum(tokens, 0.0)], "cross_entropy").result()
+    return out.loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def download(base_url: str, path: str, into: Path) -> Path:
+    urls = tinker.RestClient(base_url=base_url).get_external_weights_urls(path).result().urls
+    into.mkdir(parents=True)
+    for name, url in urls.items():
+        (into / name).write_bytes(httpx.get(url, timeout=60).raise_for_status().content)
+    return into

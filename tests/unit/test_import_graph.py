@@ -1,0 +1,100 @@
+"""The package graph: folders say where code runs, and imports only go one way.
+
+core/        pure and shared by every process: imports nothing else of ours
+rank/        inside worker processes: core only
+inference/   the engines the server samples through: core only
+node/        the agent of a node other than the server's: core, and rank (to start ranks)
+server/      the event loop: core, inference, and rank (to start ranks and read their calls)
+cli.py       the entry point (cli_keys.py: its keys command): anything
+
+Every import counts, also one inside a function (a deferred import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fast
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hosted_tinker"
+MAY_IMPORT = {
+    "core": {"core"},
+    "rank": {"core", "rank"},
+    "inference": {"core", "inference"},
+    "node": {"core", "node", "rank"},
+    "server": {"core", "inference", "rank", "server"},
+}
+
+
+def folder_of(module: str) -> str:
+    """``hosted_tinker.server.api.app`` -> ``server``; a module at the top -> its own name."""
+    return module.split(".")[1]
+
+
+def edges() -> dict[str, set[str]]:
+    """Top-level folder (or module) -> the folders its modules import."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(("hosted_tinker", *path.relative_to(PACKAGE).with_suffix("").parts))
+        if module.count(".") == 0:
+            continue
+        source = folder_of(module) if module.count(".") >= 1 else module
+        targets = graph.setdefault(source, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.startswith("hosted_tinker.") and (PACKAGE / name.split(".")[1]).exists():
+                    targets.add(folder_of(name))
+                elif name.startswith("hosted_tinker.") and (PACKAGE / f"{name.split('.')[1]}.py").exists():
+                    targets.add(name.split(".")[1])
+    return graph
+
+
+def test_every_folder_imports_only_what_it_may():
+    graph = edges()
+    assert set(MAY_IMPORT) <= set(graph), "a folder this test knows is gone: update MAY_IMPORT"
+    for folder, imported in graph.items():
+        if folder in MAY_IMPORT:
+            assert imported <= MAY_IMPORT[folder], f"{folder}/ imports {sorted(imported - MAY_IMPORT[folder])}"
+        else:  # a top-level module (cli, __main__): no folder may import it
+            assert not any(folder in graph[name] for name in MAY_IMPORT), f"a folder imports {folder}"
+
+
+def test_the_folder_graph_has_no_cycle():
+    graph = {k: v - {k} for k, v in edges().items()}
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        assert node not in path, f"import cycle: {' -> '.join([*path[path.index(node) :], node])}"
+        if node in done:
+            return
+        for nxt in graph.get(node, ()):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for node in graph:
+        visit(node, [])
+
+
+TESTS = PACKAGE.parent / "tests"
+# test_vllm collects test_sampling's tests again, against vLLM (a fixture of its own named as theirs)
+RECOLLECTED = {("tests.e2e.test_vllm", "tests.e2e.test_sampling")}
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in ``tests/support/`` (and fixtures in a conftest.py): a test
+    module, or a benchmark, that imports a test module depends on that module's other tests."""
+    found = set()
+    for path in [*TESTS.rglob("*.py"), *(PACKAGE.parent / "benchmarks").glob("*.py")]:
+        importer = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1].startswith("test_"):
+                found.add((importer, node.module))
+    assert found == RECOLLECTED
