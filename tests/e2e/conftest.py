@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.tenants import cli, datum, result, serve_two_keys  # noqa: F401
+from tests.support.tenants import serve_two_keys
 
 
 @pytest.fixture(scope="module")

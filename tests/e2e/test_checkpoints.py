@@ -16,7 +16,7 @@ import torch
 from tinker import types
 
 from tests.support.server import ALIAS, start_server
-from tests.support.training import ADAM, DATA, assert_identical, train  # noqa: F401  # noqa: F401
+from tests.support.training import ADAM, DATA, assert_identical, train  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -14,7 +14,7 @@ import tinker
 import torch
 from tinker import types
 
-from tests.support.custom_losses import DATA, evil_writer, masked_copies, views_everywhere  # noqa: F401
+from tests.support.custom_losses import DATA, evil_writer, masked_copies, views_everywhere
 from tests.support.server import ALIAS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

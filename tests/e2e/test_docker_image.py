@@ -32,7 +32,7 @@ import pytest
 import tinker
 import yaml
 
-from tests.support.docker import DEPLOY, REPO, STOP_GRACE_S, TINY, docker  # noqa: F401
+from tests.support.docker import DEPLOY, STOP_GRACE_S, TINY, docker
 from tests.support.residency import step
 from tests.support.server import free_port, wait_healthy
 

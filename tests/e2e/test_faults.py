@@ -21,7 +21,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.support.faults import HEAVY, SMALL, cpu_seconds, datum, forward_logprobs, health, wait_until_computing  # noqa: F401  # noqa: F401
+from tests.support.faults import HEAVY, SMALL, cpu_seconds, datum, forward_logprobs, health, wait_until_computing  # noqa: F401
 from tests.support.server import ALIAS, start_server
 from tests.support.wire import Api, fwdbwd_body
 

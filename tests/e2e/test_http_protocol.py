@@ -16,7 +16,7 @@ import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
 from tests.support.server import ALIAS, start_server
-from tests.support.wire import (  # noqa: F401
+from tests.support.wire import (
     HEADERS,  # noqa: F401
     Api,
     fwdbwd_body,

@@ -17,7 +17,7 @@ from tinker import types
 from hosted_tinker.core.config import ServerConfig
 from tests.support.metrics import moved, scrape
 from tests.support.server import ALIAS
-from tests.support.training import datums  # noqa: F401
+from tests.support.training import datums
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

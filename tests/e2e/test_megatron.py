@@ -26,7 +26,7 @@ from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.backend import ProcessBackend
 from hosted_tinker.server.workers.launch import rank_factories
 from tests.support.batches import random_batch
-from tests.support.megatron import ADAM, LORA, steps  # noqa: F401
+from tests.support.megatron import ADAM, LORA, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -13,7 +13,7 @@ import tinker
 from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 
-from tests.support.metrics import moved, scrape  # noqa: F401
+from tests.support.metrics import moved, scrape
 from tests.support.server import ALIAS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

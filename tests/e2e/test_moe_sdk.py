@@ -15,7 +15,7 @@ import torch
 from tinker import types
 
 from hosted_tinker.core.tiny_model import build_tiny_model
-from tests.support.sdk import datum, download, forward_logprobs  # noqa: F401
+from tests.support.sdk import datum, download, forward_logprobs
 from tests.support.server import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -11,7 +11,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.support.cli import cli  # noqa: F401
+from tests.support.cli import cli
 from tests.support.server import ALIAS, start_server
 from tests.support.wire import Api, fwdbwd_body
 

@@ -17,7 +17,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.support.residency import datum, step  # noqa: F401
+from tests.support.residency import datum, step
 from tests.support.server import ALIAS, ServerProcess, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -14,7 +14,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.support.sampling import (  # noqa: F401
+from tests.support.sampling import (
     LONG,
     PROMPT,  # noqa: F401
     _asample,

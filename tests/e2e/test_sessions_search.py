@@ -11,7 +11,7 @@ import tinker
 from tinker import types
 
 from tests.support.server import ALIAS, ServerProcess
-from tests.support.sessions import search  # noqa: F401
+from tests.support.sessions import search
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -18,7 +18,7 @@ import tinker
 from tinker import types
 
 from tests.support.server import ALIAS, ServerProcess, start_server
-from tests.support.tenants import cli, datum, result, serve_two_keys  # noqa: F401
+from tests.support.tenants import cli, datum, result
 from tests.support.wire import fwdbwd_body
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -17,7 +17,7 @@ from tinker import types
 
 from tests.support.server import ALIAS
 from tests.support.tenants import datum, serve_two_keys
-from tests.support.usage import totals, window  # noqa: F401
+from tests.support.usage import totals, window
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hosted_tinker.core.losses import LOSSES
-from tests.support.loss_reference import ref_stable_reinforce  # noqa: F401
+from tests.support.loss_reference import ref_stable_reinforce
 
 pytestmark = pytest.mark.fast
 

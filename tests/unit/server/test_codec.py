@@ -24,7 +24,7 @@ from hosted_tinker.server.protocol.proto_codec import (
     decompress,
     encode_forward_backward_output,
 )
-from tests.support.wire import make_request_bytes  # noqa: F401
+from tests.support.wire import make_request_bytes
 
 pytestmark = pytest.mark.fast
 
