@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import pickle
 import signal
-import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +15,6 @@ import torch
 from hosted_tinker.core.errors import RolledBack, UserError, WorkerCrashed, WorkerError, WorkerStartFailed
 from hosted_tinker.core.messages import Listener, dumps
 from hosted_tinker.core.types import Capabilities, ForwardBackwardBatch, LoraSpec
-from hosted_tinker.server.api.app import _watch_worker
 from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient, one_worker
 from hosted_tinker.server.workers.process import WorkerProcess
 
@@ -259,51 +255,6 @@ class FlakyBackend(FakeBackend):
         if os.path.exists(broken):
             raise OSError("the disk is gone")
         super().__init__()
-
-
-@pytest.mark.fast
-def test_the_watchdog_queues_one_replacement_at_a_time_and_backs_off():
-    """While a replacement is queued or running, no other is queued; failed ones wait longer."""
-    calls, running, overlaps, polls = [], 0, [], [0]
-
-    class Backend:
-        def status(self) -> dict:
-            polls[0] += 1
-            return {"alive": len(calls) >= 4 and running == 0}
-
-        def ensure_alive(self) -> None:
-            nonlocal running
-            running += 1
-            overlaps.append(running)
-            calls.append(time.monotonic())
-            time.sleep(0.05)
-            running -= 1
-            if len(calls) < 4:
-                raise RuntimeError("the training worker could not start")
-
-    class Scheduler:
-        def run_on_worker(self, fn) -> None:
-            threading.Thread(target=fn).start()
-
-    state = SimpleNamespace(backend=Backend(), scheduler=Scheduler())
-
-    async def until(condition, deadline_s: float = 10.0) -> None:
-        deadline = time.monotonic() + deadline_s
-        while not condition():
-            assert time.monotonic() < deadline, "the watchdog did not get there in time"
-            await asyncio.sleep(0.01)
-
-    async def watch() -> None:
-        task = asyncio.create_task(_watch_worker(state, every_s=0.02, max_wait_s=0.08))
-        await until(lambda: len(calls) >= 4 and running == 0)  # replaced, after three failures
-        seen = polls[0]
-        await until(lambda: polls[0] >= seen + 5)  # seen alive a few times: nothing more queued
-        task.cancel()
-
-    asyncio.run(watch())
-    assert len(calls) == 4 and max(overlaps) == 1  # three failures, then a success, never two at once
-    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
-    assert gaps[1] > gaps[0] + 0.01  # backing off
 
 
 @pytest.mark.slow

@@ -1,0 +1,60 @@
+"""The unit tests of what tests/e2e/test_megatron.py tests end to end (no server here)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fast
+
+
+def test_layers_auto_picks_transformer_engine_for_16_bit_gpu_ranks_only(monkeypatch) -> None:
+    from hosted_tinker.rank.plans import megatron
+
+    monkeypatch.setattr(megatron, "has_transformer_engine", lambda: True)
+    auto = megatron.Options(tp=1)
+    assert auto.uses_te("cuda:0", "bfloat16") and auto.uses_te("cuda:1", "float16")
+    assert not auto.uses_te("cuda:0", "float32") and not auto.uses_te("cpu", "bfloat16")
+    assert megatron.Options(tp=1, layers="te").uses_te("cuda:0", "float32")  # asked for: as asked
+    assert not megatron.Options(tp=1, layers="local").uses_te("cuda:0", "bfloat16")
+    monkeypatch.setattr(megatron, "has_transformer_engine", lambda: False)
+    assert not auto.uses_te("cuda:0", "bfloat16")
+
+
+def test_a_megatron_core_it_was_not_built_on_is_refused_at_start_up(monkeypatch) -> None:
+    """pip gives Python 3.12 the newest megatron-core, whose layer specs rank.mcore cannot read:
+    the start is refused, naming the installed release and the pip command, not a rank's traceback."""
+    from hosted_tinker.rank.plans import megatron, plan_options
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
+    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.19.2")
+    with pytest.raises(ValueError, match=r"not the installed 0\.19\.2: pip install 'megatron-core<0\.17,>=0\.16\.1'"):
+        plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0)
+    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.16.1")
+    assert plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0).tp == 2
+
+    def not_installed(dist: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(megatron.importlib.metadata, "version", not_installed)  # a Megatron-LM checkout
+    with pytest.raises(ValueError, match="importable but no megatron-core package is installed"):
+        plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0)
+
+
+def test_the_pins_are_the_ones_pyproject_installs() -> None:
+    """One release of each engine, said twice (pyproject's extras, and where the code checks or
+    installs it): the two must not drift apart."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from hosted_tinker.inference.vllm_setup import VLLM_CUDA_SPEC
+    from hosted_tinker.rank.plans.megatron import MCORE_SUPPORTED
+
+    extras = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    assert Requirement(extras["megatron"][0]).specifier == MCORE_SUPPORTED
+    assert Requirement(extras["vllm"][0]) == Requirement(VLLM_CUDA_SPEC)
