@@ -14,17 +14,12 @@ fixed sleep.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TINKER_TELEMETRY", "0")
-os.environ.setdefault("TINKER_API_KEY", "tml-test")
-
-from tests.support.server import ServerProcess, start_server  # noqa: E402 - after the environment
+from tests.support.server import ServerProcess, start_server  # first: it sets the tests' environment
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ health-checked before any SDK call (the SDK retries a dead server for ~5 minutes
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -11,6 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+# Offline, quiet, and keyed as the servers the tests start are (the benchmarks import this too)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+os.environ.setdefault("TINKER_API_KEY", "tml-test")
 
 ALIAS = "Qwen/Qwen3-8B-Base"
 
