@@ -10,6 +10,7 @@ computes for the same tokens; temperature, top-k and top-p only shape the sampli
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,6 +133,12 @@ def _prompt_scores(
     return logprobs, topk
 
 
+def _cache(out: object) -> object:
+    """The decoder output's cache (``cache`` in transformers 5, ``past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
+
+
 def _recurrent_states(layer: object) -> list[dict[int, Tensor | None]]:
     """A cache layer's per-row states of linear attention (Qwen3.5's Gated-DeltaNet: the causal
     convolution's window and the delta rule's state, batch first), if it has them."""
@@ -222,6 +229,10 @@ class Decode:
     ) -> None:
         self.device = next(lm.parameters()).device
         self.decoder = getattr(lm, lm.base_model_prefix)
+        # transformers 5 names the decoder's cache ``cache`` (``past_key_values`` goes in 5.40); 4.x the latter
+        self.cache_kwarg = (
+            "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
+        )
         self.head = lm.get_output_embeddings()
         self.pad_id, self.decode, self.default_seed = pad_id, decode, default_seed
         self.specs: list[SampleSpec] = []
@@ -261,7 +272,7 @@ class Decode:
                 # Alternative draws have a generator of their own: the samples' do not move.
                 extras_generator = _row_generator(seeds[i - first], spec.num_samples, device)
                 output.target_prompt, output.prompt_alt = _prompt_extras(head, row_hidden, spec, extras_generator)
-        live = _Live(rows, generators, mask, positions[:, -1:], out.past_key_values, hidden[:, -1])
+        live = _Live(rows, generators, mask, positions[:, -1:], _cache(out), hidden[:, -1])
         live.select([r for r, (i, _) in enumerate(rows) if specs[i].max_tokens > 0])
         return live
 
@@ -330,10 +341,10 @@ class Decode:
                 input_ids=picked[:, None],
                 attention_mask=live.mask,
                 position_ids=live.positions,
-                past_key_values=live.cache,
                 use_cache=True,
+                **{self.cache_kwarg: live.cache},
             )
-            live.cache, live.last = out.past_key_values, out.last_hidden_state[:, -1]
+            live.cache, live.last = _cache(out), out.last_hidden_state[:, -1]
 
     def _report(self, on_finished: FinishListener | None) -> None:
         """Each request none of whose rows is left is finished: its top-k rows are put together
