@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import Tensor
 
+from hosted_tinker.core.images import ImageInput
+
 MASK_LOGPROB = -99999.0  # the SDK's marker for an empty top-k cell
 
 # (request index, sample index, token, logprob), for each token of a streamed request.
@@ -43,6 +45,8 @@ class SampleSpec:
     prompt_alt_tokens_k: int = 0
     # Report each sampled token as it is chosen, through ``generate``'s ``on_token`` (streaming).
     stream: bool = False
+    # the prompt's images, each over a run of the model's image token in ``prompt`` (``core.images``)
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def scores_prompt(self) -> bool:

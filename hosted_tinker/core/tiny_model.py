@@ -65,6 +65,9 @@ def build_tokenizer(vocab_size: int = 512):
 
 
 FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "gpt_oss")  # what ``family`` may name
+VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # built as vision-language models, as their checkpoints are
+# Qwen3.5's vision tokens: an image is <|vision_start|> <|image_pad|>… <|vision_end|> in its chat template
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: int, initializer_range: float, tok):
@@ -165,15 +168,21 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             initializer_range=initializer_range,
         )
         tied = hybrid.pop("tie_word_embeddings")
+        start, end, image, video = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+        tokens = dict(vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video)
         if family == "qwen3_5":
-            return transformers.Qwen3_5Config(text_config=hybrid, vision_config=vision, tie_word_embeddings=tied)
+            return transformers.Qwen3_5Config(
+                text_config=hybrid, vision_config=vision, tie_word_embeddings=tied, **tokens
+            )
         moe = dict(
             moe_intermediate_size=hidden_size // 2,
             shared_expert_intermediate_size=hidden_size // 2,
             num_experts=8,
             num_experts_per_tok=2,
         )
-        return transformers.Qwen3_5MoeConfig(text_config=hybrid | moe, vision_config=vision, tie_word_embeddings=tied)
+        return transformers.Qwen3_5MoeConfig(
+            text_config=hybrid | moe, vision_config=vision, tie_word_embeddings=tied, **tokens
+        )
     raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
 
 
@@ -198,6 +207,8 @@ def build_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
 
     tok = build_tokenizer(vocab_size)
+    if family in VISION_FAMILIES:
+        tok.add_special_tokens({"additional_special_tokens": [*SPECIAL_TOKENS[1:], *VISION_TOKENS]})
     cfg = tiny_config(
         family,
         vocab_size=max(vocab_size, len(tok)),
@@ -215,6 +226,8 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp, save_jinja_files=False)
+    if family in VISION_FAMILIES:
+        image_processor(cfg.vision_config).save_pretrained(tmp)
 
     # transformers 5 writes "TokenizersBackend", a class 4.x cannot load.
     tc_path = tmp / "tokenizer_config.json"
@@ -230,6 +243,21 @@ def build_tiny_model(
             raise
         # else another process won the race: keep theirs
     return out
+
+
+def image_processor(vision):
+    """Qwen3.5's image processor for ``vision`` (a vision config), with small images' bounds: an
+    image of a few dozen pixels a side is a few tokens (the real ones take 256² to 16 M pixels)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size,
+        size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
 
 
 def weights_sha256(model_dir: str | os.PathLike) -> str:

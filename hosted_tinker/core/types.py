@@ -18,6 +18,7 @@ import torch
 
 from hosted_tinker.core.custom_loss import CustomLossDef
 from hosted_tinker.core.errors import RolledBack
+from hosted_tinker.core.images import ImageInput
 
 # The optimizer families a model can be created with, as the SDK's ``optimizer_config`` names
 # them (and as get_info / weights_info report them).
@@ -50,6 +51,8 @@ class DatumInput:
     tokens: torch.Tensor
     target_tokens: torch.Tensor
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # its images, each over a run of the model's image token in ``tokens`` (``core.images``)
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -167,6 +170,7 @@ class Capabilities:
     # Gated-DeltaNet (linear attention) layers, trained over packed sequences (0: none)
     linear_attention_layers: int = 0
     images: bool = False  # whether a ModelInput may hold images (ImageChunk) for this model
+    image_token_id: int = -1  # the token an image's positions hold (images only)
     # which of train_attn / train_mlp / train_unembed find layers to train on this model
     lora_groups: tuple[str, ...] = ("attn", "mlp", "unembed")
 

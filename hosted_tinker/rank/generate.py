@@ -29,6 +29,7 @@ from hosted_tinker.core.sampling import (
     SampleSpec,
     TokenListener,
 )
+from hosted_tinker.rank.vision import VisionTower
 
 
 def _row_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
@@ -226,8 +227,10 @@ class Decode:
         pad_id: int,
         decode: Callable[[list[int]], str],
         default_seed: Callable[[], int],
+        vision: VisionTower | None = None,
     ) -> None:
         self.device = next(lm.parameters()).device
+        self.vision = vision  # a vision-language model's tower, for prompts with images (``rank.vision``)
         self.decoder = getattr(lm, lm.base_model_prefix)
         # transformers 5 names the decoder's cache ``cache`` (``past_key_values`` goes in 5.40); 4.x the latter
         self.cache_kwarg = (
@@ -262,7 +265,19 @@ class Decode:
             mask[r, longest - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        inputs = {"input_ids": ids, "position_ids": positions}
+        if placed := [
+            (r, longest - len(specs[i].prompt), len(specs[i].prompt), specs[i].images)
+            for r, (i, _) in enumerate(rows)
+            if specs[i].images
+        ]:
+            where = [f"request {i}: prompt" for i, _ in rows if specs[i].images]
+            embeds, multimodal = self.vision.embed(self.decoder.get_input_embeddings(), ids, positions, placed, where)
+            # the rows decode on from past their prompt's largest M-RoPE position (an image's
+            # positions advance less than its tokens do); text alone: the same as its count
+            inputs = {"inputs_embeds": embeds, "position_ids": multimodal}
+            positions = multimodal[1]
+        out = self.decoder(attention_mask=mask, use_cache=True, **inputs)
         hidden = out.last_hidden_state  # (rows, longest, H)
         for r, (i, s) in enumerate(rows):
             spec, output = specs[i], self.outputs[i]
@@ -371,10 +386,11 @@ def generate(
     default_seed: Callable[[], int],
     admit: Callable[[], Admission] | None = None,
     on_token: TokenListener | None = None,
+    vision: VisionTower | None = None,
 ) -> list[SampleOutput]:
     """Sample every request of ``specs`` in one ``Decode`` run to its end (``lm``: a causal LM
     with its adapter set); one output per request, ``specs`` first, then admitted ones."""
-    run = Decode(lm, specs, pad_id=pad_id, decode=decode, default_seed=default_seed)
+    run = Decode(lm, specs, pad_id=pad_id, decode=decode, default_seed=default_seed, vision=vision)
     while not run.run(admit, on_token):
         pass  # a pause asked for here has no one to give the worker to
     return run.outputs

@@ -25,10 +25,12 @@ from hosted_tinker.core.logprobs import chunk_tokens_for, packed_targets, target
 from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank import attention, linear_attention
+from hosted_tinker.rank import vision as vision_tower
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import LoraAdapters, lora_config, segments
 from hosted_tinker.rank.experts import PROJECTIONS, experts_modules
 from hosted_tinker.rank.linear_attention import GATES, gated_delta_modules, split_targets
+from hosted_tinker.rank.vision import VisionTower
 
 _ATTN_HINTS = ("attn", "attention")
 _MLP_HINTS = ("mlp", "feed_forward", "ffn")
@@ -149,6 +151,12 @@ def family(model_path: str) -> str:
 
 def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:
     """The frozen HF causal LM from ``model_path`` (a local folder), in eval mode on ``device``."""
+    return load_model(model_path, device, dtype)[0]
+
+
+def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[nn.Module, VisionTower | None]:
+    """``load_base``'s model, and, for a vision-language checkpoint whose images this server
+    feeds (``rank.vision``), its vision tower."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
@@ -167,10 +175,17 @@ def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:
         from transformers import Mxfp4Config
 
         options["quantization_config"] = Mxfp4Config(dequantize=True)
-    base = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=getattr(torch, dtype), **options)
+    vision = None
+    if vision_tower.takes_images(config):
+        base, whole = vision_tower.load_with_tower(model_path, config, getattr(torch, dtype), **options)
+        whole.to(device).eval()
+        whole.requires_grad_(False)
+        vision = vision_tower.VisionTower(whole, model_path)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=getattr(torch, dtype), **options)
     base.to(device).eval()
     base.requires_grad_(False)
-    return base
+    return base, vision
 
 
 def sharing_weights(module: nn.Module) -> nn.Module:
@@ -193,7 +208,7 @@ class HfLoraModel:
         lora_compute: str = "float32",
     ) -> None:
         self.device = torch.device(device)
-        self.base = load_base(model_path, self.device, dtype)
+        self.base, self.vision = load_model(model_path, self.device, dtype)
         self.arch = type(self.base).__name__
         if unpackable := linear_attention.unpackable_layers(self.base):
             raise UserError(
@@ -256,10 +271,21 @@ class HfLoraModel:
         routes = self.adapters.routes
         routes.segments = segments([h.name for h in handles], [d.num_tokens for d in data])
         decoder = getattr(lm, lm.base_model_prefix)
+        inputs = {
+            "input_ids": packed.tokens[None].to(self.device),
+            "position_ids": packed.positions[None].to(self.device),
+        }
+        if any(d.images for d in data):  # their embeddings from the frozen tower, M-RoPE positions
+            starts = packed.cu_seqlens.tolist()
+            placed = [(0, starts[i], d.num_tokens, d.images) for i, d in enumerate(data) if d.images]
+            where = [f"data[{i}]" for i, d in enumerate(data) if d.images]
+            embeds, positions = self.vision.embed(
+                decoder.get_input_embeddings(), inputs["input_ids"], packed.positions[None], placed, where
+            )
+            inputs = {"inputs_embeds": embeds, "position_ids": positions}
         with recomputed(self.layers, recompute), self._counting_routes():
             hidden = decoder(
-                input_ids=packed.tokens[None].to(self.device),
-                position_ids=packed.positions[None].to(self.device),
+                **inputs,
                 # no KV cache: a pass keeps nothing for a next one, and a recomputed layer would
                 # append its keys to the cache a second time (DeepSeek-V3's MLA then attends over both)
                 use_cache=False,

@@ -23,6 +23,7 @@ from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput,
 from hosted_tinker.rank.adapters import KEY_PREFIX, Adapter, Lora, LoraAdapters
 from hosted_tinker.rank.experts import PROJECTIONS
 from hosted_tinker.rank.generate import Decode, generate
+from hosted_tinker.rank.vision import VisionTower
 
 MAX_SAMPLER_ADAPTERS = 16
 # Paused runs kept at once (the engine keeps fewer: ``inference.embedded.MAX_LIVE_RUNS``); each
@@ -50,9 +51,12 @@ class EmbeddedSampler:
 
     SERVED_AS = "sampler"  # its name in calls to the worker (``rank.serve.Rank``)
 
-    def __init__(self, base: nn.Module, model_path: str, lora_compute: str = "float32") -> None:
+    def __init__(
+        self, base: nn.Module, model_path: str, lora_compute: str = "float32", vision: VisionTower | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
+        self.vision = vision  # a vision-language model's tower: prompts may hold images
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings
         self.pad_id = base.config.pad_token_id or 0
         self.adapters = LoraAdapters(base, lora_compute)
@@ -127,6 +131,7 @@ class EmbeddedSampler:
         return generate(
             self.adapters.lm,
             specs,
+            vision=self.vision,
             pad_id=self.pad_id,
             decode=self._decode,
             default_seed=_seed,
@@ -156,7 +161,14 @@ class EmbeddedSampler:
             elif len(self.runs) >= MAX_RUNS:
                 raise RuntimeError(f"{MAX_RUNS} sampling runs are paused already")
             else:
-                run = Decode(self.adapters.lm, specs, pad_id=self.pad_id, decode=self._decode, default_seed=_seed)
+                run = Decode(
+                    self.adapters.lm,
+                    specs,
+                    vision=self.vision,
+                    pad_id=self.pad_id,
+                    decode=self._decode,
+                    default_seed=_seed,
+                )
                 self.runs[run_id] = (key, run)
             done = run.run(admit, on_token, on_finished)
         except BaseException:

@@ -108,7 +108,12 @@ def build_rank(spec: RankSpec) -> Rank:
     activation_memory = options.activation_budget(spec.devices, spec.shares_gpu)
     trainer = Trainer(model, plan, options.microbatch_tokens, options.recompute_above_tokens, activation_memory)
     shared = getattr(model, "shareable_base", None)  # a tree over the trainer's own weights, if it has one
-    sampler = EmbeddedSampler(shared, model_path, spec.lora_compute) if spec.rank == 0 and shared is not None else None
+    vision = getattr(model, "vision", None)  # a vision-language model's tower (``rank.vision``), if it feeds images
+    sampler = (
+        EmbeddedSampler(shared, model_path, spec.lora_compute, vision)
+        if spec.rank == 0 and shared is not None
+        else None
+    )
     max_seq_len = spec.max_seq_len or model.max_positions
     capabilities = Capabilities(
         backend=spec.backend,
@@ -126,6 +131,8 @@ def build_rank(spec: RankSpec) -> Rank:
         family=model.family,
         routed_experts=model.routed_experts,
         linear_attention_layers=model.linear_attention_layers,
+        images=vision is not None,
+        image_token_id=vision.image_token_id if vision is not None else -1,
         lora_groups=model.lora_groups,
     )
     return Rank(capabilities, trainer, sampler)

@@ -37,6 +37,7 @@ from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.custom_losses import CustomLossService
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.futures import FuturesService
+from hosted_tinker.server.serving.images import ImageLayout, ImageTokens
 from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy import OpenAIProxy
@@ -143,6 +144,7 @@ def build_state(config: ServerConfig) -> ServerState:
     pids = backend.status()["pids"]
     log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))
     vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
+    images = ImageLayout(caps, ImageTokens(model_path, caps.image_token_id) if caps.images else None)
     custom_losses = CustomLossService(store, scheduler, quotas)
     residency = Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models)
     usage = UsageLedger(store)
@@ -161,6 +163,7 @@ def build_state(config: ServerConfig) -> ServerState:
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
         run_metrics=run_metrics,
         usage=usage,
+        images=images,
     )
     sampling = SamplingService(
         backend,
@@ -177,6 +180,7 @@ def build_state(config: ServerConfig) -> ServerState:
         vllm,
         served_names=config.served_names(),
         usage=usage,
+        images=images,
         budget=SampleBudget(
             config.max_sample_tokens, lambda key: None if (lim := quotas.of(key)) is None else lim.sample_tokens
         ),

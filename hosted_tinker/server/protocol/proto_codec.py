@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from hosted_tinker.core.errors import UnsupportedEncoding, WireError
+from hosted_tinker.core.images import ImageInput
 from hosted_tinker.core.sampling import SampleOutput
 from hosted_tinker.server.protocol.json_types import TensorData
 from hosted_tinker.server.protocol.proto_scan import scan_forward_backward
@@ -36,14 +37,28 @@ class Span:
     length: int
 
 
+@dataclass(frozen=True)
+class WireImage:
+    """An ``ImageChunk`` as it came: ``model_input[chunk]`` of its datum."""
+
+    chunk: int
+    data: bytes
+    format: str
+    expected_tokens: int | None
+    size: tuple[int, int] | None  # override_dimensions (width, height)
+
+
 @dataclass
 class WireDatum:
-    tokens: np.ndarray  # int64 (N,)
+    tokens: np.ndarray  # int64 (N,); a datum with images: its text alone until ``serving.images`` lays them in
     loss_fn_inputs: dict[str, np.ndarray]  # dense, in the declared shape
     # Provenance (``Datum.with_provenance``): runs tiling the model input and the targets; both
     # or neither (empty lists).
     model_input_spans: list[Span] = field(default_factory=list)
     loss_fn_input_spans: list[Span] = field(default_factory=list)
+    # A datum with images: its chunks in order (text tokens, or an image); empty for text alone
+    chunks: list[np.ndarray | WireImage] = field(default_factory=list)
+    images: list[ImageInput] = field(default_factory=list)  # where each image lies, once laid in
 
 
 # Input is fed in small pieces so one piece can never inflate far past the limit (a zstd block
@@ -172,7 +187,7 @@ def decode_tensor_json(td: TensorData, where: str, leading: int, pad: float) -> 
     return _tensor(msg, where, leading, [MAX_REQUEST_ELEMENTS], pad), msg
 
 
-def _tensor(msg: pb.Tensor, where: str, leading: int, budget: list[int], pad: float = 0) -> np.ndarray:
+def _tensor(msg: pb.Tensor, where: str, leading: int | None, budget: list[int], pad: float = 0) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(
@@ -185,7 +200,7 @@ def _tensor(msg: pb.Tensor, where: str, leading: int, budget: list[int], pad: fl
         if len(shape) != 2:
             raise WireError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
         # A few bytes of CSR can declare a huge dense shape: bound it before allocating.
-        if shape[0] != leading:
+        if leading is not None and shape[0] != leading:
             raise WireError(f"{where}: shape {list(shape)} does not start with the datum's {leading} positions")
         if shape[1] > MAX_TRAILING_ELEMENTS:
             raise WireError(f"{where}: shape {list(shape)} has over {MAX_TRAILING_ELEMENTS} values per position")
@@ -221,23 +236,39 @@ def _tensor(msg: pb.Tensor, where: str, leading: int, budget: list[int], pad: fl
 
 def _datum(msg: pb.Datum, index: int, budget: list[int]) -> WireDatum:
     where = f"data[{index}]"
-    tokens: list[np.ndarray] = []
+    chunks: list[np.ndarray | WireImage] = []
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
-        if kind != "encoded_text":
-            raise WireError(
-                f"{where}.model_input[{j}]: {kind or 'empty'} chunks are not supported by this text-only model"
-            )
-        tokens.append(_frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"{where}.model_input[{j}].tokens"))
+        if kind == "encoded_text":
+            chunks.append(_frombuffer(chunk.encoded_text.tokens, np.dtype("<i4"), f"{where}.model_input[{j}].tokens"))
+        elif kind == "image":
+            chunks.append(_image(chunk.image, j))
+        else:
+            raise WireError(f"{where}.model_input[{j}]: {kind or 'empty'} chunks are not supported (text and images)")
+    tokens = [c for c in chunks if isinstance(c, np.ndarray)]
     joined = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, dtype=np.int64)
+    images = [c for c in chunks if isinstance(c, WireImage)]
+    # the SDK's ModelInput.length counts an image as its expected_tokens; one without them has
+    # its length only once the server has counted it (``serving.images``), where shapes are checked
+    leading = (
+        None if any(i.expected_tokens is None for i in images) else len(joined) + sum(i.expected_tokens for i in images)
+    )
     inputs = {
-        key: _tensor(t, f"{where}.loss_fn_inputs.{key}", len(joined), budget) for key, t in msg.loss_fn_inputs.items()
+        key: _tensor(t, f"{where}.loss_fn_inputs.{key}", leading, budget) for key, t in msg.loss_fn_inputs.items()
     }
     model_input_spans = [_span(s, f"{where}.model_input_spans[{j}]") for j, s in enumerate(msg.model_input_spans)]
     loss_fn_input_spans = [_span(s, f"{where}.loss_fn_input_spans[{j}]") for j, s in enumerate(msg.loss_fn_input_spans)]
     if bool(model_input_spans) != bool(loss_fn_input_spans):
         raise WireError(f"{where}: provenance comes as a pair: model_input_spans and loss_fn_input_spans, or neither")
-    return WireDatum(joined, inputs, model_input_spans, loss_fn_input_spans)
+    return WireDatum(joined, inputs, model_input_spans, loss_fn_input_spans, chunks if images else [])
+
+
+def _image(msg: pb.ImageChunk, j: int) -> WireImage:
+    size = None
+    if msg.HasField("override_dimensions"):
+        size = (msg.override_dimensions.width, msg.override_dimensions.height)
+    expected = msg.expected_tokens if msg.HasField("expected_tokens") else None
+    return WireImage(j, bytes(msg.data), msg.format, expected, size)
 
 
 def _span(msg: pb.ProvenanceSpan, where: str) -> Span:

@@ -46,6 +46,7 @@ def check_datum(
             tokens=torch.from_numpy(d.tokens.astype(np.int64)),
             target_tokens=torch.from_numpy(targets.astype(np.int64)),
             inputs=datum_inputs(custom, d, where, targets),
+            images=tuple(d.images),
         )
     tensors: dict[str, torch.Tensor] = {}
     for key in spec.required_inputs:
@@ -68,6 +69,7 @@ def check_datum(
         tokens=torch.from_numpy(d.tokens.astype(np.int64)),
         target_tokens=torch.from_numpy(targets.astype(np.int64)),
         inputs=tensors,
+        images=tuple(d.images),
     )
 
 

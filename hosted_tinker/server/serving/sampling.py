@@ -20,6 +20,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import EngineUnavailable, WireError, bad_request, not_found, unavailable
+from hosted_tinker.core.images import MAX_REQUEST_PIXELS, ImageInput
 from hosted_tinker.core.sampling import SampleOutput, SampleSpec
 from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
@@ -29,6 +30,7 @@ from hosted_tinker.server.protocol.proto_codec import decode_tensor_json, encode
 from hosted_tinker.server.records import SamplerRecord
 from hosted_tinker.server.scheduler import Scheduler
 from hosted_tinker.server.sequences import SequenceRecords
+from hosted_tinker.server.serving.images import ImageLayout
 from hosted_tinker.server.serving.sample_budget import SampleBudget
 from hosted_tinker.server.serving.usage import Charge, UsageLedger
 from hosted_tinker.server.store import Store
@@ -47,15 +49,29 @@ def check_num_samples(num_samples: int) -> None:
         raise bad_request(f"num_samples must be between 1 and {MAX_NUM_SAMPLES}, got {num_samples}")
 
 
-def prompt_tokens(prompt: wire.ModelInput, context: int) -> list[int]:
-    """The prompt's token ids. Chunks arrive loosely typed (so that an image is refused by name
-    here), so each text chunk is validated now and its errors are reported against it; one
-    longer than the ``context`` before its numbers are."""
+def prompt_tokens(
+    prompt: wire.ModelInput, context: int, images: ImageLayout | None = None
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """The prompt's token ids, and its images (``images`` lays them in: without it, a text-only
+    model). Chunks arrive loosely typed, so each is validated now and its errors are reported
+    against it; a text chunk longer than the ``context`` before its numbers are."""
     tokens: list[int] = []
+    laid: list[ImageInput] = []
+    budget = [MAX_REQUEST_PIXELS]
     for i, chunk in enumerate(prompt.chunks):
         where = f"prompt.chunks[{i}]"
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise bad_request(f"{where}: {chunk.get('type')} chunks are not supported (text only)")
+        kind = chunk.get("type", "encoded_text")
+        if kind == "image" and images is not None:
+            image = images.prompt_image(chunk, len(tokens), where, budget)
+            laid.append(image)
+            tokens += [images.counter.image_token_id] * image.tokens
+            if len(tokens) >= context:
+                raise bad_request(f"prompt has {len(tokens)} tokens or more; the context holds {context} in all")
+            continue
+        if kind == "image":
+            raise bad_request(f"{where}: image chunks are not supported by this text-only model")
+        if kind != "encoded_text":
+            raise bad_request(f"{where}: {kind} chunks are not supported (text and images)")
         if isinstance(raw := chunk.get("tokens"), list) and len(tokens) + len(raw) >= context:
             raise bad_request(f"prompt has {len(tokens) + len(raw)} tokens or more; the context holds {context} in all")
         try:
@@ -64,7 +80,7 @@ def prompt_tokens(prompt: wire.ModelInput, context: int) -> list[int]:
             first = e.errors()[0]
             loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
             raise bad_request(f"{where}{loc}: {first['msg']}") from None
-    return tokens
+    return tokens, tuple(laid)
 
 
 @dataclass(frozen=True)
@@ -93,8 +109,10 @@ class SamplingService:
         *,
         served_names: Sequence[str] = (),
         usage: UsageLedger | None = None,
+        images: ImageLayout | None = None,
         budget: SampleBudget | None = None,
     ) -> None:
+        self.images = images if images is not None and images.counter is not None else None
         self.usage = usage  # what each key sampled (``serving.usage``)
         self.budget = budget  # what a request and a key may ask of the embedded engine (None: no bound)
         self.backend = backend
@@ -135,6 +153,7 @@ class SamplingService:
         topk_sample_logprobs: int = 0,
         target_prompt_ids: np.ndarray | None = None,
         prompt_alt_tokens_k: int = 0,
+        images: tuple[ImageInput, ...] = (),
         cost_field: str = "num_samples * (prompt tokens + sampling_params.max_tokens)",
     ) -> SampleSpec:
         """The validated request; ``cost_field`` is how the client spells ``n * (prompt + max_tokens)``."""
@@ -207,6 +226,7 @@ class SamplingService:
             topk_sample_logprobs=topk_sample_logprobs,
             target_prompt_ids=torch.from_numpy(target_prompt_ids) if target_prompt_ids is not None else None,
             prompt_alt_tokens_k=prompt_alt_tokens_k,
+            images=images,
         )
         self._check_engine(spec)  # every request passes here before anything is queued
         if self.budget is not None and not self.uses_vllm(spec):  # vLLM does not run on the training worker
@@ -310,7 +330,7 @@ class SamplingService:
         sequence_ids = [f"{request_key}:{i}" for i in range(req.num_samples)]
         if (existing := self.scheduler.find(sampler.sampler_id, seq_id)) is not None:  # a resend
             return existing, sequence_ids
-        prompt = prompt_tokens(req.prompt, self.backend.capabilities.max_seq_len)
+        prompt, images = prompt_tokens(req.prompt, self.backend.capabilities.max_seq_len, self.images)
         target_ids, target_layout = None, None
         if req.target_prompt_logprobs is not None and prompt:  # an empty prompt: spec() says so
             if req.target_prompt_logprobs.dtype != "int64":
@@ -331,6 +351,7 @@ class SamplingService:
             topk_sample_logprobs=req.topk_sample_logprobs,
             target_prompt_ids=target_ids,
             prompt_alt_tokens_k=req.prompt_alt_tokens_k,
+            images=images,
         )
         if self.uses_vllm(spec):
             self._check_vllm_ready()  # a 503 the SDK retries, rather than a failed future

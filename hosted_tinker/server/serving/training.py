@@ -35,6 +35,7 @@ from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving import optimizers, provenance
 from hosted_tinker.server.serving.batch_checks import check_datum
 from hosted_tinker.server.serving.custom_losses import CustomLossService
+from hosted_tinker.server.serving.images import ImageLayout
 from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
 from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, OPTIM_STEP, RunMetrics
@@ -73,8 +74,11 @@ class TrainingService:
         max_lora_rank: int | None = None,
         run_metrics: RunMetrics | None = None,
         usage: UsageLedger | None = None,
+        images: ImageLayout | None = None,
     ) -> None:
         self.usage = usage  # what each key trained and saved (``serving.usage``)
+        # images of a ModelInput laid into its tokens (None: a text-only model)
+        self.images = images or ImageLayout(backend.capabilities, None)
         self.backend = backend
         self.scheduler = scheduler
         self.store = store
@@ -380,6 +384,7 @@ class TrainingService:
             raise bad_request(str(e)) from None
         if not wire_data:
             raise bad_request("data is empty: forward_backward needs at least one datum")
+        self.images.data(wire_data)  # before counting: an image is as many tokens as its model makes of it
         total = sum(len(d.tokens) for d in wire_data)
         limit = self.backend.capabilities.max_tokens_per_batch
         if total > limit:

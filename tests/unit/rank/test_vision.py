@@ -1,0 +1,202 @@
+"""Images in the sequences a rank trains on and samples from (``rank.vision``), on a tiny
+Qwen3.5 vision-language checkpoint: the trainer's log-probs equal transformers' own
+vision-language model on each sequence alone, packed or not; the M-RoPE positions are the
+model's own; only LoRA trains; the embedded sampler's log-probs equal the trainer's forward.
+Through the SDK: ``tests/e2e/test_images_sdk.py``; the server's count and refusals:
+``tests/unit/server/test_images.py``."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from hosted_tinker.core.images import ImageInput
+from hosted_tinker.core.sampling import SampleSpec
+from hosted_tinker.core.tiny_model import build_tiny_model
+from hosted_tinker.core.types import DatumInput, LoraSpec
+from hosted_tinker.rank.model import HfLoraModel
+from hosted_tinker.rank.serve import Rank, local_rank
+
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(300)]
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", family="qwen3_5", hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def rank(model_dir) -> Rank:
+    return local_rank(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def whole(model_dir):
+    """transformers' own vision-language model of the checkpoint: the reference."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def image_datum(model: HfLoraModel, texts: list[list[int]], images: list[bytes], seed: int = 0) -> DatumInput:
+    """A datum of ``texts[0]``, image 0, ``texts[1]``, image 1, …, ``texts[-1]``; each image wrapped
+    by the vision start/end tokens as Qwen3.5's chat template lays it."""
+    vision = model.vision
+    config = model.vision.model.config
+    tokens: list[int] = []
+    laid: list[ImageInput] = []
+    for i, text in enumerate(texts):
+        tokens += text
+        if i < len(images):
+            tokens.append(config.vision_start_token_id)
+            count = vision.processor.get_number_of_image_patches(*reversed(_size(images[i])), {}) // vision.merge**2
+            laid.append(ImageInput(len(tokens), count, images[i], "png"))
+            tokens += [vision.image_token_id] * count
+            tokens.append(config.vision_end_token_id)
+    ids = torch.tensor(tokens)
+    targets = torch.roll(ids, -1)
+    return DatumInput(ids, targets, {"weights": torch.ones(len(ids))}, tuple(laid))
+
+
+def _size(data: bytes) -> tuple[int, int]:
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).size
+
+
+def reference(whole, d: DatumInput) -> torch.Tensor:
+    """transformers' vision-language model on the datum alone: its processor's pixels, its own
+    placeholder mask and rope index, log-probs of the targets."""
+    from hosted_tinker.core.images import pixels
+
+    proc = whole_processor(whole)
+    ids = d.tokens[None]
+    if d.images:
+        batch = proc(images=[pixels(im, "ref") for im in d.images], return_tensors="pt")
+        types = torch.zeros_like(ids, dtype=torch.int32)
+        for im in d.images:
+            types[0, im.start : im.end] = 1
+        out = whole(
+            input_ids=ids,
+            pixel_values=batch["pixel_values"],
+            image_grid_thw=batch["image_grid_thw"],
+            mm_token_type_ids=types,
+        )
+    else:
+        out = whole(input_ids=ids)
+    whole.model.rope_deltas = None  # the model keeps the last call's deltas for generation
+    logp = torch.log_softmax(out.logits[0].double(), -1)
+    return logp.gather(-1, d.target_tokens[:, None])[:, 0]
+
+
+def whole_processor(whole):
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(whole.config.name_or_path)
+
+
+def test_the_checkpoint_loads_as_its_language_model_over_the_whole_models_modules(rank: Rank, whole):
+    model = rank.trainer.model
+    assert model.vision is not None and rank.capabilities.images
+    assert rank.capabilities.image_token_id == whole.config.image_token_id
+    assert type(model.base).__name__ == "Qwen3_5ForCausalLM"  # Tinker's adapter names: model.layers...
+    # the language model's weights are the checkpoint's (loaded once, shared with the tower's model)
+    theirs = dict(whole.model.language_model.named_parameters())
+    for name, p in model.base.model.named_parameters():
+        torch.testing.assert_close(p, theirs[name], rtol=0, atol=0)
+    assert model.base.lm_head.weight is model.base.model.embed_tokens.weight  # tied, as the checkpoint says
+    assert not any(p.requires_grad for p in model.vision.model.visual.parameters())
+
+
+def test_log_probs_with_images_equal_the_vision_language_models_own(rank: Rank, whole):
+    """Two datums with images (two side by side in one, split by text in the other) and one of
+    text alone, packed in one pass: each equals transformers' model on it alone."""
+    model = rank.trainer.model
+    handle = model.add_adapter(LoraSpec(rank=4, seed=0))
+    try:
+        data = [
+            image_datum(model, [[5, 6, 7], [8, 9], [10, 11, 12]], [png(96, 64, 0), png(64, 64, 1)]),
+            image_datum(model, [[20, 21], [22, 23, 24, 25]], [png(40, 72, 2)]),
+            image_datum(model, [[30, 31, 32, 33, 34, 35]], []),
+        ]
+        with torch.no_grad():
+            ours = model.logprobs([handle] * len(data), data)
+        for d, got in zip(data, ours, strict=True):
+            torch.testing.assert_close(got.double(), reference(whole, d), rtol=0, atol=2e-5)
+        # alone, each is what it is in the pack
+        with torch.no_grad():
+            alone = model.logprobs([handle], [data[0]])[0]
+        torch.testing.assert_close(alone, ours[0], rtol=0, atol=1e-5)
+    finally:
+        model.remove_adapter(handle)
+
+
+def test_positions_of_images_are_the_models_rope_index(rank: Rank, whole):
+    model = rank.trainer.model
+    d = image_datum(model, [[5, 6], [7, 8, 9], [10]], [png(96, 64, 0), png(48, 80, 1)])
+    proc = whole_processor(whole)
+    from hosted_tinker.core.images import pixels
+
+    grids = proc(images=[pixels(im, "ref") for im in d.images], return_tensors="pt")["image_grid_thw"]
+    types = torch.zeros(1, d.num_tokens, dtype=torch.int32)
+    for im in d.images:
+        types[0, im.start : im.end] = 1
+    theirs, _ = whole.model.get_rope_index(d.tokens[None], types, image_grid_thw=grids)
+    ours = model.vision.positions(d.num_tokens, list(d.images), grids)
+    torch.testing.assert_close(ours, theirs[:, 0], rtol=0, atol=0)
+
+
+def test_only_lora_trains_with_images(rank: Rank):
+    model = rank.trainer.model
+    handle = model.add_adapter(LoraSpec(rank=4, seed=0))
+    try:
+        for p in handle.params[1::2]:  # B starts at zero: give the A's a gradient to carry
+            torch.nn.init.normal_(p, std=0.1)
+        d = image_datum(model, [[5, 6, 7], [8, 9]], [png(96, 64, 0)])
+        loss = -model.logprobs([handle], [d])[0].sum()
+        loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in handle.params)
+        frozen = [*model.base.parameters(), *model.vision.model.visual.parameters()]
+        assert all(p.grad is None for p in frozen)
+    finally:
+        model.remove_adapter(handle)
+
+
+def test_the_sampler_scores_an_image_prompt_as_the_trainer(rank: Rank):
+    """The embedded sampler on a prompt with an image, beside a text-only one that joins the same
+    run: its prompt and sampled log-probs equal the trainer's forward of prompt + samples."""
+    model, sampler = rank.trainer.model, rank.sampler
+    d = image_datum(model, [[5, 6, 7], [8, 9]], [png(96, 64, 0)])
+    prompts = [d.tokens.tolist(), [40, 41, 42, 43]]
+    specs = [
+        SampleSpec(prompt=p, max_tokens=6, num_samples=2, seed=3, prompt_logprobs=True, images=images)
+        for p, images in ((prompts[0], d.images), (prompts[1], ()))
+    ]
+    outputs = sampler.generate(None, specs)
+    handle = model.add_adapter(LoraSpec(rank=4, seed=0))  # B = 0: the base model's log-probs
+    try:
+        for spec, out in zip(specs, outputs, strict=True):
+            for seq in out.sequences:
+                full = torch.tensor(spec.prompt + seq.tokens)
+                datum = DatumInput(full[:-1], full[1:], {}, spec.images)
+                with torch.no_grad():
+                    trainer = model.logprobs([handle], [datum])[0]
+                n = len(spec.prompt)
+                torch.testing.assert_close(torch.tensor(seq.logprobs), trainer[n - 1 :], rtol=0, atol=1e-4)
+                torch.testing.assert_close(
+                    torch.tensor(out.prompt_logprobs[1:]), trainer[: n - 1], rtol=0, atol=1e-4
+                )
+    finally:
+        model.remove_adapter(handle)
