@@ -195,8 +195,6 @@ def test_the_sampler_scores_an_image_prompt_as_the_trainer(rank: Rank):
                     trainer = model.logprobs([handle], [datum])[0]
                 n = len(spec.prompt)
                 torch.testing.assert_close(torch.tensor(seq.logprobs), trainer[n - 1 :], rtol=0, atol=1e-4)
-                torch.testing.assert_close(
-                    torch.tensor(out.prompt_logprobs[1:]), trainer[: n - 1], rtol=0, atol=1e-4
-                )
+                torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), trainer[: n - 1], rtol=0, atol=1e-4)
     finally:
         model.remove_adapter(handle)
