@@ -313,3 +313,36 @@ def test_two_ranks_train_a_mixture_of_experts_exactly_like_one_process(family: s
         assert any(".experts.w2.lora_A" in k and v.abs().sum() > 0 for k, v in state.weights.items())
     finally:
         ddp.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_train_on_images_exactly_like_one_process(tmp_path_factory):
+    """Qwen3.5 with its vision tower: datums with images split over two ranks, each embedding
+    its own shard's images, give one process's log-probs and update."""
+    from hosted_tinker.core.tiny_model import build_tiny_model
+    from tests.support.images import image_datum, png
+
+    model = str(build_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_5", family="qwen3_5", hidden_size=64))
+    config = ServerConfig(model=model, backend="ddp", train_devices="cpu:2")
+    ddp = ProcessBackend(rank_factories(config, model))
+    reference = local_rank(model)
+    try:
+        assert ddp.capabilities.images
+        vision = reference.trainer.model.vision
+        datums = [
+            image_datum(vision.model.config, vision.processor, [[5, 6], [7, 8]], [png(96, 64, 0)]),
+            image_datum(vision.model.config, vision.processor, [[9], [], [10]], [png(64, 64, 1), png(32, 96, 2)]),
+            image_datum(vision.model.config, vision.processor, [[11, 12, 13, 14, 15, 16]], []),
+            image_datum(vision.model.config, vision.processor, [list(range(20, 40)), [41]], [png(48, 48, 3)]),
+        ]
+        b = ForwardBackwardBatch(datums, "cross_entropy", {}, forward_only=False)
+        for backend in (ddp, reference.trainer):
+            backend.create_adapter("vl", LoraSpec(rank=4, seed=5))
+        for step in range(2):
+            got, want = ddp.forward_backward("vl", b), reference.trainer.forward_backward("vl", b)
+            assert_same(got.logprobs, want.logprobs, f"step {step}")
+            got, want = ddp.optim_step("vl", ADAM), reference.trainer.optim_step("vl", ADAM)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert_same(forward(ddp, "vl", b), forward(reference.trainer, "vl", b), "after two steps")
+    finally:
+        ddp.close()

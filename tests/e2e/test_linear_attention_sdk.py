@@ -114,7 +114,7 @@ def test_the_server_says_what_it_trains(hybrid):
     health = httpx.get(f"{hybrid['server'].base_url}/healthz", timeout=10).raise_for_status().json()
     caps = health["capabilities"]
     assert (caps["arch"], caps["family"]) == ("Qwen3_5ForCausalLM", "qwen3_5")
-    assert caps["linear_attention_layers"] == 1 and caps["routed_experts"] == 0 and caps["images"] is False
+    assert caps["linear_attention_layers"] == 1 and caps["routed_experts"] == 0 and caps["images"] is True
 
 
 def test_vllm_is_refused_in_one_line_for_linear_attention_lora(hybrid):

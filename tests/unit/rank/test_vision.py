@@ -7,29 +7,18 @@ Through the SDK: ``tests/e2e/test_images_sdk.py``; the server's count and refusa
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import pytest
 import torch
 
-from hosted_tinker.core.images import ImageInput
 from hosted_tinker.core.sampling import SampleSpec
 from hosted_tinker.core.tiny_model import build_tiny_model
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.model import HfLoraModel
 from hosted_tinker.rank.serve import Rank, local_rank
+from tests.support.images import image_datum as support_datum
+from tests.support.images import png
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(300)]
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +39,8 @@ def whole(model_dir):
     return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def image_datum(model: HfLoraModel, texts: list[list[int]], images: list[bytes], seed: int = 0) -> DatumInput:
-    """A datum of ``texts[0]``, image 0, ``texts[1]``, image 1, …, ``texts[-1]``; each image wrapped
-    by the vision start/end tokens as Qwen3.5's chat template lays it."""
-    vision = model.vision
-    config = model.vision.model.config
-    tokens: list[int] = []
-    laid: list[ImageInput] = []
-    for i, text in enumerate(texts):
-        tokens += text
-        if i < len(images):
-            tokens.append(config.vision_start_token_id)
-            count = vision.processor.get_number_of_image_patches(*reversed(_size(images[i])), {}) // vision.merge**2
-            laid.append(ImageInput(len(tokens), count, images[i], "png"))
-            tokens += [vision.image_token_id] * count
-            tokens.append(config.vision_end_token_id)
-    ids = torch.tensor(tokens)
-    targets = torch.roll(ids, -1)
-    return DatumInput(ids, targets, {"weights": torch.ones(len(ids))}, tuple(laid))
-
-
-def _size(data: bytes) -> tuple[int, int]:
-    from PIL import Image
-
-    return Image.open(io.BytesIO(data)).size
+def image_datum(model: HfLoraModel, texts: list[list[int]], images: list[bytes]) -> DatumInput:
+    return support_datum(model.vision.model.config, model.vision.processor, texts, images)
 
 
 def reference(whole, d: DatumInput) -> torch.Tensor:
