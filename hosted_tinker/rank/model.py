@@ -176,7 +176,7 @@ def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[nn.Mo
 
         options["quantization_config"] = Mxfp4Config(dequantize=True)
     vision = None
-    if vision_tower.takes_images(config):
+    if vision_tower.takes_images(config, model_path):
         base, whole = vision_tower.load_with_tower(model_path, config, getattr(torch, dtype), **options)
         whole.to(device).eval()
         whole.requires_grad_(False)

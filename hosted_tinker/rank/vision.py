@@ -15,6 +15,8 @@ offered images (``Capabilities.images``) rather than given a different model.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
 
@@ -23,9 +25,15 @@ from hosted_tinker.core.images import ImageInput, pixels
 VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
-def takes_images(config) -> bool:
-    """Whether a checkpoint's config is a vision-language model whose images this server feeds."""
-    return config.model_type in VISION_FAMILIES and getattr(config, "vision_config", None) is not None
+def takes_images(config, model_path: str) -> bool:
+    """Whether the checkpoint at ``model_path`` is a vision-language model whose images this
+    server feeds: of a family above, with its vision tower's config and its image processor's
+    (without which no image can be counted: it trains on text, as a language model)."""
+    return (
+        config.model_type in VISION_FAMILIES
+        and getattr(config, "vision_config", None) is not None
+        and (Path(model_path) / "preprocessor_config.json").is_file()
+    )
 
 
 def load_with_tower(model_path: str, config, dtype: torch.dtype, **options) -> tuple[nn.Module, nn.Module]:
@@ -39,6 +47,9 @@ def load_with_tower(model_path: str, config, dtype: torch.dtype, **options) -> t
         lm = AutoModelForCausalLM.from_config(config.get_text_config(), dtype=dtype)
     lm.model = whole.model.language_model
     lm.lm_head = whole.lm_head
+    # the language model's own config object: attention and experts implementations set on the
+    # causal LM reach its modules only through it (transformers skips a sub-model of the same config class)
+    lm.config = lm.model.config
     lm.config.name_or_path = whole.config.name_or_path
     lm.generation_config = whole.generation_config
     if any(t.is_meta for t in (*lm.parameters(), *lm.buffers())):

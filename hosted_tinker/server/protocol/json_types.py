@@ -335,8 +335,8 @@ class EncodedTextChunk(Request):
 
 
 class ModelInput(Request):
-    # Chunks are parsed loosely: an image or audio chunk is refused by the service by name, and
-    # a text chunk is validated there (``sampling.prompt_tokens``), its errors named by index.
+    # Chunks are parsed loosely: each is validated by the service (``sampling.prompt_tokens``: a
+    # text chunk, an image laid in by ``serving.images``, audio refused), its errors named by index.
     chunks: ListOf[dict[str, Any]]
 
 

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
+from torch.overrides import TorchFunctionMode
 
 from hosted_tinker.core.custom_loss import CustomLossDef, CustomLossError, compile_loss, reduce_metrics
 
@@ -177,18 +178,30 @@ def _outer(a: dict, b: dict, name: str) -> tuple[dict, ...]:
     )
 
 
-def test_a_value_over_its_bound_is_refused_before_it_is_allocated(monkeypatch: pytest.MonkeyPatch):
+class Calls(TorchFunctionMode):
+    """The device of each call of one ``torch.Tensor`` method, while active. Not a patch of the
+    method: CPython keeps a Python-level ``__getitem__`` in the type's sequence slot after it is
+    put back, and ``torch.tensor()`` of a list of 0-d tensors then fails for the whole process."""
+
+    def __init__(self, method) -> None:
+        super().__init__()
+        self.method, self.devices = method, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is self.method:
+            self.devices.append(args[0].device.type)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_value_over_its_bound_is_refused_before_it_is_allocated():
     """An outer product of 64 copies of an 8-token datum's logprobs (512 x 512 = 262,144, over
     nothing) is fine; of 64 x 64 copies of them it would hold 268M elements: refused from its
     shape on the meta device, before any memory is taken."""
     wide = (_call("w", "torch.cat", [LP] * 64), _call("ww", "torch.cat", [{"ref": "w"}] * 64))
     loss = compile_loss("evil", [("logprobs", 1)], _graph(*wide, *_outer({"ref": "ww"}, {"ref": "ww"}, "x")))
-    made: list[int] = []
-    real_mul = torch.Tensor.__mul__
-    monkeypatch.setattr(torch.Tensor, "__mul__", lambda a, b: made.append(a.device.type) or real_mul(a, b))
-    with pytest.raises(CustomLossError, match="over this datum's bound"):
+    with Calls(torch.Tensor.__mul__) as made, pytest.raises(CustomLossError, match="over this datum's bound"):
         loss(torch.zeros(8), {})
-    assert "cpu" not in made  # the product ran on meta tensors only
+    assert "cpu" not in made.devices  # the product ran on meta tensors only
 
 
 def test_the_values_of_a_pass_are_bounded_in_all():
@@ -279,7 +292,7 @@ def _masked_copies(times: int) -> tuple[dict, ...]:
     )
 
 
-def test_a_boolean_mask_is_charged_at_its_largest_before_it_runs(monkeypatch: pytest.MonkeyPatch):
+def test_a_boolean_mask_is_charged_at_its_largest_before_it_runs():
     """The audit's OOM: boolean-mask indexing could not be sized in advance, so it was not
     charged (ten selections of a 64M-element double tensor killed the worker). A selection is
     now sized as if every element were selected, before it runs: one works and gives the right
@@ -291,12 +304,12 @@ def test_a_boolean_mask_is_charged_at_its_largest_before_it_runs(monkeypatch: py
     assert value.item() == pytest.approx(64 * lp.double().sum().item())
 
     ten = compile_loss("ten", [("logprobs", 1)], _graph(*_masked_copies(10)))
-    ran: list[str] = []
-    real_getitem = torch.Tensor.__getitem__
-    monkeypatch.setattr(torch.Tensor, "__getitem__", lambda t, i: ran.append(t.device.type) or real_getitem(t, i))
-    with pytest.raises(CustomLossError, match="failed at node 'sel2'.*over their bound of 8388608 bytes"):
-        ten(lp, {})
-    assert ran.count("cpu") == 2  # 1 + 2 + 0.25 + 2 + 2 MiB: sel0 and sel1 ran; sel2 was refused from its meta size
+    with Calls(torch.Tensor.__getitem__) as ran:
+        with pytest.raises(CustomLossError, match="failed at node 'sel2'.*over their bound of 8388608 bytes"):
+            ten(lp, {})
+    assert (
+        ran.devices.count("cpu") == 2
+    )  # 1 + 2 + 0.25 + 2 + 2 MiB: sel0 and sel1 ran; sel2 was refused from its meta size
 
 
 def test_a_joint_pass_shares_one_bound():

@@ -85,6 +85,9 @@ def test_the_checkpoint_loads_as_its_language_model_over_the_whole_models_module
         torch.testing.assert_close(p, theirs[name], rtol=0, atol=0)
     assert model.base.lm_head.weight is model.base.model.embed_tokens.weight  # tied, as the checkpoint says
     assert not any(p.requires_grad for p in model.vision.model.visual.parameters())
+    # what is set on the causal LM reaches the language model's layers (one config object)
+    assert model.base.config is model.base.model.config
+    assert model.base.model.config._attn_implementation == model.attention_impl
 
 
 def test_log_probs_with_images_equal_the_vision_language_models_own(rank: Rank, whole):
@@ -165,3 +168,23 @@ def test_the_sampler_scores_an_image_prompt_as_the_trainer(rank: Rank):
                 torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), trainer[: n - 1], rtol=0, atol=1e-4)
     finally:
         model.remove_adapter(handle)
+
+
+def test_a_checkpoint_without_its_image_processor_trains_as_a_language_model(rank: Rank, model_dir, tmp_path):
+    """No preprocessor_config.json: no image can be counted, so none is offered; the language
+    model is the same one."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    (bare / "preprocessor_config.json").unlink()
+    text_only = local_rank(str(bare))
+    assert not text_only.capabilities.images and text_only.trainer.model.vision is None
+    d = image_datum(rank.trainer.model, [list(range(5, 30))], [])
+    got = []
+    for model in (rank.trainer.model, text_only.trainer.model):
+        handle = model.add_adapter(LoraSpec(rank=4, seed=0))
+        with torch.no_grad():
+            got.append(model.logprobs([handle], [d])[0])
+        model.remove_adapter(handle)
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=1e-6)

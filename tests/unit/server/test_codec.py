@@ -20,6 +20,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 from hosted_tinker.core.errors import WireError
 from hosted_tinker.server.protocol.proto_codec import (
     WireForwardBackward,
+    WireImage,
     decode_forward_backward,
     decompress,
     encode_forward_backward_output,
@@ -468,15 +469,19 @@ def test_sparse_shape_too_large_rejected():
     assert_wire_error(lambda: decode_with_input(t), "data[1].loss_fn_inputs.weights")
 
 
-def test_image_chunk_rejected():
+def test_image_chunk_is_decoded_for_the_layout():
+    """An image chunk comes out as it came (the model's processor counts it and the server lays
+    it in, or refuses it for a text-only model: ``tests/unit/server/test_images.py``)."""
     msg = valid_msg()
     chunk = msg.data[1].model_input.add()
     chunk.image.data = b"\x89PNG fake"
     chunk.image.format = "png"
-    assert_wire_error(lambda: decode_forward_backward(msg.SerializeToString()), "data[1].model_input[1]", "image")
+    chunk.image.override_dimensions.width, chunk.image.override_dimensions.height = 30, 20
+    d = decode_forward_backward(msg.SerializeToString()).datums()[1]
+    assert d.chunks[-1] == WireImage(1, b"\x89PNG fake", "png", None, (30, 20))
 
 
-def test_image_chunk_from_sdk_rejected():
+def test_image_chunk_from_sdk_is_decoded_with_its_expected_tokens():
     mi = types.ModelInput(
         chunks=[
             types.EncodedTextChunk(tokens=[1, 2]),
@@ -484,7 +489,9 @@ def test_image_chunk_from_sdk_rejected():
         ]
     )
     body = make_request_bytes([types.Datum(model_input=mi, loss_fn_inputs={})])
-    assert_wire_error(lambda: decode_forward_backward(body), "data[0].model_input[1]", "image")
+    (d,) = decode_forward_backward(body).datums()
+    assert d.chunks[1] == WireImage(1, b"\xff\xd8fake", "jpeg", 4, None)
+    assert d.tokens.tolist() == [1, 2]  # its text, until the image is laid in
 
 
 def test_empty_chunk_rejected():
