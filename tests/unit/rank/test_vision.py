@@ -188,3 +188,30 @@ def test_a_checkpoint_without_its_image_processor_trains_as_a_language_model(ran
             got.append(model.logprobs([handle], [d])[0])
         model.remove_adapter(handle)
     torch.testing.assert_close(got[0], got[1], rtol=0, atol=1e-6)
+
+
+def test_two_adapters_in_one_pass_and_recomputed_layers_see_the_same_images(rank: Rank):
+    """A joint pass (two tenants' adapters, their datums with images packed together) equals each
+    tenant's pass alone; recomputing the decoder layers in the backward pass changes no gradient."""
+    model = rank.trainer.model
+    a, b = (model.add_adapter(LoraSpec(rank=4, seed=s)) for s in (1, 2))
+    try:
+        for handle in (a, b):
+            for p in handle.params[1::2]:
+                torch.nn.init.normal_(p, std=0.1)
+        data = [
+            image_datum(model, [[5, 6, 7], [8, 9]], [png(96, 64, 0)]),
+            image_datum(model, [[10], [11, 12]], [png(64, 48, 1)]),
+        ]
+        joint = model.logprobs([a, b], data)
+        grads = torch.autograd.grad(sum(x.sum() for x in joint), [*a.params, *b.params])
+        alone = [model.logprobs([h], [d])[0] for h, d in zip((a, b), data, strict=True)]
+        for got, want in zip(joint, alone, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        recomputed = model.logprobs([a, b], data, recompute=len(model.layers))
+        again = torch.autograd.grad(sum(x.sum() for x in recomputed), [*a.params, *b.params])
+        for g, h in zip(grads, again, strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-7)
+    finally:
+        model.remove_adapter(a)
+        model.remove_adapter(b)
