@@ -3,7 +3,7 @@ through the real SDK on a live server.
 
 The datums are built as tinker-cookbook's ``rl_loop`` builds them (``with_sampled_provenance``):
 input = prompt + sampled[:-1], targets = placeholders on the prompt + the sampled tokens. The
-loss the server reports is checked against a float64 evaluation of the README's formula on
+loss the server reports is checked against a float64 evaluation of the formula in docs/compatibility.md on
 the learner log-probs it returned and the sampler log-probs the client saw.
 """
 

@@ -1,5 +1,5 @@
 """Dimuon's update (``core.dimuon``, ``rank.optimizers.Dimuon``) against an independent float64
-reference written from the README's formula with NumPy: the iteration is run on the other Gram
+reference written from the formula in docs/compatibility.md with NumPy: the iteration is run on the other Gram
 side (``y ← a·y + y·(b·G + c·G²)``, ``G = yᵀy``), the energies with explicit loops."""
 
 from __future__ import annotations
