@@ -464,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="build an offline tiny random model + tokenizer (Qwen3 by default)")
     tiny.add_argument("dir")
     tiny.add_argument(
-        "--family", choices=FAMILIES, default="qwen3", help="the architecture (MoE: qwen3_moe, deepseek_v3)"
+        "--family", choices=FAMILIES, default="qwen3", help="the architecture of the lineup it has the shape of"
     )
     tiny.add_argument("--hidden-size", type=int, default=128)
     tiny.add_argument("--num-layers", type=int, default=2)

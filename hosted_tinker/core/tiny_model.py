@@ -64,8 +64,10 @@ def build_tokenizer(vocab_size: int = 512):
     return fast
 
 
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "gpt_oss")  # what ``family`` may name
-VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # built as vision-language models, as their checkpoints are
+# what ``family`` may name
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_vl_moe")
+# built as vision-language models, as their checkpoints are
+VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
 # Qwen3.5's vision tokens: an image is <|vision_start|> <|image_pad|>… <|vision_end|> in its chat template
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -107,6 +109,41 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             num_experts=8,
             num_experts_per_tok=2,
             tie_word_embeddings=False,
+        )
+    if family == "qwen3_vl_moe":  # Qwen3-VL-30B-A3B's: Qwen3-MoE's language model, a deepstack vision tower
+        text = dict(
+            common,
+            intermediate_size=3 * hidden_size,
+            num_key_value_heads=2,
+            head_dim=head_dim,
+            # not hidden_size // 2: a square fused gate_up (experts, 2I, H) would leave the cookbook's
+            # merge no way to tell which axis is fused (it decides by shape; the real models' differ)
+            moe_intermediate_size=hidden_size // 4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            # interleaved M-RoPE over the head's (time, row, column) thirds, as the real configs
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=5e6,
+                mrope_section=[head_dim // 4, head_dim // 8, head_dim // 8],
+                mrope_interleaved=True,
+            ),
+        )
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=hidden_size,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],  # each block's output also feeds a decoder layer
+            initializer_range=initializer_range,
+        )
+        return transformers.Qwen3VLMoeConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_tokens(tok)
         )
     if family == "deepseek_v3":  # MLA; a dense MLP in layer 0, routed + shared experts after
         return transformers.DeepseekV3Config(
@@ -168,8 +205,7 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             initializer_range=initializer_range,
         )
         tied = hybrid.pop("tie_word_embeddings")
-        start, end, image, video = tok.convert_tokens_to_ids(list(VISION_TOKENS))
-        tokens = dict(vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video)
+        tokens = _vision_tokens(tok)
         if family == "qwen3_5":
             return transformers.Qwen3_5Config(
                 text_config=hybrid, vision_config=vision, tie_word_embeddings=tied, **tokens
@@ -184,6 +220,11 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             text_config=hybrid | moe, vision_config=vision, tie_word_embeddings=tied, **tokens
         )
     raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
+
+
+def _vision_tokens(tok) -> dict[str, int]:
+    start, end, image, video = tok.convert_tokens_to_ids(list(VISION_TOKENS))
+    return dict(vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video)
 
 
 def build_tiny_model(

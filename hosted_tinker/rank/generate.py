@@ -272,11 +272,10 @@ class Decode:
             if specs[i].images
         ]:
             where = [f"request {i}: prompt" for i, _ in rows if specs[i].images]
-            embeds, multimodal = self.vision.embed(self.decoder.get_input_embeddings(), ids, positions, placed, where)
+            inputs = self.vision.embed(self.decoder.get_input_embeddings(), ids, positions, placed, where)
             # the rows decode on from past their prompt's largest M-RoPE position (an image's
             # positions advance less than its tokens do); text alone: the same as its count
-            inputs = {"inputs_embeds": embeds, "position_ids": multimodal}
-            positions = multimodal[1]
+            positions = inputs["position_ids"][1]
         out = self.decoder(attention_mask=mask, use_cache=True, **inputs)
         hidden = out.last_hidden_state  # (rows, longest, H)
         for r, (i, s) in enumerate(rows):

@@ -176,11 +176,10 @@ def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[nn.Mo
 
         options["quantization_config"] = Mxfp4Config(dequantize=True)
     vision = None
-    if vision_tower.takes_images(config, model_path):
-        base, whole = vision_tower.load_with_tower(model_path, config, getattr(torch, dtype), **options)
+    if (loaded := vision_tower.load(model_path, config, getattr(torch, dtype), **options)) is not None:
+        base, whole, vision = loaded
         whole.to(device).eval()
         whole.requires_grad_(False)
-        vision = vision_tower.VisionTower(whole, model_path)
     else:
         base = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=getattr(torch, dtype), **options)
     base.to(device).eval()
@@ -279,10 +278,9 @@ class HfLoraModel:
             starts = packed.cu_seqlens.tolist()
             placed = [(0, starts[i], d.num_tokens, d.images) for i, d in enumerate(data) if d.images]
             where = [f"data[{i}]" for i, d in enumerate(data) if d.images]
-            embeds, positions = self.vision.embed(
+            inputs = self.vision.embed(
                 decoder.get_input_embeddings(), inputs["input_ids"], packed.positions[None], placed, where
             )
-            inputs = {"inputs_embeds": embeds, "position_ids": positions}
         with recomputed(self.layers, recompute), self._counting_routes():
             hidden = decoder(
                 **inputs,

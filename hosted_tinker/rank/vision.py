@@ -8,9 +8,10 @@ whose tower turns each image into the embeddings of its placeholder positions. T
 no LoRA and no gradient (Tinker's documentation does not say whether its service trains it;
 its adapters' layout, as the cookbook reads them, has no vision modules).
 
-Families: Qwen3.5 / 3.6 (``VISION_FAMILIES``), whose tower feeds the input embeddings only.
-Qwen3-VL's also feeds early decoder layers ("deepstack"), which this path does not: it is not
-offered images (``Capabilities.images``) rather than given a different model.
+Families (``VISION_FAMILIES``): Qwen3.5 / 3.6, whose tower feeds the input embeddings; Qwen3-VL
+(dense and MoE), whose tower also feeds the first decoder layers' hidden states at the image
+positions ("deepstack"), passed to its language model as transformers' own forward takes them.
+Qwen3-VL has no causal-LM class in transformers: ``causal_lm`` makes one over its parts.
 """
 
 from __future__ import annotations
@@ -22,39 +23,87 @@ from torch import Tensor, nn
 
 from hosted_tinker.core.images import ImageInput, pixels
 
-VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 
 
-def takes_images(config, model_path: str) -> bool:
-    """Whether the checkpoint at ``model_path`` is a vision-language model whose images this
-    server feeds: of a family above, with its vision tower's config and its image processor's
-    (without which no image can be counted: it trains on text, as a language model)."""
-    return (
-        config.model_type in VISION_FAMILIES
-        and getattr(config, "vision_config", None) is not None
-        and (Path(model_path) / "preprocessor_config.json").is_file()
-    )
-
-
-def load_with_tower(model_path: str, config, dtype: torch.dtype, **options) -> tuple[nn.Module, nn.Module]:
-    """The checkpoint's causal LM (its text config, the ``...ForCausalLM`` class transformers maps
-    it to) built over the modules of the whole vision-language model, and that model: one load,
-    the language model's weights held once."""
+def load(
+    model_path: str, config, dtype: torch.dtype, **options
+) -> tuple[nn.Module, nn.Module, VisionTower | None] | None:
+    """A vision-language checkpoint of a family above: its causal LM over the whole model's
+    modules, the whole model, and its vision tower if images can be fed (the checkpoint has its
+    image processor's config, without which no image can be counted). None for any other
+    checkpoint, and for one that trains as its causal LM alone (no image processor, and a
+    causal-LM class transformers loads it as)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    if config.model_type not in VISION_FAMILIES or getattr(config, "vision_config", None) is None:
+        return None
+    images = (Path(model_path) / "preprocessor_config.json").is_file()
+    if not images and type(config.get_text_config()) in AutoModelForCausalLM._model_mapping:
+        return None
     whole = AutoModelForImageTextToText.from_pretrained(model_path, config=config, dtype=dtype, **options)
-    with torch.device("meta"):  # a shell: every module of it is replaced by the loaded ones
-        lm = AutoModelForCausalLM.from_config(config.get_text_config(), dtype=dtype)
-    lm.model = whole.model.language_model
-    lm.lm_head = whole.lm_head
+    return causal_lm(whole), whole, VisionTower(whole, model_path) if images else None
+
+
+def causal_lm(whole: nn.Module) -> nn.Module:
+    """The language model of ``whole`` (a vision-language model) as a causal LM over its very
+    modules, named as Tinker's adapters name them (``model.layers...``, ``lm_head``): the
+    ``...ForCausalLM`` class transformers maps its text config to, or one made here."""
+    from transformers import AutoModelForCausalLM
+
+    language = whole.model.language_model
+    mapped = AutoModelForCausalLM._model_mapping.get(type(language.config), None)
+    if mapped is not None:
+        with torch.device("meta"):  # a shell: every module of it is replaced by the loaded ones
+            lm = mapped(language.config)
+        lm.model, lm.lm_head = language, whole.lm_head
+    else:
+        lm = _text_causal_lm(type(whole))(language.config, language, whole.lm_head)
     # the language model's own config object: attention and experts implementations set on the
     # causal LM reach its modules only through it (transformers skips a sub-model of the same config class)
-    lm.config = lm.model.config
+    lm.config = language.config
     lm.config.name_or_path = whole.config.name_or_path
     lm.generation_config = whole.generation_config
-    if any(t.is_meta for t in (*lm.parameters(), *lm.buffers())):
-        raise RuntimeError(f"{type(lm).__name__} over {type(whole).__name__}: a module was left unloaded")
-    return lm, whole
+    loaded = {id(t) for t in (*whole.parameters(), *whole.buffers())}
+    if any(id(t) not in loaded for t in (*lm.parameters(), *lm.buffers())):
+        raise RuntimeError(f"{type(lm).__name__} over {type(whole).__name__}: a module of its own was left")
+    return lm
+
+
+def _text_causal_lm(whole_class: type) -> type:
+    """A causal-LM class for a vision-language class that has none (Qwen3-VL): the family's own
+    pretrained base (its attention and experts switches), a decoder as ``model`` and a head."""
+    from transformers import PreTrainedModel
+
+    base = next(c for c in whole_class.__mro__[1:] if issubclass(c, PreTrainedModel) and c is not PreTrainedModel)
+
+    def __init__(self, config, model: nn.Module, lm_head: nn.Module) -> None:
+        base.__init__(self, config)
+        self.model, self.lm_head = model, lm_head
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def forward(self, input_ids: Tensor | None = None, **kwargs):
+        """As a causal LM's forward: the decoder's output, with the logits of every position."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        out = self.model(input_ids=input_ids, **kwargs)
+        return CausalLMOutputWithPast(logits=self.lm_head(out.last_hidden_state), past_key_values=out.cache)
+
+    name = whole_class.__name__.replace("ForConditionalGeneration", "ForCausalLM")
+    members = {"__init__": __init__, "forward": forward, "get_output_embeddings": get_output_embeddings}
+    # in the family's module: transformers reads a model's source there to decide whether its
+    # experts implementation may be switched (``rank.experts`` switches it)
+    members |= {
+        "get_input_embeddings": get_input_embeddings,
+        "base_model_prefix": "model",
+        "__module__": base.__module__,
+    }
+    return type(name, (base,), members)
 
 
 class VisionTower:
@@ -71,9 +120,10 @@ class VisionTower:
         self.merge = int(self.model.visual.spatial_merge_size)
 
     @torch.no_grad()
-    def features(self, images: list[ImageInput], where: list[str]) -> tuple[list[Tensor], Tensor]:
-        """Each image's embeddings ``(tokens, H)``, and their patch grids ``(len(images), 3)``,
-        in one pass of the tower."""
+    def features(self, images: list[ImageInput], where: list[str]) -> tuple[list[list[Tensor]], Tensor]:
+        """Each image's embeddings: ``(tokens, H)`` for the input, then one per deepstack layer
+        (Qwen3-VL; none for Qwen3.5); and their patch grids ``(len(images), 3)``; in one pass of
+        the tower."""
         decoded = [pixels(image, w) for image, w in zip(images, where, strict=True)]
         batch = self.processor(images=decoded, return_tensors="pt")
         grids = batch["image_grid_thw"]
@@ -83,7 +133,8 @@ class VisionTower:
                 raise RuntimeError(f"{w}: the processor made {made} tokens of an image counted as {image.tokens}")
         device = next(self.model.visual.parameters()).device
         out = self.model.get_image_features(batch["pixel_values"].to(device), grids.to(device))
-        return list(out.pooler_output), grids
+        deepstack = getattr(out, "deepstack_features", None) or []
+        return [[first, *(level[i] for level in deepstack)] for i, first in enumerate(out.pooler_output)], grids
 
     def positions(self, n: int, images: list[ImageInput], grids: Tensor) -> Tensor:
         """A sequence's M-RoPE positions ``(3, n)``: text runs count on in all three rows; an
@@ -110,10 +161,12 @@ class VisionTower:
         text_positions: Tensor,
         placed: list[tuple[int, int, int, tuple[ImageInput, ...]]],
         where: list[str],
-    ) -> tuple[Tensor, Tensor]:
-        """Inputs for a language model over rows ``ids`` ``(B, L)``: their embeddings ``(B, L, H)``
-        with each image's in its positions, and positions ``(4, B, L)``: ``text_positions`` (each
-        sequence's own count, for the attention's masks) over the three M-RoPE rows.
+    ) -> dict[str, Tensor | list[Tensor]]:
+        """The language model's inputs for rows ``ids`` ``(B, L)``: ``inputs_embeds`` ``(B, L, H)``
+        with each image's in its positions; ``position_ids`` ``(4, B, L)``: ``text_positions`` (each
+        sequence's own count, for the attention's masks) over the three M-RoPE rows; and, for a
+        tower with deepstack layers, the image positions and what each of those layers adds there
+        (``visual_pos_masks``, ``deepstack_visual_embeds``, as Qwen3-VL's language model takes them).
 
         ``placed``: per sequence with images, ``(row, offset, n, images)``: it holds positions
         ``offset .. offset + n`` of row ``row``; sequences that share one ``images`` tuple (a
@@ -121,26 +174,32 @@ class VisionTower:
         named: dict[int, tuple[str, tuple[ImageInput, ...]]] = {}
         for (_, _, _, images), w in zip(placed, where, strict=True):
             named.setdefault(id(images), (w, images))
-        distinct = [images for _, images in named.values()]
-        flat = [image for images in distinct for image in images]
+        flat = [image for _, images in named.values() for image in images]
         names = [f"{w}.images[{j}]" for w, images in named.values() for j in range(len(images))]
         features, grids = self.features(flat, names)
         first, k = {}, 0
-        for images in distinct:
-            first[id(images)] = k
+        for key, (_, images) in named.items():
+            first[key] = k
             k += len(images)
         embeds = embed_tokens(ids)
         rope = text_positions[None].expand(3, -1, -1).clone()
         rows, cols, values = [], [], []
-        for row, offset, n, images in placed:
+        # row-major: the order in which the deepstack layers' additions meet their positions
+        for row, offset, n, images in sorted(placed, key=lambda p: (p[0], p[1])):
             k = first[id(images)]
             rope[:, row, offset : offset + n] = self.positions(n, list(images), grids[k : k + len(images)])
             for j, image in enumerate(images):
                 cols.append(torch.arange(offset + image.start, offset + image.end))
                 rows.append(torch.full((image.tokens,), row))
                 values.append(features[k + j])
-        if values:
-            index = (torch.cat(rows).to(embeds.device), torch.cat(cols).to(embeds.device))
-            embeds = embeds.index_put(index, torch.cat(values).to(embeds.dtype))
-        positions = torch.cat([text_positions[None], rope]).to(embeds.device)
-        return embeds, positions
+        index = (torch.cat(rows).to(embeds.device), torch.cat(cols).to(embeds.device))
+        levels = [torch.cat(level).to(embeds.dtype) for level in zip(*values, strict=True)]
+        inputs = {
+            "inputs_embeds": embeds.index_put(index, levels[0]),
+            "position_ids": torch.cat([text_positions[None], rope]).to(embeds.device),
+        }
+        if len(levels) > 1:
+            mask = torch.zeros(ids.shape, dtype=torch.bool, device=embeds.device)
+            mask[index] = True
+            inputs |= {"visual_pos_masks": mask, "deepstack_visual_embeds": levels[1:]}
+        return inputs

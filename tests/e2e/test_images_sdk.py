@@ -1,5 +1,5 @@
 """Images in a ModelInput through the front door (#40 item 3): a server on a tiny random Qwen3.5
-vision-language checkpoint, driven by the real tinker SDK with ``ImageChunk``s as the cookbook's
+or Qwen3-VL-MoE vision-language checkpoint, driven by the real tinker SDK with ``ImageChunk``s as the cookbook's
 renderers lay them (``<|vision_start|>``, the image, ``<|vision_end|>``): forward_backward trains,
 ``forward`` equals transformers' own vision-language model, sampling an image prompt scores as
 the trainer does; an ``expected_tokens`` that is not the model's count is a 400 naming the chunk
@@ -33,12 +33,14 @@ def png(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl_moe"])
+def vl(request, tmp_path_factory):
+    """A server on a tiny Qwen3.5 (the tower feeds the input embeddings) or Qwen3-VL-MoE (also
+    the first decoder layers: deepstack)."""
     from transformers import AutoConfig, AutoImageProcessor
 
-    root = tmp_path_factory.mktemp("qwen3_5_vl")
-    model_dir = build_tiny_model(root / "model", family="qwen3_5", hidden_size=64)
+    root = tmp_path_factory.mktemp(request.param)
+    model_dir = build_tiny_model(root / "model", family=request.param, hidden_size=64)
     server = start_server(root / "data", "--model", str(model_dir), alias=ALIAS)
     sc = tinker.ServiceClient(base_url=server.base_url)
     config = AutoConfig.from_pretrained(model_dir)

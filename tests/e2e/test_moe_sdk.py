@@ -1,8 +1,8 @@
 """Mixture-of-experts models through the front door: a server started on a tiny random Qwen3-MoE
 (fused experts, as transformers 5 builds Qwen3-30B-A3B), DeepSeek-V3 (MLA, a dense first
-layer, shared experts: Kimi-K2's architecture) or Qwen3.5-MoE (Qwen3.6-35B-A3B's: hybrid
-linear attention, a gated shared expert), trained with the real tinker SDK; its export
-downloaded through the SDK's signed URLs and read by the cookbook's own ``weights`` tools, as a
+layer, shared experts: Kimi-K2's architecture), Qwen3.5-MoE (Qwen3.6-35B-A3B's: hybrid
+linear attention, a gated shared expert), gpt-oss or Qwen3-VL-MoE (its language model), trained
+with the real tinker SDK; its export downloaded through the SDK's signed URLs and read by the cookbook's own ``weights`` tools, as a
 user of the service would read what the service wrote."""
 
 from __future__ import annotations
@@ -27,7 +27,20 @@ ARCHS = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",  # and hybrid linear attention
     "gpt_oss": "GptOssForCausalLM",  # attention sinks, sliding windows, interleaved experts with biases
+    "qwen3_vl_moe": "Qwen3VLMoeForCausalLM",  # Qwen3-VL-30B-A3B's language model (``rank.vision``)
 }
+
+
+def hf_model(path):
+    """transformers' model of a checkpoint, as its users load it: a vision-language one whole."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = hasattr(AutoConfig.from_pretrained(path), "vision_config")
+    return (
+        (AutoModelForImageTextToText if vision else AutoModelForCausalLM)
+        .from_pretrained(path, dtype=torch.float32)
+        .eval()
+    )
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -57,24 +70,26 @@ def test_training_moves_the_experts_and_the_export_holds_them_as_tinker_does(moe
     weights = load_file(adapter / "adapter_model.safetensors")
     assert "base_model.model.model.unembed_tokens.lora_B.weight" in weights  # Tinker's name for lm_head's
     assert not any(".lm_head." in k for k in weights)
+    from transformers import AutoConfig
+
+    inner = AutoConfig.from_pretrained(moe["model_dir"]).get_text_config().moe_intermediate_size
     for layer in (1,) if moe["arch"] == "DeepseekV3ForCausalLM" else (0, 1):  # DeepSeek's layer 0 is dense
         prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
         assert weights[f"{prefix}.w1.lora_A.weight"].shape == (1, 4, 64)  # one for all experts
-        assert weights[f"{prefix}.w3.lora_B.weight"].shape == (8, 32, 4)  # each expert's
-        assert weights[f"{prefix}.w2.lora_A.weight"].shape == (8, 4, 32)
+        assert weights[f"{prefix}.w3.lora_B.weight"].shape == (8, inner, 4)  # each expert's
+        assert weights[f"{prefix}.w2.lora_A.weight"].shape == (8, 4, inner)
         assert weights[f"{prefix}.w2.lora_B.weight"].shape == (1, 64, 4)
         assert weights[f"{prefix}.w2.lora_B.weight"].abs().sum() > 0  # trained, not the zeros it starts at
 
 
 def test_the_cookbooks_merge_of_the_export_scores_as_the_server_does(moe):
     from tinker_cookbook.weights import build_hf_model, build_lora_adapter
-    from transformers import AutoModelForCausalLM
 
     path = moe["tc"].save_weights_external("to-merge").result().path
     adapter = download(moe["server"].base_url, path, moe["root"] / "to-merge")
     merged = moe["root"] / "merged"
     build_hf_model(base_model=str(moe["model_dir"]), adapter_path=str(adapter), output_path=str(merged))
-    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    model = hf_model(merged)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([TOKENS[:-1]])).logits[0]
     theirs = logits.log_softmax(-1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
@@ -122,13 +137,11 @@ def test_resume_continues_exactly(moe):
 def test_forward_backward_reports_the_services_moe_metrics(moe):
     """The five routing metrics the SDK documents for MoE training, over the request's tokens:
     for a new model (its LoRA changes nothing yet) they are those of the base model's own routers."""
-    from transformers import AutoModelForCausalLM
-
     from hosted_tinker.core.routing import routing_metrics
 
     fresh = moe["sc"].create_lora_training_client(base_model=ALIAS, rank=4, seed=9).result()
     metrics = fresh.forward_backward([datum(TOKENS)], "cross_entropy").result().metrics
-    base = AutoModelForCausalLM.from_pretrained(moe["model_dir"]).eval()
+    base = hf_model(moe["model_dir"])
     counts = []
     for module in base.modules():
         if hasattr(module, "gate_up_proj") and hasattr(module, "num_experts"):

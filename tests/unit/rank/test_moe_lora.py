@@ -23,7 +23,7 @@ from tests.support.lora_reference import assert_close_in_float32, datum, referen
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(300)]
 
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "qwen3_5_moe")  # the last: hybrid linear attention
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "qwen3_5_moe", "qwen3_vl_moe")  # hybrid linear attention; deepstack VL
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
@@ -278,6 +278,23 @@ REAL_CONFIGS = {
             "num_experts_per_tok": 8,
         },
     ),
+    # vision-language: the language model trains (``rank.vision``), its deepstack tower takes no LoRA
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": (
+        "Qwen3VLMoeConfig",
+        {
+            "text_config": QWEN3
+            | {"hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 48}
+            | {"num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8}
+        },
+    ),
+    "Qwen/Qwen3-VL-235B-A22B-Instruct": (
+        "Qwen3VLMoeConfig",
+        {
+            "text_config": QWEN3
+            | {"hidden_size": 4096, "moe_intermediate_size": 1536, "num_hidden_layers": 94}
+            | {"num_attention_heads": 64, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8}
+        },
+    ),
 }
 
 
@@ -294,10 +311,15 @@ def test_lora_parameters_per_rank_are_the_services(name: str):
 
     from hosted_tinker.rank.adapters import LoraAdapters
     from hosted_tinker.rank.model import target_modules
+    from hosted_tinker.rank.vision import causal_lm
 
     config_class, fields = REAL_CONFIGS[name]
+    config = getattr(transformers, config_class)(**fields)
     with torch.device("meta"):  # shapes only: no memory, no weights
-        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**fields))
+        if hasattr(config, "vision_config"):  # the language model over the whole model's parts, as served
+            model = causal_lm(transformers.AutoModelForImageTextToText.from_config(config))
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config)
     adapters = LoraAdapters(model)
     counts = {
         group: sum(math.prod(shape) for target in targets for shape in adapters.lora_shapes(target, 1))

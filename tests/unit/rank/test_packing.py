@@ -22,7 +22,7 @@ from tests.support.batches import padded_path, random_batch
 pytestmark = pytest.mark.fast
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", "qwen3_5_moe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_vl_moe"])
 def rank(request, tiny_model_dir, tmp_path_factory) -> Rank:
     """A rank on the tiny Qwen3; on a tiny Qwen3.5, dense or MoE, whose Gated-DeltaNet layers must
     restart their convolution and recurrence at each packed sequence (``rank.linear_attention``);

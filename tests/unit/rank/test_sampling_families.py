@@ -21,7 +21,7 @@ from tests.support.lora_reference import datum, trained_looking
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(300)]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "qwen3_5", "qwen3_5_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "qwen3_5", "qwen3_5_moe", "deepseek_v3", "qwen3_vl_moe"])
 def test_rows_leaving_and_joining_a_decode_score_as_the_trainer(family: str, tmp_path):
     rank = local_rank(str(build_tiny_model(tmp_path / family, family=family, hidden_size=64)))
     model: HfLoraModel = rank.trainer.model

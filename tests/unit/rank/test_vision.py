@@ -1,5 +1,5 @@
-"""Images in the sequences a rank trains on and samples from (``rank.vision``), on a tiny
-Qwen3.5 vision-language checkpoint: the trainer's log-probs equal transformers' own
+"""Images in the sequences a rank trains on and samples from (``rank.vision``), on tiny
+Qwen3.5 and Qwen3-VL-MoE (deepstack) checkpoints: the trainer's log-probs equal transformers' own
 vision-language model on each sequence alone, packed or not; the M-RoPE positions are the
 model's own; only LoRA trains; the embedded sampler's log-probs equal the trainer's forward.
 Through the SDK: ``tests/e2e/test_images_sdk.py``; the server's count and refusals:
@@ -21,9 +21,10 @@ from tests.support.images import png
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "qwen3_5", family="qwen3_5", hidden_size=64)
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl_moe"])
+def model_dir(request, tmp_path_factory):
+    family = request.param
+    return build_tiny_model(tmp_path_factory.mktemp("models") / family, family=family, hidden_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +79,15 @@ def test_the_checkpoint_loads_as_its_language_model_over_the_whole_models_module
     model = rank.trainer.model
     assert model.vision is not None and rank.capabilities.images
     assert rank.capabilities.image_token_id == whole.config.image_token_id
-    assert type(model.base).__name__ == "Qwen3_5ForCausalLM"  # Tinker's adapter names: model.layers...
+    # Tinker's adapter names: model.layers..., lm_head (Qwen3-VL has no such class: one is made)
+    assert type(model.base).__name__ == type(whole).__name__.replace("ForConditionalGeneration", "ForCausalLM")
+    assert {name for name, _ in model.base.named_children()} == {"model", "lm_head"}
     # the language model's weights are the checkpoint's (loaded once, shared with the tower's model)
     theirs = dict(whole.model.language_model.named_parameters())
     for name, p in model.base.model.named_parameters():
         torch.testing.assert_close(p, theirs[name], rtol=0, atol=0)
-    assert model.base.lm_head.weight is model.base.model.embed_tokens.weight  # tied, as the checkpoint says
+    tied = model.base.lm_head.weight is model.base.model.embed_tokens.weight
+    assert tied == whole.config.tie_word_embeddings  # as the checkpoint says
     assert not any(p.requires_grad for p in model.vision.model.visual.parameters())
     # what is set on the causal LM reaches the language model's layers (one config object)
     assert model.base.config is model.base.model.config
