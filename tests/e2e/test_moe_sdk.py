@@ -2,8 +2,8 @@
 (fused experts, as transformers 5 builds Qwen3-30B-A3B), DeepSeek-V3 (MLA, a dense first
 layer, shared experts: Kimi-K2's architecture), Qwen3.5-MoE (Qwen3.6-35B-A3B's: hybrid
 linear attention, a gated shared expert), gpt-oss or Qwen3-VL-MoE (its language model), trained
-with the real tinker SDK; its export downloaded through the SDK's signed URLs and read by the cookbook's own ``weights`` tools, as a
-user of the service would read what the service wrote."""
+with the real tinker SDK; its export downloaded through the SDK's signed URLs and read by the
+cookbook's own ``weights`` tools, as a user of the service would read what the service wrote."""
 
 from __future__ import annotations
 
