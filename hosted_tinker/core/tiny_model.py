@@ -65,9 +65,9 @@ def build_tokenizer(vocab_size: int = 512):
 
 
 # what ``family`` may name
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_vl_moe")
+FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_vl_moe", "qwen3_vl")
 # built as vision-language models, as their checkpoints are
-VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
+VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl_moe", "qwen3_vl")
 # Qwen3.5's vision tokens: an image is <|vision_start|> <|image_pad|>… <|vision_end|> in its chat template
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -110,17 +110,12 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             num_experts_per_tok=2,
             tie_word_embeddings=False,
         )
-    if family == "qwen3_vl_moe":  # Qwen3-VL-30B-A3B's: Qwen3-MoE's language model, a deepstack vision tower
+    if family in ("qwen3_vl_moe", "qwen3_vl"):  # Qwen3-VL-30B-A3B's (or the dense 8B's): a deepstack tower
         text = dict(
             common,
             intermediate_size=3 * hidden_size,
             num_key_value_heads=2,
             head_dim=head_dim,
-            # not hidden_size // 2: a square fused gate_up (experts, 2I, H) would leave the cookbook's
-            # merge no way to tell which axis is fused (it decides by shape; the real models' differ)
-            moe_intermediate_size=hidden_size // 4,
-            num_experts=8,
-            num_experts_per_tok=2,
             # interleaved M-RoPE over the head's (time, row, column) thirds, as the real configs
             rope_parameters=dict(
                 rope_type="default",
@@ -129,6 +124,10 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
                 mrope_interleaved=True,
             ),
         )
+        if family == "qwen3_vl_moe":
+            # not hidden_size // 2: a square fused gate_up (experts, 2I, H) would leave the cookbook's
+            # merge no way to tell which axis is fused (it decides by shape; the real models' differ)
+            text |= dict(moe_intermediate_size=hidden_size // 4, num_experts=8, num_experts_per_tok=2)
         vision = dict(
             depth=2,
             hidden_size=32,
@@ -142,9 +141,8 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             deepstack_visual_indexes=[0, 1],  # each block's output also feeds a decoder layer
             initializer_range=initializer_range,
         )
-        return transformers.Qwen3VLMoeConfig(
-            text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_tokens(tok)
-        )
+        config = transformers.Qwen3VLMoeConfig if family == "qwen3_vl_moe" else transformers.Qwen3VLConfig
+        return config(text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_tokens(tok))
     if family == "deepseek_v3":  # MLA; a dense MLP in layer 0, routed + shared experts after
         return transformers.DeepseekV3Config(
             **common,

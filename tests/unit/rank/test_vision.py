@@ -1,5 +1,5 @@
 """Images in the sequences a rank trains on and samples from (``rank.vision``), on tiny
-Qwen3.5 and Qwen3-VL-MoE (deepstack) checkpoints: the trainer's log-probs equal transformers' own
+Qwen3.5 and Qwen3-VL (deepstack; MoE and dense) checkpoints: the trainer's log-probs equal transformers' own
 vision-language model on each sequence alone, packed or not; the M-RoPE positions are the
 model's own; only LoRA trains; the embedded sampler's log-probs equal the trainer's forward.
 Through the SDK: ``tests/e2e/test_images_sdk.py``; the server's count and refusals:
@@ -21,7 +21,7 @@ from tests.support.images import png
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl_moe", "qwen3_vl"])
 def model_dir(request, tmp_path_factory):
     family = request.param
     return build_tiny_model(tmp_path_factory.mktemp("models") / family, family=family, hidden_size=64)
