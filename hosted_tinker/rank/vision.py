@@ -94,16 +94,17 @@ def _text_causal_lm(whole_class: type) -> type:
         out = self.model(input_ids=input_ids, **kwargs)
         return CausalLMOutputWithPast(logits=self.lm_head(out.last_hidden_state), past_key_values=out.cache)
 
-    name = whole_class.__name__.replace("ForConditionalGeneration", "ForCausalLM")
-    members = {"__init__": __init__, "forward": forward, "get_output_embeddings": get_output_embeddings}
-    # in the family's module: transformers reads a model's source there to decide whether its
-    # experts implementation may be switched (``rank.experts`` switches it)
-    members |= {
+    members = {
+        "__init__": __init__,
+        "forward": forward,
+        "get_output_embeddings": get_output_embeddings,
         "get_input_embeddings": get_input_embeddings,
         "base_model_prefix": "model",
+        # the family's module: transformers reads a model's source there to decide whether its
+        # experts implementation may be switched (``rank.experts`` switches it)
         "__module__": base.__module__,
     }
-    return type(name, (base,), members)
+    return type(whole_class.__name__.replace("ForConditionalGeneration", "ForCausalLM"), (base,), members)
 
 
 class VisionTower:
