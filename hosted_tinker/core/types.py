@@ -173,6 +173,22 @@ class Capabilities:
     image_token_id: int = -1  # the token an image's positions hold (images only)
     # which of train_attn / train_mlp / train_unembed find layers to train on this model
     lora_groups: tuple[str, ...] = ("attn", "mlp", "unembed")
+    # per LoRA flag, the parameters its layers' LoRA adds per unit of rank (the whole model's,
+    # unsharded; the cookbook's ``hyperparam_utils`` table measures the service's the same way)
+    lora_params_per_rank: dict[str, int] = field(default_factory=dict)
+
+
+# What a trainable parameter holds on a rank besides itself (float32, 4 bytes): its gradient,
+# and its optimizer's state (AdamW: two moments; Dimuon: one momentum).
+_STATE_BYTES = {"adamw": 4 + 8, "dimuon": 4 + 4}
+
+
+def adapter_bytes(lora: LoraSpec, per_rank: Mapping[str, int]) -> int:
+    """The worker memory a LoRA of ``lora``'s shape takes while trained: its float32 weights,
+    their gradients and the optimizer's state (``per_rank``: ``Capabilities.lora_params_per_rank``)."""
+    groups = {"attn": lora.train_attn, "mlp": lora.train_mlp, "unembed": lora.train_unembed}
+    params = lora.rank * sum(count for group, count in per_rank.items() if groups.get(group))
+    return params * (4 + _STATE_BYTES[lora.optimizer])
 
 
 class TrainingBackend(Protocol):

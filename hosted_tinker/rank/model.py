@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -60,6 +61,7 @@ class LoraModel(Protocol):
     linear_attention_layers: int  # Gated-DeltaNet layers (``rank.linear_attention``)
     routed_experts: int  # per mixture-of-experts layer, each with its own LoRA under train_mlp (0: dense)
     lora_groups: tuple[str, ...]  # the LoRA flags (attn, mlp, unembed) that find layers on this model
+    lora_params_per_rank: dict[str, int]  # per flag, LoRA parameters per unit of rank, unsharded
     vocab_size: int
     max_positions: int
     layers: Sequence[nn.Module]  # the decoder layers, first to last (``rank.activations``)
@@ -234,6 +236,11 @@ class HfLoraModel:
         self.adapters = LoraAdapters(self.base, lora_compute)
         self.routed_experts = max((shape.experts for shape in self.adapters.experts.values()), default=0)
         self.lora_groups = tuple(group for group, targets in self.targets.items() if targets)
+        self.lora_params_per_rank = {
+            group: sum(math.prod(shape) for target in targets for shape in self.adapters.lora_shapes(target, 1))
+            for group, targets in self.targets.items()
+            if targets
+        }
 
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
         groups = (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))

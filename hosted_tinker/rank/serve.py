@@ -134,6 +134,7 @@ def build_rank(spec: RankSpec) -> Rank:
         images=vision is not None,
         image_token_id=vision.image_token_id if vision is not None else -1,
         lora_groups=model.lora_groups,
+        lora_params_per_rank=model.lora_params_per_rank,
     )
     return Rank(capabilities, trainer, sampler)
 

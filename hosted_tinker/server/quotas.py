@@ -9,6 +9,8 @@ limit                what it bounds                                         refu
 ===================  =====================================================  ======
 ``sessions``         live sessions (active, heard from within ``LIVE_S``)   403
 ``models``           live training models (loaded, in a live session)       403
+``adapter_bytes``    worker memory of those models' LoRA: weights,          403
+                     gradients, optimizer state (``core.types.adapter_bytes``)
 ``lora_rank``        the rank of a new LoRA (default: ``--max-lora-rank``)  400
 ``metadata_bytes``   a ``user_metadata`` object, as JSON                    400
 ``checkpoint_bytes`` the key's stored checkpoints (never past it)          403
@@ -43,6 +45,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hosted_tinker.core.errors import ApiError
+from hosted_tinker.core.types import LoraSpec, adapter_bytes
 from hosted_tinker.server.keys import OPEN
 from hosted_tinker.server.protocol.ordering import is_text
 from hosted_tinker.server.scheduler import QueueLimits
@@ -60,6 +63,9 @@ class Limits(BaseModel):
 
     sessions: int = Field(64, ge=0)
     models: int = Field(16, ge=0)
+    # A mixture-of-experts LoRA is ~20x a dense one of the same rank (Qwen3-30B-A3B, every group, rank 32:
+    # 7.9 GB with AdamW): a count of models alone would let one key take a GPU's memory
+    adapter_bytes: int = Field(32 << 30, ge=0)
     lora_rank: int | None = Field(None, ge=1)  # None: the server's --max-lora-rank
     metadata_bytes: int = Field(64 << 10, ge=0)
     checkpoint_bytes: int = Field(1 << 40, ge=0)
@@ -115,10 +121,12 @@ class Quotas:
         queue: QueueLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         inflight_body_bytes: int = 1 << 30,
+        lora_params_per_rank: dict[str, int] | None = None,
     ) -> None:
         """``max_lora_rank``, ``queue`` and ``inflight_body_bytes`` (the server's bounds) give the
-        limits ``DERIVED`` names."""
+        limits ``DERIVED`` names; ``lora_params_per_rank`` (the served model's) sizes adapters."""
         self.store = store
+        self.lora_params_per_rank = lora_params_per_rank or {}
         self.defaults = defaults
         self.max_lora_rank = max_lora_rank
         queue = queue or QueueLimits()
@@ -214,18 +222,26 @@ class Quotas:
         if live >= limits.sessions:
             raise _over("sessions", limits.sessions, f"live sessions for this key ({live} open)", 403)
 
-    def new_model(self, tenant: str, rank: int | None, user_metadata: dict | None) -> None:
+    def new_model(self, tenant: str, lora: LoraSpec, user_metadata: dict | None) -> None:
         limits = self.of(tenant)
         if limits is None:
             return
         max_rank = limits.lora_rank if limits.lora_rank is not None else self.max_lora_rank
-        if rank is not None and rank > max_rank:
+        if lora.rank > max_rank:
             raise _over("lora_rank", max_rank, "for this key's LoRA (lora_config.rank)", 400)
         self._metadata(limits, user_metadata, "user_metadata")
         live = self.store.usage(tenant, live_since=time.time() - LIVE_S)["models"]
         if live >= limits.models:
             detail = f"live training models for this key ({live} loaded; unload one or close its client)"
             raise _over("models", limits.models, detail, 403)
+        need = adapter_bytes(lora, self.lora_params_per_rank)
+        held = sum(adapter_bytes(LoraSpec(**spec), self.lora_params_per_rank) for spec in self.store.live_loras(tenant))
+        if held + need > limits.adapter_bytes:
+            detail = (
+                f"bytes of worker memory for this key's LoRA adapters: this one takes {need} (weights, gradients "
+                f"and optimizer state at rank {lora.rank}), its {live} live models {held}"
+            )
+            raise _over("adapter_bytes", limits.adapter_bytes, detail, 403)
 
     def reserve_checkpoint(self, tenant: str, user_metadata: dict | None, estimate: int = 0) -> Reservation | ApiError:
         """A save's hold on the key's checkpoint bytes, ``estimate`` of them taken now; or its

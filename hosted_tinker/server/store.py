@@ -227,6 +227,15 @@ class Store(ListingRows, UsageRows, AuditRows, KeyRows):
         ).fetchone()[0]
         return {"sessions": sessions, "models": models, "checkpoint_bytes": stored}
 
+    def live_loras(self, owner: str) -> list[dict]:
+        """The LoRA specs of the models ``usage`` counts for ``owner`` (loaded or parked)."""
+        rows = self._exec(
+            "SELECT lora FROM models WHERE status IN ('active', 'parked') AND session_id IN "
+            "(SELECT session_id FROM sessions WHERE owner=? AND status='active')",
+            (owner,),
+        ).fetchall()
+        return [json.loads(lora) for (lora,) in rows]
+
     def count_active(self) -> dict[str, int]:
         """Live sessions, loaded models and parked ones (saved off the workers), for /healthz."""
         sessions = self._exec("SELECT COUNT(*) FROM sessions WHERE status='active'").fetchone()[0]

@@ -85,6 +85,10 @@ def test_the_same_seed_starts_at_the_same_weights(megatron: ProcessBackend, peft
     got, want = megatron.export_state("seeded"), peft.export_state("seeded")
     assert list(got.weights) == list(want.weights)
     assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
+    # what the server sizes a key's adapters by (``server.quotas``' adapter_bytes): the parameters
+    # made, every group of the model being on in LORA
+    per_rank = megatron.capabilities.lora_params_per_rank
+    assert sum(v.numel() for v in got.weights.values()) == LORA.rank * sum(per_rank.values())
     for backend in (megatron, peft):
         backend.delete_adapter("seeded")
 

@@ -248,3 +248,24 @@ def test_one_key_cannot_fill_the_servers_memory_with_waiting_batches(server):
     for request_id in (api.fwdbwd(bodies[1]), *waiting):  # over the limit, but awaited: it runs the others
         assert not isinstance(api.result(request_id), dict)  # a ForwardBackwardOutput, not an error
     assert not isinstance(api.result(api.fwdbwd(bodies[4])), dict)  # room again; seq 4 was not used up
+
+
+def test_a_keys_adapters_are_limited_by_the_worker_memory_they_take(server):
+    """``adapter_bytes``: what a key's live models' LoRA take on the workers (weights, gradients,
+    AdamW's moments, float32), sized from the served model's per-rank counts (``/healthz``): a
+    rank-4 adapter and an attention-only one fit in twice a rank-4 one's bytes, a second full
+    rank-4 one does not; the refusal names the limit and the sizes; the models made still train."""
+    srv, _, data = server
+    caps = httpx.get(f"{srv.base_url}/healthz", timeout=10).raise_for_status().json()["capabilities"]
+    per_rank = caps["lora_params_per_rank"]
+    assert set(per_rank) == set(caps["lora_groups"]) and all(v > 0 for v in per_rank.values())
+    full = 4 * sum(per_rank.values()) * 16
+    key = cli("keys", "create", "--data-dir", str(data), "--limit", f"adapter_bytes={2 * full}").stdout.strip()
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=key) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        sc.create_lora_training_client(base_model=ALIAS, rank=4, train_mlp=False, train_unembed=False).result()
+        with pytest.raises(tinker.PermissionDeniedError) as refused:
+            sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        message = str(refused.value)
+        assert f"limit adapter_bytes reached: at most {2 * full}" in message and f"this one takes {full}" in message
+        tc.forward_backward([datum()], "cross_entropy").result()

@@ -86,6 +86,11 @@ class McoreLoraModel:
         self.lora_groups = tuple(
             sorted({group_of(name) for name in self.lora.sites}, key=("attn", "mlp", "unembed").index)
         )
+        self.lora_params_per_rank: dict[str, int] = {}  # each HF projection's A (r, in) and B (out, r)
+        for name, site in self.lora.sites.items():
+            group = group_of(name)
+            count = len(site.out_features) * site.in_features + sum(site.out_features)
+            self.lora_params_per_rank[group] = self.lora_params_per_rank.get(group, 0) + count
         self.sequence_parallel = sequence_parallel
         self.te = te
         self._next = 0

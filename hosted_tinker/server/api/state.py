@@ -137,6 +137,7 @@ def build_state(config: ServerConfig) -> ServerState:
         config.max_lora_rank,
         limits,
         inflight_body_bytes=config.max_inflight_body_bytes,
+        lora_params_per_rank=backend.capabilities.lora_params_per_rank,
     )
     scheduler = Scheduler(store, limits, ServerMetrics(), keys=quotas)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

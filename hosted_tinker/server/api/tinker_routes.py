@@ -9,6 +9,7 @@ import json
 from fastapi import APIRouter, Request, Response
 
 from hosted_tinker.core.errors import ApiError, UserError, not_found
+from hosted_tinker.core.types import LoraSpec
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.errors import large_body, ordered, refuse_unparsed
 from hosted_tinker.server.api.json_body import OffLoopJson
@@ -38,11 +39,11 @@ def _future(request: Request, request_id: str, model_id: str | None = None) -> w
 
 
 def _new_model(state: ServerState, tenant: str, user_metadata: dict | None) -> Admit:
-    """The caller's limits on a model it creates, for the service to check with its LoRA rank
+    """The caller's limits on a model it creates, for the service to check with its LoRA
     once the request is known not to be a resend (``server.quotas``)."""
 
-    def admit(rank: int) -> None:
-        state.quotas.new_model(tenant, rank, user_metadata)
+    def admit(lora: LoraSpec) -> None:
+        state.quotas.new_model(tenant, lora, user_metadata)
 
     return admit
 

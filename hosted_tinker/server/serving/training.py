@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 # The caller's limits on a new model (``server.quotas``), given its LoRA rank: raises if over one.
-Admit = Callable[[int], None]
+Admit = Callable[[LoraSpec], None]  # the caller's limits, given the new model's LoRA
 
 
 def json_result(obj: dict) -> tuple[bytes, str]:
@@ -190,9 +190,9 @@ class TrainingService:
         admit: Admit | None = None,
     ) -> str:
         """Register a model and queue its creation as its request 0 (``after_create`` may load
-        state; ``admit`` checks the caller's limits against its LoRA rank first)."""
+        state; ``admit`` checks the caller's limits against its LoRA first)."""
         if admit is not None:
-            admit(lora.rank)
+            admit(lora)
         if self.max_lora_rank is not None and lora.rank > self.max_lora_rank:
             raise bad_request(
                 f"lora_config.rank {lora.rank} is above the inference engine's limit of {self.max_lora_rank} "

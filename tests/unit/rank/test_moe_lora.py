@@ -188,6 +188,24 @@ def test_recomputed_layers_give_the_same_gradients(rank: Rank):
         model.remove_adapter(handle)
 
 
+@pytest.mark.parametrize("flags", [(True, True, True), (True, False, False), (False, True, True)])
+def test_an_adapters_bytes_are_counted_from_the_parameters_it_makes(rank: Rank, flags):
+    """What a key's ``adapter_bytes`` limit counts (``core.types.adapter_bytes``, from
+    ``Capabilities.lora_params_per_rank``): the parameters an adapter of that shape has, each with
+    its gradient and AdamW's two moments, all float32."""
+    from hosted_tinker.core.types import adapter_bytes
+
+    model: HfLoraModel = rank.trainer.model
+    spec = LoraSpec(rank=3, seed=1, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2])
+    handle = model.add_adapter(spec)
+    try:
+        params = sum(p.numel() for p in handle.params)
+        assert rank.capabilities.lora_params_per_rank == model.lora_params_per_rank
+        assert adapter_bytes(spec, rank.capabilities.lora_params_per_rank) == params * 16
+    finally:
+        model.remove_adapter(handle)
+
+
 # ---- Tinker's own counts ---------------------------------------------------------------------------
 
 QWEN3 = {"num_attention_heads": 32, "head_dim": 128, "vocab_size": 151936}
