@@ -205,17 +205,46 @@ class CheckpointFiles:
 # tools map it to ``lm_head``, or to ``embed_tokens`` where the embeddings are tied); PEFT, this
 # server's ranks and vLLM name it after the module. Files say Tinker's name; the ranks see PEFT's.
 PEFT_HEAD, TINKER_HEAD = "base_model.model.lm_head.", "base_model.model.model.unembed_tokens."
+# Modules Tinker's adapters name otherwise than transformers does, by the checkpoint's model_type
+# (``Capabilities.family``): gpt-oss's attention is ``attn`` in the service's files (the cookbook's
+# merge maps it back to ``self_attn``).
+TINKER_MODULES: dict[str, tuple[tuple[str, str], ...]] = {"gpt_oss": ((".self_attn.", ".attn."),)}
 
 
-def tinker_keys(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` under the names Tinker's adapters use (the unembedding's ``unembed_tokens``)."""
-    return {TINKER_HEAD + k.removeprefix(PEFT_HEAD) if k.startswith(PEFT_HEAD) else k: v for k, v in weights.items()}
+def _tinker_name(name: str, family: str) -> str:
+    for ours, theirs in TINKER_MODULES.get(family, ()):
+        name = name.replace(ours, theirs)
+    return TINKER_HEAD + name.removeprefix(PEFT_HEAD) if name.startswith(PEFT_HEAD) else name
 
 
-def peft_keys(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _peft_name(name: str, family: str) -> str:
+    for ours, theirs in TINKER_MODULES.get(family, ()):
+        name = name.replace(theirs, ours)
+    return PEFT_HEAD + name.removeprefix(TINKER_HEAD) if name.startswith(TINKER_HEAD) else name
+
+
+def tinker_keys(weights: dict[str, torch.Tensor], family: str = "") -> dict[str, torch.Tensor]:
+    """``weights`` under the names Tinker's adapters use for a model of ``family``."""
+    return {_tinker_name(k, family): v for k, v in weights.items()}
+
+
+def peft_keys(weights: dict[str, torch.Tensor], family: str = "") -> dict[str, torch.Tensor]:
     """``weights`` under PEFT's names, whichever a file used (checkpoints written before this
     server wrote Tinker's names hold PEFT's)."""
-    return {PEFT_HEAD + k.removeprefix(TINKER_HEAD) if k.startswith(TINKER_HEAD) else k: v for k, v in weights.items()}
+    return {_peft_name(k, family): v for k, v in weights.items()}
+
+
+def _config_modules(config: dict, family: str, rename) -> dict:
+    """``adapter_config.json`` with its ``target_modules`` renamed as the weights are."""
+    modules = config.get("target_modules")
+    if not TINKER_MODULES.get(family) or not isinstance(modules, list):
+        return config
+    return config | {"target_modules": [rename(f".{m}.", family)[1:-1] for m in modules]}
+
+
+def peft_config(config: dict, family: str = "") -> dict:
+    """An ``adapter_config.json`` as read from a file, under PEFT's module names."""
+    return _config_modules(config, family, _peft_name)
 
 
 def peft_adapter_files(adapter_config: dict, weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
@@ -226,20 +255,20 @@ def peft_adapter_files(adapter_config: dict, weights: dict[str, torch.Tensor]) -
     }
 
 
-def adapter_files(adapter_config: dict, weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+def adapter_files(adapter_config: dict, weights: dict[str, torch.Tensor], family: str = "") -> dict[str, bytes]:
     """An adapter directory as Tinker writes one, which every checkpoint and export holds: PEFT's
-    files, with Tinker's key names (``tinker_keys``; routed experts' LoRA as ``rank.experts``
-    names them), so the cookbook's ``weights`` tools read it as they read the service's."""
-    return peft_adapter_files(adapter_config, tinker_keys(weights))
+    files, with Tinker's names for a model of ``family`` (``tinker_keys``; routed experts' LoRA as
+    ``rank.experts`` names them), so the cookbook's ``weights`` tools read it as they read the service's."""
+    return peft_adapter_files(_config_modules(adapter_config, family, _tinker_name), tinker_keys(weights, family))
 
 
-def adapter_weights(data: bytes) -> dict[str, torch.Tensor]:
+def adapter_weights(data: bytes, family: str = "") -> dict[str, torch.Tensor]:
     """The tensors of an ``adapter_model.safetensors`` under the ranks' (PEFT's) names."""
-    return peft_keys(load_safetensors(data))
+    return peft_keys(load_safetensors(data), family)
 
 
-def state_to_files(state: AdapterState, adapter_config: dict, base_model: str) -> dict[str, bytes]:
-    files = adapter_files(adapter_config, state.weights)
+def state_to_files(state: AdapterState, adapter_config: dict, base_model: str, family: str = "") -> dict[str, bytes]:
+    files = adapter_files(adapter_config, state.weights, family)
     files["optimizer.safetensors"] = save_safetensors({k: v.contiguous() for k, v in state.optimizer.items()})
     if state.gradients:  # a parked model's, not yet applied by an optim_step
         files["gradients.safetensors"] = save_safetensors({k: v.contiguous() for k, v in state.gradients.items()})
@@ -269,10 +298,10 @@ def training_meta(path: TinkerPath, files: dict[str, bytes]) -> tuple[str, LoraS
         raise CheckpointError(f"checkpoint {path} is not a training-state checkpoint (missing {e})") from None
 
 
-def state_from_files(path: TinkerPath, files: dict[str, bytes]) -> LoadedState:
+def state_from_files(path: TinkerPath, files: dict[str, bytes], family: str = "") -> LoadedState:
     try:
         meta = json.loads(files["training_state.json"])
-        weights = adapter_weights(files["adapter_model.safetensors"])
+        weights = adapter_weights(files["adapter_model.safetensors"], family)
         optimizer = load_safetensors(files["optimizer.safetensors"])
         rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8)
         gradients = load_safetensors(files["gradients.safetensors"]) if "gradients.safetensors" in files else {}

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from hosted_tinker.core.checkpoints import adapter_weights
+from hosted_tinker.core.checkpoints import adapter_weights, peft_config
 from hosted_tinker.core.errors import WorkerError
 from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
@@ -94,8 +94,10 @@ class EmbeddedEngine:
         run_on_worker: Callable[[Callable[[], None]], None],
         batch_window_s: float = 0.01,
         slice_s: float = 0.1,
+        family: str = "",
     ) -> None:
         self.sampler = sampler
+        self.family = family  # the served model's, whose adapters' names files say (``core.checkpoints``)
         # Queues a job behind the worker's earlier jobs (``Scheduler.run_on_worker``): sampling
         # and training share the worker, one call at a time.
         self.run_on_worker = run_on_worker
@@ -228,8 +230,8 @@ class EmbeddedEngine:
         if weights.key is None or self.sampler.has_sampler(weights.key):
             return
         files = weights.files.read(weights.path, only=("adapter_config.json", "adapter_model.safetensors"))
-        config = json.loads(files["adapter_config.json"])
-        self.sampler.load_sampler(weights.key, config, adapter_weights(files["adapter_model.safetensors"]))
+        config = peft_config(json.loads(files["adapter_config.json"]), self.family)
+        self.sampler.load_sampler(weights.key, config, adapter_weights(files["adapter_model.safetensors"], self.family))
 
 
 def _settle(future: asyncio.Future, result: object) -> None:

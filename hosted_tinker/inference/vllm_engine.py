@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 from safetensors import safe_open
 
-from hosted_tinker.core.checkpoints import TINKER_HEAD, adapter_weights, peft_adapter_files
+from hosted_tinker.core.checkpoints import adapter_weights, peft_adapter_files, peft_config, peft_keys
 from hosted_tinker.core.errors import EngineUnavailable, UserError
 from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
@@ -54,8 +54,10 @@ class VllmEngine:
         verify: Callable[[WeightsRef], None],
         live_root: Path,
         zero_adapter: Path | None = None,
+        family: str = "",
     ) -> None:
         self.host = host
+        self.family = family  # the served model's, whose adapters' names files say (``core.checkpoints``)
         # One pooled client for SDK sampling and adapter loads (the /v1 proxy streams over its own).
         # Idle connections are dropped before vLLM's own 5 s keep-alive ends, so a request never
         # goes out on a connection the server is closing at that moment.
@@ -129,11 +131,13 @@ class VllmEngine:
         ``unembed_tokens``, which vLLM refuses), deleted once vLLM has let it go."""
         weights_file = directory / "adapter_model.safetensors"
         with safe_open(weights_file, "pt") as f:
-            if not any(k.startswith(TINKER_HEAD) for k in f.keys()):  # noqa: SIM118 - not a dict
-                return directory, None
+            keys = dict.fromkeys(f.keys())
+        if peft_keys(keys, self.family) == keys:  # nothing named otherwise than PEFT does
+            return directory, None
         view = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.live.root))
-        config = json.loads((directory / "adapter_config.json").read_text())
-        for name, data in peft_adapter_files(config, adapter_weights(weights_file.read_bytes())).items():
+        config = peft_config(json.loads((directory / "adapter_config.json").read_text()), self.family)
+        weights = adapter_weights(weights_file.read_bytes(), self.family)
+        for name, data in peft_adapter_files(config, weights).items():
             (view / name).write_bytes(data)
         return view, remove_dir(view)
 

@@ -69,10 +69,13 @@ def test_training_moves_the_experts_and_the_export_holds_them_as_tinker_does(moe
 
     weights = load_file(adapter / "adapter_model.safetensors")
     assert "base_model.model.model.unembed_tokens.lora_B.weight" in weights  # Tinker's name for lm_head's
+    if moe["arch"] == "GptOssForCausalLM":  # the service names gpt-oss's attention attn
+        assert any(".attn.q_proj." in k for k in weights) and not any(".self_attn." in k for k in weights)
     assert not any(".lm_head." in k for k in weights)
     from transformers import AutoConfig
 
-    inner = AutoConfig.from_pretrained(moe["model_dir"]).get_text_config().moe_intermediate_size
+    text = AutoConfig.from_pretrained(moe["model_dir"]).get_text_config()
+    inner = getattr(text, "moe_intermediate_size", None) or text.intermediate_size  # gpt-oss: the latter
     for layer in (1,) if moe["arch"] == "DeepseekV3ForCausalLM" else (0, 1):  # DeepSeek's layer 0 is dense
         prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
         assert weights[f"{prefix}.w1.lora_A.weight"].shape == (1, 4, 64)  # one for all experts

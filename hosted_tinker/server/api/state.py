@@ -175,7 +175,11 @@ def build_state(config: ServerConfig) -> ServerState:
         tokenizer,
         _eos_ids(model_path, tokenizer),
         EmbeddedEngine(
-            SamplerClient(backend), scheduler.run_on_worker, config.sample_batch_window_s, config.sample_slice_s
+            SamplerClient(backend),
+            scheduler.run_on_worker,
+            config.sample_batch_window_s,
+            config.sample_slice_s,
+            family=caps.family,
         ),
         sequences,
         vllm,
@@ -351,7 +355,7 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
     root = default_root(config.data_dir)
     on_gpu = config.vllm_gpus is not None or config.training_devices()[0].startswith("cuda")
     zero = None if on_gpu else write_zero_adapter(root, *backend.zero_adapter())  # see VllmEngine
-    return VllmEngine(host, files_version, verify, root, zero)
+    return VllmEngine(host, files_version, verify, root, zero, backend.capabilities.family)
 
 
 def _eos_ids(model_path: str, tokenizer) -> set[int]:

@@ -197,8 +197,8 @@ class CheckpointService:
         # Only training state needs the optimizer moments (twice the adapter's size).
         state = self.backend.export_state(model.model_id, with_optimizer=kind == "weights")
         if kind == "weights":
-            return state_to_files(state, config, model.base_model)
-        return adapter_files(config, state.weights)
+            return state_to_files(state, config, model.base_model, self.backend.capabilities.family)
+        return adapter_files(config, state.weights, self.backend.capabilities.family)
 
     def save_weights(self, req: wire.SaveWeightsRequest, held: Reservation | None = None) -> str:
         name = req.path if req.path is not None else f"seq-{req.seq_id}"
@@ -378,7 +378,7 @@ class CheckpointService:
                 )
 
             def job() -> tuple[bytes, str]:
-                loaded = state_from_files(path, self.files.read(path))
+                loaded = state_from_files(path, self.files.read(path), self.backend.capabilities.family)
                 self.backend.load_state(model.model_id, loaded.state, with_optimizer=req.optimizer)
                 self.training.weights_changed(model.model_id)
                 return json_result({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
@@ -409,7 +409,7 @@ class CheckpointService:
             lora = dataclasses.replace(lora, optimizer=named or "adamw")
 
         def load(new_model_id: str) -> None:
-            loaded = state_from_files(path, self.files.read(path))
+            loaded = state_from_files(path, self.files.read(path), self.backend.capabilities.family)
             self.backend.load_state(new_model_id, loaded.state, with_optimizer=req.optimizer)
 
         return self.training.create_model_with(

@@ -40,7 +40,7 @@ class ModelRecovery:
             return self.lose(model_id, "had no saved training state")
         path = TinkerPath(model_id, "weights", saved[0].name)
         try:
-            loaded = state_from_files(path, self.files.read(path))
+            loaded = state_from_files(path, self.files.read(path), backend.capabilities.family)
             backend.create_adapter(model_id, LoraSpec(**model.lora))
             backend.load_state(model_id, loaded.state, with_optimizer=True)
         except WorkerDied:

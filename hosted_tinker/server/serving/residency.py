@@ -128,7 +128,7 @@ class Residency:
         path = self._path(model_id)
         try:
             files = self.files.read(path)
-            loaded = state_from_files(path, files)
+            loaded = state_from_files(path, files, self.backend.capabilities.family)
         except CheckpointError as e:  # nothing to come back from: say so once, and for good
             self.store.set_model_status_if(model_id, "lost", PARKED)
             raise ServerError(
@@ -186,7 +186,8 @@ class Residency:
         notice = self.backend.take_notice(model_id)  # exporting must not use it up: it is the client's
         try:  # its gradients too: a model parked between forward_backward and optim_step loses nothing
             state = self.backend.export_state(model_id, with_optimizer=True, with_gradients=True)
-            files = state_to_files(state, self.backend.peft_config(model_id), model.base_model)
+            config, family = self.backend.peft_config(model_id), self.backend.capabilities.family
+            files = state_to_files(state, config, model.base_model, family)
         except BaseException:
             if notice is not None:
                 self.backend.owe_notice(model_id, notice)
