@@ -132,6 +132,8 @@ class LossSpec:
     config_defaults: Mapping[str, float] = field(default_factory=dict)
     allows_topk_targets: bool = False
     recorded_inputs: tuple[str, ...] = ()
+    # optional inputs a datum may leave out, and the value each of its positions then takes
+    input_defaults: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def needs_provenance(self) -> bool:
@@ -142,7 +144,11 @@ _PG_INPUTS = ("logprobs", "advantages")
 _CLIP_TENSORS = ("clip_low_threshold", "clip_high_threshold")
 
 LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, ("weights",), allows_topk_targets=True),
+    # the SDK's own examples of forward / forward_backward send target_tokens alone: every
+    # position then counts once (the service's behaviour is not documented; this is the sum's)
+    "cross_entropy": LossSpec(
+        cross_entropy, (), ("weights",), allows_topk_targets=True, input_defaults={"weights": 1.0}
+    ),
     "importance_sampling": LossSpec(importance_sampling, _PG_INPUTS),
     "ppo": LossSpec(ppo, _PG_INPUTS, _CLIP_TENSORS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     # CISPO is one-sided by default (tutorial 202): only large ratios are clipped.

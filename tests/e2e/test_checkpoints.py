@@ -186,6 +186,9 @@ def test_rest_surface(base_url):
         sampler_info = rest.get_sampler(sampling._sampling_session_id).result()
         assert sampler_info.base_model == ALIAS and sampler_info.model_path == sampler
 
+        # a checkpoint id without its kind: a 400 that says which form it takes (#43 item 4), nothing deleted
+        with pytest.raises(tinker.BadRequestError, match="weights/r1 or sampler_weights/r1"):
+            rest.delete_checkpoint(run_id, "r1").result()
         rest.delete_checkpoint_from_tinker_path(sampler).result()
         assert [c.checkpoint_id for c in rest.list_checkpoints(run_id).result().checkpoints] == ["weights/r1"]
         with pytest.raises(tinker.NotFoundError):

@@ -252,6 +252,26 @@ def test_topk_targets_and_negative_weights(service_client, tokenizer):
     assert (lp < 0).all()
 
 
+def test_cross_entropy_without_weights_counts_every_position_once(service_client, tokenizer):
+    """As the SDK's own examples of forward / forward_backward send it: target_tokens alone. The
+    loss is that of weights 1 (#43 item 4), and the same step follows."""
+    tc = service_client.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
+    weighted = sft_datum(tokenizer)
+    n = weighted.model_input.length
+    weighted = types.Datum(
+        model_input=weighted.model_input,
+        loss_fn_inputs={"target_tokens": weighted.loss_fn_inputs["target_tokens"], "weights": [1.0] * n},
+    )
+    bare = types.Datum(
+        model_input=weighted.model_input, loss_fn_inputs={"target_tokens": weighted.loss_fn_inputs["target_tokens"]}
+    )
+    with_ones = tc.forward([weighted], "cross_entropy").result()
+    without = tc.forward([bare], "cross_entropy").result()
+    assert without.metrics["loss:sum"] == with_ones.metrics["loss:sum"]
+    lp = without.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert without.metrics["loss:sum"] == pytest.approx(float(-lp.sum()), rel=1e-5)
+
+
 def test_forward_backward_custom(service_client, tokenizer):
     tc = service_client.create_lora_training_client(base_model=ALIAS, rank=4, seed=4).result()
     data = [sft_datum(tokenizer)] * 2

@@ -11,7 +11,7 @@ from typing import Literal
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 
-from hosted_tinker.core.errors import ApiError
+from hosted_tinker.core.errors import ApiError, bad_request
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
@@ -90,6 +90,17 @@ async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request)
     # Removing a large adapter's files takes a while: keep it off the event loop.
     await asyncio.to_thread(_own_run(request, run_id).checkpoints.delete, run_id, f"{kind}/{name}", tenant_of(request))
     return Response(status_code=204)
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id}", include_in_schema=False)
+async def delete_checkpoint_without_kind(run_id: str, checkpoint_id: str, request: Request) -> Response:
+    """A checkpoint named without its kind (``RestClient.delete_checkpoint(run, "step-5")``): say
+    which form it takes, rather than the framework's bare "Not Found"."""
+    _own_run(request, run_id)
+    raise bad_request(
+        f"checkpoint_id {checkpoint_id!r} names no kind: a checkpoint id is <kind>/<name>, "
+        f"weights/{checkpoint_id} or sampler_weights/{checkpoint_id}"
+    )
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", **NO_CONTENT)

@@ -65,6 +65,9 @@ def check_datum(
         if not np.isfinite(value).all():
             raise bad_request(f"{where}.loss_fn_inputs.{key} contains NaN or infinity")
         tensors[key] = torch.from_numpy(value.astype(np.float32))
+    for key, value in spec.input_defaults.items():
+        if key not in tensors:  # weights follow the target's shape, as above
+            tensors[key] = torch.full(targets.shape if key == "weights" else (n,), value, dtype=torch.float32)
     return DatumInput(
         tokens=torch.from_numpy(d.tokens.astype(np.int64)),
         target_tokens=torch.from_numpy(targets.astype(np.int64)),

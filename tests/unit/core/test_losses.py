@@ -160,7 +160,7 @@ def test_documented_defaults():
 
 
 def test_required_inputs_and_topk():
-    assert LOSSES["cross_entropy"].required_inputs == ("weights",)
+    assert LOSSES["cross_entropy"].required_inputs == () and LOSSES["cross_entropy"].input_defaults == {"weights": 1.0}
     assert LOSSES["cross_entropy"].allows_topk_targets
     for name in ("importance_sampling", "ppo", "cispo", "dro"):
         assert set(LOSSES[name].required_inputs) == {"logprobs", "advantages"}
