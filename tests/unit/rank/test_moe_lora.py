@@ -43,8 +43,9 @@ def test_train_mlp_puts_lora_on_every_expert_in_tinkers_layout(rank: Rank):
         experts = [k for k in shapes if ".experts." in k]
         layers_with_experts = {k.split(".experts.")[0] for k in experts}
         assert layers_with_experts and len(experts) == 6 * len(layers_with_experts)
+        text = model.base.config
+        e, h, i = 8, 64, text.moe_intermediate_size  # Qwen3-VL's tiny experts are narrower (``tiny_model``)
         for prefix in layers_with_experts:  # the hidden side's factor one for all experts (Tinker's)
-            e, h, i = 8, 64, 32
             assert shapes[f"{prefix}.experts.w1.lora_A.weight"] == (1, 4, h)
             assert shapes[f"{prefix}.experts.w1.lora_B.weight"] == (e, i, 4)
             assert shapes[f"{prefix}.experts.w3.lora_A.weight"] == (1, 4, h)
