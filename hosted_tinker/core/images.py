@@ -11,7 +11,6 @@ a 60,000² canvas: decompressed, 10 GiB).
 from __future__ import annotations
 
 import io
-import warnings
 from dataclasses import dataclass
 
 from hosted_tinker.core.errors import UserError
@@ -57,9 +56,9 @@ def open_image(data: bytes, fmt: str, where: str):
     if not data:
         raise UserError(f"{where}.data is empty")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=[FORMATS[fmt]])
+        image = Image.open(io.BytesIO(data), formats=[FORMATS[fmt]])
+    except Image.DecompressionBombError:  # PIL's own bound (twice its MAX_IMAGE_PIXELS), past ours
+        raise UserError(f"{where}: the image is over {MAX_IMAGE_PIXELS} pixels") from None
     except Exception as e:  # PIL raises many kinds for bytes that are not an image of this format
         raise UserError(f"{where}.data is not a {fmt} image ({type(e).__name__}: {e})") from None
     width, height = image.size

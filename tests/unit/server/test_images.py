@@ -103,6 +103,10 @@ def test_a_huge_canvas_in_a_small_file_is_refused_from_its_header(counter: Image
     assert len(data) < 200_000
     with pytest.raises(ApiError, match=r"a 6000×6000 image; at most \d+ pixels"):
         layout(counter).image(WireImage(0, data, "png", None, None), 0, "x", [1 << 30])
+    # past PIL's own bound (twice its MAX_IMAGE_PIXELS) it refuses to open it: said the same way
+    bomb = encoded(14000, 14000, mode="1")  # 196 M pixels in 24 KB
+    with pytest.raises(ApiError, match=r"the image is over \d+ pixels"):
+        layout(counter).image(WireImage(0, bomb, "png", None, None), 0, "x", [1 << 30])
     with pytest.raises(ApiError, match="override_dimensions"):
         layout(counter).image(WireImage(0, encoded(8, 8), "png", None, (1 << 15, 1 << 15)), 0, "x", [1 << 30])
 
