@@ -509,7 +509,13 @@ CASES: list[Case] = [
         400,
         "target_tokens",
     ),
-    Case("fb missing weights", fb(lambda r: r.data[0].loss_fn_inputs.pop("weights")), 400, "weights"),
+    # (cross_entropy without weights counts every position once, as the SDK's own examples send it)
+    Case(
+        "fb missing logprobs (importance_sampling)",
+        fb(lambda r: r.data[0].loss_fn_inputs.pop("logprobs"), "importance_sampling"),
+        400,
+        "logprobs",
+    ),
     Case(
         "fb missing advantages (ppo)",
         fb(lambda r: r.data[0].loss_fn_inputs.pop("advantages"), "ppo"),
