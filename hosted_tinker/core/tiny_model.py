@@ -128,19 +128,8 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             # not hidden_size // 2: a square fused gate_up (experts, 2I, H) would leave the cookbook's
             # merge no way to tell which axis is fused (it decides by shape; the real models' differ)
             text |= dict(moe_intermediate_size=hidden_size // 4, num_experts=8, num_experts_per_tok=2)
-        vision = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=hidden_size,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0, 1],  # each block's output also feeds a decoder layer
-            initializer_range=initializer_range,
-        )
+        # each of its two blocks' output also feeds a decoder layer
+        vision = _vision_tower(hidden_size, initializer_range, depth=2, deepstack_visual_indexes=[0, 1])
         config = transformers.Qwen3VLMoeConfig if family == "qwen3_vl_moe" else transformers.Qwen3VLConfig
         return config(text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_tokens(tok))
     if family == "deepseek_v3":  # MLA; a dense MLP in layer 0, routed + shared experts after
@@ -190,18 +179,7 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
         )
         # Every Qwen3.5 / 3.6 checkpoint is a vision-language model (its language model's weights
         # under model.language_model.): so is this one, with a vision tower of one small block.
-        vision = dict(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=hidden_size,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=64,
-            initializer_range=initializer_range,
-        )
+        vision = _vision_tower(hidden_size, initializer_range)
         tied = hybrid.pop("tie_word_embeddings")
         tokens = _vision_tokens(tok)
         if family == "qwen3_5":
@@ -218,6 +196,24 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             text_config=hybrid | moe, vision_config=vision, tie_word_embeddings=tied, **tokens
         )
     raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
+
+
+def _vision_tower(hidden_size: int, initializer_range: float, depth: int = 1, **extra) -> dict:
+    """A vision config of small blocks (Qwen3.5's and Qwen3-VL's take the same fields), its output
+    the language model's width."""
+    return dict(
+        depth=depth,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=hidden_size,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+        initializer_range=initializer_range,
+        **extra,
+    )
 
 
 def _vision_tokens(tok) -> dict[str, int]:

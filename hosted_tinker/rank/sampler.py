@@ -128,16 +128,7 @@ class EmbeddedSampler:
         same weights or drop abandoned ones, and ``on_token`` hears each token of a ``stream``
         spec as it is chosen."""
         self.adapters.routes.everything(None if key is None else self.loaded[key])
-        return generate(
-            self.adapters.lm,
-            specs,
-            vision=self.vision,
-            pad_id=self.pad_id,
-            decode=self._decode,
-            default_seed=_seed,
-            admit=admit,
-            on_token=on_token,
-        )
+        return generate(self.adapters.lm, specs, admit=admit, on_token=on_token, **self._decoding())
 
     @rank_call("first")
     def decode_slice(
@@ -161,14 +152,7 @@ class EmbeddedSampler:
             elif len(self.runs) >= MAX_RUNS:
                 raise RuntimeError(f"{MAX_RUNS} sampling runs are paused already")
             else:
-                run = Decode(
-                    self.adapters.lm,
-                    specs,
-                    vision=self.vision,
-                    pad_id=self.pad_id,
-                    decode=self._decode,
-                    default_seed=_seed,
-                )
+                run = Decode(self.adapters.lm, specs, **self._decoding())
                 self.runs[run_id] = (key, run)
             done = run.run(admit, on_token, on_finished)
         except BaseException:
@@ -177,6 +161,10 @@ class EmbeddedSampler:
         if done:
             del self.runs[run_id]
         return done
+
+    def _decoding(self) -> dict:
+        """What every decode run here is given besides its model and requests."""
+        return {"vision": self.vision, "pad_id": self.pad_id, "decode": self._decode, "default_seed": _seed}
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)

@@ -36,6 +36,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# The models a key holds, for its limits: loaded or parked, in its unfinished sessions (heard
+# from or not: a client that never heartbeats must not get around a count).
+_HELD_MODELS = (
+    "FROM models WHERE status IN ('active', 'parked') AND session_id IN "
+    "(SELECT session_id FROM sessions WHERE owner=? AND status='active')"
+)
+
+
 class Fetched:
     """What a statement returned, read to the end (``Store._exec``): the rows, and how many it changed."""
 
@@ -215,11 +223,7 @@ class Store(ListingRows, UsageRows, AuditRows, KeyRows):
         heartbeats must not get around the count), and bytes of stored checkpoints."""
         live = "SELECT session_id FROM sessions WHERE owner=? AND status='active' AND last_heartbeat >= ?"
         sessions = self._exec(f"SELECT COUNT(*) FROM ({live})", (owner, live_since)).fetchone()[0]
-        models = self._exec(
-            "SELECT COUNT(*) FROM models WHERE status IN ('active', 'parked') AND session_id IN "
-            "(SELECT session_id FROM sessions WHERE owner=? AND status='active')",
-            (owner,),
-        ).fetchone()[0]
+        models = self._exec(f"SELECT COUNT(*) {_HELD_MODELS}", (owner,)).fetchone()[0]
         stored = self._exec(
             "SELECT COALESCE(SUM(c.size_bytes), 0) FROM checkpoints c JOIN models m ON m.model_id = c.model_id "
             "JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=?",
@@ -229,12 +233,7 @@ class Store(ListingRows, UsageRows, AuditRows, KeyRows):
 
     def live_loras(self, owner: str) -> list[dict]:
         """The LoRA specs of the models ``usage`` counts for ``owner`` (loaded or parked)."""
-        rows = self._exec(
-            "SELECT lora FROM models WHERE status IN ('active', 'parked') AND session_id IN "
-            "(SELECT session_id FROM sessions WHERE owner=? AND status='active')",
-            (owner,),
-        ).fetchall()
-        return [json.loads(lora) for (lora,) in rows]
+        return [json.loads(lora) for (lora,) in self._exec(f"SELECT lora {_HELD_MODELS}", (owner,)).fetchall()]
 
     def count_active(self) -> dict[str, int]:
         """Live sessions, loaded models and parked ones (saved off the workers), for /healthz."""

@@ -48,8 +48,7 @@ class ImageLayout:
         """``image`` (``where`` names its chunk) placed at ``start``: its size read from the header,
         its token count, the SDK's ``expected_tokens`` held to it; ``budget``: the pixels the
         request may still decode, less this image's."""
-        if self.counter is None:
-            raise bad_request(f"{where}: image chunks are not supported by {self.caps.arch} (a text-only model)")
+        self._check_takes_images(where)
         try:
             opened = open_image(image.data, image.format, where)
         except UserError as e:
@@ -72,6 +71,10 @@ class ImageLayout:
                 f"but expected_tokens says {image.expected_tokens}"
             )
         return ImageInput(start, tokens, image.data, image.format, size)
+
+    def _check_takes_images(self, where: str) -> None:
+        if self.counter is None:
+            raise bad_request(f"{where}: image chunks are not supported by {self.caps.arch} (a text-only model)")
 
     def data(self, data: list[WireDatum]) -> None:
         """Lay each datum's images into its tokens (each a run of the model's image token)."""
@@ -96,6 +99,7 @@ class ImageLayout:
 
     def prompt_image(self, chunk: dict, start: int, where: str, budget: list[int]) -> ImageInput:
         """A sampling prompt's JSON image chunk (``{"data": base64, "format", "expected_tokens"?}``)."""
+        self._check_takes_images(where)  # before its fields: a text-only model takes none
         data, fmt, expected = chunk.get("data"), chunk.get("format"), chunk.get("expected_tokens")
         if not isinstance(data, str):
             raise bad_request(f"{where}.data must be a base64 string")

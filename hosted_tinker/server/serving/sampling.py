@@ -50,26 +50,24 @@ def check_num_samples(num_samples: int) -> None:
 
 
 def prompt_tokens(
-    prompt: wire.ModelInput, context: int, images: ImageLayout | None = None
+    prompt: wire.ModelInput, context: int, images: ImageLayout
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """The prompt's token ids, and its images (``images`` lays them in: without it, a text-only
-    model). Chunks arrive loosely typed, so each is validated now and its errors are reported
-    against it; a text chunk longer than the ``context`` before its numbers are."""
+    """The prompt's token ids, and its images (``images`` lays them in, or refuses them for a
+    text-only model). Chunks arrive loosely typed, so each is validated now and its errors are
+    reported against it; a text chunk longer than the ``context`` before its numbers are."""
     tokens: list[int] = []
     laid: list[ImageInput] = []
     budget = [MAX_REQUEST_PIXELS]
     for i, chunk in enumerate(prompt.chunks):
         where = f"prompt.chunks[{i}]"
         kind = chunk.get("type", "encoded_text")
-        if kind == "image" and images is not None:
+        if kind == "image":
             image = images.prompt_image(chunk, len(tokens), where, budget)
             laid.append(image)
             tokens += [images.counter.image_token_id] * image.tokens
             if len(tokens) >= context:
                 raise bad_request(f"prompt has {len(tokens)} tokens or more; the context holds {context} in all")
             continue
-        if kind == "image":
-            raise bad_request(f"{where}: image chunks are not supported by this text-only model")
         if kind != "encoded_text":
             raise bad_request(f"{where}: {kind} chunks are not supported (text and images)")
         if isinstance(raw := chunk.get("tokens"), list) and len(tokens) + len(raw) >= context:
@@ -112,7 +110,7 @@ class SamplingService:
         images: ImageLayout | None = None,
         budget: SampleBudget | None = None,
     ) -> None:
-        self.images = images if images is not None and images.counter is not None else None
+        self.images = images or ImageLayout(backend.capabilities, None)  # lays a prompt's images in
         self.usage = usage  # what each key sampled (``serving.usage``)
         self.budget = budget  # what a request and a key may ask of the embedded engine (None: no bound)
         self.backend = backend
