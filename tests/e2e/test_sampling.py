@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -228,3 +230,38 @@ def test_openai_sdk_base_and_adapter(trained, base_url):
         client.chat.completions.create(model="no-such-model", messages=CHAT[:1])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=ALIAS, messages=CHAT[:1], temperature=5)
+
+
+def test_the_services_base_url_and_a_checkpoint_named_on_its_base(trained, base_url):
+    """``/oai/api/v1``, the base URL the Tinker service documents for the OpenAI SDK, serves what
+    ``/v1`` does; ``<base model>;<checkpoint path>`` is that checkpoint on that base."""
+    path = trained["tc"].save_weights_for_sampler("door").result().path
+    client = openai.OpenAI(base_url=f"{base_url}/oai/api/v1", api_key="tml-test")
+    models = [m.id for m in client.models.list().data]
+    assert path in models and ALIAS in models
+    expected = "The capital of France is Paris."
+    for name in (path, *(f"{base};{path}" for base in models if not base.startswith("tinker://"))):
+        answer = client.chat.completions.create(model=name, messages=CHAT[:1], temperature=0, max_tokens=24)
+        assert (answer.choices[0].message.content, answer.model) == (expected, name)
+    streamed = client.completions.create(
+        model=f"{ALIAS};{path}",
+        prompt=trained["tok"].decode(trained["prompt"]),
+        temperature=0,
+        max_tokens=24,
+        stop=["."],
+        stream=True,
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected[:-1]
+    with pytest.raises(openai.NotFoundError, match="no-such-base"):
+        client.chat.completions.create(model=f"no-such-base;{path}", messages=CHAT[:1])
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=f"{ALIAS};{path}-gone", messages=CHAT[:1])
+    # A prompt route at this door takes a prompt-sized body, not a control call's (1 MiB).
+    body = {"model": f"{ALIAS};{path}", "prompt": "Paris is", "max_tokens": 2, "temperature": 0}
+    padded = json.dumps(body).encode()[:-1] + b" " * (2 << 20) + b"}"
+    reply = httpx.post(
+        f"{base_url}/oai/api/v1/completions", content=padded, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert reply.status_code == 200 and reply.json()["model"] == body["model"], reply.text
+    refused = httpx.post(f"{base_url}/oai/api/v1/completions", json=body | {"max_tokens": -1}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["message"], refused.text  # OpenAI's shape

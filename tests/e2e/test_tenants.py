@@ -45,8 +45,9 @@ def test_requests_without_a_valid_key_get_401_with_a_body(keyed):
             assert r.headers["www-authenticate"].startswith("Bearer")
             r = c.get("/api/v1/training_runs")
             assert r.status_code == 401 and r.json()["detail"]
-            r = c.post("/v1/completions", json={"model": ALIAS, "prompt": "hi", "max_tokens": 1})
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            for door in ("/v1", "/oai/api/v1"):
+                r = c.post(f"{door}/completions", json={"model": ALIAS, "prompt": "hi", "max_tokens": 1})
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with http(srv, None) as c:  # health stays open for `curl /healthz`
         health = c.get("/healthz").json()
         assert health["status"] == "ok" and health["auth"] == {"mode": "api-keys"}
@@ -239,6 +240,11 @@ def probes(a: dict, b_session: str) -> list[tuple[str, str, dict]]:
         ("GET", f"/api/v1/sessions/{sid}", {}),
         (post, "/v1/completions", {"json": {"model": a["sampler_path"], "prompt": [5, 6], "max_tokens": 1}}),
         (post, "/v1/completions", {"json": {"model": a["ephemeral_id"], "prompt": [5, 6], "max_tokens": 1}}),
+        (
+            post,
+            "/oai/api/v1/completions",
+            {"json": {"model": f"{ALIAS};{a['sampler_path']}", "prompt": [5, 6], "max_tokens": 1}},
+        ),
         (
             post,
             "/v1/chat/completions",

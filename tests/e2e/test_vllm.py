@@ -31,6 +31,7 @@ from tests.e2e.test_sampling import (  # noqa: F401 - collected again here, agai
     test_concurrent_samples_and_refusals,
     test_sampler_logprobs_match_the_trainer,
     test_stops_seeds_and_prompt_logprobs,
+    test_the_services_base_url_and_a_checkpoint_named_on_its_base,
     test_trained_adapter_answers_and_base_does_not,
     test_training_continues_while_sampling,
     trained,

@@ -1,6 +1,7 @@
 """Error responses, in the shape of the route's family: Tinker's ``{"detail": ...}`` under
-``/api/v1``, OpenAI's ``{"error": {...}}`` under ``/v1`` (which its SDK turns into typed
-exceptions). Every 4xx has a body that names what was wrong; nothing a user sends is a 500.
+``/api/v1``, OpenAI's ``{"error": {...}}`` under its doors (``api.doors``: ``/v1``, ``/oai/api/v1``),
+which its SDK turns into typed exceptions. Every 4xx has a body that names what was wrong;
+nothing a user sends is a 500.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from starlette.routing import Match
 
 from hosted_tinker.core.errors import ApiError, ServerError, bad_request
 from hosted_tinker.server.api.auth import presented_key
+from hosted_tinker.server.api.doors import is_openai
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol.ordering import is_text, order_of
 
@@ -59,10 +61,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
         return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}")
-
-
-def is_openai(path: str) -> bool:
-    return path.startswith("/v1/")
 
 
 def error_response(

@@ -11,11 +11,12 @@ from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hosted_tinker.server.api.auth import CHALLENGE, presented_key, refusal
+from hosted_tinker.server.api.doors import is_openai
 from hosted_tinker.server.api.errors import error_response
 from hosted_tinker.server.keys import KeyRing
 from hosted_tinker.server.quotas import Quotas
 
-KEYLESS = frozenset({"/api/v1/healthz"})  # besides everything outside /api/v1, /v1 and the docs
+KEYLESS = frozenset({"/api/v1/healthz"})  # besides everything outside /api/v1, the inference doors and the docs
 KEYLESS_PREFIXES = ("/api/v1/files/", "/api/v1/traces/")  # signed download links: the signature is the key
 # Heartbeats have a bucket of their own: a busy key's sessions must not lapse, and a flood of
 # them (each a database write) is still held to the key's rate.
@@ -32,7 +33,7 @@ def needs_key(path: str, *, public_docs: bool = False, public_metrics: bool = Fa
         return not public_docs
     if path == METRICS:
         return not public_metrics
-    keyed = path.startswith("/api/v1/") or path == "/v1" or path.startswith("/v1/")
+    keyed = path.startswith("/api/v1/") or is_openai(path)
     return keyed and path not in KEYLESS and not path.startswith(KEYLESS_PREFIXES)
 
 

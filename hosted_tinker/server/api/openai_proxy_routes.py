@@ -1,4 +1,5 @@
-"""``/v1`` routes when vLLM is the engine: our model list, everything else forwarded. HTTP only."""
+"""The OpenAI-compatible routes when vLLM is the engine (at each of ``api.doors.OPENAI``): our model
+list, everything else forwarded. HTTP only."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol import openai_types as oai
 from hosted_tinker.server.protocol import responses as rsp
 
-router = APIRouter(prefix="/v1", responses=rsp.OPENAI_ERRORS)
+router = APIRouter(responses=rsp.OPENAI_ERRORS)
 # Our model names, as with the embedded engine.
 router.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(oai.OpenAIModelList))
 

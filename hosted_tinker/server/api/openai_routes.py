@@ -1,4 +1,4 @@
-"""OpenAI-compatible ``/v1`` routes (the OpenAI SDK, curl). HTTP only."""
+"""OpenAI-compatible routes (the OpenAI SDK, curl), mounted at each of ``api.doors.OPENAI``. HTTP only."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hosted_tinker.server.protocol import openai_types as oai
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter(prefix="/v1", responses=rsp.OPENAI_ERRORS, route_class=OffLoopJson)
+router = APIRouter(responses=rsp.OPENAI_ERRORS, route_class=OffLoopJson)
 # A completion is JSON, or server-sent events with stream=true.
 _OR_STREAM = {200: {"content": rsp.SSE}}
 

@@ -1,7 +1,8 @@
 """OpenAI-compatible completions and chat completions, served by the same sampler as Tinker.
 
 Model names: a served base-model name samples the base model; a ``tinker://…/sampler_weights/…``
-(or ``…/weights/…``) path, or the id of an ephemeral sampling session, samples that adapter;
+(or ``…/weights/…``) path, alone or as the service's ``<base model>;<path>``, or the id of an
+ephemeral sampling session, samples that adapter;
 with vLLM, a training run's model id samples its adapter as of its latest optimizer step.
 Streaming is real: tokens reach the client as the engine produces them.
 """
@@ -117,18 +118,15 @@ class OpenAIService:
         """The weights a ``model`` name stands for, if ``tenant`` may sample them (else a 404)."""
         if name in self.served_names:
             return WeightsRef(None)
+        base, semicolon, checkpoint = name.partition(";")
+        if semicolon:
+            # The service's "<base model>;<checkpoint path>": the checkpoint on that base, with the
+            # context length its name carries. Ours carry none: each base runs at --max-seq-len.
+            if base not in self.served_names:
+                raise model_not_found(base)
+            return self._checkpoint(checkpoint, tenant, base=base)
         if name.startswith("tinker://"):
-            try:
-                path = TinkerPath.parse(name)
-            except CheckpointError:
-                raise model_not_found(name) from None
-            if path.kind == "external_weights" or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
-                raise model_not_found(name)
-            if not self.tenancy.can_read(tenant, path):
-                raise model_not_found(name)
-            if self.tenancy.audit is not None:
-                self.tenancy.audit.read(path, tenant, "sample")
-            return WeightsRef(name, self.sampling.files, path)
+            return self._checkpoint(name, tenant)
         sampler = self.store.get_sampler(name)
         if sampler is not None and self.tenancy.owns(tenant, name) and self.tenancy.may_sample(tenant, sampler):
             return self.sampling.weights_of(sampler)
@@ -141,6 +139,30 @@ class OpenAIService:
         ):
             return WeightsRef(None, live=name)  # the run's adapter as of its latest step
         raise model_not_found(name)
+
+    def _checkpoint(self, name: str, tenant: str, base: str | None = None) -> WeightsRef:
+        """The checkpoint at ``tinker://`` path ``name``, if ``tenant`` may read it (else a 404),
+        trained on a base this server serves (all of its names are one model), or on ``base``."""
+        try:
+            path = TinkerPath.parse(name)
+        except CheckpointError:
+            raise model_not_found(name) from None
+        model = self.store.get_model(path.run_id)
+        if (
+            path.kind == "external_weights"
+            or model is None
+            or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None
+            or not self.tenancy.can_read(tenant, path)
+        ):
+            raise model_not_found(name)
+        if model.base_model not in self.served_names:
+            against = f", not on {base!r}" if base is not None else ""
+            raise bad_request(
+                f"{name} was trained on {model.base_model!r}{against}: this server serves {self.served_names}"
+            )
+        if self.tenancy.audit is not None:
+            self.tenancy.audit.read(path, tenant, "sample")
+        return WeightsRef(name, self.sampling.files, path)
 
     # ---- requests -> specs ------------------------------------------------------------------
 

@@ -302,6 +302,10 @@ class SamplingService:
             model = self.store.get_model(path.run_id)
             if model is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
                 raise not_found(f"model_path: checkpoint {req.model_path} does not exist")
+            if model.base_model not in self.served_names:  # a data directory another model trained in
+                raise bad_request(
+                    f"model_path: {req.model_path} was trained on {model.base_model!r}; served: {self.served_names}"
+                )
             base_model = model.base_model
         self.store.add_sampler(
             sampler_id, session_id=req.session_id, base_model=base_model, model_path=req.model_path, model_id=None
