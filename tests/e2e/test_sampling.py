@@ -6,6 +6,7 @@ import json
 import math
 import threading
 
+import anthropic
 import httpx
 import numpy as np
 import openai
@@ -22,6 +23,7 @@ CHAT = [
     {"role": "assistant", "content": "The capital of France is Paris."},
 ]
 GREEDY = types.SamplingParams(max_tokens=24, temperature=0.0)
+GREEDY_ANTHROPIC = {"extra_body": {"temperature": 0}}
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +242,9 @@ def test_the_services_base_url_and_a_checkpoint_named_on_its_base(trained, base_
     models = [m.id for m in client.models.list().data]
     assert path in models and ALIAS in models
     expected = "The capital of France is Paris."
-    for name in (path, *(f"{base};{path}" for base in models if not base.startswith("tinker://"))):
+    bases = [m.model_name for m in trained["sc"].get_server_capabilities().supported_models]
+    assert len(bases) == 2  # the tiny model's own name and ALIAS: one model, either name
+    for name in (path, *(f"{base};{path}" for base in bases)):
         answer = client.chat.completions.create(model=name, messages=CHAT[:1], temperature=0, max_tokens=24)
         assert (answer.choices[0].message.content, answer.model) == (expected, name)
     streamed = client.completions.create(
@@ -265,3 +269,79 @@ def test_the_services_base_url_and_a_checkpoint_named_on_its_base(trained, base_
     assert reply.status_code == 200 and reply.json()["model"] == body["model"], reply.text
     refused = httpx.post(f"{base_url}/oai/api/v1/completions", json=body | {"max_tokens": -1}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["message"], refused.text  # OpenAI's shape
+
+
+def test_anthropic_sdk_messages_at_both_doors(trained, base_url):
+    """The Anthropic SDK, pointed at ``<host>/anthropic/api`` (the service's base URL) or at the
+    host (``/v1/messages`` beside ``/v1/chat/completions``), drives a checkpoint: messages, system
+    prompt, prefill, stop sequences, max_tokens, streaming events, count_tokens, errors."""
+    tok = trained["tok"]
+    # The SDK (2.x) has no sampling parameters of its own: they go as extra fields, as to the service.
+    path = trained["tc"].save_weights_for_sampler("anthropic").result().path
+    expected = "The capital of France is Paris."
+    for door in ("/anthropic/api", ""):
+        client = anthropic.Anthropic(base_url=f"{base_url}{door}", api_key="tml-test", max_retries=0)
+        msg = client.messages.create(model=path, max_tokens=24, **GREEDY_ANTHROPIC, messages=CHAT[:1])
+        assert (msg.content[0].text, msg.stop_reason, msg.stop_sequence, msg.model) == (
+            expected,
+            "end_turn",
+            None,
+            path,
+        )
+        assert msg.usage.input_tokens == len(trained["prompt"]) and msg.usage.output_tokens > 5
+        assert client.messages.count_tokens(model=path, messages=CHAT[:1]).input_tokens == len(trained["prompt"])
+    system = "Answer briefly."
+    chat = [{"role": "system", "content": system}, CHAT[0]]
+    with_system = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    counted = client.messages.count_tokens(model=ALIAS, system=[{"type": "text", "text": system}], messages=CHAT[:1])
+    assert counted.input_tokens == len(with_system)
+
+    stopped = client.messages.create(
+        model=path, max_tokens=24, **GREEDY_ANTHROPIC, messages=CHAT[:1], stop_sequences=["France", "zebra"]
+    )
+    assert (stopped.content[0].text, stopped.stop_reason, stopped.stop_sequence) == (
+        "The capital of ",
+        "stop_sequence",
+        "France",
+    )
+    short = client.messages.create(model=path, max_tokens=3, **GREEDY_ANTHROPIC, messages=CHAT[:1])
+    assert (
+        short.stop_reason == "max_tokens"
+        and short.usage.output_tokens == 3
+        and expected.startswith(short.content[0].text)
+    )
+    prefilled = client.messages.create(
+        model=path,
+        max_tokens=24,
+        **GREEDY_ANTHROPIC,
+        messages=[CHAT[0], {"role": "assistant", "content": "The capital"}],
+    )
+    assert "Paris" in prefilled.content[0].text and prefilled.usage.input_tokens > len(trained["prompt"])
+
+    with client.messages.stream(model=path, max_tokens=24, **GREEDY_ANTHROPIC, messages=CHAT[:1]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert (final.content[0].text, final.stop_reason, final.usage.output_tokens) == (
+        expected,
+        "end_turn",
+        msg.usage.output_tokens,
+    )
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert sum(kind == "text" for kind in kinds) > 3  # deltas as they were sampled, not one at the end
+
+    with pytest.raises(anthropic.NotFoundError, match="no-such-model"):
+        client.messages.create(model="no-such-model", max_tokens=4, messages=CHAT[:1])
+    with pytest.raises(anthropic.BadRequestError, match="temperature"):
+        client.messages.create(model=path, max_tokens=4, messages=CHAT[:1], extra_body={"temperature": 1.5})
+    with pytest.raises(anthropic.BadRequestError, match="tool use is not served"):
+        tool = {"name": "weather", "description": "the weather", "input_schema": {"type": "object"}}
+        client.messages.create(model=path, max_tokens=4, messages=CHAT[:1], tools=[tool])
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.content\[1\]: a image block"):
+        client.messages.create(
+            model=path, max_tokens=4, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]
+        )

@@ -1,4 +1,4 @@
-"""The test extra's optional modules (openai, schemathesis, cryptography, ...): an end-to-end module
+"""The test extra's optional modules (openai, anthropic, schemathesis, cryptography, ...): an end-to-end module
 that needs one is left out of the collection without it (saying so), so that collecting the suite
 never stops at an import; under ``HOSTED_TINKER_REQUIRE_TEST_EXTRAS=1`` (CI) it is collected
 whatever is missing, and fails."""
@@ -14,10 +14,8 @@ INSTALL = "bash scripts/install.sh --test, or pip install -e '.[test]'"
 NEEDS = {
     "test_fuzz.py": ("schemathesis", "hypothesis"),
     "test_encrypted_exports.py": ("cryptography",),
-    **{
-        f"test_{name}.py": ("openai",)
-        for name in ("sampling", "fair_sampling", "usage", "audit_log", "tenants", "backpressure", "vllm")
-    },
+    **{f"test_{name}.py": ("openai",) for name in ("fair_sampling", "usage", "audit_log", "tenants", "backpressure")},
+    **{f"test_{name}.py": ("openai", "anthropic") for name in ("sampling", "vllm")},
 }
 
 

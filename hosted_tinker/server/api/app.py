@@ -10,11 +10,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
-from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
 from hosted_tinker.core.config import ServerConfig
-from hosted_tinker.server.api import doors, openai_proxy_routes, openai_routes, ops_routes, rest_routes, tinker_routes
+from hosted_tinker.server.api import (
+    anthropic_routes,
+    doors,
+    openai_proxy_routes,
+    openai_routes,
+    ops_routes,
+    rest_routes,
+    tinker_routes,
+)
 from hosted_tinker.server.api.auth import authenticate
 from hosted_tinker.server.api.body_limit import BodyLimit
 from hosted_tinker.server.api.errors import install_error_handlers
@@ -62,18 +69,19 @@ def create_app(state: ServerState) -> FastAPI:
     keyed = [Depends(authenticate)]  # every route but health checks and signed downloads needs a key
     openai = openai_routes.router if state.vllm is None else openai_proxy_routes.router
     routers = [(tinker_routes.router, keyed), (rest_routes.router, keyed)]
+    # The same routes at each of their doors; /openapi.json describes them once, at the first.
+    # Anthropic's first: /v1/messages is theirs, not the vLLM proxy's catch-all under /v1.
+    for door, prefixes in ((anthropic_routes.router, doors.ANTHROPIC), (openai, doors.OPENAI)):
+        routers += [(door(prefix, in_schema=i == 0), keyed) for i, prefix in enumerate(prefixes)]
     routers += [(rest_routes.downloads, []), (ops_routes.router, [])]
     for router, dependencies in routers:
         app.include_router(router, dependencies=dependencies)
-    # The same OpenAI routes at each door; /openapi.json describes them once, at the first.
-    for i, prefix in enumerate(doors.OPENAI):
-        app.include_router(openai, prefix=prefix, dependencies=keyed, include_in_schema=i == 0)
     # The web console: its own sign-in (a cookie that stands for a key), its assets in the package.
     app.include_router(console.router)
     app.mount(f"{console.PATH}/static", StaticFiles(directory=console.STATIC), name="console-static")
     app.add_exception_handler(console.NotSignedIn, console.not_signed_in)
     # What each route declares (errors.route_mark), for the middleware that runs before routing.
-    app.state.declared_routes = [route for route in app.routes if isinstance(route, APIRoute)]
+    app.state.declared_routes = [route for router, _ in routers for route in router.routes]
     app.add_middleware(
         BodyLimit,
         max_bytes=state.config.max_body_bytes,

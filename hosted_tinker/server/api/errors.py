@@ -1,7 +1,7 @@
 """Error responses, in the shape of the route's family: Tinker's ``{"detail": ...}`` under
-``/api/v1``, OpenAI's ``{"error": {...}}`` under its doors (``api.doors``: ``/v1``, ``/oai/api/v1``),
-which its SDK turns into typed exceptions. Every 4xx has a body that names what was wrong;
-nothing a user sends is a 500.
+``/api/v1``, OpenAI's ``{"error": {...}}`` and Anthropic's ``{"type": "error", "error": {...}}``
+under their doors (``api.doors``), which their SDKs turn into typed exceptions. Every 4xx has a
+body that names what was wrong; nothing a user sends is a 500.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from starlette.routing import Match
 
 from hosted_tinker.core.errors import ApiError, ServerError, bad_request
 from hosted_tinker.server.api.auth import presented_key
-from hosted_tinker.server.api.doors import is_openai
+from hosted_tinker.server.api.doors import is_anthropic, is_openai
 from hosted_tinker.server.api.state import server_state
+from hosted_tinker.server.protocol.anthropic_types import error_type
 from hosted_tinker.server.protocol.ordering import is_text, order_of
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,14 @@ def install_error_handlers(app: FastAPI) -> None:
             errors.append({"loc": ["body"], "msg": more, "type": "more_errors"})
         if (busy := _consume_refused_seq(request, exc.body, errors)) is not None:
             return error_response(request.url.path, busy.status, busy.detail, headers=busy.headers)
-        if is_openai(request.url.path):
+        path = request.url.path
+        if is_openai(path) or is_anthropic(path):  # their SDKs know a 400 naming the field, not a 422
             first = errors[0]
             if first["type"] == "json_invalid":  # its location is a character offset, not a field
-                return openai_error(400, f"body is not valid JSON: {first['msg']}")
+                return error_response(path, 400, f"body is not valid JSON: {first['msg']}")
             param = ".".join(str(p) for p in first["loc"][1:]) or "body"
+            if is_anthropic(path):
+                return anthropic_error(400, f"{param}: {first['msg']}")
             return openai_error(400, f"{param}: {first['msg']}", param=param)
         return JSONResponse({"detail": errors}, status_code=422)
 
@@ -69,7 +73,15 @@ def error_response(
     """``detail`` as an error of ``status``, shaped for the family of the route at ``path``."""
     if is_openai(path):
         return openai_error(status, detail, code=code, headers=headers)
+    if is_anthropic(path):
+        return anthropic_error(status, detail, headers=headers)
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def anthropic_error(status: int, message: str, *, headers: dict[str, str] | None = None) -> JSONResponse:
+    """Anthropic's error shape (its SDKs raise by status, and show ``error.message``)."""
+    body = {"type": "error", "error": {"type": error_type(status), "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def openai_error(

@@ -11,7 +11,7 @@ from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hosted_tinker.server.api.auth import CHALLENGE, presented_key, refusal
-from hosted_tinker.server.api.doors import is_openai
+from hosted_tinker.server.api.doors import is_inference
 from hosted_tinker.server.api.errors import error_response
 from hosted_tinker.server.keys import KeyRing
 from hosted_tinker.server.quotas import Quotas
@@ -33,7 +33,7 @@ def needs_key(path: str, *, public_docs: bool = False, public_metrics: bool = Fa
         return not public_docs
     if path == METRICS:
         return not public_metrics
-    keyed = path.startswith("/api/v1/") or is_openai(path)
+    keyed = path.startswith("/api/v1/") or is_inference(path)
     return keyed and path not in KEYLESS and not path.startswith(KEYLESS_PREFIXES)
 
 

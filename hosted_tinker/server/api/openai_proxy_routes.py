@@ -1,5 +1,5 @@
-"""The OpenAI-compatible routes when vLLM is the engine (at each of ``api.doors.OPENAI``): our model
-list, everything else forwarded. HTTP only."""
+"""The OpenAI-compatible routes when vLLM is the engine, a router of them per door
+(``api.doors.OPENAI``): our model list, everything else forwarded. HTTP only."""
 
 from __future__ import annotations
 
@@ -13,21 +13,27 @@ from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol import openai_types as oai
 from hosted_tinker.server.protocol import responses as rsp
 
-router = APIRouter(responses=rsp.OPENAI_ERRORS)
-# Our model names, as with the embedded engine.
-router.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(oai.OpenAIModelList))
+# vLLM's answer, passed through as it sent it: JSON or server-sent events.
+_PASSED_THROUGH = {200: {"content": {"application/json": {"schema": {"type": "object"}}, **rsp.SSE}}}
 
 
-@router.api_route(
-    "/{path:path}",
-    methods=["GET", "POST"],
-    response_model=None,
-    # vLLM's answer, passed through as it sent it: JSON or server-sent events.
-    responses={200: {"content": {"application/json": {"schema": {"type": "object"}}, **rsp.SSE}}},
-    **large_body("prompt"),
-)
 async def forward(path: str, request: Request) -> Response:
     """Completions, chat completions, and vLLM's other OpenAI-style routes."""
     proxy = server_state(request).openai_proxy
     body = await request.body()
     return await proxy.forward(request.method, path, request.url.query, body, dict(request.headers), tenant_of(request))
+
+
+def router(prefix: str, *, in_schema: bool = True) -> APIRouter:
+    """The routes at ``prefix``; our model names, as with the embedded engine."""
+    door = APIRouter(prefix=prefix, responses=rsp.OPENAI_ERRORS, include_in_schema=in_schema)
+    door.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(oai.OpenAIModelList))
+    door.add_api_route(
+        "/{path:path}",
+        forward,
+        methods=["GET", "POST"],
+        response_model=None,
+        responses=_PASSED_THROUGH,
+        **large_body("prompt"),
+    )
+    return door

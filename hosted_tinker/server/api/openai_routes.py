@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes (the OpenAI SDK, curl), mounted at each of ``api.doors.OPENAI``. HTTP only."""
+"""OpenAI-compatible routes (the OpenAI SDK, curl), a router of them per door (``api.doors.OPENAI``).
+HTTP only."""
 
 from __future__ import annotations
 
@@ -15,17 +16,14 @@ from hosted_tinker.server.protocol import openai_types as oai
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter(responses=rsp.OPENAI_ERRORS, route_class=OffLoopJson)
 # A completion is JSON, or server-sent events with stream=true.
 _OR_STREAM = {200: {"content": rsp.SSE}}
 
 
-@router.get("/models", **rsp.as_built(oai.OpenAIModelList))
 async def list_models(request: Request) -> dict:
     return server_state(request).openai.list_models(tenant_of(request))
 
 
-@router.post("/completions", **rsp.as_built(oai.Completion), responses=_OR_STREAM, **large_body("prompt"))
 async def completions(req: CompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:
@@ -33,9 +31,19 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     return await service.respond(req, tenant_of(request))
 
 
-@router.post("/chat/completions", **rsp.as_built(oai.ChatCompletion), responses=_OR_STREAM, **large_body("prompt"))
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     service = server_state(request).openai
     if req.stream:
         return StreamingResponse(await service.stream(req, tenant_of(request)), media_type="text/event-stream")
     return await service.respond(req, tenant_of(request))
+
+
+def router(prefix: str, *, in_schema: bool = True) -> APIRouter:
+    """The routes at ``prefix`` (made per door, not included under one: a route keeps its whole
+    path, which the request log, the metrics and ``errors.route_mark`` read)."""
+    door = APIRouter(prefix=prefix, responses=rsp.OPENAI_ERRORS, route_class=OffLoopJson, include_in_schema=in_schema)
+    door.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(oai.OpenAIModelList))
+    completion = {"methods": ["POST"], "responses": _OR_STREAM, **large_body("prompt")}
+    door.add_api_route("/completions", completions, **completion, **rsp.as_built(oai.Completion))
+    door.add_api_route("/chat/completions", chat_completions, **completion, **rsp.as_built(oai.ChatCompletion))
+    return door

@@ -31,6 +31,7 @@ from hosted_tinker.server.scheduler import QueueLimits, Scheduler
 from hosted_tinker.server.schema import DATABASE, DatabaseDamaged
 from hosted_tinker.server.schema import check as check_database
 from hosted_tinker.server.sequences import SequenceRecords
+from hosted_tinker.server.serving.anthropic import AnthropicService
 from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
@@ -79,6 +80,7 @@ class ServerState:
     futures: FuturesService
     sampling: SamplingService
     openai: OpenAIService
+    anthropic: AnthropicService
     quotas: Quotas
     body_bytes: BodyBytes
     run_metrics: RunMetrics
@@ -236,6 +238,7 @@ def build_state(config: ServerConfig) -> ServerState:
         futures=FuturesService(store, scheduler, config.poll_timeout_s),
         sampling=sampling,
         openai=openai,
+        anthropic=AnthropicService(openai),
         quotas=quotas,
         body_bytes=BodyBytes(config.max_inflight_body_bytes, quotas.body_bytes),
         run_metrics=run_metrics,

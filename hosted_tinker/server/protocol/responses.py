@@ -60,9 +60,9 @@ class OpenAIErrorResponse(Response):
     error: OpenAIErrorBody
 
 
-_ERROR_STATUSES = (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)
-TINKER_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in _ERROR_STATUSES}
-OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": OpenAIErrorResponse} for s in _ERROR_STATUSES}
+ERROR_STATUSES = (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)
+TINKER_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in ERROR_STATUSES}
+OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": OpenAIErrorResponse} for s in ERROR_STATUSES}
 
 
 # ---- configuration, sessions, telemetry -----------------------------------------------------

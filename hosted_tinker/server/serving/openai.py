@@ -10,11 +10,12 @@ Streaming is real: tokens reach the client as the engine produces them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from hosted_tinker.server.serving.usage import Charge
 from hosted_tinker.server.store import Store
 
 T = TypeVar("T")
+# A request made ready to sample, on the tokenizer's thread: its prompt tokens and spec (or a 4xx).
+Prepare = Callable[[], Awaitable[tuple[list[int], SampleSpec]]]
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 # Text longer than this many characters per token of context is refused before it is tokenized
@@ -56,7 +59,7 @@ def _alternatives(seq: SampledSequence, i: int) -> tuple[list[int], list[float]]
 
 
 @dataclass
-class _Row:
+class StreamedRow:
     """One streamed choice: its tokens so far and how much text has been sent."""
 
     tokens: list[int] = field(default_factory=list)
@@ -178,15 +181,21 @@ class OpenAIService:
             temperature=req.temperature,
             top_p=req.top_p,
         )
-        return self.sampling.spec(
+        spec = self.sampling.spec(
             prompt, params, num_samples=req.n, topk_sample_logprobs=topk, cost_field="n * (prompt tokens + max_tokens)"
         )
+        return self.ends_turn(spec)
+
+    def ends_turn(self, spec: SampleSpec) -> SampleSpec:
+        """``spec``, stopping at the model's end of turn too: an OpenAI ``stop`` or an Anthropic
+        ``stop_sequences`` adds stops (where a Tinker ``stop`` replaces the end-of-sequence one)."""
+        return dataclasses.replace(spec, stop_token_ids=spec.stop_token_ids | self.sampling.eos_token_ids)
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         if req.echo:
             raise bad_request("echo is not supported")
         if isinstance(req.prompt, str):
-            self._check_length(len(req.prompt), "prompt")
+            self.check_length(len(req.prompt), "prompt")
             return self.tokenizer.encode(req.prompt, add_special_tokens=False)
         return list(req.prompt)
 
@@ -199,7 +208,7 @@ class OpenAIService:
                     raise bad_request(f"messages[{i}].content: only text parts, each with a string text, are supported")
                 content = "".join(part["text"] for part in content)
             messages.append({"role": m.role, "content": content})
-        self._check_length(sum(len(m["content"]) for m in messages), "messages")
+        self.check_length(sum(len(m["content"]) for m in messages), "messages")
         try:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -207,7 +216,7 @@ class OpenAIService:
         except TemplateError as e:  # the template's own raise_exception: what it wants of the messages
             raise bad_request(f"messages: the model's chat template refused them: {e}") from None
 
-    def _check_length(self, chars: int, field: str) -> None:
+    def check_length(self, chars: int, field: str) -> None:
         context = self.sampling.backend.capabilities.max_seq_len
         if chars > MAX_CHARS_PER_TOKEN * context:
             raise bad_request(
@@ -217,19 +226,41 @@ class OpenAIService:
 
     # ---- text -------------------------------------------------------------------------------
 
-    def _text(self, tokens: list[int], spec: SampleSpec) -> tuple[str, bool]:
-        """Visible text of ``tokens``: without a final stop token, cut before a stop string."""
+    def visible_text(self, tokens: list[int], spec: SampleSpec) -> tuple[str, str | None]:
+        """Visible text of ``tokens``: without a final stop token, cut before the first stop
+        string in it, which is returned too (None when no stop string cut it)."""
         if tokens and tokens[-1] in spec.stop_token_ids:
             tokens = tokens[:-1]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        cuts = [text.find(s) for s in spec.stop_strings if s in text]
-        return (text[: min(cuts)], True) if cuts else (text, False)
+        cuts = [(text.find(s), s) for s in spec.stop_strings if s in text]
+        if not cuts:
+            return text, None
+        at, stop = min(cuts)
+        return text[:at], stop
 
     def _token_str(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
+    def delta(self, row: StreamedRow, token: int, spec: SampleSpec) -> str:
+        """The text ``token`` adds to a streamed ``row`` that may be sent now: none past a stop
+        string, none that may still turn out to begin one, no half of a multi-byte character."""
+        row.tokens.append(token)
+        if row.stopped_at is not None:
+            return ""
+        text, stop = self.visible_text(row.tokens, spec)
+        hold = max((len(s) for s in spec.stop_strings), default=1) - 1  # text that may begin a stop string
+        safe = text if stop is not None else text[: len(text) - hold] if hold else text
+        if safe.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return ""
+        if stop is not None:
+            row.stopped_at = len(text)
+        if len(safe) <= len(row.sent):
+            return ""
+        new, row.sent = safe[len(row.sent) :], safe
+        return new
+
     @staticmethod
-    def _usage(prompt: list[int], output: SampleOutput | list[_Row]) -> dict:
+    def _usage(prompt: list[int], output: SampleOutput | list[StreamedRow]) -> dict:
         rows = output.sequences if isinstance(output, SampleOutput) else output
         completion = sum(len(r.tokens) for r in rows)
         return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
@@ -270,7 +301,7 @@ class OpenAIService:
             ]
         return {"tokens": tokens, "token_logprobs": seq.logprobs, "top_logprobs": top, "text_offset": offsets}
 
-    async def _on_tokenizer_thread(self, fn: Callable[..., T], *args: object) -> T:
+    async def on_tokenizer_thread(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, functools.partial(fn, *args))
 
     async def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SampleSpec]:
@@ -279,10 +310,10 @@ class OpenAIService:
         with it every other request. Called with the request's slot held, so that what waits
         for that thread is bounded by the queue bounds."""
         if isinstance(req, ChatCompletionRequest):
-            prompt = await self._on_tokenizer_thread(self._chat_prompt, req)
+            prompt = await self.on_tokenizer_thread(self._chat_prompt, req)
             topk = (req.top_logprobs or 0) if req.logprobs else 0
             return prompt, self._spec(req, prompt, req.max_completion_tokens or req.max_tokens, topk)
-        prompt = await self._on_tokenizer_thread(self._completion_prompt, req)
+        prompt = await self.on_tokenizer_thread(self._completion_prompt, req)
         max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
         return prompt, self._spec(req, prompt, max_tokens, req.logprobs or 0)
 
@@ -290,13 +321,20 @@ class OpenAIService:
 
     async def respond(self, req: CompletionRequest | ChatCompletionRequest, tenant: str) -> dict:
         """A whole completion or chat completion: every choice, its text, logprobs and usage."""
-        weights = self.resolve(req.model, tenant)
-        with self.slot(req.model, tenant), ExitStack() as reserved:
-            prompt, spec = await self._prepare(req)
+        prompt, spec, output = await self.complete(req.model, tenant, lambda: self._prepare(req))
+        # The texts and logprobs of many long choices: a tokenizer.decode per token and per alternative.
+        return await self.on_tokenizer_thread(self._answer, req, prompt, spec, output)
+
+    async def complete(self, model: str, tenant: str, prepare: Prepare) -> tuple[list[int], SampleSpec, SampleOutput]:
+        """Sample what ``prepare`` makes of a request (its prompt and spec, a 4xx if it is not
+        valid) on the weights ``model`` names, under a slot (429 when none is free) and the
+        key's sampling budget, charged to ``tenant``. Every door's non-streamed answers run here."""
+        weights = self.resolve(model, tenant)
+        with self.slot(model, tenant), ExitStack() as reserved:
+            prompt, spec = await prepare()
             reserved.callback(self.sampling.reserve(tenant, spec))
             output = await self.sampling.run(weights, spec, charge=self.charge(tenant))
-        # The texts and logprobs of many long choices: a tokenizer.decode per token and per alternative.
-        return await self._on_tokenizer_thread(self._answer, req, prompt, spec, output)
+        return prompt, spec, output
 
     def _answer(
         self, req: CompletionRequest | ChatCompletionRequest, prompt: list[int], spec: SampleSpec, output: SampleOutput
@@ -304,7 +342,7 @@ class OpenAIService:
         chat = isinstance(req, ChatCompletionRequest)
         choices = []
         for i, seq in enumerate(output.sequences):
-            text, _ = self._text(seq.tokens, spec)
+            text, _ = self.visible_text(seq.tokens, spec)
             choice = {"index": i, "finish_reason": self._finish_reason(seq)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -330,11 +368,21 @@ class OpenAIService:
         Validation happens before the first chunk, so a bad request is still a plain 4xx.
         """
         chat = isinstance(req, ChatCompletionRequest)
-        weights = self.resolve(req.model, tenant)
-        held = ExitStack()  # the slot is held while the engine works, whether or not the client reads
-        held.enter_context(self.slot(req.model, tenant))
+        prompt, spec, events, task = await self.start(req.model, tenant, lambda: self._prepare(req))
+        return self._sse(req, chat, prompt, spec, events, task)
+
+    async def start(
+        self, model: str, tenant: str, prepare: Prepare
+    ) -> tuple[list[int], SampleSpec, asyncio.Queue, asyncio.Future]:
+        """What ``complete`` does, streamed: once the request is valid (a bad one is still a plain
+        4xx), the sampling runs in a task; each token comes on the queue as ``(sample, token,
+        logprob)`` as the engine has it, then ``None`` when the task is done, whose result is the
+        whole output. The slot is held while the engine works, whether or not the client reads."""
+        weights = self.resolve(model, tenant)
+        held = ExitStack()
+        held.enter_context(self.slot(model, tenant))
         try:
-            prompt, spec = await self._prepare(req)
+            prompt, spec = await prepare()
             held.callback(self.sampling.reserve(tenant, spec))
         except BaseException:
             held.close()
@@ -352,14 +400,13 @@ class OpenAIService:
             events.put_nowait(None)
 
         task.add_done_callback(finished)
-        return self._sse(req, chat, prompt, spec, events, task)
+        return prompt, spec, events, task
 
     async def _sse(
         self, req, chat: bool, prompt: list[int], spec: SampleSpec, events: asyncio.Queue, task: asyncio.Future
     ) -> AsyncIterator[str]:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-        created, rows = int(time.time()), [_Row() for _ in range(spec.num_samples)]
-        hold = max((len(s) for s in spec.stop_strings), default=1) - 1  # text that may begin a stop string
+        created, rows = int(time.time()), [StreamedRow() for _ in range(spec.num_samples)]
 
         def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
             if chat:
@@ -388,19 +435,8 @@ class OpenAIService:
                 yield chunk(i, None, None, first=True)
         while (event := await events.get()) is not None:
             s, token, _ = event
-            row = rows[s]
-            row.tokens.append(token)
-            if row.stopped_at is not None:
-                continue
-            text, cut = self._text(row.tokens, spec)
-            safe = text if cut else text[: len(text) - hold] if hold else text
-            if safe.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-                continue
-            if cut:
-                row.stopped_at = len(text)
-            if len(safe) > len(row.sent):
-                yield chunk(s, safe[len(row.sent) :], None)
-                row.sent = safe
+            if text := self.delta(rows[s], token, spec):
+                yield chunk(s, text, None)
         try:
             output: SampleOutput = task.result()
         except ApiError as e:
@@ -410,7 +446,7 @@ class OpenAIService:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
             return
         for i, (row, seq) in enumerate(zip(rows, output.sequences, strict=True)):
-            text, _ = self._text(seq.tokens, spec)
+            text, _ = self.visible_text(seq.tokens, spec)
             rest = text[len(row.sent) :]
             yield chunk(i, rest or None, self._finish_reason(seq))
         options = req.stream_options
