@@ -202,6 +202,8 @@ def test_ordered_routes_are_declared(env):
         ("/api/v1/asample", "post"),
         ("/v1/completions", "post"),
         ("/v1/chat/completions", "post"),
+        ("/anthropic/api/v1/messages", "post"),
+        ("/anthropic/api/v1/messages/count_tokens", "post"),
     }
 
 

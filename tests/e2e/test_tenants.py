@@ -11,6 +11,7 @@ import socket
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -48,6 +49,9 @@ def test_requests_without_a_valid_key_get_401_with_a_body(keyed):
             for door in ("/v1", "/oai/api/v1"):
                 r = c.post(f"{door}/completions", json={"model": ALIAS, "prompt": "hi", "max_tokens": 1})
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            for door in ("/v1", "/anthropic/api/v1"):  # Anthropic's shape, with its type for a 401
+                r = c.post(f"{door}/messages", json={"model": ALIAS, "max_tokens": 1, "messages": []})
+                assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
     with http(srv, None) as c:  # health stays open for `curl /healthz`
         health = c.get("/healthz").json()
         assert health["status"] == "ok" and health["auth"] == {"mode": "api-keys"}
@@ -250,6 +254,16 @@ def probes(a: dict, b_session: str) -> list[tuple[str, str, dict]]:
             "/v1/chat/completions",
             {"json": {"model": a["sampler_path"], "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}},
         ),
+        (
+            post,
+            "/anthropic/api/v1/messages",
+            {"json": {"model": a["sampler_path"], "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}},
+        ),
+        (
+            post,
+            "/v1/messages/count_tokens",
+            {"json": {"model": a["ephemeral_id"], "messages": [{"role": "user", "content": "hi"}]}},
+        ),
         # Destructive ones last: A's control run of them would change A's objects.
         ("DELETE", f"/api/v1/training_runs/{run}/checkpoints/{ckpt}", {}),
         (post, "/api/v1/unload_model", {"json": {"model_id": m}}),
@@ -399,3 +413,19 @@ def test_open_server_on_a_public_address_warns(tmp_path: Path, tiny_model_dir: P
     finally:
         srv.stop()
     assert "no API key configured" in srv.log_path.read_text()
+
+
+def test_the_anthropic_sdk_sends_its_key_as_x_api_key_and_sees_only_its_own(keyed, alice):
+    srv, key_a, key_b = keyed
+    hi = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+    def client(key: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=f"{srv.base_url}/anthropic/api", api_key=key, max_retries=0)
+
+    assert client(key_a).messages.create(model=alice["sampler_path"], **hi).usage.output_tokens >= 1
+    with pytest.raises(anthropic.NotFoundError):
+        client(key_b).messages.create(model=alice["sampler_path"], **hi)
+    with pytest.raises(anthropic.NotFoundError):
+        client(key_b).messages.count_tokens(model=f"{ALIAS};{alice['sampler_path']}", messages=hi["messages"])
+    with pytest.raises(anthropic.AuthenticationError):
+        client("tml-not-a-key").messages.create(model=ALIAS, **hi)
