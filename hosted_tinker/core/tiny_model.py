@@ -24,8 +24,21 @@ SPECIAL_TOKENS = [
     "</tool_call>",
 ]
 
+# ChatML; given tools, Hermes-style tool calls as Qwen's templates write them: the tools listed in a
+# system turn (with the chat's own system prompt), a call as <tool_call>{"name", "arguments"}</tool_call>,
+# a result as a user turn's <tool_response>. Without tools it is plain ChatML.
 CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'To call one, answer <tool_call>\n{"name": <name>, "arguments": <arguments>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for call in m['tool_calls'] or [] %}<tool_call>\n"
+    '{"name": {{ call["function"]["name"] | tojson }}, "arguments": {{ call["function"]["arguments"] | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

@@ -337,11 +337,66 @@ def test_anthropic_sdk_messages_at_both_doors(trained, base_url):
         client.messages.create(model="no-such-model", max_tokens=4, messages=CHAT[:1])
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
         client.messages.create(model=path, max_tokens=4, messages=CHAT[:1], extra_body={"temperature": 1.5})
-    with pytest.raises(anthropic.BadRequestError, match="tool use is not served"):
-        tool = {"name": "weather", "description": "the weather", "input_schema": {"type": "object"}}
-        client.messages.create(model=path, max_tokens=4, messages=CHAT[:1], tools=[tool])
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice: 'any' would force a call"):
+        client.messages.create(
+            model=path, max_tokens=4, messages=CHAT[:1], tools=[WEATHER], tool_choice={"type": "any"}
+        )
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
     with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.content\[1\]: a image block"):
         client.messages.create(
             model=path, max_tokens=4, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]
         )
+
+
+WEATHER = {"name": "weather", "description": "Today's weather in a city", "input_schema": {"type": "object"}}
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_anthropic_sdk_tool_use_round_trip(base_url):
+    """An adapter trained to call a tool (the tiny model's template writes calls as Qwen's do):
+    the Anthropic SDK gets the call as a tool_use block, streamed or not, and its result goes back."""
+    sc = tinker.ServiceClient(base_url=base_url)
+    tc = sc.create_lora_training_client(base_model=ALIAS, rank=8, seed=0).result()
+    tok = tc.get_tokenizer()
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "weather", "description": WEATHER["description"], "parameters": {"type": "object"}},
+        }
+    ]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = tok.encode(tok.apply_chat_template(ask, tools=tools, tokenize=False, add_generation_prompt=True))
+    full = prompt + tok.encode(CALL + "<|im_end|>")
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": full[1:],
+            "weights": [0.0] * (len(prompt) - 1) + [1.0] * (len(full) - len(prompt)),
+        },
+    )
+    for _ in range(30):
+        tc.forward_backward([datum] * 4, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-3))
+    path = tc.save_weights_for_sampler("tools").result().path
+    client = anthropic.Anthropic(base_url=f"{base_url}/anthropic/api", api_key="tml-test", max_retries=0)
+    asked = {"model": path, "max_tokens": 96, "tools": [WEATHER], "messages": ask, **GREEDY_ANTHROPIC}
+
+    msg = client.messages.create(**asked)
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"], msg
+    [use] = msg.content
+    assert (use.name, use.input) == ("weather", {"city": "Paris"}) and use.id.startswith("toolu_")
+    with client.messages.stream(**asked) as stream:
+        kinds = [(event.type, getattr(getattr(event, "content_block", None), "type", None)) for event in stream]
+        final = stream.get_final_message()
+    assert ("content_block_start", "tool_use") in kinds and final.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in final.content] == [("weather", {"city": "Paris"})]
+    # Without the tools the same adapter's call is only text.
+    plain = client.messages.create(**{k: v for k, v in asked.items() if k != "tools"})
+    assert plain.stop_reason != "tool_use" and all(b.type == "text" for b in plain.content)
+
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}
+    turns = ask + [{"role": "assistant", "content": msg.content}, {"role": "user", "content": [result]}]
+    counted = client.messages.count_tokens(model=path, tools=[WEATHER], messages=turns).input_tokens
+    again = client.messages.create(**asked | {"messages": turns})
+    assert again.usage.input_tokens == counted > len(prompt) and again.content
+    sc.close("success").result()

@@ -25,8 +25,7 @@ class _Prompt(StrictRequest):
     model: str
     messages: ListOf[MessageParam] = Field(min_length=1)
     system: Content | None = None
-    # Tools are refused with a 400 that says so (serving.anthropic): declared here so that they
-    # are, rather than named as unknown fields.
+    # Checked by the service, which names what it cannot take (a server tool, a forced choice).
     tools: ListOf[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -54,6 +53,13 @@ class TextContent(Response):
     text: str
 
 
+class ToolUseContent(Response):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class Usage(Response):
     input_tokens: int
     output_tokens: int
@@ -64,8 +70,8 @@ class Message(Response):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextContent]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None
+    content: list[TextContent | ToolUseContent]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None = None
     usage: Usage
 

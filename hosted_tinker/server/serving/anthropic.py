@@ -8,17 +8,22 @@ Streaming sends Anthropic's events as tokens are sampled: ``message_start``, one
 ``content_block_start`` / ``_delta``s / ``_stop``, ``message_delta`` with the stop reason and
 usage, ``message_stop``.
 
-What is not served is refused by name, never dropped: tool definitions and ``tool_use`` /
-``tool_result`` blocks, extended ``thinking``, image and document blocks. ``cache_control`` on a
-block is accepted (a caching hint: it changes no answer; nothing is cached between requests).
+Tools, where the model's chat template takes them (``serving.tool_calls``): the definitions go to
+the template, ``tool_use`` / ``tool_result`` blocks become its tool calls and tool turns, and
+calls the model writes come back as ``tool_use`` blocks (``stop_reason`` ``tool_use``). What is
+not served is refused by name, never dropped: a ``tool_choice`` that forces a call (no constrained
+decoding here), server tools, extended ``thinking``, image and document blocks. ``cache_control``
+is accepted (a caching hint: it changes no answer; nothing is cached between requests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
@@ -28,85 +33,172 @@ from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpe
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.anthropic_types import CountTokensRequest, MessagesRequest, error_type
 from hosted_tinker.server.serving.openai import OpenAIService, StreamedRow
+from hosted_tinker.server.serving.tool_calls import OPEN, ToolCall, ToolForm, parse, tool_form
 
 TEXT_FIELDS = {"type", "text", "cache_control", "citations"}
+TOOL_USE_FIELDS = {"type", "id", "name", "input", "cache_control"}
+TOOL_RESULT_FIELDS = {"type", "tool_use_id", "content", "is_error", "cache_control"}
+TOOL_FIELDS = {"name", "description", "input_schema", "cache_control", "type"}
 NOT_SERVED = {
-    "tool_use": "tool use is not served here yet",
-    "tool_result": "tool use is not served here yet",
-    "server_tool_use": "tool use is not served here yet",
     "image": "images are not read through the Messages API here (the Tinker SDK samples them on vision models)",
     "document": "documents are not read here",
     "thinking": "extended thinking is not served here",
     "redacted_thinking": "extended thinking is not served here",
+    "server_tool_use": "server tools are not served here",
 }
 
 
+@dataclass
+class Chat:
+    """A request as the model's chat template takes it."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # the template's (OpenAI-style) function list
+    prefill: str = ""  # a final assistant turn's text, which the answer continues
+
+    def characters(self) -> int:
+        """What the prompt's text holds, before it is tokenized (``OpenAIService.check_length``)."""
+        text = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in self.messages)
+        return text + len(self.prefill) + (len(json.dumps(self.tools)) if self.tools else 0)
+
+
+def _block(block: dict[str, Any], where: str, allowed: set[str], **kinds: type | tuple[type, ...]) -> None:
+    if not set(block) <= allowed:
+        raise bad_request(f"{where}: a {block['type']} block has no field {sorted(set(block) - allowed)[0]!r}")
+    for name, kind in kinds.items():
+        if not isinstance(block.get(name), kind):
+            raise bad_request(f"{where}.{name}: missing, or not of the type a {block['type']} block has")
+
+
 def _text(content: str | list[dict[str, Any]], where: str) -> str:
-    """The text of a message's (or the system prompt's) content: a string, or text blocks."""
+    """The text of the system prompt or a tool result: a string, or text blocks."""
     if isinstance(content, str):
         return content
     parts = []
     for j, block in enumerate(content):
-        kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str) and set(block) <= TEXT_FIELDS:
-            parts.append(block["text"])
-        elif kind in NOT_SERVED:
-            raise bad_request(f"{where}[{j}]: a {kind} block: {NOT_SERVED[kind]}")
-        elif kind == "text":
-            raise bad_request(f"{where}[{j}]: a text block has a string text and no fields but {sorted(TEXT_FIELDS)}")
-        else:
-            raise bad_request(f"{where}[{j}]: {str(kind)[:40]!r} is not a content block type this server reads")
+        if block.get("type") != "text":
+            raise bad_request(f"{where}[{j}]: only text blocks are read here, not {str(block.get('type'))[:40]!r}")
+        _block(block, f"{where}[{j}]", TEXT_FIELDS, text=str)
+        parts.append(block["text"])
     return "".join(parts)
 
 
-def chat(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, str]], str]:
-    """The chat-template messages of a request, and the final assistant turn's text it prefills."""
-    if req.tools:
-        raise bad_request("tools: tool use is not served here yet (the chat templates' tool calls are not parsed)")
-    if req.tool_choice is not None and req.tool_choice.get("type") not in ("auto", "none"):
-        raise bad_request("tool_choice: names a tool, and tool use is not served here yet")
+def _turn(role: str, content: str | list[dict[str, Any]], where: str, chat: Chat, tools: bool) -> None:
+    """One message's turns onto ``chat``: its text (joined to the turn before when that is of
+    the same role, as Anthropic's API combines them), its tool calls and tool results."""
+    text, calls, results = [], [], []
+    for j, block in enumerate([{"type": "text", "text": content}] if isinstance(content, str) else content):
+        kind, at = block.get("type"), f"{where}[{j}]"
+        if kind == "text":
+            _block(block, at, TEXT_FIELDS, text=str)
+            text.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            _block(block, at, TOOL_USE_FIELDS, id=str, name=str, input=dict)
+            calls.append(
+                {
+                    "id": block["id"],
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": block["input"]},
+                }
+            )
+        elif kind == "tool_result" and role == "user":
+            _block(block, at, TOOL_RESULT_FIELDS, tool_use_id=str)
+            result = _text(block.get("content", ""), f"{at}.content")
+            # How the model hears that a call failed: said in the result, as it can read it.
+            results.append(f"Error: {result}" if block.get("is_error") else result)
+        elif kind in ("tool_use", "tool_result"):
+            raise bad_request(
+                f"{at}: a {kind} block belongs in {'an assistant' if kind == 'tool_use' else 'a user'} turn"
+            )
+        elif kind in NOT_SERVED:
+            raise bad_request(f"{at}: a {kind} block: {NOT_SERVED[kind]}")
+        else:
+            raise bad_request(f"{at}: {str(kind)[:40]!r} is not a content block type this server reads")
+    if (calls or results) and not tools:
+        raise bad_request(f"{where}: tool calls and results need a model whose chat template takes tools")
+    chat.messages += [{"role": "tool", "content": result} for result in results]
+    joined = "".join(text)
+    last = chat.messages[-1] if chat.messages else None
+    if last is not None and last["role"] == role and not results and not last.get("tool_calls") and not calls:
+        last["content"] += "\n\n" + joined
+    elif joined or calls or not results:
+        chat.messages.append({"role": role, "content": joined} | ({"tool_calls": calls} if calls else {}))
+
+
+def chat(req: MessagesRequest | CountTokensRequest, form: ToolForm | None) -> Chat:
+    """What the model's chat template is given for a request; ``form``: how the template writes
+    tool calls, None if it takes no tools (tools are then a 400)."""
     if req.thinking is not None and req.thinking.get("type") != "disabled":
         raise bad_request("thinking: extended thinking is not served here")
-    messages: list[dict[str, str]] = []
+    choice = (req.tool_choice or {}).get("type", "auto")
+    if choice not in ("auto", "none"):
+        raise bad_request(
+            f"tool_choice: {str(choice)[:40]!r} would force a call, which is not served here (auto or none)"
+        )
+    out = Chat()
+    if req.tools:
+        if form is None:
+            raise bad_request(
+                "tools: this model's chat template takes no tools (or writes calls in a form not read here)"
+            )
+        out.tools = []
+        for i, tool in enumerate(req.tools):
+            if tool.get("type") not in (None, "custom"):
+                raise bad_request(f"tools[{i}]: {str(tool.get('type'))[:40]!r} is a server tool, not served here")
+            if not set(tool) <= TOOL_FIELDS or not isinstance(tool.get("name"), str):
+                raise bad_request(f"tools[{i}]: a tool has a name, a description and an input_schema")
+            schema = tool.get("input_schema", {"type": "object"})
+            function = {"name": tool["name"], "description": tool.get("description", ""), "parameters": schema}
+            out.tools.append({"type": "function", "function": function})
+        if choice == "none":  # the model is not told of them
+            out.tools = None
     if req.system is not None:
-        messages.append({"role": "system", "content": _text(req.system, "system")})
+        out.messages.append({"role": "system", "content": _text(req.system, "system")})
     for i, message in enumerate(req.messages):
-        text = _text(message.content, f"messages[{i}].content")
-        if messages and messages[-1]["role"] == message.role:
-            messages[-1]["content"] += "\n\n" + text  # Anthropic combines consecutive turns of one role
-        else:
-            messages.append({"role": message.role, "content": text})
-    prefill = ""
-    if messages[-1]["role"] == "assistant":
-        prefill = messages.pop()["content"]
-        if prefill != prefill.rstrip():
+        _turn(message.role, message.content, f"messages[{i}].content", out, form is not None)
+    final = out.messages[-1] if out.messages else None
+    if final is not None and final["role"] == "assistant" and not final.get("tool_calls"):
+        out.prefill = out.messages.pop()["content"]
+        if out.prefill != out.prefill.rstrip():
             raise bad_request("messages: the final assistant turn cannot end with white space (Anthropic's rule)")
-    return messages, prefill
+    return out
 
 
 def _event(kind: str, body: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **body})}\n\n"
 
 
+@dataclass
+class _Prepared:
+    prompt: list[int]
+    spec: SampleSpec
+    tools: bool  # tools were offered: calls are read out of the answer
+
+
 class AnthropicService:
     def __init__(self, openai: OpenAIService) -> None:
         self.openai = openai
         self.tokenizer = openai.tokenizer
+        self.tool_form = tool_form(getattr(self.tokenizer, "chat_template", None))
+        # A call's markers, kept in the text where a tokenizer makes them special tokens.
+        self._markers = (OPEN, "</tool_call>") if self.tool_form is not None else ()
 
     # ---- requests -> prompts and specs ------------------------------------------------------
 
-    def _prompt(self, req: MessagesRequest | CountTokensRequest) -> list[int]:
-        """The prompt's tokens, on the tokenizer's thread (``OpenAIService.on_tokenizer_thread``)."""
-        messages, prefill = chat(req)
-        self.openai.check_length(sum(len(m["content"]) for m in messages) + len(prefill), "messages")
+    def _chat(self, req: MessagesRequest | CountTokensRequest) -> tuple[list[int], bool]:
+        """The prompt's tokens, and whether tools were offered; on the tokenizer's thread."""
+        turns = chat(req, self.tool_form)
+        self.openai.check_length(turns.characters(), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                turns.messages, tools=turns.tools, add_generation_prompt=True, tokenize=False
+            )
         except TemplateError as e:  # the template's own raise_exception: what it wants of the messages
             raise bad_request(f"messages: the model's chat template refused them: {e}") from None
-        return self.tokenizer.encode(text + prefill, add_special_tokens=False)
+        return self.tokenizer.encode(text + turns.prefill, add_special_tokens=False), turns.tools is not None
 
-    async def _prepare(self, req: MessagesRequest) -> tuple[list[int], SampleSpec]:
-        prompt = await self.openai.on_tokenizer_thread(self._prompt, req)
+    async def _prepare(self, req: MessagesRequest) -> _Prepared:
+        prompt, tools = await self.openai.on_tokenizer_thread(self._chat, req)
         params = wire.SamplingParams(
             max_tokens=req.max_tokens,
             stop=req.stop_sequences or None,
@@ -115,47 +207,37 @@ class AnthropicService:
             top_k=req.top_k if req.top_k is not None else -1,
         )
         spec = self.openai.sampling.spec(prompt, params, cost_field="prompt tokens + max_tokens")
-        return prompt, self.openai.ends_turn(spec)
+        return _Prepared(prompt, self.openai.ends_turn(spec), tools)
 
     async def count_tokens(self, req: CountTokensRequest, tenant: str) -> dict:
         self.openai.resolve(req.model, tenant)  # a model the key may not sample is a 404 here too
         with self.openai.slot(req.model, tenant):  # tokenizing a long prompt is work: bounded like a request
-            prompt = await self.openai.on_tokenizer_thread(self._prompt, req)
+            prompt, _ = await self.openai.on_tokenizer_thread(self._chat, req)
         return {"input_tokens": len(prompt)}
 
     # ---- answers ----------------------------------------------------------------------------
 
-    def _ending(self, seq: SampledSequence, spec: SampleSpec) -> tuple[str, str, str | None]:
-        """A sampled answer's text, stop reason and the stop sequence that ended it, if one did."""
-        text, stop = self.openai.visible_text(seq.tokens, spec)
+    def _content(self, seq: SampledSequence, ready: _Prepared) -> tuple[list[dict[str, Any]], str, str | None]:
+        """A sampled answer's content blocks (its text, then its tool calls), stop reason, and the
+        stop sequence that ended it, if one did."""
+        keep = self._markers if ready.tools else ()
+        text, stop = self.openai.visible_text(seq.tokens, ready.spec, keep)
+        calls: list[ToolCall] = []
+        if ready.tools and self.tool_form is not None:
+            text, calls = parse(text, self.tool_form)
+        blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
+        blocks += [
+            {"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}", "name": c.name, "input": c.arguments}
+            for c in calls
+        ]
+        if calls:
+            return blocks, "tool_use", None
         if stop is not None:
-            return text, "stop_sequence", stop
-        return text, ("end_turn" if seq.stop_reason == "stop" else "max_tokens"), None
+            return blocks, "stop_sequence", stop
+        return blocks, ("end_turn" if seq.stop_reason == "stop" else "max_tokens"), None
 
-    async def respond(self, req: MessagesRequest, tenant: str) -> dict:
-        prompt, spec, output = await self.openai.complete(req.model, tenant, lambda: self._prepare(req))
-        [seq] = output.sequences
-        text, reason, stop = await self.openai.on_tokenizer_thread(self._ending, seq, spec)
+    def _message(self, req: MessagesRequest, prompt: list[int]) -> dict[str, Any]:
         return {
-            "id": f"msg_{secrets.token_hex(12)}",
-            "type": "message",
-            "role": "assistant",
-            "model": req.model,
-            "content": [{"type": "text", "text": text}],
-            "stop_reason": reason,
-            "stop_sequence": stop,
-            "usage": {"input_tokens": len(prompt), "output_tokens": len(seq.tokens)},
-        }
-
-    async def stream(self, req: MessagesRequest, tenant: str) -> AsyncIterator[str]:
-        """Server-sent events as Anthropic sends them; a bad request is still a plain 4xx."""
-        prompt, spec, events, task = await self.openai.start(req.model, tenant, lambda: self._prepare(req))
-        return self._events(req, prompt, spec, events, task)
-
-    async def _events(
-        self, req: MessagesRequest, prompt: list[int], spec: SampleSpec, events: asyncio.Queue, task: asyncio.Future
-    ) -> AsyncIterator[str]:
-        message = {
             "id": f"msg_{secrets.token_hex(12)}",
             "type": "message",
             "role": "assistant",
@@ -165,24 +247,74 @@ class AnthropicService:
             "stop_sequence": None,
             "usage": {"input_tokens": len(prompt), "output_tokens": 0},
         }
-        yield _event("message_start", {"message": message})
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        row = StreamedRow()
+
+    async def respond(self, req: MessagesRequest, tenant: str) -> dict:
+        prepared: list[_Prepared] = []
+
+        async def prepare() -> tuple[list[int], SampleSpec]:
+            prepared.append(await self._prepare(req))
+            return prepared[0].prompt, prepared[0].spec
+
+        prompt, _, output = await self.openai.complete(req.model, tenant, prepare)
+        [seq] = output.sequences
+        blocks, reason, stop = await self.openai.on_tokenizer_thread(self._content, seq, prepared[0])
+        usage = {"input_tokens": len(prompt), "output_tokens": len(seq.tokens)}
+        return self._message(req, prompt) | {
+            "content": blocks,
+            "stop_reason": reason,
+            "stop_sequence": stop,
+            "usage": usage,
+        }
+
+    async def stream(self, req: MessagesRequest, tenant: str) -> AsyncIterator[str]:
+        """Server-sent events as Anthropic sends them; a bad request is still a plain 4xx."""
+        prepared: list[_Prepared] = []
+
+        async def prepare() -> tuple[list[int], SampleSpec]:
+            prepared.append(await self._prepare(req))
+            return prepared[0].prompt, prepared[0].spec
+
+        prompt, _, events, task = await self.openai.start(req.model, tenant, prepare)
+        return self._events(req, prompt, prepared[0], events, task)
+
+    async def _events(
+        self, req: MessagesRequest, prompt: list[int], ready: _Prepared, events: asyncio.Queue, task: asyncio.Future
+    ) -> AsyncIterator[str]:
+        yield _event("message_start", {"message": self._message(req, prompt)})
+        # Text is sent as it is sampled, up to where a tool call may begin; each call once read
+        # whole. The text block starts with its first text, so an answer that is only calls
+        # streams the blocks that it has when not streamed.
+        keep = self._markers if ready.tools else ()
+        shown = dataclasses.replace(ready.spec, stop_strings=(*ready.spec.stop_strings, *keep[:1]))
+        row, started = StreamedRow(), False
         while (event := await events.get()) is not None:
-            if text := self.openai.delta(row, event[1], spec):
+            if text := self.openai.delta(row, event[1], shown, keep):
+                if not started:
+                    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                    started = True
                 yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
         try:
             output: SampleOutput = task.result()
         except Exception as e:
             status = e.status if isinstance(e, ApiError) else 500
-            message_text = e.detail if isinstance(e, ApiError) else f"sampling failed: {type(e).__name__}"
-            yield _event("error", {"error": {"type": error_type(status), "message": message_text}})
+            message = e.detail if isinstance(e, ApiError) else f"sampling failed: {type(e).__name__}"
+            yield _event("error", {"error": {"type": error_type(status), "message": message}})
             return
         [seq] = output.sequences
-        text, reason, stop = self._ending(seq, spec)
-        if rest := text[len(row.sent) :]:
-            yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": rest}})
-        yield _event("content_block_stop", {"index": 0})
+        blocks, reason, stop = self._content(seq, ready)
+        if blocks and blocks[0]["type"] == "text":
+            if not started:
+                yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                started = True
+            if rest := blocks[0]["text"][len(row.sent) :]:
+                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": rest}})
+        if started:
+            yield _event("content_block_stop", {"index": 0})
+        for index, block in enumerate((b for b in blocks if b["type"] == "tool_use"), start=int(started)):
+            yield _event("content_block_start", {"index": index, "content_block": block | {"input": {}}})
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield _event("content_block_delta", {"index": index, "delta": delta})
+            yield _event("content_block_stop", {"index": index})
         delta = {"delta": {"stop_reason": reason, "stop_sequence": stop}, "usage": {"output_tokens": len(seq.tokens)}}
         yield _event("message_delta", delta)
         yield _event("message_stop", {})

@@ -226,12 +226,20 @@ class OpenAIService:
 
     # ---- text -------------------------------------------------------------------------------
 
-    def visible_text(self, tokens: list[int], spec: SampleSpec) -> tuple[str, str | None]:
+    def visible_text(self, tokens: list[int], spec: SampleSpec, keep: tuple[str, ...] = ()) -> tuple[str, str | None]:
         """Visible text of ``tokens``: without a final stop token, cut before the first stop
-        string in it, which is returned too (None when no stop string cut it)."""
+        string in it, which is returned too (None when no stop string cut it). Special tokens
+        are left out but for those in ``keep`` (a tool call's markers, which some tokenizers
+        make special)."""
         if tokens and tokens[-1] in spec.stop_token_ids:
             tokens = tokens[:-1]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if keep:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+            for special in self.tokenizer.all_special_tokens:
+                if special not in keep:
+                    text = text.replace(special, "")
+        else:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [(text.find(s), s) for s in spec.stop_strings if s in text]
         if not cuts:
             return text, None
@@ -241,13 +249,13 @@ class OpenAIService:
     def _token_str(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def delta(self, row: StreamedRow, token: int, spec: SampleSpec) -> str:
+    def delta(self, row: StreamedRow, token: int, spec: SampleSpec, keep: tuple[str, ...] = ()) -> str:
         """The text ``token`` adds to a streamed ``row`` that may be sent now: none past a stop
         string, none that may still turn out to begin one, no half of a multi-byte character."""
         row.tokens.append(token)
         if row.stopped_at is not None:
             return ""
-        text, stop = self.visible_text(row.tokens, spec)
+        text, stop = self.visible_text(row.tokens, spec, keep)
         hold = max((len(s) for s in spec.stop_strings), default=1) - 1  # text that may begin a stop string
         safe = text if stop is not None else text[: len(text) - hold] if hold else text
         if safe.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest

@@ -1,0 +1,165 @@
+"""Tool calls as chat templates write them (``serving.tool_calls``), and Anthropic requests as the
+model's chat template takes them (``serving.anthropic.chat``), over the tiny model's template."""
+
+from __future__ import annotations
+
+import pytest
+
+from hosted_tinker.core.errors import ApiError
+from hosted_tinker.core.tiny_model import CHATML_TEMPLATE, build_tokenizer
+from hosted_tinker.server.protocol.anthropic_types import CountTokensRequest
+from hosted_tinker.server.serving.anthropic import chat
+from hosted_tinker.server.serving.tool_calls import ToolCall, parse, tool_form
+
+PLAIN_CHATML = (  # the tiny model's template before it took tools
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {"name": "weather", "description": "Today's weather", "input_schema": {"type": "object"}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def test_the_forms_templates_write_calls_in() -> None:
+    assert tool_form(CHATML_TEMPLATE) == "hermes"
+    assert tool_form(PLAIN_CHATML) is None and tool_form(None) is None
+    coder = "{% if tools %}...<tool_call>\n<function={{ name }}>\n<parameter=x>...{% endif %}"
+    assert tool_form(coder) == "qwen3_coder"
+
+
+@pytest.mark.parametrize(
+    ("text", "form", "expected"),
+    [
+        ("No call.", "hermes", ("No call.", [])),
+        (
+            'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            "hermes",
+            ("Let me look.", [ToolCall("weather", {"city": "Paris"})]),
+        ),
+        (  # two calls; arguments written as a JSON string
+            '<tool_call>{"name": "a", "arguments": "{\\"n\\": 1}"}</tool_call>\n<tool_call>{"name": "b"}</tool_call>',
+            "hermes",
+            ("", [ToolCall("a", {"n": 1}), ToolCall("b", {})]),
+        ),
+        (
+            "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+            "qwen3_coder",
+            ("", [ToolCall("weather", {"city": "Paris", "days": 3})]),
+        ),
+    ],
+)
+def test_calls_are_read_out_of_sampled_text(text: str, form, expected) -> None:
+    assert parse(text, form) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Par',  # cut off by max_tokens
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "a"}</tool_call> and then more words',
+    ],
+)
+def test_a_call_that_does_not_parse_leaves_the_text_as_text(text: str) -> None:
+    assert parse(text, "hermes") == (text, [])
+
+
+def test_without_tools_the_tiny_template_is_the_chatml_it_was(tok) -> None:
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "A"},
+    ]
+    for generation in (True, False):
+        ours = tok.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+        assert ours == tok.apply_chat_template(
+            messages, add_generation_prompt=generation, tokenize=False, chat_template=PLAIN_CHATML
+        )
+
+
+def _render(tok, request: dict) -> str:
+    turns = chat(CountTokensRequest(**request), tool_form(tok.chat_template))
+    text = tok.apply_chat_template(turns.messages, tools=turns.tools, add_generation_prompt=True, tokenize=False)
+    return text + turns.prefill
+
+
+def test_a_tool_conversation_renders_as_the_template_writes_calls_and_results(tok) -> None:
+    request = {
+        "model": "m",
+        "system": "Be brief.",
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Looking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+        ],
+    }
+    assert _render(tok, request) == (
+        "<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n"
+        '{"type": "function", "function": {"name": "weather", "description": "Today\'s weather", '
+        '"parameters": {"type": "object"}}}\n</tools>\n'
+        'To call one, answer <tool_call>\n{"name": <name>, "arguments": <arguments>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\nLooking.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    failed = request["messages"][2]["content"][0] | {"is_error": True, "content": [{"type": "text", "text": "no"}]}
+    request["messages"][2]["content"] = [failed, {"type": "text", "text": "Try again?"}]
+    assert "<tool_response>\nError: no\n</tool_response><|im_end|>\n<|im_start|>user\nTry again?" in _render(
+        tok, request
+    )
+
+
+def test_turns_of_one_role_join_and_a_final_assistant_turn_is_a_prefill(tok) -> None:
+    request = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "user", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]},
+            {"role": "assistant", "content": "The answer"},
+        ],
+    }
+    assert _render(tok, request) == "<|im_start|>user\na\n\nbc<|im_end|>\n<|im_start|>assistant\nThe answer"
+    assert _render(tok, request | {"tool_choice": {"type": "none"}, "tools": [WEATHER]}).startswith("<|im_start|>user")
+
+
+@pytest.mark.parametrize(
+    ("request_", "says"),
+    [
+        ({"tool_choice": {"type": "any"}}, "tool_choice: 'any' would force a call"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking: extended thinking"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]: 'web_search_20250305'"),
+        ({"tools": [WEATHER | {"strict": True}]}, "tools[0]: a tool has"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "content[0]: a image block"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "x", "input": {}}]}]},
+            "a tool_use block belongs in an assistant turn",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "extra": 1}]}]}, "no field 'extra'"),
+        ({"messages": [{"role": "assistant", "content": "trailing "}]}, "cannot end with white space"),
+    ],
+)
+def test_what_is_not_served_is_a_400_naming_it(tok, request_: dict, says: str) -> None:
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | request_
+    with pytest.raises(ApiError) as refused:
+        chat(CountTokensRequest(**request), tool_form(tok.chat_template))
+    assert refused.value.status == 400 and says in str(refused.value)
+
+
+def test_a_template_without_tools_refuses_them() -> None:
+    request = CountTokensRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
+    with pytest.raises(ApiError, match="takes no tools"):
+        chat(request, None)
