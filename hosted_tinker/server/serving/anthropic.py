@@ -74,10 +74,13 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     """The text of the system prompt or a tool result: a string, or text blocks."""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: a string or a list of text blocks, not {type(content).__name__}")
     parts = []
     for j, block in enumerate(content):
-        if block.get("type") != "text":
-            raise bad_request(f"{where}[{j}]: only text blocks are read here, not {str(block.get('type'))[:40]!r}")
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise bad_request(f"{where}[{j}]: only text blocks are read here, not {str(kind)[:40]!r}")
         _block(block, f"{where}[{j}]", TEXT_FIELDS, text=str)
         parts.append(block["text"])
     return "".join(parts)

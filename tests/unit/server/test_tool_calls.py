@@ -150,6 +150,14 @@ def test_turns_of_one_role_join_and_a_final_assistant_turn_is_a_prefill(tok) -> 
         ),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "extra": 1}]}]}, "no field 'extra'"),
         ({"messages": [{"role": "assistant", "content": "trailing "}]}, "cannot end with white space"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 7}]}]},
+            "content[0].content: a string or a list of text blocks, not int",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [7]}]}]},
+            "content[0].content[0]: only text blocks are read here, not 'int'",
+        ),
     ],
 )
 def test_what_is_not_served_is_a_400_naming_it(tok, request_: dict, says: str) -> None:
