@@ -352,9 +352,10 @@ WEATHER = {"name": "weather", "description": "Today's weather in a city", "input
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-def test_anthropic_sdk_tool_use_round_trip(base_url):
+def test_tool_use_round_trip_through_both_sdks(base_url):
     """An adapter trained to call a tool (the tiny model's template writes calls as Qwen's do):
-    the Anthropic SDK gets the call as a tool_use block, streamed or not, and its result goes back."""
+    the Anthropic SDK gets the call as a tool_use block, the OpenAI SDK as a tool call, streamed
+    or not, and its result goes back."""
     sc = tinker.ServiceClient(base_url=base_url)
     tc = sc.create_lora_training_client(base_model=ALIAS, rank=8, seed=0).result()
     tok = tc.get_tokenizer()
@@ -399,4 +400,24 @@ def test_anthropic_sdk_tool_use_round_trip(base_url):
     counted = client.messages.count_tokens(model=path, tools=[WEATHER], messages=turns).input_tokens
     again = client.messages.create(**asked | {"messages": turns})
     assert again.usage.input_tokens == counted > len(prompt) and again.content
+
+    oai = openai.OpenAI(base_url=f"{base_url}/v1", api_key="tml-test", max_retries=0)
+    offered = {"model": path, "max_tokens": 96, "temperature": 0, "messages": ask, "tools": tools}
+    answer = oai.chat.completions.create(**offered)
+    [choice] = answer.choices
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("weather", {"city": "Paris"})
+    pieces = list(oai.chat.completions.create(**offered, stream=True))
+    streamed = [c for p in pieces if p.choices for c in p.choices[0].delta.tool_calls or []]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == [("weather", {"city": "Paris"})]
+    assert pieces[-1].choices[0].finish_reason == "tool_calls"
+    back = [
+        *ask,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    assert oai.chat.completions.create(**offered | {"messages": back}).usage.prompt_tokens == counted
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        oai.chat.completions.create(**offered, tool_choice="required")
     sc.close("success").result()

@@ -41,6 +41,8 @@ class ChatMessage(StrictRequest):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | ListOf[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: ListOf[dict[str, Any]] | None = None  # an assistant's (checked by serving.openai_chat)
+    tool_call_id: str | None = None  # a tool result's: which call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -48,6 +50,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Where the chat template takes tools (serving.openai_chat says what is refused, and why).
+    tools: ListOf[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- responses (what the OpenAI SDK's types hold) -----------------------------------------
@@ -108,9 +114,21 @@ class ChoiceLogprobs(Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallFunction(Response):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCallOut(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(Response):

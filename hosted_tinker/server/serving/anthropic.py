@@ -19,7 +19,6 @@ is accepted (a caching hint: it changes no answer; nothing is cached between req
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -33,7 +32,7 @@ from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpe
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.anthropic_types import CountTokensRequest, MessagesRequest, error_type
 from hosted_tinker.server.serving.openai import OpenAIService, StreamedRow
-from hosted_tinker.server.serving.tool_calls import OPEN, ToolCall, ToolForm, parse, tool_form
+from hosted_tinker.server.serving.tool_calls import ToolForm
 
 TEXT_FIELDS = {"type", "text", "cache_control", "citations"}
 TOOL_USE_FIELDS = {"type", "id", "name", "input", "cache_control"}
@@ -182,15 +181,12 @@ class AnthropicService:
     def __init__(self, openai: OpenAIService) -> None:
         self.openai = openai
         self.tokenizer = openai.tokenizer
-        self.tool_form = tool_form(getattr(self.tokenizer, "chat_template", None))
-        # A call's markers, kept in the text where a tokenizer makes them special tokens.
-        self._markers = (OPEN, "</tool_call>") if self.tool_form is not None else ()
 
     # ---- requests -> prompts and specs ------------------------------------------------------
 
     def _chat(self, req: MessagesRequest | CountTokensRequest) -> tuple[list[int], bool]:
         """The prompt's tokens, and whether tools were offered; on the tokenizer's thread."""
-        turns = chat(req, self.tool_form)
+        turns = chat(req, self.openai.tool_form)
         self.openai.check_length(turns.characters(), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
@@ -223,11 +219,7 @@ class AnthropicService:
     def _content(self, seq: SampledSequence, ready: _Prepared) -> tuple[list[dict[str, Any]], str, str | None]:
         """A sampled answer's content blocks (its text, then its tool calls), stop reason, and the
         stop sequence that ended it, if one did."""
-        keep = self._markers if ready.tools else ()
-        text, stop = self.openai.visible_text(seq.tokens, ready.spec, keep)
-        calls: list[ToolCall] = []
-        if ready.tools and self.tool_form is not None:
-            text, calls = parse(text, self.tool_form)
+        text, stop, calls = self.openai.read_answer(seq.tokens, ready.spec, ready.tools)
         blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
         blocks += [
             {"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}", "name": c.name, "input": c.arguments}
@@ -287,8 +279,7 @@ class AnthropicService:
         # Text is sent as it is sampled, up to where a tool call may begin; each call once read
         # whole. The text block starts with its first text, so an answer that is only calls
         # streams the blocks that it has when not streamed.
-        keep = self._markers if ready.tools else ()
-        shown = dataclasses.replace(ready.spec, stop_strings=(*ready.spec.stop_strings, *keep[:1]))
+        shown, keep = self.openai.streamed_spec(ready.spec, ready.tools)
         row, started = StreamedRow(), False
         while (event := await events.get()) is not None:
             if text := self.openai.delta(row, event[1], shown, keep):

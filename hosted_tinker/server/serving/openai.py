@@ -29,8 +29,10 @@ from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOut
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
+from hosted_tinker.server.serving.openai_chat import chat_messages, offers_tools, tool_call_entries
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.tenancy import Tenancy
+from hosted_tinker.server.serving.tool_calls import CLOSE, OPEN, ToolCall, parse, tool_form
 from hosted_tinker.server.serving.usage import Charge
 from hosted_tinker.server.store import Store
 
@@ -82,6 +84,10 @@ class OpenAIService:
         self.store = store
         self.served_names = served_names
         self.tokenizer = sampling.tokenizer
+        # How the chat template writes tool calls (None: it takes no tools), and their markers,
+        # kept in decoded text where a tokenizer makes them special tokens.
+        self.tool_form = tool_form(getattr(self.tokenizer, "chat_template", None))
+        self.tool_markers = (OPEN, CLOSE) if self.tool_form is not None else ()
         # Prompts are tokenized, and whole answers' texts and logprobs built, off the event loop
         # (a fast tokenizer lets go of the GIL), on a thread of their own: one at a time (a fast
         # tokenizer's settings are shared state that concurrent calls could find half-changed),
@@ -200,18 +206,13 @@ class OpenAIService:
         return list(req.prompt)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content or ""
-            if isinstance(content, list):
-                if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
-                    raise bad_request(f"messages[{i}].content: only text parts, each with a string text, are supported")
-                content = "".join(part["text"] for part in content)
-            messages.append({"role": m.role, "content": content})
-        self.check_length(sum(len(m["content"]) for m in messages), "messages")
+        messages, tools = chat_messages(req, self.tool_form)
+        calls = (json.dumps(m.get("tool_calls", "")) for m in messages)
+        self.check_length(sum(len(m["content"]) for m in messages) + sum(map(len, calls)), "messages")
+        self.check_length(len(json.dumps(tools)) if tools else 0, "tools")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except TemplateError as e:  # the template's own raise_exception: what it wants of the messages
             raise bad_request(f"messages: the model's chat template refused them: {e}") from None
@@ -245,6 +246,23 @@ class OpenAIService:
             return text, None
         at, stop = min(cuts)
         return text[:at], stop
+
+    def read_answer(self, tokens: list[int], spec: SampleSpec, tools: bool) -> tuple[str, str | None, list[ToolCall]]:
+        """An answer's visible text, the stop string that cut it, and the tool calls it wrote
+        (read only when the model was told of tools; the text is then what comes before them)."""
+        if not tools or self.tool_form is None:
+            text, stop = self.visible_text(tokens, spec)
+            return text, stop, []
+        text, stop = self.visible_text(tokens, spec, self.tool_markers)
+        text, calls = parse(text, self.tool_form)
+        return text, stop, calls
+
+    def streamed_spec(self, spec: SampleSpec, tools: bool) -> tuple[SampleSpec, tuple[str, ...]]:
+        """What ``delta`` streams text with: with tools, up to where a call may begin (a call is
+        sent once read whole), its markers kept; the spec the engine samples is not changed."""
+        if not tools or self.tool_form is None:
+            return spec, ()
+        return dataclasses.replace(spec, stop_strings=(*spec.stop_strings, OPEN)), self.tool_markers
 
     def _token_str(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -348,12 +366,15 @@ class OpenAIService:
         self, req: CompletionRequest | ChatCompletionRequest, prompt: list[int], spec: SampleSpec, output: SampleOutput
     ) -> dict:
         chat = isinstance(req, ChatCompletionRequest)
+        tools = chat and offers_tools(req)
         choices = []
         for i, seq in enumerate(output.sequences):
-            text, _ = self.visible_text(seq.tokens, spec)
-            choice = {"index": i, "finish_reason": self._finish_reason(seq)}
+            text, _, calls = self.read_answer(seq.tokens, spec, tools)
+            choice = {"index": i, "finish_reason": "tool_calls" if calls else self._finish_reason(seq)}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant", "content": text or (None if calls else "")}
+                if calls:
+                    choice["message"]["tool_calls"] = tool_call_entries(calls)
                 choice["logprobs"] = self._chat_logprobs(seq) if req.logprobs else None
             else:
                 choice["text"] = text
@@ -416,9 +437,12 @@ class OpenAIService:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         created, rows = int(time.time()), [StreamedRow() for _ in range(spec.num_samples)]
 
-        def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(
+            index: int, text: str | None, finish: str | None, first: bool = False, calls: list | None = None
+        ) -> str:
             if chat:
                 delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+                delta |= {"tool_calls": calls} if calls else {}
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 body = {
                     "id": ident,
@@ -438,12 +462,14 @@ class OpenAIService:
                 }
             return f"data: {json.dumps(body)}\n\n"
 
+        tools = chat and offers_tools(req)
+        shown, keep = self.streamed_spec(spec, tools)
         if chat:
             for i in range(len(rows)):
                 yield chunk(i, None, None, first=True)
         while (event := await events.get()) is not None:
             s, token, _ = event
-            if text := self.delta(rows[s], token, spec):
+            if text := self.delta(rows[s], token, shown, keep):
                 yield chunk(s, text, None)
         try:
             output: SampleOutput = task.result()
@@ -454,9 +480,13 @@ class OpenAIService:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
             return
         for i, (row, seq) in enumerate(zip(rows, output.sequences, strict=True)):
-            text, _ = self.visible_text(seq.tokens, spec)
-            rest = text[len(row.sent) :]
-            yield chunk(i, rest or None, self._finish_reason(seq))
+            text, _, calls = self.read_answer(seq.tokens, spec, tools)
+            if calls:  # each call whole, in one chunk, as OpenAI's deltas may carry it
+                entries = [call | {"index": j} for j, call in enumerate(tool_call_entries(calls))]
+                yield chunk(i, text[len(row.sent) :] or None, None, calls=entries)
+            yield chunk(
+                i, None if calls else text[len(row.sent) :] or None, "tool_calls" if calls else self._finish_reason(seq)
+            )
         options = req.stream_options
         if options is not None and options.include_usage:
             body = {

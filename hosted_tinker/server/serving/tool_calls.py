@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 ToolForm = Literal["hermes", "qwen3_coder"]
-OPEN = "<tool_call>"  # where a call starts, in both forms
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # a call's markers, in both forms
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)

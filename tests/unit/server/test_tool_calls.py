@@ -3,12 +3,16 @@ model's chat template takes them (``serving.anthropic.chat``), over the tiny mod
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hosted_tinker.core.errors import ApiError
 from hosted_tinker.core.tiny_model import CHATML_TEMPLATE, build_tokenizer
 from hosted_tinker.server.protocol.anthropic_types import CountTokensRequest
+from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest
 from hosted_tinker.server.serving.anthropic import chat
+from hosted_tinker.server.serving.openai_chat import chat_messages
 from hosted_tinker.server.serving.tool_calls import ToolCall, parse, tool_form
 
 PLAIN_CHATML = (  # the tiny model's template before it took tools
@@ -171,3 +175,71 @@ def test_a_template_without_tools_refuses_them() -> None:
     request = CountTokensRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
     with pytest.raises(ApiError, match="takes no tools"):
         chat(request, None)
+
+
+# ---- the OpenAI chat door (serving.openai_chat) ----------------------------------------------
+
+FUNCTION = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+def test_an_openai_tool_conversation_renders_as_the_anthropic_one(tok) -> None:
+    """The two doors give the template the same turns: the same prompt for the same conversation."""
+    openai_request = ChatCompletionRequest(
+        model="m",
+        tools=[FUNCTION],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+    )
+    messages, tools = chat_messages(openai_request, tool_form(tok.chat_template))
+    ours = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    anthropic_request = {
+        "model": "m",
+        "tools": [{"name": "weather", "description": "", "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "c1", "name": "weather", "input": {"city": "Paris"}}],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]},
+        ],
+    }
+    assert ours == _render(tok, anthropic_request).replace('"description": "", ', "")
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"tool_choice": "required"}, "tool_choice: only auto and none"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls: false"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0]: a tool is"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "[1]"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments: a JSON object",
+        ),
+    ],
+)
+def test_what_the_openai_door_refuses_it_names(tok, fields: dict, says: str) -> None:
+    request = ChatCompletionRequest(**({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields))
+    with pytest.raises(ApiError, match=re.escape(says)):
+        chat_messages(request, tool_form(tok.chat_template))
+    with pytest.raises(ApiError, match="tools|tool calls"):  # a template without tools refuses them all
+        chat_messages(
+            ChatCompletionRequest(model="m", messages=[{"role": "tool", "content": "x"}], tools=[FUNCTION]), None
+        )
