@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype
+
 IMPLEMENTATION = "hosted_tinker_lora"  # its name in transformers' ALL_EXPERTS_FUNCTIONS
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down: Tinker's names, in the order adapters are drawn
 HOOK_ATTR = "_hosted_tinker_lora"  # on an experts module: its ``ExpertsHook``
@@ -80,7 +82,7 @@ class ExpertsHook:
     """What ``LoraAdapters`` leaves on an experts module it has put LoRA on."""
 
     spans: Callable[[int], list[ExpertSpan]]  # tokens of the layer's input -> the spans covering them
-    compute: str  # ``--lora-compute``: the dtype of LoRA's products (``adapters.products_dtype``)
+    compute: str  # ``--lora-compute``: the dtype of LoRA's products (``lora_products.products_dtype``)
 
 
 class RoutingCounter:
@@ -203,8 +205,6 @@ def lora_experts_forward(
     """``experts``' output for ``hidden_states`` ``(T, H)`` routed to ``top_k_index`` ``(T, K)``
     with ``top_k_weights``, each token's experts under its own adapter's expert LoRA. Without
     LoRA, the same as transformers' own (the expert outputs weighted and summed in float32)."""
-    from hosted_tinker.rank.adapters import add_into, in_dtype, lora_down, products_dtype
-
     tokens, top_k = top_k_index.shape
     n_experts = experts.num_experts
     if (counter := getattr(experts, COUNTER_ATTR, None)) is not None:
@@ -313,9 +313,7 @@ def lora_experts_forward(
 
 def _grouped_lora_down(x: Tensor, a: Tensor, counts: list[int]) -> Tensor:
     """``x`` (the base's dtype) times each group's ``A`` ``(r, in)``, in A's dtype: the grouped
-    form of ``adapters.lora_down`` (which keeps ``x`` as it came for the backward pass)."""
-    from hosted_tinker.rank.adapters import lora_down
-
+    form of ``lora_products.lora_down`` (which keeps ``x`` as it came for the backward pass)."""
     if x.is_cuda and padding_pays(counts):
         return padded_grouped_linear(x.to(a.dtype), a, counts)
     parts, start = [], 0

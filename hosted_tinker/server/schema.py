@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -260,3 +261,22 @@ def migrate(db: sqlite3.Connection) -> None:
     # these, each read scanned every key's rows (190 ms at 1,200 large sessions).
     db.execute("CREATE INDEX IF NOT EXISTS sessions_by_owner ON sessions(owner, created_at)")
     db.execute("CREATE INDEX IF NOT EXISTS models_by_session ON models(session_id)")
+
+
+class Fetched:
+    """What a statement returned, read to the end (``Store._exec``): the rows, and how many it changed."""
+
+    __slots__ = ("rows", "rowcount")
+
+    def __init__(self, rows: list[tuple], rowcount: int) -> None:
+        self.rows = rows
+        self.rowcount = rowcount
+
+    def fetchone(self) -> tuple | None:
+        return self.rows[0] if self.rows else None
+
+    def fetchall(self) -> list[tuple]:
+        return self.rows
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self.rows)

@@ -11,7 +11,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ from hosted_tinker.server.records import (
     FutureRecord,
     ModelRecord,
 )
-from hosted_tinker.server.schema import DATABASE, SCHEMA, connect, migrate
+from hosted_tinker.server.schema import DATABASE, SCHEMA, Fetched, connect, migrate
 from hosted_tinker.server.store_rows import (
     MODEL_COLUMNS,
     AuditRows,
@@ -42,25 +41,6 @@ _HELD_MODELS = (
     "FROM models WHERE status IN ('active', 'parked') AND session_id IN "
     "(SELECT session_id FROM sessions WHERE owner=? AND status='active')"
 )
-
-
-class Fetched:
-    """What a statement returned, read to the end (``Store._exec``): the rows, and how many it changed."""
-
-    __slots__ = ("rows", "rowcount")
-
-    def __init__(self, rows: list[tuple], rowcount: int) -> None:
-        self.rows = rows
-        self.rowcount = rowcount
-
-    def fetchone(self) -> tuple | None:
-        return self.rows[0] if self.rows else None
-
-    def fetchall(self) -> list[tuple]:
-        return self.rows
-
-    def __iter__(self) -> Iterator[tuple]:
-        return iter(self.rows)
 
 
 class Store(ListingRows, UsageRows, AuditRows, KeyRows):

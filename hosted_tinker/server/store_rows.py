@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from hosted_tinker.server.records import ApiKeyRecord, ModelRecord, SamplerRecord, SessionRow
 
 if TYPE_CHECKING:
-    from hosted_tinker.server.store import Fetched
+    from hosted_tinker.server.schema import Fetched
 
 # A session created without a project belongs to this one (SessionSummary.project_id is required).
 DEFAULT_PROJECT = "default"

@@ -83,6 +83,44 @@ def test_the_folder_graph_has_no_cycle():
         visit(node, [])
 
 
+def module_edges() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (an import of a package counts as its
+    ``__init__``; a name imported from a module, as that module)."""
+    modules = {
+        ".".join(("hosted_tinker", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__"): path
+        for path in PACKAGE.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
+                names = names or [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            targets.update(name for name in names if name in modules and name != module)
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it():
+    """Not even for type checking: a circle of modules is one module in two files."""
+    graph = module_edges()
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        assert node not in path, f"import cycle: {' -> '.join([*path[path.index(node) :], node])}"
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
 TESTS = PACKAGE.parent / "tests"
 # test_vllm collects test_sampling's tests again, against vLLM (a fixture of its own named as theirs)
 RECOLLECTED = {("tests.e2e.test_vllm", "tests.e2e.test_sampling")}

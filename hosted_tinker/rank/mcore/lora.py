@@ -29,16 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from hosted_tinker.rank.adapters import (
-    Routes,
-    add_into,
-    checked_compute,
-    draw_lora,
-    in_dtype,
-    lora_down,
-    products_dtype,
-    scaled,
-)
+from hosted_tinker.rank.adapters import Routes, checked_compute, draw_lora
+from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype, scaled
 from hosted_tinker.rank.mcore.convert import HfShape
 
 COLUMN, ROW = "column", "row"
@@ -140,7 +132,7 @@ def init_adapter(chosen: dict[str, Site], rank: int, tp: int, tp_rank: int, seed
 
 def column_delta(x: Tensor, p: Projection, dtype: torch.dtype | None = None) -> Tensor:
     """``x`` in the base model's dtype; the update in ``dtype``, None for the adapter's own
-    (``rank.adapters.lora_down``)."""
+    (``rank.lora_products.lora_down``)."""
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
     return copy_to_tensor_model_parallel_region(lora_down(x, in_dtype(p.A, dtype))) @ in_dtype(p.B, dtype).T

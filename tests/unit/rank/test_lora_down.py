@@ -1,4 +1,4 @@
-"""``rank.adapters.lora_down``, the first half of every LoRA update: the values and gradients of
+"""``rank.lora_products.lora_down``, the first half of every LoRA update: the values and gradients of
 ``F.linear(x.to(A.dtype), A)``, float32 master weights over a bfloat16 model, but keeping the
 input for the backward pass in its own dtype rather than its float32 copy; and ``add_into``, the
 last step: ``(base + update).to(base.dtype)`` bit for bit, as one operation."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hosted_tinker.rank.adapters import add_into, lora_down
+from hosted_tinker.rank.lora_products import add_into, lora_down
 
 pytestmark = pytest.mark.fast
 
