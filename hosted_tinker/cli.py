@@ -10,35 +10,87 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic.fields import FieldInfo
 
 from hosted_tinker.cli_keys import add_keys_parser
-from hosted_tinker.core.config import CLUSTER_KEY_ENV, ServerConfig, read_cluster_key
+from hosted_tinker.core.config import Flag, ServerConfig, read_cluster_key
 from hosted_tinker.core.errors import WorkerDied, WorkerStartFailed
 from hosted_tinker.core.tiny_model import FAMILIES
 from hosted_tinker.rank.plans import BACKENDS, backend_options
-from hosted_tinker.server.quotas import Limits, parse_limits
-from hosted_tinker.settings import CONFIG_ENV, env_example, layered_defaults
+from hosted_tinker.server.quotas import parse_limits
+from hosted_tinker.settings import CONFIG_ENV, configuration_doc, env_example, layered_defaults
+
+# Flags whose value is not their field's: the flag's default (from the field's) and how the
+# flag's value becomes the field's (units; KEY=VALUE lists; shell words; 0 for no limit).
+CONVERTED: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "sample_batch_window_s": (lambda s: s * 1000, lambda ms: ms / 1000),  # --sample-batch-window-ms
+    "backend_options": (lambda _: [], lambda items: _key_values(items, "--backend-option")),
+    "vllm_args": (lambda _: [], lambda args: [a for arg in args for a in shlex.split(arg)]),
+    "key_limits": (lambda _: [], lambda items: parse_limits(items, "--key-limit")),
+    "max_resident_models": (lambda n: n or 0, lambda n: n or None),  # 0: no limit
+}
+CHOICES = {"backend": BACKENDS}  # rank.plans': core cannot name them
+# torch.distributed's launchers' variables, which serve and node read as those launchers do
+ENVIRONMENT = {"nnodes": "NNODES", "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"}
+
+
+def _key_values(items: list[str], flag: str) -> dict[str, str]:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def _unwrapped(kind: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    if get_origin(kind) in (Union, UnionType):
+        return next(a for a in get_args(kind) if a is not type(None))
+    return kind
+
+
+def add_fields(parser: argparse.ArgumentParser, fields: dict[str, FieldInfo]) -> None:
+    """A flag for each of ``fields`` (``ServerConfig``'s), as its ``Flag`` says, in its group:
+    its type, default and choices are the field's, a list or a mapping is a repeatable flag,
+    a bool a switch."""
+    groups: dict[str | None, argparse._ActionsContainer] = {None: parser}
+    for name, field in fields.items():
+        flag = next(m for m in field.metadata if isinstance(m, Flag))
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_argument_group(flag.group)
+        kind, default = _unwrapped(field.annotation), field.get_default(call_default_factory=True)
+        if name in CONVERTED:
+            default = CONVERTED[name][0](default)
+        if name in ENVIRONMENT and (variable := os.environ.get(ENVIRONMENT[name], "").strip()):
+            default = kind(variable) if variable.isdigit() or kind is str else default
+        options: dict[str, Any] = {"dest": name, "help": flag.help}
+        if flag.metavar is not None:
+            options["metavar"] = flag.metavar
+        if kind is bool:
+            options |= {"action": "store_true"}
+        elif get_origin(kind) in (list, dict):
+            options |= {"action": "append", "default": default if isinstance(default, list) else []}
+        elif get_origin(kind) is Literal:
+            options |= {"choices": list(get_args(kind)), "default": default}
+        else:
+            options |= {"type": kind if kind in (int, float, Path) else None, "default": default}
+        if name in CHOICES:
+            options["choices"] = list(CHOICES[name])
+        groups[flag.group].add_argument(f"--{flag.name or name.replace('_', '-')}", **options)
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:
-    """Flags are named after the config's fields (``dest=``); the few below need converting.
+    """Flags are named after the config's fields (``dest=``), those of ``CONVERTED`` converted.
     The backend's options are checked here too, so that a wrong one stops the start."""
-    options = {}
-    for item in args.backend_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--backend-option {item!r}: expected KEY=VALUE")
-        options[key.strip()] = value.strip()
-    converted = {
-        "backend_options": options,
-        "sample_batch_window_s": args.sample_batch_window_ms / 1000,
-        "vllm_args": [a for arg in args.vllm_arg for a in shlex.split(arg)],
-        "key_limits": parse_limits(args.key_limit, "--key-limit"),
-        "max_resident_models": args.max_resident_models or None,  # 0: no limit
-    }
-    given = {name: v for name, v in vars(args).items() if name in ServerConfig.model_fields and name not in converted}
-    config = ServerConfig(**given, **converted)
+    given = {name: getattr(args, name) for name in ServerConfig.model_fields if hasattr(args, name)}
+    config = ServerConfig(**given | {name: CONVERTED[name][1](given[name]) for name in CONVERTED if name in given})
     backend_options(config)
     return config
 
@@ -91,7 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
         create_app(state),
         host=config.host,
         port=config.port,
-        log_level=args.log_level,
+        log_level=config.log_level,
         log_config=logs,
         access_log=config.access_log,
         http=http_protocol(ConnectionLimits.from_config(config)),
@@ -161,30 +213,6 @@ def _env_int(name: str) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def _cluster_flags(group: argparse._ActionsContainer) -> None:
-    """The flags of torch.distributed's launchers, with their environment variables as defaults."""
-    group.add_argument(
-        "--nnodes", type=int, default=_env_int("NNODES") or 1, help="machines in all, node 0 included ($NNODES)"
-    )
-    group.add_argument(
-        "--master-addr",
-        default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        help="node 0's address as the other nodes reach it ($MASTER_ADDR)",
-    )
-    group.add_argument(
-        "--master-port",
-        type=int,
-        default=_env_int("MASTER_PORT") or 29500,
-        help="node 0's cluster port, where the other nodes connect ($MASTER_PORT)",
-    )
-    group.add_argument(
-        "--cluster-key-file",
-        type=Path,
-        default=None,
-        help=f"the secret every node shares (default: ${CLUSTER_KEY_ENV})",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hosted-tinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,244 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--print-config",
         nargs="?",
         const="json",
-        choices=["json", "env"],
-        help="print the settings in effect (json), or every setting as an environment file (env), and exit",
+        choices=["json", "env", "docs"],
+        help="print the settings in effect (json), or every setting as an environment file (env) or as the docs' "
+        "configuration page (docs), and exit",
     )
-    serve.add_argument("--model", default=None, help="HF id or local dir (default: the built-in tiny model)")
-    serve.add_argument(
-        "--model-name", dest="model_names", action="append", default=[], help="another name the model answers to"
-    )
-    serve.add_argument("--tokenizer-id", default=None, help="tokenizer name get_info reports (default: --model)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (a public one needs keys)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument(
-        "--data-dir", default="./hosted-tinker-data", help="SQLite, checkpoints, parked models, request log"
-    )
-    serve.add_argument(
-        "--backend",
-        default="peft",
-        choices=BACKENDS,
-        help="peft: one process; ddp: data parallel; megatron: tensor parallel",
-    )
-    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the peft backend's device)")
-    serve.add_argument(
-        "--train-devices", default=None, help="a device per rank, on every node: cpu:N or cuda:0,1,... (ddp, megatron)"
-    )
-    serve.add_argument(
-        "--backend-option",
-        dest="backend_option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a backend option (repeatable; `hosted-tinker backends` lists them)",
-    )
-    serve.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the base model's dtype"
-    )
-    serve.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA's alpha (its scale is alpha / rank)")
-    serve.add_argument(
-        "--lora-compute",
-        default="float32",
-        choices=["float32", "base"],
-        help="the dtype of LoRA's products: float32 (PEFT's over float32 adapters) or base (the base's, as under "
-        "torch.autocast; adapters and optimizer state stay float32)",
-    )
-    serve.add_argument("--max-seq-len", type=int, default=None, help="longest sequence (default: the model's)")
-    serve.add_argument("--proto-compress", action="store_true", help="have the SDK zstd-compress fwd/bwd bodies")
-    serve.add_argument(
-        "--sdk-transport", default="httpx", choices=["httpx", "pyqwest"], help="HTTP stack the SDK should use"
-    )
-    serve.add_argument(
-        "--poll-timeout", dest="poll_timeout_s", type=float, default=30.0, help="long-poll cap of retrieve_future (s)"
-    )
-    serve.add_argument(
-        "--sample-batch-window-ms", type=float, default=10.0, help="how long an idle sampler gathers a batch"
-    )
-    serve.add_argument(
-        "--max-sample-tokens",
-        type=int,
-        default=65536,
-        help="n * (prompt + max_tokens) of one request to the embedded sampler, which shares the training worker "
-        "(400 above)",
-    )
-    serve.add_argument(
-        "--sample-slice",
-        dest="sample_slice_s",
-        type=float,
-        default=0.1,
-        help="seconds a sampling run decodes before it gives the worker to training and other runs",
-    )
-    serve.add_argument("--log-level", default="info", help="the server log's level (debug, info, warning)")
-    serve.add_argument(
-        "--request-log",
-        default=None,
-        help="one JSON line per request: a file (default: requests.jsonl in --data-dir, rotated) or - for stderr",
-    )
-    serve.add_argument(
-        "--max-inflight-body-bytes",
-        type=int,
-        default=1 << 30,
-        help="request bodies held at once, as read (twice) and inflated (503 above; a key's share: 429); "
-        "at least 3 x --max-body-bytes",
-    )
-    serve.add_argument(
-        "--request-log-anonymous-per-s",
-        type=float,
-        default=1.0,
-        help="request log lines a second of requests without a valid key or over a key's rate (bursts of a "
-        "minute's worth); the others are counted in a summary line a minute (0: summaries only)",
-    )
-    serve.add_argument(
-        "--access-log",
-        action="store_true",
-        help="also write uvicorn's access log to stderr, secrets left out (the request log is the record)",
-    )
-    serve.add_argument("--max-pending", type=int, default=1024, help="accepted, unfinished requests (429 above)")
-    serve.add_argument("--max-pending-per-model", type=int, default=64, help="the same, per model or sampler")
-    serve.add_argument(
-        "--max-pending-bytes",
-        type=int,
-        default=4 << 30,
-        help="bytes of forward_backward batches those may hold, once inflated (429 above; one always fits)",
-    )
-    serve.add_argument(
-        "--joint-pass-tokens",
-        type=int,
-        default=32768,
-        help="tokens of several models' forward_backward requests run in one pass over the base (0: each alone)",
-    )
-    serve.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=256 << 20,
-        help="largest body of forward_backward, after zstd (413 above)",
-    )
-    serve.add_argument(
-        "--max-prompt-body-bytes",
-        type=int,
-        default=32 << 20,
-        help="largest body of sampling and completions (JSON prompts; at most --max-body-bytes; 413 above)",
-    )
-    serve.add_argument(
-        "--max-control-body-bytes",
-        type=int,
-        default=1 << 20,
-        help="largest body of every other call: sessions, models, saves, heartbeats (413 above)",
-    )
-    serve.add_argument(
-        "--worker-timeout",
-        dest="worker_timeout_s",
-        type=float,
-        default=3600.0,
-        help="seconds a backend call may go without a sign of life before its worker is killed and replaced",
-    )
-    serve.add_argument(
-        "--result-retention",
-        dest="result_retention_s",
-        type=float,
-        default=7 * 86400.0,
-        help="seconds a finished request's result stays retrievable (default: 7 days)",
-    )
-    resident = serve.add_argument_group("training models on the workers")
-    resident.add_argument(
-        "--session-timeout",
-        dest="session_timeout_s",
-        type=float,
-        default=900.0,
-        help="seconds without a heartbeat after which a session's models are parked (saved whole, freed)",
-    )
-    resident.add_argument(
-        "--max-resident-models",
-        type=int,
-        default=64,
-        help="models on the workers at once; past it the least recently used is parked (0: no limit)",
-    )
-    resident.add_argument(
-        "--shutdown-timeout",
-        dest="shutdown_timeout_s",
-        type=float,
-        default=25.0,
-        help="seconds the server may take at SIGTERM to park every model, so the next start serves them",
-    )
-    resident.add_argument(
-        "--checkpoint-mirror",
-        default=None,
-        metavar="URL",
-        help="copy every saved checkpoint to this fsspec URL (gs://bucket/prefix, file:///path) and restore from it",
-    )
-    slow = serve.add_argument_group("slow and oversized clients")
-    slow.add_argument(
-        "--header-timeout",
-        dest="header_timeout_s",
-        type=float,
-        default=10.0,
-        help="seconds a request's line and headers may take, from its first byte (408 after)",
-    )
-    slow.add_argument(
-        "--body-timeout",
-        dest="body_timeout_s",
-        type=float,
-        default=30.0,
-        help="seconds a request body may take from the end of its headers, plus --min-body-rate's (408 after)",
-    )
-    slow.add_argument(
-        "--min-body-rate",
-        type=int,
-        default=16 << 10,
-        help="bytes/s: each this many body bytes received adds 1 s to --body-timeout (0: none)",
-    )
-    slow.add_argument(
-        "--max-header-bytes", type=int, default=64 << 10, help="largest request line and headers (431 above)"
-    )
-    _cluster_flags(serve.add_argument_group("several machines (ddp, megatron): this server is node 0"))
-    auth = serve.add_argument_group("API keys (besides `hosted-tinker keys create`)")
-    auth.add_argument("--api-keys-file", type=Path, default=None, help="file with one tml- key per line")
-    auth.add_argument(
-        "--dev-any-key", action="store_true", help="development only: accept any tml- key, each its own tenant"
-    )
-    auth.add_argument(
-        "--public-docs", action="store_true", help="serve /docs and /openapi.json without a key when keys are on"
-    )
-    auth.add_argument(
-        "--public-metrics",
-        action="store_true",
-        help="serve /metrics without a key when keys are on (every model's series still need an operator's key)",
-    )
-    auth.add_argument(
-        "--console-operator",
-        dest="console_operators",
-        action="append",
-        default=[],
-        metavar="KEY_ID",
-        help="a key (its id, as `keys list` shows it) that sees the whole server: the console's server page, "
-        "every model's series in /metrics",
-    )
-    auth.add_argument(
-        "--key-limit",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help=f"a limit every key is held to unless it has its own (repeatable): {', '.join(Limits.model_fields)}",
-    )
-    engine = serve.add_argument_group("inference engine")
-    engine.add_argument(
-        "--inference", default="embedded", choices=["embedded", "vllm"], help="who samples (default: embedded)"
-    )
-    engine.add_argument("--inference-url", default=None, help="use this running vLLM server (implies vllm)")
-    engine.add_argument("--vllm-python", default=None, help="python of the vLLM venv (see setup-vllm)")
-    engine.add_argument("--vllm-gpus", default=None, help="GPUs for vLLM, e.g. 1,2 (default: share the training GPU)")
-    engine.add_argument(
-        "--vllm-arg", action="append", default=[], help="extra arguments for vLLM's server (repeatable, shell-split)"
-    )
-    engine.add_argument("--vllm-port", type=int, default=0, help="vLLM's port on 127.0.0.1 (default: any free)")
-    engine.add_argument("--vllm-max-loras", type=int, default=4, help="adapters vLLM runs in one batch")
-    engine.add_argument(
-        "--vllm-gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="vLLM's share of its GPUs (default: 0.45 when sharing the training GPU, else vLLM's)",
-    )
-    engine.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank vLLM must serve")
+    add_fields(serve, ServerConfig.model_fields)
     serve.set_defaults(func=_serve)
 
     node = sub.add_parser("node", help="run another node's training ranks for the server on node 0")
@@ -449,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=_env_int("NODE_RANK") is None,
         help="this machine's node number, 1 to nnodes-1 (default: $NODE_RANK)",
     )
-    _cluster_flags(node)
+    cluster = ("nnodes", "master_addr", "master_port", "cluster_key_file")
+    add_fields(node, {name: ServerConfig.model_fields[name] for name in cluster})
     node.set_defaults(func=_node)
 
     add_keys_parser(sub)
@@ -486,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "serve" and args.print_config == "env":  # the defaults, not what is set here
-        print(env_example(serve_parser()), end="")
+    if args.command == "serve" and args.print_config in ("env", "docs"):  # the defaults, not what is set here
+        print((env_example if args.print_config == "env" else configuration_doc)(serve_parser()), end="")
         return 0
     if args.command == "serve":  # the environment and the config file under the flags (settings.py)
         serve = serve_parser(parser)

@@ -10,7 +10,9 @@ also ``shutdown-timeout`` in the file). A repeatable flag takes a list in the fi
 comma-separated values in the environment (flags given on the command line replace that list);
 a switch takes true/false (1/0, yes/no, on/off); an empty variable counts as unset.
 ``serve --print-config`` prints the result (``--print-config env``: every setting, as an
-environment file). Used by the CLI only, before anything is started.
+environment file; ``docs``: as the docs' configuration page). What the settings are is declared
+once, with ``core.config.ServerConfig``'s fields; the CLI makes the flags from them, and this
+module reads the flags. Used by the CLI only, before anything is started.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ OTHER_VARIABLES = frozenset(
         "HOSTED_TINKER_SCREENSHOTS",
     }
 )
+ESCAPED_BAR = " \\| "  # a | inside a markdown table's cell
 TRUE, FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off", ""})
 
 
@@ -113,6 +116,57 @@ def _one(action: argparse.Action, value: Any, where: str) -> Any:
     return value
 
 
+def _default(action: argparse.Action) -> str:
+    if isinstance(action, argparse._StoreTrueAction):
+        return "false"
+    if isinstance(action, argparse._AppendAction) or action.default is None:
+        return ""
+    return str(action.default)
+
+
+def _groups(parser: argparse.ArgumentParser) -> list[tuple[str, list[argparse.Action]]]:
+    """The settings of ``parser`` by --help group, the first (argparse's "options") as "server"."""
+    known = settings(parser).values()
+    return [
+        (group.title if group.title != "options" else "server", actions)
+        for group in parser._action_groups
+        if (actions := [a for a in group._group_actions if a in known])
+    ]
+
+
+def _name(action: argparse.Action) -> str:
+    return action.option_strings[-1].lstrip("-").replace("-", "_")
+
+
+def configuration_doc(parser: argparse.ArgumentParser) -> str:
+    """Every setting of ``parser`` as a page of the docs, a table per group (``docs/configuration.md``:
+    ``serve --print-config docs`` writes it)."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Written by `hosted-tinker serve --print-config docs > docs/configuration.md` from the settings'",
+        "     declarations (hosted_tinker/core/config.py); tests/unit/test_settings.py keeps it current. -->",
+        "",
+        "Every setting of `hosted-tinker serve` is a flag, or an environment variable `HOSTED_TINKER_<NAME>`, or",
+        "`name = value` in the TOML file of `--config FILE` (or `$HOSTED_TINKER_CONFIG`), in that order of",
+        "precedence. Repeatable flags take lists in the file and comma-separated values in the environment;",
+        "switches take true or false. `serve --print-config` prints the settings in effect;",
+        "`deploy/hosted-tinker.env.example` is every setting as an environment file (`serve --print-config env`).",
+        "`hosted-tinker backends` lists each backend's `--backend-option`s; `hosted-tinker make-tiny-model DIR",
+        "--family ...` builds an offline test model; `hosted-tinker setup-vllm DIR` creates vLLM's environment.",
+    ]
+    for title, actions in _groups(parser):
+        lines += ["", f"## {title[0].upper()}{title[1:]}", "", "| flag | variable | default | |", "|---|---|---|---|"]
+        for action in actions:
+            flag = action.option_strings[-1] + (f" {action.metavar}" if action.metavar else "")
+            choices = f" ({ESCAPED_BAR.join(map(str, action.choices))})" if action.choices else ""
+            default = _default(action)
+            help_text = (action.help or "").replace("|", ESCAPED_BAR.strip())
+            default = f"`{default}`" if default else ""
+            lines.append(f"| `{flag}` | `{env_name(_name(action))}` | {default} | {help_text}{choices} |")
+    return "\n".join(lines) + "\n"
+
+
 def env_example(parser: argparse.ArgumentParser) -> str:
     """Every setting of ``parser`` as a commented environment file, grouped as ``--help`` shows
     them (``deploy/hosted-tinker.env.example``: ``serve --print-config env`` writes it)."""
@@ -125,18 +179,8 @@ def env_example(parser: argparse.ArgumentParser) -> str:
         "",
         f"# {CONFIG_ENV}=/etc/hosted-tinker/config.toml",
     ]
-    known = settings(parser)
-    for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a in known.values()]
-        if actions:
-            lines += ["", f"# ---- {group.title if group.title != 'options' else 'server'}"]
+    for title, actions in _groups(parser):
+        lines += ["", f"# ---- {title}"]
         for action in actions:
-            if isinstance(action, argparse._StoreTrueAction):
-                default = "false"
-            elif isinstance(action, argparse._AppendAction) or action.default is None:
-                default = ""
-            else:
-                default = str(action.default)
-            name = action.option_strings[-1].lstrip("-").replace("-", "_")
-            lines += [f"# {action.help}", f"# {env_name(name)}={default}"]
+            lines += [f"# {action.help}", f"# {env_name(_name(action))}={_default(action)}"]
     return "\n".join(lines) + "\n"

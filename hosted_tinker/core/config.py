@@ -1,10 +1,12 @@
-"""Typed server settings, filled from CLI flags (and, for tests, directly)."""
+"""The server's settings, each declared once: a ``ServerConfig`` field with its ``Flag`` (help, group), from
+which the CLI makes its flags and ``settings`` the variables, the config file's keys and the docs."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -57,106 +59,306 @@ def parse_devices(spec: str) -> list[str]:
     raise ValueError(f"train devices {spec!r}: expected cpu, cpu:N, cuda or cuda:I,J,...")
 
 
+# The --help groups of serve's flags (None: the first, unnamed one).
+NODES = "several machines (ddp, megatron): this server is node 0"
+RESIDENT = "training models on the workers"
+SLOW = "slow and oversized clients"
+KEYS = "API keys (besides `hosted-tinker keys create`)"
+ENGINE = "inference engine"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How ``hosted-tinker serve`` sets a ``ServerConfig`` field, said with the field: its help
+    and --help group, and its flag's name where that is not the field's (``--model-name`` for
+    ``model_names``, ``--sample-batch-window-ms`` for ``sample_batch_window_s``: the CLI says
+    how such a flag's value becomes the field's). The flag's type, default and choices are the
+    field's; from the flags come the environment variables, the config file's keys,
+    ``deploy/hosted-tinker.env.example`` and ``docs/configuration.md`` (``settings``)."""
+
+    help: str
+    group: str | None = None
+    name: str | None = None
+    metavar: str | None = None
+
+
 class ServerConfig(BaseModel):
-    model: str | None = None  # HF id or local dir; None = the built-in tiny model
-    model_names: list[str] = Field(default_factory=list)  # extra names the model answers to
+    model: Annotated[str | None, Flag("HF id or local dir (default: the built-in tiny model)")] = None
+    model_names: Annotated[list[str], Flag("another name the model answers to", name="model-name")] = Field(
+        default_factory=list
+    )
     # What get_info reports for the SDK's get_tokenizer(): by default the model's path or hub id,
     # which a client on another machine can load only if it has the same path or hub access.
-    tokenizer_id: str | None = None
-    host: str = "127.0.0.1"  # loopback unless asked: the API is open until a key is configured
-    port: int = 8000
-    data_dir: Path = Path("./hosted-tinker-data")
-    backend: str = "peft"  # a key of rank.plans.PLANS (checked by the CLI's choices and at start-up)
-    device: str = "cpu"  # the one device of a single-process backend
+    tokenizer_id: Annotated[str | None, Flag("tokenizer name get_info reports (default: --model)")] = None
+    # loopback unless asked: the API is open until a key is configured
+    host: Annotated[str, Flag("address to listen on (a public one needs keys)")] = "127.0.0.1"
+    port: Annotated[int, Flag("port to listen on")] = 8000
+    data_dir: Annotated[Path, Flag("SQLite, checkpoints, parked models, request log")] = Path("./hosted-tinker-data")
+    # a key of rank.plans.PLANS (checked by the CLI's choices and at start-up)
+    backend: Annotated[str, Flag("peft: one process; ddp: data parallel; megatron: tensor parallel")] = "peft"
+    device: Annotated[str, Flag("cpu, cuda or cuda:N (the peft backend's device)")] = "cpu"
     # Data parallel: a device per rank, "cpu:2" or "cuda:0,1" (parse_devices).
-    train_devices: str | None = None
-    backend_options: dict[str, str] = Field(default_factory=dict)  # checked by rank.plans.backend_options
+    train_devices: Annotated[
+        str | None, Flag("a device per rank, on every node: cpu:N or cuda:0,1,... (ddp, megatron)")
+    ] = None
+    # checked by rank.plans.backend_options
+    backend_options: Annotated[
+        dict[str, str],
+        Flag(
+            "a backend option (repeatable; `hosted-tinker backends` lists them)",
+            name="backend-option",
+            metavar="KEY=VALUE",
+        ),
+    ] = Field(default_factory=dict)
     # Several machines: this server is node 0 of ``nnodes``, each with the devices above; the
     # other nodes' agents (``hosted-tinker node``) connect to master_addr:master_port.
-    nnodes: int = Field(1, ge=1)
-    master_addr: str = "127.0.0.1"
-    master_port: int = Field(29500, ge=0, le=65535)  # 0: any free port (tests)
-    cluster_key_file: Path | None = None  # else $HOSTED_TINKER_CLUSTER_KEY (read_cluster_key)
-    dtype: str = "float32"
-    lora_alpha: float = 32.0
+    nnodes: Annotated[int, Flag("machines in all, node 0 included ($NNODES)", group=NODES)] = Field(1, ge=1)
+    master_addr: Annotated[str, Flag("node 0's address as the other nodes reach it ($MASTER_ADDR)", group=NODES)] = (
+        "127.0.0.1"
+    )
+    # 0: any free port (tests)
+    master_port: Annotated[
+        int, Flag("node 0's cluster port, where the other nodes connect ($MASTER_PORT)", group=NODES)
+    ] = Field(29500, ge=0, le=65535)
+    # else $HOSTED_TINKER_CLUSTER_KEY (read_cluster_key)
+    cluster_key_file: Annotated[
+        Path | None, Flag("the secret every node shares (default: $HOSTED_TINKER_CLUSTER_KEY)", group=NODES)
+    ] = None
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], Flag("the base model's dtype")] = "float32"
+    lora_alpha: Annotated[float, Flag("LoRA's alpha (its scale is alpha / rank)")] = 32.0
     # The dtype of LoRA's products and of the update's sum (rank.adapters): float32 whatever the
     # base (PEFT's arithmetic over float32 adapters), or the base's (as under torch.autocast)
-    lora_compute: Literal["float32", "base"] = "float32"
-    max_seq_len: int | None = None
-    sample_batch_window_s: float = 0.01  # how long an idle sampler waits to gather a batch
+    lora_compute: Annotated[
+        Literal["float32", "base"],
+        Flag(
+            "the dtype of LoRA's products: float32 (PEFT's over float32 adapters) or base (the base's, as under "
+            "torch.autocast; adapters and optimizer state stay float32)"
+        ),
+    ] = "float32"
+    max_seq_len: Annotated[int | None, Flag("longest sequence (default: the model's)")] = None
+    # how long an idle sampler waits to gather a batch
+    sample_batch_window_s: Annotated[
+        float, Flag("how long an idle sampler gathers a batch", name="sample-batch-window-ms")
+    ] = 0.01
     # The embedded sampler shares the training worker: a request's n * (prompt + max_tokens), the
     # positions its rows hold, is at most max_sample_tokens (400 above), and a run gives the
     # worker back after each sample_slice_s of decoding, so training and other keys' runs wait
     # for a slice, not for a whole run.
-    max_sample_tokens: int = Field(65536, ge=1)
-    sample_slice_s: float = Field(0.1, ge=0)
-    poll_timeout_s: float = 30.0  # long-poll cap of retrieve_future (the SDK times out at 45 s)
-    proto_compress: bool = False  # ask the SDK to zstd-compress forward_backward bodies
+    max_sample_tokens: Annotated[
+        int,
+        Flag(
+            "n * (prompt + max_tokens) of one request to the embedded sampler, which shares the training worker (400 "
+            "above)"
+        ),
+    ] = Field(65536, ge=1)
+    sample_slice_s: Annotated[
+        float,
+        Flag(
+            "seconds a sampling run decodes before it gives the worker to training and other runs", name="sample-slice"
+        ),
+    ] = Field(0.1, ge=0)
+    # long-poll cap of retrieve_future (the SDK times out at 45 s)
+    poll_timeout_s: Annotated[float, Flag("long-poll cap of retrieve_future (s)", name="poll-timeout")] = 30.0
+    # ask the SDK to zstd-compress forward_backward bodies
+    proto_compress: Annotated[bool, Flag("have the SDK zstd-compress fwd/bwd bodies")] = False
     # The SDK's transport, chosen by the server in client/config. Against this server (HTTP/1.1)
     # httpx answers a call ~5 ms sooner than pyqwest (benchmarks/overhead.py).
-    sdk_transport: Literal["httpx", "pyqwest"] = "httpx"
-    max_body_bytes: int = Field(256 << 20, ge=1024)  # a request body, also once inflated (413 above)
+    sdk_transport: Annotated[Literal["httpx", "pyqwest"], Flag("HTTP stack the SDK should use")] = "httpx"
+    # a request body, also once inflated (413 above)
+    max_body_bytes: Annotated[int, Flag("largest body of forward_backward, after zstd (413 above)")] = Field(
+        256 << 20, ge=1024
+    )
     # The body of a control call (every route not declared large_body): sessions, saves, heartbeats.
-    max_control_body_bytes: int = Field(1 << 20, ge=1024)
+    max_control_body_bytes: Annotated[
+        int, Flag("largest body of every other call: sessions, models, saves, heartbeats (413 above)")
+    ] = Field(1 << 20, ge=1024)
     # The body of a sampling or completion request (large_body("prompt")): a prompt and its
     # targets (~20 MB for 40K tokens with dense top-64 targets: raise it for longer contexts);
     # JSON, parsed off the event loop but for json.loads' own share (~12-50 ms per MiB).
-    max_prompt_body_bytes: int = Field(32 << 20, ge=1024)
+    max_prompt_body_bytes: Annotated[
+        int, Flag("largest body of sampling and completions (JSON prompts; at most --max-body-bytes; 413 above)")
+    ] = Field(32 << 20, ge=1024)
     # Request bodies the API process holds at once, as received (twice: while it is read) and as
     # inflated (503 above; a key's share: quotas.Limits.body_bytes, 429 above; api.inflight); at
     # least one largest body, read and inflated.
-    max_inflight_body_bytes: int = Field(1 << 30, ge=1024)
-    max_pending: int = Field(1024, ge=1)  # accepted, unfinished requests over all models (429 above)
-    max_pending_per_model: int = Field(64, ge=1)  # the same per training model or sampling session
-    max_pending_bytes: int = Field(4 << 30, ge=1)  # the forward_backward batches they hold (429 above)
+    max_inflight_body_bytes: Annotated[
+        int,
+        Flag(
+            "request bodies held at once, as read (twice) and inflated (503 above; a key's share: 429); at least 3 x "
+            "--max-body-bytes"
+        ),
+    ] = Field(1 << 30, ge=1024)
+    # accepted, unfinished requests over all models (429 above)
+    max_pending: Annotated[int, Flag("accepted, unfinished requests (429 above)")] = Field(1024, ge=1)
+    # the same per training model or sampling session
+    max_pending_per_model: Annotated[int, Flag("the same, per model or sampler")] = Field(64, ge=1)
+    # the forward_backward batches they hold (429 above)
+    max_pending_bytes: Annotated[
+        int, Flag("bytes of forward_backward batches those may hold, once inflated (429 above; one always fits)")
+    ] = Field(4 << 30, ge=1)
     # Several models' forward_backward requests, up to this many tokens, in one pass over the
     # base (server.serving.joint_passes); 0: each runs alone.
-    joint_pass_tokens: int = Field(32768, ge=0)
-    header_timeout_s: float = Field(10.0, gt=0)  # a request's line and headers, from its first byte (408 after)
-    body_timeout_s: float = Field(30.0, gt=0)  # a request body, from the end of its headers (408 after) ...
-    min_body_rate: int = Field(16 << 10, ge=0)  # ... plus 1 s per this many bytes received; 0: no extension
-    max_header_bytes: int = Field(64 << 10, ge=1024)  # a request's line and headers (431 above)
+    joint_pass_tokens: Annotated[
+        int, Flag("tokens of several models' forward_backward requests run in one pass over the base (0: each alone)")
+    ] = Field(32768, ge=0)
+    # a request's line and headers, from its first byte (408 after)
+    header_timeout_s: Annotated[
+        float,
+        Flag(
+            "seconds a request's line and headers may take, from its first byte (408 after)",
+            group=SLOW,
+            name="header-timeout",
+        ),
+    ] = Field(10.0, gt=0)
+    # a request body, from the end of its headers (408 after) ...
+    body_timeout_s: Annotated[
+        float,
+        Flag(
+            "seconds a request body may take from the end of its headers, plus --min-body-rate's (408 after)",
+            group=SLOW,
+            name="body-timeout",
+        ),
+    ] = Field(30.0, gt=0)
+    # ... plus 1 s per this many bytes received; 0: no extension
+    min_body_rate: Annotated[
+        int, Flag("bytes/s: each this many body bytes received adds 1 s to --body-timeout (0: none)", group=SLOW)
+    ] = Field(16 << 10, ge=0)
+    # a request's line and headers (431 above)
+    max_header_bytes: Annotated[int, Flag("largest request line and headers (431 above)", group=SLOW)] = Field(
+        64 << 10, ge=1024
+    )
     # A worker call with no sign of life for this long has hung: the worker is killed and replaced.
-    worker_timeout_s: float = Field(3600.0, gt=0)
+    worker_timeout_s: Annotated[
+        float,
+        Flag(
+            "seconds a backend call may go without a sign of life before its worker is killed and replaced",
+            name="worker-timeout",
+        ),
+    ] = Field(3600.0, gt=0)
     # Training models on the workers: a silent session's are parked (saved whole, freed) after
     # session_timeout_s; past max_resident_models the least recently used is parked; all are at
     # shutdown, within shutdown_timeout_s. A parked model comes back at its next request.
-    session_timeout_s: float = Field(900.0, gt=0)
-    max_resident_models: int | None = Field(64, ge=1)
-    shutdown_timeout_s: float = Field(25.0, ge=0)
+    session_timeout_s: Annotated[
+        float,
+        Flag(
+            "seconds without a heartbeat after which a session's models are parked (saved whole, freed)",
+            group=RESIDENT,
+            name="session-timeout",
+        ),
+    ] = Field(900.0, gt=0)
+    max_resident_models: Annotated[
+        int | None,
+        Flag("models on the workers at once; past it the least recently used is parked (0: no limit)", group=RESIDENT),
+    ] = Field(64, ge=1)
+    shutdown_timeout_s: Annotated[
+        float,
+        Flag(
+            "seconds the server may take at SIGTERM to park every model, so the next start serves them",
+            group=RESIDENT,
+            name="shutdown-timeout",
+        ),
+    ] = Field(25.0, ge=0)
     # An fsspec URL (gs://bucket/prefix, file:///path) that every saved checkpoint is copied to,
     # and restored from on a disk that lacks it (server.mirror).
-    checkpoint_mirror: str | None = None
+    checkpoint_mirror: Annotated[
+        str | None,
+        Flag(
+            "copy every saved checkpoint to this fsspec URL (gs://bucket/prefix, file:///path) and restore from it",
+            group=RESIDENT,
+            metavar="URL",
+        ),
+    ] = None
     # Finished futures (and their payloads) are deleted this long after they finished.
-    result_retention_s: float = Field(7 * 86400.0, gt=0)
+    result_retention_s: Annotated[
+        float, Flag("seconds a finished request's result stays retrievable (default: 7 days)", name="result-retention")
+    ] = Field(7 * 86400.0, gt=0)
     # Inference: the training backend's own sampler, or vLLM (launched here, or at inference_url).
-    inference: Literal["embedded", "vllm"] = "embedded"
-    inference_url: str | None = None  # an already running vLLM (implies inference="vllm")
-    vllm_python: str | None = None  # the interpreter of the vLLM venv (hosted-tinker setup-vllm)
-    vllm_gpus: str | None = None  # CUDA_VISIBLE_DEVICES for vLLM; None: the training devices
-    vllm_args: list[str] = Field(default_factory=list)  # passed through to vLLM's server
-    vllm_port: int = 0  # 0: any free port on 127.0.0.1
-    vllm_max_loras: int = 4  # adapters vLLM batches together at once
-    vllm_gpu_memory_utilization: float | None = None  # None: 0.45 when sharing a GPU with training
-    max_lora_rank: int = 64  # vLLM reserves LoRA memory for this rank; larger ranks are refused
+    inference: Annotated[Literal["embedded", "vllm"], Flag("who samples (default: embedded)", group=ENGINE)] = (
+        "embedded"
+    )
+    # an already running vLLM (implies inference="vllm")
+    inference_url: Annotated[str | None, Flag("use this running vLLM server (implies vllm)", group=ENGINE)] = None
+    # the interpreter of the vLLM venv (hosted-tinker setup-vllm)
+    vllm_python: Annotated[str | None, Flag("python of the vLLM venv (see setup-vllm)", group=ENGINE)] = None
+    # CUDA_VISIBLE_DEVICES for vLLM; None: the training devices
+    vllm_gpus: Annotated[
+        str | None, Flag("GPUs for vLLM, e.g. 1,2 (default: share the training GPU)", group=ENGINE)
+    ] = None
+    # passed through to vLLM's server
+    vllm_args: Annotated[
+        list[str], Flag("extra arguments for vLLM's server (repeatable, shell-split)", group=ENGINE, name="vllm-arg")
+    ] = Field(default_factory=list)
+    # 0: any free port on 127.0.0.1
+    vllm_port: Annotated[int, Flag("vLLM's port on 127.0.0.1 (default: any free)", group=ENGINE)] = 0
+    # adapters vLLM batches together at once
+    vllm_max_loras: Annotated[int, Flag("adapters vLLM runs in one batch", group=ENGINE)] = 4
+    # None: 0.45 when sharing a GPU with training
+    vllm_gpu_memory_utilization: Annotated[
+        float | None,
+        Flag("vLLM's share of its GPUs (default: 0.45 when sharing the training GPU, else vLLM's)", group=ENGINE),
+    ] = None
+    # vLLM reserves LoRA memory for this rank; larger ranks are refused
+    max_lora_rank: Annotated[int, Flag("largest LoRA rank vLLM must serve", group=ENGINE)] = 64
     # API keys besides those `hosted-tinker keys create` stores (see keys.py).
-    api_keys_file: Path | None = None
-    dev_any_key: bool = False  # development only: any tml- key is accepted, each its own tenant
-    public_docs: bool = False  # /docs and /openapi.json without a key (with keys on; open servers show them anyway)
-    public_metrics: bool = False  # /metrics without a key (its per-model series still need an operator's)
+    api_keys_file: Annotated[Path | None, Flag("file with one tml- key per line", group=KEYS)] = None
+    # development only: any tml- key is accepted, each its own tenant
+    dev_any_key: Annotated[bool, Flag("development only: accept any tml- key, each its own tenant", group=KEYS)] = False
+    # /docs and /openapi.json without a key (with keys on; open servers show them anyway)
+    public_docs: Annotated[bool, Flag("serve /docs and /openapi.json without a key when keys are on", group=KEYS)] = (
+        False
+    )
+    # /metrics without a key (its per-model series still need an operator's)
+    public_metrics: Annotated[
+        bool,
+        Flag(
+            "serve /metrics without a key when keys are on (every model's series still need an operator's key)",
+            group=KEYS,
+        ),
+    ] = False
     # Key ids (``keys list``) that see the whole server: the console's server page
     # (server.console), every model's series in /metrics (``ServerState.is_operator``).
-    console_operators: list[str] = Field(default_factory=list)
+    console_operators: Annotated[
+        list[str],
+        Flag(
+            "a key (its id, as `keys list` shows it) that sees the whole server: the console's server page, every "
+            "model's series in /metrics",
+            group=KEYS,
+            name="console-operator",
+            metavar="KEY_ID",
+        ),
+    ] = Field(default_factory=list)
     # The limits every key is held to unless it has its own (``server.quotas.Limits``; --key-limit).
-    key_limits: dict[str, Any] = Field(default_factory=dict)
+    key_limits: Annotated[
+        dict[str, Any],
+        Flag(
+            "a limit every key is held to unless it has its own (repeatable): sessions, models, adapter_bytes, "
+            "lora_rank, metadata_bytes, checkpoint_bytes, requests_per_s, pending, pending_bytes, sample_tokens, "
+            "body_bytes, custom_loss_bytes",
+            group=KEYS,
+            name="key-limit",
+            metavar="NAME=VALUE",
+        ),
+    ] = Field(default_factory=dict)
     # One JSON line per request (``server.api.request_log``): a file, "-" for stderr; None: the
     # data directory's requests.jsonl.
-    request_log: str | None = None
+    request_log: Annotated[
+        str | None,
+        Flag("one JSON line per request: a file (default: requests.jsonl in --data-dir, rotated) or - for stderr"),
+    ] = None
     # Lines a second of requests without a valid key (and of a key's 429s for its rate), in bursts
     # of a minute's worth; the others are counted in one summary line a minute. 0: summaries only.
-    request_log_anonymous_per_s: float = Field(1.0, ge=0)
+    request_log_anonymous_per_s: Annotated[
+        float,
+        Flag(
+            "request log lines a second of requests without a valid key or over a key's rate (bursts of a minute's "
+            "worth); the others are counted in a summary line a minute (0: summaries only)"
+        ),
+    ] = Field(1.0, ge=0)
+    log_level: Annotated[str, Flag("the server log's level (debug, info, warning)")] = "info"
     # uvicorn's access log (on stderr, with the server's log): off, the request log is the record.
-    access_log: bool = False
+    access_log: Annotated[
+        bool, Flag("also write uvicorn's access log to stderr, secrets left out (the request log is the record)")
+    ] = False
 
     def request_log_target(self) -> str:
         return self.request_log if self.request_log is not None else str(self.data_dir / "requests.jsonl")

@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from hosted_tinker.cli import main, serve_parser
-from hosted_tinker.settings import env_example
+from hosted_tinker.cli import CONVERTED, build_parser, main, serve_parser
+from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.settings import configuration_doc, env_example
 
 pytestmark = pytest.mark.fast
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "hosted-tinker.env.example"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "deploy" / "hosted-tinker.env.example"
+DOCS = ROOT / "docs" / "configuration.md"
 
 
 def printed(capsys: pytest.CaptureFixture, *flags: str) -> dict:
@@ -91,3 +94,50 @@ def test_the_deploy_files_name_only_real_settings():
     for path in [deploy / "Dockerfile", deploy / "Dockerfile.cuda", deploy / "startup.sh"]:
         named = set(re.findall(r"HOSTED_TINKER_[A-Z_]+", path.read_text()))
         assert named and named <= known, f"{path.name}: {sorted(named - known)}"
+
+
+def test_serve_has_a_flag_for_each_setting_and_nothing_else():
+    """Each setting is declared once, as a ServerConfig field; the flags are made from them."""
+    meta = {"help", "config", "print_config"}  # about the settings, not settings
+    dests = {a.dest for a in serve_parser()._actions} - meta
+    assert dests == set(ServerConfig.model_fields)
+    cli = (ROOT / "hosted_tinker" / "cli.py").read_text()
+    assert cli.count("add_argument(") < 20  # serve's come from the fields; the other commands' are few
+
+
+def test_a_flag_in_other_units_sets_its_field_in_the_fields_units(capsys):
+    """The flags of ``CONVERTED``: each default is the field's default, and a value converts."""
+    defaults = printed(capsys)
+    assert defaults == json.loads(ServerConfig().model_dump_json())
+    given = printed(
+        capsys,
+        "--sample-batch-window-ms",
+        "25",
+        "--backend-option",
+        "microbatch_tokens=64",
+        "--vllm-arg",
+        "--enforce-eager --seed 3",
+        "--key-limit",
+        "sessions=2",
+        "--max-resident-models",
+        "0",
+    )
+    assert given["sample_batch_window_s"] == 0.025 and given["backend_options"] == {"microbatch_tokens": "64"}
+    assert given["vllm_args"] == ["--enforce-eager", "--seed", "3"] and given["key_limits"] == {"sessions": 2}
+    assert given["max_resident_models"] is None and set(CONVERTED) <= set(given)
+
+
+def test_the_node_command_takes_the_cluster_settings_as_serve_does(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    args = build_parser().parse_args(["node", "--node-rank", "1", "--nnodes", "2"])
+    assert (args.nnodes, args.master_port, args.master_addr) == (2, 29999, "127.0.0.1")
+
+
+def test_the_configuration_page_lists_every_setting(capsys):
+    assert main(["serve", "--print-config", "docs"]) == 0
+    assert capsys.readouterr().out == configuration_doc(serve_parser())
+    assert DOCS.read_text() == configuration_doc(serve_parser()), (
+        "run: hosted-tinker serve --print-config docs > docs/configuration.md"
+    )
+    flags = {a.option_strings[-1] for a in serve_parser()._actions if a.dest in ServerConfig.model_fields}
+    assert len(flags) == len(ServerConfig.model_fields) and all(f"| `{flag}" in DOCS.read_text() for flag in flags)
