@@ -89,7 +89,13 @@ class ServerConfig(BaseModel):
     )
     # What get_info reports for the SDK's get_tokenizer(): by default the model's path or hub id,
     # which a client on another machine can load only if it has the same path or hub access.
-    tokenizer_id: Annotated[str | None, Flag("tokenizer name get_info reports (default: --model)")] = None
+    tokenizer_id: Annotated[
+        str | None,
+        Flag(
+            "the tokenizer get_info names for the SDK's TrainingClient.get_tokenizer() (default: --model, whose "
+            "local path loads only on this machine)"
+        ),
+    ] = None
     # loopback unless asked: the API is open until a key is configured
     host: Annotated[str, Flag("address to listen on (a public one needs keys)")] = "127.0.0.1"
     port: Annotated[int, Flag("port to listen on")] = 8000
