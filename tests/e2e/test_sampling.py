@@ -420,4 +420,19 @@ def test_tool_use_round_trip_through_both_sdks(base_url):
     assert oai.chat.completions.create(**offered | {"messages": back}).usage.prompt_tokens == counted
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         oai.chat.completions.create(**offered, tool_choice="required")
+
+    # JSON the body parser takes, nested deeper than the prompt can be written: a 400, not a 500.
+    deep: dict = {"a": 1}
+    for _ in range(900):
+        deep = {"a": deep}
+    use = {"type": "tool_use", "id": "t", "name": "weather", "input": deep}
+    result = {"type": "tool_result", "tool_use_id": "t", "content": "x"}
+    nested = {"model": path, "tools": [WEATHER], "messages": [*ask, {"role": "assistant", "content": [use]}]}
+    nested["messages"].append({"role": "user", "content": [result]})
+    reply = httpx.post(f"{base_url}/anthropic/api/v1/messages/count_tokens", json=nested, timeout=60)
+    assert reply.status_code == 400 and "nested too deep" in reply.json()["error"]["message"], reply.text
+    deep_call = {"type": "function", "function": {"name": "weather", "arguments": "[" * 3000 + "]" * 3000}}
+    body = offered | {"messages": [*ask, {"role": "assistant", "tool_calls": [deep_call]}]}
+    reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "arguments" in reply.json()["error"]["message"], reply.text
     sc.close("success").result()

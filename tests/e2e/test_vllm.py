@@ -222,6 +222,11 @@ def test_openai_proxy_streams_and_maps_names(base_url, trained):
     for path in ("load_lora_adapter", "load_lora_adapter/", "unload_lora_adapter"):
         blocked = httpx.post(f"{base_url}/v1/{path}", json={"lora_name": "x", "lora_path": "/tmp"})
         assert blocked.status_code == 404, path
+    # vLLM's own Messages API under the OpenAI door would skip ours (refusals, budget, metering).
+    hi = {"model": ALIAS, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for door in ("/oai/api/v1/messages", "/oai/api/v1/messages/count_tokens"):
+        elsewhere = httpx.post(f"{base_url}{door}", json=hi)
+        assert elsewhere.status_code == 404 and "/anthropic/api/v1/messages" in elsewhere.text, door
     # No model: the base model, leased like any other (on CPU through the all-zero adapter).
     bare = {"prompt": "hello", "max_tokens": 8, "temperature": 0}
     unnamed = httpx.post(f"{base_url}/v1/completions", json=bare, timeout=60).json()

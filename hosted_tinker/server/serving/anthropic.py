@@ -63,7 +63,8 @@ class Chat:
 
 def _block(block: dict[str, Any], where: str, allowed: set[str], **kinds: type | tuple[type, ...]) -> None:
     if not set(block) <= allowed:
-        raise bad_request(f"{where}: a {block['type']} block has no field {sorted(set(block) - allowed)[0]!r}")
+        unknown = sorted(set(block) - allowed)[0]
+        raise bad_request(f"{where}: a {block['type']} block has no field {unknown[:40]!r}")
     for name, kind in kinds.items():
         if not isinstance(block.get(name), kind):
             raise bad_request(f"{where}.{name}: missing, or not of the type a {block['type']} block has")
@@ -91,6 +92,8 @@ def _turn(role: str, content: str | list[dict[str, Any]], where: str, chat: Chat
     text, calls, results = [], [], []
     for j, block in enumerate([{"type": "text", "text": content}] if isinstance(content, str) else content):
         kind, at = block.get("type"), f"{where}[{j}]"
+        if not isinstance(kind, str):
+            raise bad_request(f"{at}.type: a string naming the block's type")
         if kind == "text":
             _block(block, at, TEXT_FIELDS, text=str)
             text.append(block["text"])
@@ -149,8 +152,10 @@ def chat(req: MessagesRequest | CountTokensRequest, form: ToolForm | None) -> Ch
                 raise bad_request(f"tools[{i}]: {str(tool.get('type'))[:40]!r} is a server tool, not served here")
             if not set(tool) <= TOOL_FIELDS or not isinstance(tool.get("name"), str):
                 raise bad_request(f"tools[{i}]: a tool has a name, a description and an input_schema")
-            schema = tool.get("input_schema", {"type": "object"})
-            function = {"name": tool["name"], "description": tool.get("description", ""), "parameters": schema}
+            schema, description = tool.get("input_schema", {"type": "object"}), tool.get("description", "")
+            if not isinstance(schema, dict) or not isinstance(description, str):
+                raise bad_request(f"tools[{i}]: input_schema is an object (a JSON schema), description a string")
+            function = {"name": tool["name"], "description": description, "parameters": schema}
             out.tools.append({"type": "function", "function": function})
         if choice == "none":  # the model is not told of them
             out.tools = None
@@ -163,6 +168,8 @@ def chat(req: MessagesRequest | CountTokensRequest, form: ToolForm | None) -> Ch
         out.prefill = out.messages.pop()["content"]
         if out.prefill != out.prefill.rstrip():
             raise bad_request("messages: the final assistant turn cannot end with white space (Anthropic's rule)")
+        if not out.messages:
+            raise bad_request("messages: a turn to answer before the final assistant turn (which the answer continues)")
     return out
 
 
@@ -187,13 +194,15 @@ class AnthropicService:
     def _chat(self, req: MessagesRequest | CountTokensRequest) -> tuple[list[int], bool]:
         """The prompt's tokens, and whether tools were offered; on the tokenizer's thread."""
         turns = chat(req, self.openai.tool_form)
-        self.openai.check_length(turns.characters(), "messages")
         try:
+            self.openai.check_length(turns.characters(), "messages")
             text = self.tokenizer.apply_chat_template(
                 turns.messages, tools=turns.tools, add_generation_prompt=True, tokenize=False
             )
         except TemplateError as e:  # the template's own raise_exception: what it wants of the messages
             raise bad_request(f"messages: the model's chat template refused them: {e}") from None
+        except RecursionError:  # JSON within the body parser's bounds, nested past the template's
+            raise bad_request("messages or tools: nested too deep to write into the prompt") from None
         return self.tokenizer.encode(text + turns.prefill, add_special_tokens=False), turns.tools is not None
 
     async def _prepare(self, req: MessagesRequest) -> _Prepared:
@@ -209,7 +218,7 @@ class AnthropicService:
         return _Prepared(prompt, self.openai.ends_turn(spec), tools)
 
     async def count_tokens(self, req: CountTokensRequest, tenant: str) -> dict:
-        self.openai.resolve(req.model, tenant)  # a model the key may not sample is a 404 here too
+        self.openai.resolve(req.model, tenant, audit=False)  # one the key may not sample is a 404 here too
         with self.openai.slot(req.model, tenant):  # tokenizing a long prompt is work: bounded like a request
             prompt, _ = await self.openai.on_tokenizer_thread(self._chat, req)
         return {"input_tokens": len(prompt)}

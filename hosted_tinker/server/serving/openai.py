@@ -123,8 +123,9 @@ class OpenAIService:
         none is free), counted per tenant and model like a sampling session's requests."""
         return self.sampling.scheduler.slot(f"{tenant}/v1/{name}", owner=tenant)
 
-    def resolve(self, name: str, tenant: str) -> WeightsRef:
-        """The weights a ``model`` name stands for, if ``tenant`` may sample them (else a 404)."""
+    def resolve(self, name: str, tenant: str, audit: bool = True) -> WeightsRef:
+        """The weights a ``model`` name stands for, if ``tenant`` may sample them (else a 404);
+        ``audit``: another key's checkpoint is read to sample it (not to count tokens)."""
         if name in self.served_names:
             return WeightsRef(None)
         base, semicolon, checkpoint = name.partition(";")
@@ -133,9 +134,9 @@ class OpenAIService:
             # context length its name carries. Ours carry none: each base runs at --max-seq-len.
             if base not in self.served_names:
                 raise model_not_found(base)
-            return self._checkpoint(checkpoint, tenant, base=base)
+            return self._checkpoint(checkpoint, tenant, audit, base)
         if name.startswith("tinker://"):
-            return self._checkpoint(name, tenant)
+            return self._checkpoint(name, tenant, audit)
         sampler = self.store.get_sampler(name)
         if sampler is not None and self.tenancy.owns(tenant, name) and self.tenancy.may_sample(tenant, sampler):
             return self.sampling.weights_of(sampler)
@@ -149,7 +150,7 @@ class OpenAIService:
             return WeightsRef(None, live=name)  # the run's adapter as of its latest step
         raise model_not_found(name)
 
-    def _checkpoint(self, name: str, tenant: str, base: str | None = None) -> WeightsRef:
+    def _checkpoint(self, name: str, tenant: str, audit: bool, base: str | None = None) -> WeightsRef:
         """The checkpoint at ``tinker://`` path ``name``, if ``tenant`` may read it (else a 404),
         trained on a base this server serves (all of its names are one model), or on ``base``."""
         try:
@@ -169,7 +170,7 @@ class OpenAIService:
             raise bad_request(
                 f"{name} was trained on {model.base_model!r}{against}: this server serves {self.served_names}"
             )
-        if self.tenancy.audit is not None:
+        if audit and self.tenancy.audit is not None:
             self.tenancy.audit.read(path, tenant, "sample")
         return WeightsRef(name, self.sampling.files, path)
 
@@ -207,15 +208,17 @@ class OpenAIService:
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages, tools = chat_messages(req, self.tool_form)
-        calls = (json.dumps(m.get("tool_calls", "")) for m in messages)
-        self.check_length(sum(len(m["content"]) for m in messages) + sum(map(len, calls)), "messages")
-        self.check_length(len(json.dumps(tools)) if tools else 0, "tools")
         try:
+            calls = (json.dumps(m.get("tool_calls", "")) for m in messages)
+            self.check_length(sum(len(m["content"]) for m in messages) + sum(map(len, calls)), "messages")
+            self.check_length(len(json.dumps(tools)) if tools else 0, "tools")
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except TemplateError as e:  # the template's own raise_exception: what it wants of the messages
             raise bad_request(f"messages: the model's chat template refused them: {e}") from None
+        except RecursionError:  # JSON within the body parser's bounds, nested past the template's
+            raise bad_request("messages or tools: nested too deep to write into the prompt") from None
 
     def check_length(self, chars: int, field: str) -> None:
         context = self.sampling.backend.capabilities.max_seq_len
@@ -234,11 +237,9 @@ class OpenAIService:
         make special)."""
         if tokens and tokens[-1] in spec.stop_token_ids:
             tokens = tokens[:-1]
-        if keep:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
-            for special in self.tokenizer.all_special_tokens:
-                if special not in keep:
-                    text = text.replace(special, "")
+        if keep:  # what skip_special_tokens leaves out, but the kept ones
+            hidden = self._hidden_ids(keep)
+            text = self.tokenizer.decode([t for t in tokens if t not in hidden], skip_special_tokens=False)
         else:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [(text.find(s), s) for s in spec.stop_strings if s in text]
@@ -246,6 +247,14 @@ class OpenAIService:
             return text, None
         at, stop = min(cuts)
         return text[:at], stop
+
+    @functools.cache  # noqa: B019 - one service per server, a few ``keep`` tuples
+    def _hidden_ids(self, keep: tuple[str, ...]) -> frozenset[int]:
+        """The special tokens' ids (as ``skip_special_tokens`` knows them) but those of ``keep``."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        special = {i for i, token in added.items() if getattr(token, "special", False)}
+        kept = {self.tokenizer.convert_tokens_to_ids(token) for token in keep}
+        return frozenset(special | set(self.tokenizer.all_special_ids)) - kept
 
     def read_answer(self, tokens: list[int], spec: SampleSpec, tools: bool) -> tuple[str, str | None, list[ToolCall]]:
         """An answer's visible text, the stop string that cut it, and the tool calls it wrote
@@ -278,6 +287,8 @@ class OpenAIService:
         safe = text if stop is not None else text[: len(text) - hold] if hold else text
         if safe.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
             return ""
+        if keep:  # white space before a call is not the answer's (``tool_calls.parse``): held until words follow
+            safe = safe.rstrip()
         if stop is not None:
             row.stopped_at = len(text)
         if len(safe) <= len(row.sent):

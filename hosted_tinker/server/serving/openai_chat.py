@@ -34,7 +34,7 @@ def _call(call: dict[str, Any], where: str) -> dict[str, Any]:
         raise bad_request(f"{where}.function.name: a string")
     try:
         arguments = json.loads(function.get("arguments") or "{}")
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         arguments = None
     if not isinstance(arguments, dict):
         raise bad_request(f"{where}.function.arguments: a JSON object, as a string")
@@ -60,8 +60,13 @@ def chat_messages(req: ChatCompletionRequest, form: ToolForm | None) -> tuple[li
                 tool.get("type") != "function"
                 or not isinstance(function, dict)
                 or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("description", ""), str)
+                or not isinstance(function.get("parameters", {}), dict)
             ):
-                raise bad_request(f"tools[{i}]: a tool is {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+                raise bad_request(
+                    f"tools[{i}]: a tool is {{'type': 'function', 'function': {{'name': str, 'description': str, "
+                    "'parameters': a JSON schema object}}}}"
+                )
         tools = list(req.tools) if offers_tools(req) else None
     messages = []
     for i, m in enumerate(req.messages):

@@ -88,6 +88,8 @@ class OpenAIProxy:
         path = path.strip("/")
         if path in BLOCKED:
             raise ApiError(404, f"/v1/{path} is not available through this server")
+        if path.partition("/")[0] == "messages":  # vLLM's own Messages API would skip ours (api.doors)
+            raise ApiError(404, "the Anthropic Messages API is at /anthropic/api/v1/messages and /v1/messages")
         payload = None
         if body and (why := too_many_containers(body)) is not None:
             raise bad_request(why)

@@ -17,15 +17,16 @@ on it is refused (a model given tools it cannot call would answer as if it had n
 from __future__ import annotations
 
 import json
-import re
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 ToolForm = Literal["hermes", "qwen3_coder"]
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # a call's markers, in both forms
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+FUNCTION, END_FUNCTION = "<function=", "</function>"
+PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
+MAX_CALLS = 64  # an answer with more is text: no client asks for that many at once
+MAX_PARAMETERS = 256
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,48 @@ def tool_form(chat_template: str | None) -> ToolForm | None:
     """The form in which ``chat_template`` writes tool calls, None if it takes no tools."""
     if not chat_template or "tools" not in chat_template or OPEN not in chat_template:
         return None
-    return "qwen3_coder" if "<function=" in chat_template else "hermes"
+    return "qwen3_coder" if FUNCTION in chat_template else "hermes"
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: JSON has no infinity to send it back as
+        raise ValueError(text)
+    return value
+
+
+def _refused(constant: str) -> Any:
+    raise ValueError(constant)  # NaN, Infinity: not JSON, though Python's parser takes them
+
+
+def _json(text: str) -> Any:
+    """``text`` as strict JSON (finite numbers only); ValueError otherwise, also for nesting
+    deeper than the parser's recursion allows."""
+    try:
+        return json.loads(text, parse_float=_finite, parse_constant=_refused)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
+def _pairs(text: str, open_: str, close: str, limit: int) -> tuple[list[str], list[str]] | None:
+    """The bodies between each ``open_`` and its ``close`` in ``text`` (which starts at an
+    ``open_``), and the pieces between them; None if one is never closed, or past ``limit``.
+    One pass over the text: each search starts where the last ended."""
+    bodies, between, at = [], [], 0
+    while (start := text.find(open_, at)) >= 0:
+        between.append(text[at:start])
+        end = text.find(close, start + len(open_))
+        if end < 0 or len(bodies) == limit:
+            return None
+        bodies.append(text[start + len(open_) : end])
+        at = end + len(close)
+    between.append(text[at:])
+    return bodies, between
 
 
 def _hermes(body: str) -> ToolCall | None:
     try:
-        call = json.loads(body)
+        call = _json(body)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -51,7 +88,7 @@ def _hermes(body: str) -> ToolCall | None:
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
+            arguments = _json(arguments)
         except ValueError:
             return None
     return ToolCall(call["name"], arguments) if isinstance(arguments, dict) else None
@@ -59,30 +96,43 @@ def _hermes(body: str) -> ToolCall | None:
 
 def _value(text: str) -> Any:
     try:
-        return json.loads(text)
+        return _json(text)
     except ValueError:
         return text
 
 
 def _qwen3_coder(body: str) -> ToolCall | None:
-    function = _FUNCTION.fullmatch(body)
-    if function is None:
+    body = body.strip()
+    if not body.startswith(FUNCTION) or not body.endswith(END_FUNCTION):
         return None
-    name, params = function.group(1).strip(), function.group(2)
-    return ToolCall(name, {key.strip(): _value(value) for key, value in _PARAMETER.findall(params)})
+    name, newline, params = body[len(FUNCTION) : -len(END_FUNCTION)].partition(">")
+    if not newline or "\n" in name or not name.strip():
+        return None
+    found = _pairs(params, PARAMETER, END_PARAMETER, MAX_PARAMETERS)
+    if found is None or any(piece.strip() for piece in found[1]):
+        return None
+    arguments = {}
+    for param in found[0]:
+        key, closed, value = param.partition(">")
+        if not closed or "\n" in key:
+            return None
+        arguments[key.strip()] = _value(value.removeprefix("\n").removesuffix("\n"))
+    return ToolCall(name.strip(), arguments)
 
 
 def parse(text: str, form: ToolForm) -> tuple[str, list[ToolCall]]:
     """The text before the first call, and the calls, of sampled ``text``. If any call does not
-    parse (a malformed one, or one cut off by ``max_tokens``), the whole text is text: a call is
-    never made up from a part of one."""
+    parse (a malformed one, one cut off by ``max_tokens``, more than ``MAX_CALLS``), or words
+    stand between or after them, the whole text is text: a call is never made up from a part
+    of one. Linear in the text's length, whatever the model writes."""
     start = text.find(OPEN)
     if start < 0:
         return text, []
-    bodies = _CALL.findall(text, start)
-    rest = _CALL.sub("", text[start:]).strip()
+    found = _pairs(text[start:], OPEN, CLOSE, MAX_CALLS)
+    if found is None or any(piece.strip() for piece in found[1]):
+        return text, []
     read = _hermes if form == "hermes" else _qwen3_coder
-    calls = [read(body.strip() if form == "hermes" else body) for body in bodies]
-    if not calls or rest or any(call is None for call in calls):
+    calls = [read(body.strip()) for body in found[0]]
+    if any(call is None for call in calls):
         return text, []
     return text[:start].rstrip(), [call for call in calls if call is not None]

@@ -243,3 +243,56 @@ def test_what_the_openai_door_refuses_it_names(tok, fields: dict, says: str) -> 
         chat_messages(
             ChatCompletionRequest(model="m", messages=[{"role": "tool", "content": "x"}], tools=[FUNCTION]), None
         )
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("text", "form"),
+    [
+        ("<tool_call>" * 200_000, "hermes"),  # every opener unclosed: a lazy regex rescans to the end each time
+        ("<tool_call><function=f>\n" + "<parameter=x>" * 200_000 + "</function></tool_call>", "qwen3_coder"),
+        ("<tool_call>{}</tool_call>" * 65, "hermes"),  # more calls than any client asks for
+    ],
+)
+def test_whatever_the_model_writes_is_read_in_one_pass(text: str, form) -> None:
+    assert parse(text, form) == (text, [])
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"x": NaN}', '{"x": Infinity}', '{"x": 1e400}', "[" * 5000 + "]" * 5000, '"not an object"'],
+)
+def test_arguments_that_are_not_finite_json_objects_leave_the_text_as_text(arguments: str) -> None:
+    text = f'<tool_call>{{"name": "a", "arguments": {arguments}}}</tool_call>'
+    assert parse(text, "hermes") == (text, [])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call><function=f>\n<parameter=x>\n1\n</parameter>\nstray words\n</function></tool_call>",
+        "<tool_call><function=f\nbroken>\n</function></tool_call>",
+        "<tool_call><parameter=x>1</parameter></tool_call>",
+    ],
+)
+def test_a_malformed_qwen3_coder_call_is_text(text: str) -> None:
+    assert parse(text, "qwen3_coder") == (text, [])
+
+
+@pytest.mark.parametrize(
+    ("messages", "says"),
+    [
+        ([{"role": "user", "content": [{"type": [], "text": "x"}]}], "content[0].type: a string"),
+        ([{"role": "assistant", "content": "Once upon"}], "a turn to answer before the final assistant turn"),
+    ],
+)
+def test_malformed_turns_are_400s(tok, messages: list, says: str) -> None:
+    with pytest.raises(ApiError, match=re.escape(says)):
+        chat(CountTokensRequest(model="m", messages=messages), tool_form(tok.chat_template))
+
+
+def test_a_tool_whose_schema_or_description_is_not_one_is_a_400(tok) -> None:
+    for bad in ({"input_schema": "object"}, {"description": ["a"]}):
+        request = CountTokensRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER | bad])
+        with pytest.raises(ApiError, match=r"tools\[0\]: input_schema is an object"):
+            chat(request, tool_form(tok.chat_template))
