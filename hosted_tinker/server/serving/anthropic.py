@@ -304,7 +304,7 @@ class AnthropicService:
             yield _event("error", {"error": {"type": error_type(status), "message": message}})
             return
         [seq] = output.sequences
-        blocks, reason, stop = self._content(seq, ready)
+        blocks, reason, stop = await self.openai.on_tokenizer_thread(self._content, seq, ready)
         if blocks and blocks[0]["type"] == "text":
             if not started:
                 yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})

@@ -491,7 +491,7 @@ class OpenAIService:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
             return
         for i, (row, seq) in enumerate(zip(rows, output.sequences, strict=True)):
-            text, _, calls = self.read_answer(seq.tokens, spec, tools)
+            text, _, calls = await self.on_tokenizer_thread(self.read_answer, seq.tokens, spec, tools)
             if calls:  # each call whole, in one chunk, as OpenAI's deltas may carry it
                 entries = [call | {"index": j} for j, call in enumerate(tool_call_entries(calls))]
                 yield chunk(i, text[len(row.sent) :] or None, None, calls=entries)
