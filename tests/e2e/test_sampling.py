@@ -336,7 +336,7 @@ def test_anthropic_sdk_messages_at_both_doors(trained, base_url):
     with pytest.raises(anthropic.NotFoundError, match="no-such-model"):
         client.messages.create(model="no-such-model", max_tokens=4, messages=CHAT[:1])
     with pytest.raises(anthropic.BadRequestError, match="max_tokens") as too_long:  # past the context
-        client.messages.create(model=path, max_tokens=10**6, messages=CHAT[:1])
+        client.messages.create(model=path, max_tokens=20_000, messages=CHAT[:1])
     assert too_long.value.body["type"] == "error" and too_long.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
         client.messages.create(model=path, max_tokens=4, messages=CHAT[:1], extra_body={"temperature": 1.5})
