@@ -191,7 +191,9 @@ class OpenAIService:
         spec = self.sampling.spec(
             prompt, params, num_samples=req.n, topk_sample_logprobs=topk, cost_field="n * (prompt tokens + max_tokens)"
         )
-        return self.ends_turn(spec)
+        # Stop strings stop it besides the end of turn; ``stop: []`` turns stopping off, as a Tinker
+        # ``stop`` does (a run of exactly max_tokens: what load tests and the fairness tests ask for).
+        return self.ends_turn(spec) if req.stop else spec
 
     def ends_turn(self, spec: SampleSpec) -> SampleSpec:
         """``spec``, stopping at the model's end of turn too: an OpenAI ``stop`` or an Anthropic
