@@ -13,6 +13,8 @@ from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.store import Store
 
+pytestmark = pytest.mark.fast
+
 SERVED = ["hosted-tinker/tiny-qwen3", "Qwen/Qwen3-8B-Base"]  # two names of the one model served
 
 

@@ -15,6 +15,8 @@ from hosted_tinker.server.serving.anthropic import chat
 from hosted_tinker.server.serving.openai_chat import chat_messages
 from hosted_tinker.server.serving.tool_calls import ToolCall, parse, tool_form
 
+pytestmark = pytest.mark.fast
+
 PLAIN_CHATML = (  # the tiny model's template before it took tools
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
