@@ -83,7 +83,7 @@ def add_fields(parser: argparse.ArgumentParser, fields: dict[str, FieldInfo]) ->
             options |= {"type": kind if kind in (int, float, Path) else None, "default": default}
         if name in CHOICES:
             options["choices"] = list(CHOICES[name])
-        groups[flag.group].add_argument(f"--{flag.name or name.replace('_', '-')}", **options)
+        groups[flag.group].add_argument(flag.flag(name), **options)
 
 
 def _config(args: argparse.Namespace) -> ServerConfig:

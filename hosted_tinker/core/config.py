@@ -78,8 +78,11 @@ class Flag:
 
     help: str
     group: str | None = None
-    name: str | None = None
+    name: str | None = None  # default: the field's, less a seconds field's ``_s``, with dashes
     metavar: str | None = None
+
+    def flag(self, field: str) -> str:
+        return f"--{self.name or field.removesuffix('_s').replace('_', '-')}"
 
 
 class ServerConfig(BaseModel):
@@ -159,12 +162,10 @@ class ServerConfig(BaseModel):
     ] = Field(65536, ge=1)
     sample_slice_s: Annotated[
         float,
-        Flag(
-            "seconds a sampling run decodes before it gives the worker to training and other runs", name="sample-slice"
-        ),
+        Flag("seconds a sampling run decodes before it gives the worker to training and other runs"),
     ] = Field(0.1, ge=0)
     # long-poll cap of retrieve_future (the SDK times out at 45 s)
-    poll_timeout_s: Annotated[float, Flag("long-poll cap of retrieve_future (s)", name="poll-timeout")] = 30.0
+    poll_timeout_s: Annotated[float, Flag("long-poll cap of retrieve_future (s)")] = 30.0
     # ask the SDK to zstd-compress forward_backward bodies
     proto_compress: Annotated[bool, Flag("have the SDK zstd-compress fwd/bwd bodies")] = False
     # The SDK's transport, chosen by the server in client/config. Against this server (HTTP/1.1)
@@ -213,7 +214,6 @@ class ServerConfig(BaseModel):
         Flag(
             "seconds a request's line and headers may take, from its first byte (408 after)",
             group=SLOW,
-            name="header-timeout",
         ),
     ] = Field(10.0, gt=0)
     # a request body, from the end of its headers (408 after) ...
@@ -222,7 +222,6 @@ class ServerConfig(BaseModel):
         Flag(
             "seconds a request body may take from the end of its headers, plus --min-body-rate's (408 after)",
             group=SLOW,
-            name="body-timeout",
         ),
     ] = Field(30.0, gt=0)
     # ... plus 1 s per this many bytes received; 0: no extension
@@ -238,7 +237,6 @@ class ServerConfig(BaseModel):
         float,
         Flag(
             "seconds a backend call may go without a sign of life before its worker is killed and replaced",
-            name="worker-timeout",
         ),
     ] = Field(3600.0, gt=0)
     # Training models on the workers: a silent session's are parked (saved whole, freed) after
@@ -249,7 +247,6 @@ class ServerConfig(BaseModel):
         Flag(
             "seconds without a heartbeat after which a session's models are parked (saved whole, freed)",
             group=RESIDENT,
-            name="session-timeout",
         ),
     ] = Field(900.0, gt=0)
     max_resident_models: Annotated[
@@ -261,7 +258,6 @@ class ServerConfig(BaseModel):
         Flag(
             "seconds the server may take at SIGTERM to park every model, so the next start serves them",
             group=RESIDENT,
-            name="shutdown-timeout",
         ),
     ] = Field(25.0, ge=0)
     # An fsspec URL (gs://bucket/prefix, file:///path) that every saved checkpoint is copied to,
@@ -276,7 +272,7 @@ class ServerConfig(BaseModel):
     ] = None
     # Finished futures (and their payloads) are deleted this long after they finished.
     result_retention_s: Annotated[
-        float, Flag("seconds a finished request's result stays retrievable (default: 7 days)", name="result-retention")
+        float, Flag("seconds a finished request's result stays retrievable (default: 7 days)")
     ] = Field(7 * 86400.0, gt=0)
     # Inference: the training backend's own sampler, or vLLM (launched here, or at inference_url).
     inference: Annotated[Literal["embedded", "vllm"], Flag("who samples (default: embedded)", group=ENGINE)] = (
@@ -357,7 +353,8 @@ class ServerConfig(BaseModel):
         float,
         Flag(
             "request log lines a second of requests without a valid key or over a key's rate (bursts of a minute's "
-            "worth); the others are counted in a summary line a minute (0: summaries only)"
+            "worth); the others are counted in a summary line a minute (0: summaries only)",
+            name="request-log-anonymous-per-s",  # a rate: its _s stays
         ),
     ] = Field(1.0, ge=0)
     log_level: Annotated[str, Flag("the server log's level (debug, info, warning)")] = "info"

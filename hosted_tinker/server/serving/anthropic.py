@@ -31,7 +31,7 @@ from hosted_tinker.core.errors import ApiError, bad_request
 from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.anthropic_types import CountTokensRequest, MessagesRequest, error_type
-from hosted_tinker.server.serving.openai import OpenAIService, StreamedRow
+from hosted_tinker.server.serving.openai import OpenAIService, Prepare, StreamedRow
 from hosted_tinker.server.serving.tool_calls import ToolForm
 
 TEXT_FIELDS = {"type", "text", "cache_control", "citations"}
@@ -217,6 +217,17 @@ class AnthropicService:
         spec = self.openai.sampling.spec(prompt, params, cost_field="prompt tokens + max_tokens")
         return _Prepared(prompt, self.openai.ends_turn(spec), tools)
 
+    def _preparer(self, req: MessagesRequest) -> tuple[list[_Prepared], Prepare]:
+        """What ``OpenAIService.complete`` / ``start`` call to make the request ready, and the list
+        that then holds what it made (whether tools were offered, which they do not carry)."""
+        prepared: list[_Prepared] = []
+
+        async def prepare() -> tuple[list[int], SampleSpec]:
+            prepared.append(await self._prepare(req))
+            return prepared[0].prompt, prepared[0].spec
+
+        return prepared, prepare
+
     async def count_tokens(self, req: CountTokensRequest, tenant: str) -> dict:
         self.openai.resolve(req.model, tenant, audit=False)  # one the key may not sample is a 404 here too
         with self.openai.slot(req.model, tenant):  # tokenizing a long prompt is work: bounded like a request
@@ -253,12 +264,7 @@ class AnthropicService:
         }
 
     async def respond(self, req: MessagesRequest, tenant: str) -> dict:
-        prepared: list[_Prepared] = []
-
-        async def prepare() -> tuple[list[int], SampleSpec]:
-            prepared.append(await self._prepare(req))
-            return prepared[0].prompt, prepared[0].spec
-
+        prepared, prepare = self._preparer(req)
         prompt, _, output = await self.openai.complete(req.model, tenant, prepare)
         [seq] = output.sequences
         blocks, reason, stop = await self.openai.on_tokenizer_thread(self._content, seq, prepared[0])
@@ -272,12 +278,7 @@ class AnthropicService:
 
     async def stream(self, req: MessagesRequest, tenant: str) -> AsyncIterator[str]:
         """Server-sent events as Anthropic sends them; a bad request is still a plain 4xx."""
-        prepared: list[_Prepared] = []
-
-        async def prepare() -> tuple[list[int], SampleSpec]:
-            prepared.append(await self._prepare(req))
-            return prepared[0].prompt, prepared[0].spec
-
+        prepared, prepare = self._preparer(req)
         prompt, _, events, task = await self.openai.start(req.model, tenant, prepare)
         return self._events(req, prompt, prepared[0], events, task)
 
