@@ -112,6 +112,11 @@ class CheckpointFiles:
                 entry.unlink(missing_ok=True)
         return len(leftovers)
 
+    def staging_dir(self, prefix: str) -> Path:
+        """A new directory in the staging area, for files that are not a checkpoint yet (an
+        upload's); cleared at start-up like a half-made write."""
+        return Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=self._tmp))
+
     def directory(self, path: TinkerPath) -> Path:
         return self.root / path.run_id / path.kind / path.name
 

@@ -186,9 +186,13 @@ _STATE_BYTES = {"adamw": 4 + 8, "dimuon": 4 + 4}
 def adapter_bytes(lora: LoraSpec, per_rank: Mapping[str, int]) -> int:
     """The worker memory a LoRA of ``lora``'s shape takes while trained: its float32 weights,
     their gradients and the optimizer's state (``per_rank``: ``Capabilities.lora_params_per_rank``)."""
+    return lora_params(lora, per_rank) * (4 + _STATE_BYTES[lora.optimizer])
+
+
+def lora_params(lora: LoraSpec, per_rank: Mapping[str, int]) -> int:
+    """How many numbers a LoRA of ``lora``'s shape holds (an export's float32 tensors: 4 bytes each)."""
     groups = {"attn": lora.train_attn, "mlp": lora.train_mlp, "unembed": lora.train_unembed}
-    params = lora.rank * sum(count for group, count in per_rank.items() if groups.get(group))
-    return params * (4 + _STATE_BYTES[lora.optimizer])
+    return lora.rank * sum(count for group, count in per_rank.items() if groups.get(group))
 
 
 class TrainingBackend(Protocol):

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 RECORD = "record.json"
 KEYS = "api_keys.json"  # the keys' rows: a new VM's server restores the tenants with their runs
-MIRRORED = ("weights", "sampler_weights")  # exports (external_weights) are made for one download
+MIRRORED = ("weights", "sampler_weights")  # exports (external_weights) are made for one download: not those
 KEYS_POLL_S = 30.0  # how often the keys are compared with what was last copied up
 ROW = ("public", "expires_at", "user_metadata")  # what of a checkpoint's row can change after its save
 
@@ -68,8 +68,13 @@ class CheckpointMirror:
     # ---- what the server tells it ---------------------------------------------------------
 
     def mirrors(self, path: TinkerPath) -> bool:
-        """Whether checkpoints of ``path``'s kind are copied up."""
-        return path.kind in MIRRORED
+        """Whether the checkpoint at ``path`` is copied up: training states and sampler adapters,
+        and an adapter uploaded here (``serving.uploads``: the one checkpoint of a run that holds
+        weights made elsewhere), not an export."""
+        if path.kind in MIRRORED:
+            return True
+        run = self.store.get_model(path.run_id) if path.kind == "external_weights" else None
+        return run is not None and run.status == COPY_STATUS
 
     def saved(self, path: TinkerPath) -> None:
         if self.mirrors(path):

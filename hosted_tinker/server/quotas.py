@@ -45,7 +45,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hosted_tinker.core.errors import ApiError
-from hosted_tinker.core.types import LoraSpec, adapter_bytes
+from hosted_tinker.core.types import LoraSpec, adapter_bytes, lora_params
 from hosted_tinker.server.keys import OPEN
 from hosted_tinker.server.protocol.ordering import is_text
 from hosted_tinker.server.scheduler import QueueLimits
@@ -226,9 +226,7 @@ class Quotas:
         limits = self.of(tenant)
         if limits is None:
             return
-        max_rank = limits.lora_rank if limits.lora_rank is not None else self.max_lora_rank
-        if lora.rank > max_rank:
-            raise _over("lora_rank", max_rank, "for this key's LoRA (lora_config.rank)", 400)
+        self._rank(limits, lora.rank)
         self._metadata(limits, user_metadata, "user_metadata")
         live = self.store.usage(tenant, live_since=time.time() - LIVE_S)["models"]
         if live >= limits.models:
@@ -242,6 +240,22 @@ class Quotas:
                 f"and optimizer state at rank {lora.rank}), its {live} live models {held}"
             )
             raise _over("adapter_bytes", limits.adapter_bytes, detail, 403)
+
+    def _rank(self, limits: Limits, rank: int) -> None:
+        max_rank = limits.lora_rank if limits.lora_rank is not None else self.max_lora_rank
+        if rank > max_rank:
+            raise _over("lora_rank", max_rank, "for this key's LoRA (lora_config.rank)", 400)
+
+    def reserve_upload(self, tenant: str, lora: LoraSpec) -> Reservation:
+        """An adapter upload's hold on the key's checkpoint bytes: an export of ``lora``'s shape
+        (float32), within the key's LoRA rank; taken before its layout is made on the worker."""
+        limits = self.of(tenant)
+        if limits is not None:
+            self._rank(limits, lora.rank)
+        held = self.reserve_checkpoint(tenant, None, 4 * lora_params(lora, self.lora_params_per_rank))
+        if isinstance(held, ApiError):
+            raise held
+        return held
 
     def reserve_checkpoint(self, tenant: str, user_metadata: dict | None, estimate: int = 0) -> Reservation | ApiError:
         """A save's hold on the key's checkpoint bytes, ``estimate`` of them taken now; or its

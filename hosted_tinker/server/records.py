@@ -35,7 +35,8 @@ class CheckpointRecord:
     user_metadata: dict[str, str]
 
 
-COPY_STATUS = "copy"  # models.status of a run that holds copied weights (``copy_weights``): never trained
+# models.status of a run that holds weights made elsewhere (``copy_weights``, an adapter upload): never trained
+COPY_STATUS = "copy"
 
 
 @dataclass(frozen=True)

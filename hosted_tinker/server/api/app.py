@@ -21,6 +21,7 @@ from hosted_tinker.server.api import (
     ops_routes,
     rest_routes,
     tinker_routes,
+    upload_routes,
 )
 from hosted_tinker.server.api.auth import authenticate
 from hosted_tinker.server.api.body_limit import BodyLimit
@@ -68,12 +69,12 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
     keyed = [Depends(authenticate)]  # every route but health checks and signed downloads needs a key
     openai = openai_routes.router if state.vllm is None else openai_proxy_routes.router
-    routers = [(tinker_routes.router, keyed), (rest_routes.router, keyed)]
+    routers = [(tinker_routes.router, keyed), (rest_routes.router, keyed), (upload_routes.router, keyed)]
     # The same routes at each of their doors; /openapi.json describes them once, at the first.
     # Anthropic's first: /v1/messages is theirs, not the vLLM proxy's catch-all under /v1.
     for door, prefixes in ((anthropic_routes.router, doors.ANTHROPIC), (openai, doors.OPENAI)):
         routers += [(door(prefix, in_schema=i == 0), keyed) for i, prefix in enumerate(prefixes)]
-    routers += [(rest_routes.downloads, []), (ops_routes.router, [])]
+    routers += [(rest_routes.downloads, []), (upload_routes.files, []), (ops_routes.router, [])]
     for router, dependencies in routers:
         app.include_router(router, dependencies=dependencies)
     # The web console: its own sign-in (a cookie that stands for a key), its assets in the package.
@@ -117,6 +118,7 @@ async def _sweep(state: ServerState) -> None:
         try:
             await asyncio.to_thread(state.usage.accrue_storage)  # what was stored since the last sweep
             checkpoints = await asyncio.to_thread(state.checkpoints.delete_expired)
+            state.uploads.expire()  # adapter uploads never finished: their staged bytes and reservations
             results = await asyncio.to_thread(state.store.delete_futures_finished_before, time.time() - retention)
             sequences = await asyncio.to_thread(state.sequences.delete_expired)
             await asyncio.to_thread(state.audit.delete_expired)

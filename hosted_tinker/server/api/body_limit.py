@@ -77,6 +77,9 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if route_mark(Request(scope), LARGE_BODY) == "upload":  # streamed to disk, bounded by its upload
+            await self.app(scope, receive, send)
+            return
         headers = Headers(scope=scope)
         encoding = headers.get("content-encoding", "").strip().lower() or "identity"
         if encoding not in self.ENCODINGS:

@@ -114,11 +114,16 @@ def ordered(kind: str, *, large_body: bool = False) -> dict[str, Any]:
     return {"openapi_extra": extra}
 
 
-def large_body(what: Literal["batch", "prompt"] = "batch") -> dict[str, Any]:
+def large_body(what: Literal["batch", "prompt", "upload"] = "batch") -> dict[str, Any]:
     """Route options that declare a route carrying data, whose body may be as large as
     ``--max-body-bytes`` (a batch) or ``--max-prompt-body-bytes`` (a prompt: JSON, parsed on
     the body thread, ``api.json_body``); every other route is a control call, held to the much smaller
-    ``--max-control-body-bytes`` (``BodyLimit``). Shows as ``x-large-body``."""
+    ``--max-control-body-bytes`` (``BodyLimit``); an ``upload`` streams to disk and bounds
+    itself (an adapter file, as large as its upload says; its body is documented as bytes). Shows
+    as ``x-large-body``."""
+    if what == "upload":
+        binary = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+        return {"openapi_extra": {LARGE_BODY: what, "requestBody": {"content": binary, "required": True}}}
     return {"openapi_extra": {LARGE_BODY: what}}
 
 

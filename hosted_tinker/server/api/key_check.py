@@ -17,7 +17,8 @@ from hosted_tinker.server.keys import KeyRing
 from hosted_tinker.server.quotas import Quotas
 
 KEYLESS = frozenset({"/api/v1/healthz"})  # besides everything outside /api/v1, the inference doors and the docs
-KEYLESS_PREFIXES = ("/api/v1/files/", "/api/v1/traces/")  # signed download links: the signature is the key
+# signed download links and upload URLs: the signature is the key
+KEYLESS_PREFIXES = ("/api/v1/files/", "/api/v1/traces/", "/api/v1/uploads/")
 # Heartbeats have a bucket of their own: a busy key's sessions must not lapse, and a flood of
 # them (each a database write) is still held to the key's rate.
 OWN_BUCKET = {"/api/v1/session_heartbeat": "heartbeats"}

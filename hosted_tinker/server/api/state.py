@@ -51,6 +51,7 @@ from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.sessions import SessionService
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.serving.training import TrainingService
+from hosted_tinker.server.serving.uploads import UploadService
 from hosted_tinker.server.serving.usage import UsageLedger
 from hosted_tinker.server.store import Store
 from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
@@ -76,6 +77,7 @@ class ServerState:
     checkpoints: CheckpointService
     runs: RunViews
     copies: CopyService
+    uploads: UploadService
     custom_losses: CustomLossService
     futures: FuturesService
     sampling: SamplingService
@@ -234,6 +236,7 @@ def build_state(config: ServerConfig) -> ServerState:
         checkpoints=checkpoints,
         runs=RunViews(store),
         copies=CopyService(store, files, tenancy, mirror),
+        uploads=UploadService(training, files, _server_secret(config.data_dir), quotas, mirror=mirror, audit=audit),
         custom_losses=custom_losses,
         futures=FuturesService(store, scheduler, config.poll_timeout_s),
         sampling=sampling,

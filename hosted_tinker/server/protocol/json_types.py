@@ -179,6 +179,21 @@ class LoraConfig(Request):
     train_attn: bool = True
 
 
+class ExternalWeightsUploadStartRequest(Request):
+    """``RestClient.external_weights_upload_start`` (SDK 0.39): an adapter in the
+    ``save_weights_external`` format of this base model and LoRA shape, to be PUT file by file."""
+
+    base_model: str
+    lora_config: LoraConfig
+    destination_project_id: str | None = None
+
+
+class ExternalWeightsUploadFinishRequest(Request):
+    """``RestClient.external_weights_upload_finish`` (SDK 0.39)."""
+
+    upload_id: str = Field(max_length=128)
+
+
 class OptimizerConfig(BaseModel):
     """The optimizer family fixed at creation: ``{"type": "adamw"}`` or ``{"type": "dimuon",
     "version": 1}``. Families carry their own fields, so any are let in here and checked by

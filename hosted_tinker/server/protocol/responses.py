@@ -381,6 +381,16 @@ class CopyWeightsResponse(Response):
     tinker_path: str
 
 
+class ExternalWeightsUploadStartResponse(Response):
+    upload_id: str
+    urls: dict[str, str]  # a signed URL per file, to PUT it to
+    expires: str = Field(json_schema_extra=_ISO)
+
+
+class ExternalWeightsUploadFinishResponse(Response):
+    tinker_path: str
+
+
 class SessionSearchCursor(Response):
     last_created_at: str = Field(json_schema_extra=_ISO)
     last_session_id: str

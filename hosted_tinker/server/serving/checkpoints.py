@@ -14,11 +14,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
+from hosted_tinker.core.adapter_layout import WEIGHTS
 from hosted_tinker.core.checkpoints import (
     CheckpointError,
     CheckpointFiles,
     TinkerPath,
     adapter_files,
+    adapter_weights,
     state_from_files,
     state_to_files,
     training_meta,
@@ -28,7 +32,7 @@ from hosted_tinker.core.checkpoints import describe as describe_checkpoint
 from hosted_tinker.core.checkpoints import description as describe_lora
 from hosted_tinker.core.encryption import encrypt_files, parse_recipients
 from hosted_tinker.core.errors import bad_request, not_found
-from hosted_tinker.core.types import LoraSpec, TrainingBackend
+from hosted_tinker.core.types import AdapterState, LoraSpec, TrainingBackend
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.protocol import json_types as wire
@@ -306,19 +310,48 @@ class CheckpointService:
 
     # ---- loading ----------------------------------------------------------------------------
 
-    def _training_path(self, path: str, field: str = "path") -> TinkerPath:
-        """A training-state checkpoint that exists; errors name ``field``, the path's request field."""
+    def _training_path(self, path: str, field: str = "path", *, adapter: bool = False) -> TinkerPath:
+        """A training-state checkpoint that exists, or with ``adapter`` also an unencrypted
+        external one (an export, an uploaded adapter: weights without optimizer state); errors
+        name ``field``, the path's request field."""
         try:
             parsed = TinkerPath.parse(path, field)
         except CheckpointError as e:
             raise bad_request(str(e)) from None
-        if parsed.kind != "weights":
+        if parsed.kind == "external_weights" and not adapter:
             raise bad_request(
-                f"{field} {path} is a {parsed.checkpoint_type} checkpoint; this needs a training-state weights/ path"
+                f"{field} {path} is an adapter without optimizer state: load its weights only "
+                "(create_training_client_from_state, load_state)"
             )
+        if parsed.kind not in ("weights", "external_weights"):
+            wanted = "a weights/ or external_weights/ path" if adapter else "a training-state weights/ path"
+            raise bad_request(f"{field} {path} is a {parsed.checkpoint_type} checkpoint; this needs {wanted}")
         if self.store.get_checkpoint(parsed.run_id, parsed.kind, parsed.name) is None:
             raise not_found(f"{field}: checkpoint {path} does not exist")
+        if parsed.kind == "external_weights" and not (self.files.directory(parsed) / WEIGHTS).is_file():
+            raise bad_request(f"{field} {path} is encrypted to its recipients: it cannot be loaded here")
         return parsed
+
+    def _meta(self, path: TinkerPath) -> tuple[str, LoraSpec]:
+        """Base model and LoRA shape of a checkpoint ``_training_path`` accepted: a training
+        state says them itself, an adapter's come from the run it was saved in (or uploaded to)."""
+        if path.kind == "external_weights":
+            run = self.store.get_model(path.run_id)
+            if run is None:
+                raise not_found(f"checkpoint {path} does not exist")
+            return run.base_model, LoraSpec(**run.lora)
+        try:
+            return training_meta(path, self.files.read(path, only=("training_state.json",)))
+        except CheckpointError as e:
+            raise bad_request(str(e)) from None
+
+    def _state(self, path: TinkerPath, lora: LoraSpec) -> AdapterState:
+        """What loading ``path`` puts into a model (on the worker: it reads the files)."""
+        family = self.backend.capabilities.family
+        if path.kind == "weights":
+            return state_from_files(path, self.files.read(path), family).state
+        weights = adapter_weights(self.files.read(path, only=(WEIGHTS,))[WEIGHTS], family)
+        return AdapterState(lora, weights, {}, 0, torch.empty(0, dtype=torch.uint8))
 
     @staticmethod
     def _check_load_options(req: wire.LoadWeightsRequest) -> str | None:
@@ -344,7 +377,7 @@ class CheckpointService:
 
         def prepare() -> Job:  # every refusal in here still consumes the seq_id
             named = self._check_load_options(req)
-            path = self._training_path(req.path)
+            path = self._training_path(req.path, adapter=not req.optimizer)
             model = self.training.live_model(req.model_id)
             mine = model_optimizer(model)
             if named is not None and named != mine:
@@ -352,10 +385,7 @@ class CheckpointService:
                     f"optimizer_config {named!r} cannot change the optimizer of model {model.model_id}, "
                     f"created with {mine!r}"
                 )
-            try:
-                base_model, lora = training_meta(path, self.files.read(path, only=("training_state.json",)))
-            except CheckpointError as e:
-                raise bad_request(str(e)) from None
+            base_model, lora = self._meta(path)
             shape = ("rank", "train_attn", "train_mlp", "train_unembed")
             if any(getattr(lora, k) != model.lora[k] for k in shape):
                 theirs = {k: getattr(lora, k) for k in shape}
@@ -378,8 +408,7 @@ class CheckpointService:
                 )
 
             def job() -> tuple[bytes, str]:
-                loaded = state_from_files(path, self.files.read(path), self.backend.capabilities.family)
-                self.backend.load_state(model.model_id, loaded.state, with_optimizer=req.optimizer)
+                self.backend.load_state(model.model_id, self._state(path, lora), with_optimizer=req.optimizer)
                 self.training.weights_changed(model.model_id)
                 return json_result({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
@@ -396,11 +425,8 @@ class CheckpointService:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         if (existing := self.scheduler.find(model_id, 0)) is not None:
             return existing
-        path = self._training_path(req.path)
-        try:
-            base_model, lora = training_meta(path, self.files.read(path, only=("training_state.json",)))
-        except CheckpointError as e:
-            raise bad_request(str(e)) from None
+        path = self._training_path(req.path, adapter=not req.optimizer)
+        base_model, lora = self._meta(path)
         if base_model not in self.training.served_names:
             raise bad_request(f"{path} was trained on {base_model!r}, which is not served here")
         if req.base_model is not None and req.base_model not in self.training.served_names:
@@ -409,8 +435,7 @@ class CheckpointService:
             lora = dataclasses.replace(lora, optimizer=named or "adamw")
 
         def load(new_model_id: str) -> None:
-            loaded = state_from_files(path, self.files.read(path), self.backend.capabilities.family)
-            self.backend.load_state(new_model_id, loaded.state, with_optimizer=req.optimizer)
+            self.backend.load_state(new_model_id, self._state(path, lora), with_optimizer=req.optimizer)
 
         return self.training.create_model_with(
             model_id,

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from jinja2 import TemplateError
 
+from hosted_tinker.core.adapter_layout import WEIGHTS
 from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request
 from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec
@@ -159,8 +160,7 @@ class OpenAIService:
             raise model_not_found(name) from None
         model = self.store.get_model(path.run_id)
         if (
-            path.kind == "external_weights"
-            or model is None
+            model is None
             or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None
             or not self.tenancy.can_read(tenant, path)
         ):
@@ -170,6 +170,8 @@ class OpenAIService:
             raise bad_request(
                 f"{name} was trained on {model.base_model!r}{against}: this server serves {self.served_names}"
             )
+        if path.kind == "external_weights" and not (self.sampling.files.directory(path) / WEIGHTS).is_file():
+            raise bad_request(f"{name} is encrypted to its recipients: it cannot be sampled here")
         if audit and self.tenancy.audit is not None:
             self.tenancy.audit.read(path, tenant, "sample")
         return WeightsRef(name, self.sampling.files, path)

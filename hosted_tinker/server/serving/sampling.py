@@ -18,6 +18,7 @@ import torch
 from pydantic import ValidationError
 from tinker.proto import tinker_public_pb2 as pb
 
+from hosted_tinker.core.adapter_layout import WEIGHTS
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import EngineUnavailable, WireError, bad_request, not_found, unavailable
 from hosted_tinker.core.images import MAX_REQUEST_PIXELS, ImageInput
@@ -297,8 +298,8 @@ class SamplingService:
                 path = TinkerPath.parse(req.model_path, "model_path")
             except CheckpointError as e:
                 raise bad_request(str(e)) from None
-            if path.kind == "external_weights":
-                raise bad_request(f"model_path {path} is an export; sample from a sampler_weights/ or weights/ path")
+            if path.kind == "external_weights" and not (self.files.directory(path) / WEIGHTS).is_file():
+                raise bad_request(f"model_path {path} is encrypted to its recipients: it cannot be sampled here")
             model = self.store.get_model(path.run_id)
             if model is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
                 raise not_found(f"model_path: checkpoint {req.model_path} does not exist")

@@ -133,7 +133,7 @@ class TrainingService:
             )
         if model.status == COPY_STATUS:
             raise bad_request(
-                f"training run {model_id} holds copied weights (copy_weights) and cannot be trained on; "
+                f"training run {model_id} holds copied or uploaded weights and cannot be trained on; "
                 "create a training client from its checkpoint"
             )
         if model.status == "failed":
@@ -146,25 +146,9 @@ class TrainingService:
             return existing
         if req.base_model not in self.served_names:
             raise bad_request(f"base_model {req.base_model!r} is not served here; served names: {self.served_names}")
-        optimizer = optimizers.family(req.optimizer_config)
         if req.lora_config is None:
             raise bad_request("lora_config is required: this server trains LoRA adapters only")
-        lc = req.lora_config
-        if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
-            raise bad_request("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
-        caps = self.backend.capabilities
-        for group in ("attn", "mlp", "unembed"):
-            if getattr(lc, f"train_{group}") and group not in caps.lora_groups:
-                raise bad_request(f"lora_config.train_{group}: {caps.arch} has no {group} layer that LoRA can train")
-        # An unseeded adapter still gets a recorded seed, so its initialisation is reproducible.
-        spec = LoraSpec(
-            lc.rank,
-            lc.seed if lc.seed is not None else secrets.randbits(63),
-            lc.train_mlp,
-            lc.train_attn,
-            lc.train_unembed,
-            optimizer,
-        )
+        spec = self.lora_spec(req.lora_config, optimizers.family(req.optimizer_config))
         return self.create_model_with(
             model_id,
             session_id=req.session_id,
@@ -175,6 +159,26 @@ class TrainingService:
             result={"model_id": model_id, "type": "create_model"},
             admit=admit,
         )
+
+    def lora_spec(self, lc: wire.LoraConfig, optimizer: str = "adamw", field: str = "lora_config") -> LoraSpec:
+        """The adapter ``lc`` asks for, if this server can make it (a 400 naming ``field`` else)."""
+        if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
+            raise bad_request(f"{field}: at least one of train_attn, train_mlp, train_unembed must be true")
+        caps = self.backend.capabilities
+        for group in ("attn", "mlp", "unembed"):
+            if getattr(lc, f"train_{group}") and group not in caps.lora_groups:
+                raise bad_request(f"{field}.train_{group}: {caps.arch} has no {group} layer that LoRA can train")
+        self._check_rank(lc.rank, field)
+        # An unseeded adapter still gets a recorded seed, so its initialisation is reproducible.
+        seed = lc.seed if lc.seed is not None else secrets.randbits(63)
+        return LoraSpec(lc.rank, seed, lc.train_mlp, lc.train_attn, lc.train_unembed, optimizer)
+
+    def _check_rank(self, rank: int, field: str = "lora_config") -> None:
+        if self.max_lora_rank is not None and rank > self.max_lora_rank:
+            raise bad_request(
+                f"{field}.rank {rank} is above the inference engine's limit of {self.max_lora_rank} "
+                "(start the server with a larger --max-lora-rank)"
+            )
 
     def create_model_with(
         self,
@@ -193,11 +197,7 @@ class TrainingService:
         state; ``admit`` checks the caller's limits against its LoRA first)."""
         if admit is not None:
             admit(lora)
-        if self.max_lora_rank is not None and lora.rank > self.max_lora_rank:
-            raise bad_request(
-                f"lora_config.rank {lora.rank} is above the inference engine's limit of {self.max_lora_rank} "
-                "(start the server with a larger --max-lora-rank)"
-            )
+        self._check_rank(lora.rank)
         status = self.store.session_status(session_id)
         if status is None:
             raise not_found(f"session_id {session_id!r} does not exist")

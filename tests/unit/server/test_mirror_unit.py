@@ -190,6 +190,29 @@ def test_copy_weights_is_mirrored_and_restored_as_a_copy(tmp_path: Path, bucket:
     assert b.store.get_model(RUN).status == "unloaded"
 
 
+def test_an_uploaded_adapter_is_mirrored_and_an_export_is_not(tmp_path: Path, bucket: Path):
+    a = Disk(tmp_path / "a", bucket)
+    export = TinkerPath(RUN, "external_weights", "for-download")
+    a.save(export)  # an export of a trained run: made for one download
+    upload_run = "sess-upload-1:train:0"
+    a.store.add_session(
+        "sess-upload-1", owner=OWNER, tags=[], user_metadata={}, project_id=None, display_name=None, sdk_version=None
+    )
+    a.store.add_model(
+        upload_run, session_id="sess-upload-1", model_seq_id=0, base_model="tiny", lora={}, user_metadata={}
+    )
+    a.store.set_model_status(upload_run, COPY_STATUS)  # as serving.uploads makes its run
+    uploaded = TinkerPath(upload_run, "external_weights", "upload")
+    a.save(uploaded)
+    a.settle()
+    assert copied(bucket, uploaded)["model"]["status"] == COPY_STATUS
+    assert not (bucket / export.run_id / export.kind).exists()
+
+    b = Disk(tmp_path / "b", bucket)
+    assert b.mirror.sync() == (1, 0)
+    assert b.store.get_model(upload_run).status == COPY_STATUS and b.files.exists(uploaded)
+
+
 def test_a_key_made_while_the_server_runs_reaches_the_mirror_while_it_idles(tmp_path: Path, bucket: Path):
     a = Disk(tmp_path / "a", bucket)
     a.mirror.sync()  # copies up the (no) keys there are

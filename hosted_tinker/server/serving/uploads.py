@@ -1,0 +1,336 @@
+"""Bringing your own adapter (SDK 0.39's ``external_weights_upload_start`` / ``_finish``): the
+files of a ``save_weights_external`` export, PUT one by one to signed URLs, checked against what
+this server's export of that base model and LoRA shape holds, and kept as an ``external_weights``
+checkpoint in a run of its own that cannot be trained on (as ``copy_weights``' runs), from which
+a training client is created, a sampler samples, and the adapter is exported again.
+
+- **start**: the base model must be served and the LoRA shape one this server makes. What the
+  upload must hold (``Layout``) is read from a real export: an adapter of that shape is made on
+  the worker, exported as ``save_weights_external`` would, and dropped (once per shape). The
+  key's checkpoint bytes for an adapter of that size are reserved now; a key has at most
+  ``MAX_PENDING_PER_KEY`` uploads open, the server ``MAX_PENDING``.
+- **PUT**: each file to its URL (the URL is the credential, as a download link's), streamed to
+  the staging directory, at most the export's size of that file (``Layout.max_bytes``).
+- **finish**: every file checked (``core.adapter_layout``: config, tensor names, shapes, dtypes,
+  finite values) before a checkpoint exists; refused, the upload is gone with its bytes and its
+  reservation. Finished, the same ``upload_id`` answers the same path until it would have expired.
+
+Open uploads are held in memory: a restart forgets them (their staged files are cleared with
+the staging directory at start-up), as the service's signed URLs expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hosted_tinker.core.adapter_layout import CONFIG, WEIGHTS, Layout, check_upload
+from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath, adapter_files
+from hosted_tinker.core.errors import ApiError, bad_request, not_found
+from hosted_tinker.core.types import LoraSpec
+from hosted_tinker.server.mirror import CheckpointMirror
+from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol.responses import iso_time
+from hosted_tinker.server.records import COPY_STATUS
+from hosted_tinker.server.serving.audit import AuditLog
+from hosted_tinker.server.serving.sessions import check_project_id
+from hosted_tinker.server.serving.training import TrainingService
+
+if TYPE_CHECKING:
+    from hosted_tinker.server.quotas import Quotas, Reservation
+
+UPLOAD_TTL_S = 3600
+MAX_PENDING_PER_KEY = 4
+MAX_PENDING = 64
+MAX_LAYOUTS = 16  # the LoRA shapes whose export layout is remembered
+CHECKPOINT_NAME = "upload"  # the checkpoint's name in the run made for it
+_SIGNED = "external-weights-upload"  # in every signed payload: a download link's signature is not an upload's
+
+
+@dataclass
+class Upload:
+    upload_id: str
+    tenant: str
+    base_model: str
+    lora: LoraSpec
+    project_id: str | None
+    layout: Layout
+    expires: float
+    staging: Path
+    held: Reservation | None
+    received: set[str] = field(default_factory=set)
+    writing: set[str] = field(default_factory=set)  # one PUT of each file at a time: a file's disk is bounded
+    busy: bool = False  # being finished: no more files, no second finish
+
+
+@dataclass(frozen=True)
+class Receiving:
+    """Where a PUT's bytes go (``partial``, renamed to ``final`` once all of it came) and how many it may be."""
+
+    upload: Upload
+    name: str
+    partial: Path
+    final: Path
+    max_bytes: int
+
+
+class UploadService:
+    def __init__(
+        self,
+        training: TrainingService,
+        files: CheckpointFiles,
+        secret: bytes,
+        quotas: Quotas | None = None,
+        *,
+        mirror: CheckpointMirror | None = None,
+        audit: AuditLog | None = None,
+    ) -> None:
+        self.training = training
+        self.store = training.store
+        self.files = files
+        self.quotas = quotas
+        self.mirror = mirror
+        self.audit = audit
+        self._secret = secret
+        self._lock = threading.Lock()  # the open uploads: read by the event loop and finishing threads
+        self._open: dict[str, Upload] = {}
+        self._finished: dict[str, tuple[str, str, float]] = {}  # upload_id -> (tenant, tinker path, until)
+        self._layouts: dict[tuple, Layout] = {}
+
+    # ---- start ----------------------------------------------------------------------------
+
+    async def start(self, req: wire.ExternalWeightsUploadStartRequest, tenant: str, base_url: str) -> dict:
+        if req.base_model not in self.training.served_names:
+            raise bad_request(f"base_model {req.base_model!r} is not served here; served: {self.training.served_names}")
+        if req.destination_project_id is not None:
+            check_project_id(req.destination_project_id)
+        lora = self.training.lora_spec(req.lora_config)
+        self.expire()
+        with self._lock:
+            self._check_room(tenant)
+        # Reserved before the worker makes an adapter of that shape: a key cannot have one made
+        # that it could not store (nor of a rank above its own limit).
+        held = self.quotas.reserve_upload(tenant, lora) if self.quotas is not None else None
+        try:
+            layout = await self._layout(lora)
+            if held is not None:
+                held.settle(sum(layout.sizes.values()))  # the export's true size (its headers too)
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        upload_id = f"upload-{secrets.token_hex(16)}"
+        upload = Upload(
+            upload_id,
+            tenant,
+            req.base_model,
+            lora,
+            req.destination_project_id,
+            layout,
+            time.time() + UPLOAD_TTL_S,
+            self.files.staging_dir(upload_id),
+            held,
+        )
+        with self._lock:
+            try:
+                self._check_room(tenant)  # again: the layout was awaited
+            except ApiError:
+                self._discard(upload)
+                raise
+            self._open[upload_id] = upload
+        at = f"{base_url}/api/v1/uploads/{upload_id}"
+        urls = {name: f"{at}/{self._sign(upload_id, name)}/{name}" for name in layout.sizes}
+        return {"upload_id": upload_id, "urls": urls, "expires": iso_time(upload.expires).isoformat()}
+
+    def _check_room(self, tenant: str) -> None:
+        mine = sum(u.tenant == tenant for u in self._open.values())
+        if mine >= MAX_PENDING_PER_KEY:
+            raise ApiError(
+                403,
+                f"this key has {mine} adapter uploads open, the most it may: finish them, or let them expire "
+                f"({UPLOAD_TTL_S} s after their start)",
+            )
+        if len(self._open) >= MAX_PENDING:
+            raise ApiError(503, "the server holds as many open adapter uploads as it takes; try again later")
+
+    async def _layout(self, lora: LoraSpec) -> Layout:
+        """What an export of an adapter of ``lora``'s shape holds, made once on the worker."""
+        shape = (lora.rank, lora.train_attn, lora.train_mlp, lora.train_unembed)
+        if (known := self._layouts.pop(shape, None)) is not None:
+            self._layouts[shape] = known  # the most recently used last
+            return known
+        backend, family = self.training.backend, self.training.backend.capabilities.family
+        done: concurrent.futures.Future[Layout] = concurrent.futures.Future()
+
+        def export() -> None:  # on the worker thread, between other jobs
+            model_id = f"upload-layout-{secrets.token_hex(8)}"
+            try:
+                backend.create_adapter(model_id, lora)
+                try:
+                    config = backend.peft_config(model_id)
+                    state = backend.export_state(model_id, with_optimizer=False)
+                finally:
+                    backend.delete_adapter(model_id)
+                done.set_result(Layout.of_export(adapter_files(config, state.weights, family)))
+            except BaseException as e:
+                done.set_exception(e)
+
+        self.training.scheduler.run_on_worker(export)
+        layout = await asyncio.wrap_future(done)
+        self._layouts[shape] = layout
+        while len(self._layouts) > MAX_LAYOUTS:
+            del self._layouts[next(iter(self._layouts))]
+        return layout
+
+    # ---- files ----------------------------------------------------------------------------
+
+    def _sign(self, upload_id: str, name: str) -> str:
+        payload = json.dumps([_SIGNED, upload_id, name])
+        return hmac.new(self._secret, payload.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def receiving(self, upload_id: str, signature: str, name: str) -> Receiving:
+        """Where a PUT to a signed URL writes, if the signature holds and its upload is open."""
+        if len(signature) > 64 or not hmac.compare_digest(self._sign(upload_id, name).encode(), signature.encode()):
+            raise ApiError(403, "this upload URL is invalid")
+        with self._lock:
+            upload = self._open.get(upload_id)
+            if upload is None or upload.expires < time.time() or name not in upload.layout.sizes:
+                raise not_found("no such upload: it was finished, refused, or has expired")
+            if upload.busy:
+                raise ApiError(409, f"upload {upload_id} is being finished; its files can no longer change")
+            if name in upload.writing:
+                raise ApiError(409, f"{name} of upload {upload_id} is being PUT already; PUT it again once that ends")
+            upload.writing.add(name)
+        partial = upload.staging / f".{name}.{secrets.token_hex(4)}"
+        return Receiving(upload, name, partial, upload.staging / name, upload.layout.max_bytes(name))
+
+    def received(self, receiving: Receiving) -> None:
+        """A PUT's bytes all came: they are the file now (a second PUT of it replaces the first)."""
+        with self._lock:
+            if receiving.upload.busy or receiving.upload.upload_id not in self._open:
+                raise ApiError(409, f"upload {receiving.upload.upload_id} is being finished or is gone")
+            os.replace(receiving.partial, receiving.final)
+            receiving.upload.received.add(receiving.name)
+
+    def ended(self, receiving: Receiving) -> None:
+        """A PUT ended, whole or not: what it left half-written goes."""
+        receiving.partial.unlink(missing_ok=True)
+        with self._lock:
+            receiving.upload.writing.discard(receiving.name)
+
+    # ---- finish ---------------------------------------------------------------------------
+
+    def finish(self, upload_id: str, tenant: str) -> dict:
+        """The checkpoint made of an upload's files, if they hold the adapter it was started for;
+        else a 400 naming what differs, and nothing of the upload is left. Reads and checks
+        every byte: call it off the event loop."""
+        with self._lock:
+            done = self._finished.get(upload_id)
+            if done is not None and done[0] == tenant:
+                return {"tinker_path": done[1]}  # a retry of a finish that succeeded
+            upload = self._open.get(upload_id)
+            if upload is None or upload.tenant != tenant or upload.expires < time.time():
+                raise not_found(f"upload_id {upload_id!r}: no such upload open (finished, refused or expired)")
+            if upload.busy:
+                raise ApiError(409, f"upload {upload_id} is already being finished")
+            upload.busy = True
+        try:
+            files = {name: (upload.staging / name).read_bytes() for name in upload.received}
+            try:
+                check_upload(upload.layout, files)
+            except CheckpointError as e:
+                raise bad_request(f"upload {upload_id}: {e}") from None
+            config = upload.layout.config | {"base_model_name_or_path": upload.base_model}
+            stored = {CONFIG: json.dumps(config, indent=2).encode(), WEIGHTS: files[WEIGHTS]}
+            path = self._store(upload, stored)
+        finally:
+            with self._lock:
+                self._open.pop(upload_id, None)
+            self._discard(upload)
+        with self._lock:
+            self._finished[upload_id] = (tenant, str(path), upload.expires)
+        return {"tinker_path": str(path)}
+
+    def _store(self, upload: Upload, files: dict[str, bytes]) -> TinkerPath:
+        """A finished session of the key's, whose run 0 holds the adapter as its one checkpoint."""
+        session_id = f"sess-upload-{secrets.token_hex(10)}"
+        run_id = f"{session_id}:train:0"
+        path = TinkerPath(run_id, "external_weights", CHECKPOINT_NAME)
+        size = sum(len(data) for data in files.values())
+
+        def record() -> None:
+            self.store.add_session(
+                session_id,
+                owner=upload.tenant,
+                tags=["external_weights_upload"],
+                user_metadata={"upload_id": upload.upload_id},
+                project_id=upload.project_id,
+                display_name=f"adapter uploaded for {upload.base_model}",
+                sdk_version=None,
+            )
+            self.store.finish_session(session_id, "finished:success")
+            self.store.add_model(
+                run_id,
+                session_id=session_id,
+                model_seq_id=0,
+                base_model=upload.base_model,
+                lora=upload.lora.__dict__,
+                user_metadata={},
+            )
+            self.store.set_model_status(run_id, COPY_STATUS)
+            self.store.put_checkpoint(run_id, path.kind, path.name, size_bytes=size, ttl_seconds=None, user_metadata={})
+
+        held, upload.held = upload.held, None  # from here this save settles or releases it
+        try:
+            if held is not None:
+                held.settle(size)  # what was uploaded, within the key's checkpoint bytes
+            self.files.write(path, files, overwrite=False)
+            if held is not None:
+                held.commit(record)
+            else:
+                record()
+        except BaseException:
+            if held is not None:
+                held.release()
+            self.files.delete(path)
+            raise
+        if self.mirror is not None:
+            self.mirror.saved(path)
+        if self.audit is not None:
+            self.audit.record(
+                upload.tenant, "checkpoint_create", upload.tenant, model_id=run_id, tinker_path=str(path), uploaded=True
+            )
+        return path
+
+    # ---- retention ------------------------------------------------------------------------
+
+    def expire(self) -> int:
+        """Forget uploads past their expiry (their bytes and reservations go) and finished ones'
+        answers; returns how many open ones went."""
+        now = time.time()
+        with self._lock:
+            gone = [u for u in self._open.values() if u.expires < now and not u.busy]
+            for upload in gone:
+                del self._open[upload.upload_id]
+            self._finished = {k: v for k, v in self._finished.items() if v[2] >= now}
+        for upload in gone:
+            self._discard(upload)
+        return len(gone)
+
+    @staticmethod
+    def _discard(upload: Upload) -> None:
+        shutil.rmtree(upload.staging, ignore_errors=True)
+        if upload.held is not None:
+            upload.held.release()
+            upload.held = None
