@@ -33,6 +33,7 @@ class CheckpointRecord:
     expires_at: float | None
     public: bool
     user_metadata: dict[str, str]
+    base_model: str | None = None  # its run's (``models.base_model``); None if that row is gone
 
 
 # models.status of a run that holds weights made elsewhere (``copy_weights``, an adapter upload): never trained

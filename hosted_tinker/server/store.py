@@ -1,5 +1,5 @@
 """SQLite persistence for sessions, models, futures and checkpoints (and, in ``store_rows``,
-the REST listings and API keys); it survives a restart.
+the checkpoints as read, the REST listings and API keys); it survives a restart.
 
 One connection guarded by a lock: the event loop and the backend worker thread both write,
 each write is a short statement, and WAL keeps readers off the writer's back.
@@ -14,15 +14,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hosted_tinker.server.records import (
-    CheckpointRecord,
-    FutureRecord,
-    ModelRecord,
-)
+from hosted_tinker.server.records import FutureRecord, ModelRecord
 from hosted_tinker.server.schema import DATABASE, SCHEMA, Fetched, connect, migrate
 from hosted_tinker.server.store_rows import (
     MODEL_COLUMNS,
     AuditRows,
+    CheckpointRows,
     KeyRows,
     ListingRows,
     UsageRows,
@@ -43,7 +40,7 @@ _HELD_MODELS = (
 )
 
 
-class Store(ListingRows, UsageRows, AuditRows, KeyRows):
+class Store(CheckpointRows, ListingRows, UsageRows, AuditRows, KeyRows):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._db = connect(path, SCHEMA)
@@ -350,13 +347,7 @@ class Store(ListingRows, UsageRows, AuditRows, KeyRows):
         ).fetchone()
         return FutureRecord(*row) if row else None
 
-    # ---- checkpoints ----------------------------------------------------------------------
-
-    _CHECKPOINT_COLUMNS = "model_id, kind, name, created_at, size_bytes, expires_at, public, user_metadata"
-
-    @staticmethod
-    def _checkpoint(row: tuple) -> CheckpointRecord:
-        return CheckpointRecord(*row[:6], bool(row[6]), json.loads(row[7]))
+    # ---- checkpoints (read in ``store_rows.CheckpointRows``) --------------------------------
 
     def put_checkpoint(
         self,
@@ -382,40 +373,6 @@ class Store(ListingRows, UsageRows, AuditRows, KeyRows):
                 json.dumps(user_metadata),
             ),
         )
-
-    def checkpoint_created_at(self, path: TinkerPath) -> float | None:
-        """When the checkpoint at ``path`` was made (its version), or None if there is none."""
-        record = self.get_checkpoint(path.run_id, path.kind, path.name)
-        return record.created_at if record is not None else None
-
-    def get_checkpoint(self, model_id: str, kind: str, name: str) -> CheckpointRecord | None:
-        row = self._exec(
-            f"SELECT {self._CHECKPOINT_COLUMNS} FROM checkpoints WHERE model_id=? AND kind=? AND name=?",
-            (model_id, kind, name),
-        ).fetchone()
-        return self._checkpoint(row) if row else None
-
-    def list_checkpoints(self, model_id: str | None = None) -> list[CheckpointRecord]:
-        """Newest first; all runs when ``model_id`` is None."""
-        where, args = ("WHERE model_id=?", (model_id,)) if model_id is not None else ("", ())
-        rows = self._exec(f"SELECT {self._CHECKPOINT_COLUMNS} FROM checkpoints {where} ORDER BY created_at DESC", args)
-        return [self._checkpoint(r) for r in rows.fetchall()]
-
-    def has_public_checkpoint(self, model_id: str) -> bool:
-        return (
-            self._exec("SELECT 1 FROM checkpoints WHERE model_id=? AND public=1 LIMIT 1", (model_id,)).fetchone()
-            is not None
-        )
-
-    def owned_checkpoints(self, owner: str) -> list[CheckpointRecord]:
-        """Newest first, of every run whose session ``owner`` opened."""
-        columns = ", ".join(f"c.{c}" for c in self._CHECKPOINT_COLUMNS.split(", "))
-        rows = self._exec(
-            f"SELECT {columns} FROM checkpoints c JOIN models m ON m.model_id = c.model_id "
-            "JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=? ORDER BY c.created_at DESC",
-            (owner,),
-        )
-        return [self._checkpoint(r) for r in rows.fetchall()]
 
     def delete_checkpoint(self, model_id: str, kind: str, name: str, *, mirrored: bool = False) -> None:
         """The row goes; with ``mirrored``, in the same transaction a tombstone comes (below)."""
@@ -454,10 +411,3 @@ class Store(ListingRows, UsageRows, AuditRows, KeyRows):
     def mirror_deletions(self) -> list[tuple[str, str, str]]:
         """(run id, kind, name) of each, oldest first."""
         return self._exec("SELECT model_id, kind, name FROM mirror_deletions ORDER BY deleted_at").fetchall()
-
-    def expired_checkpoints(self, now: float) -> list[CheckpointRecord]:
-        rows = self._exec(
-            f"SELECT {self._CHECKPOINT_COLUMNS} FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?",
-            (now,),
-        )
-        return [self._checkpoint(r) for r in rows.fetchall()]

@@ -1,5 +1,6 @@
-"""The rows of the server's SQLite file that the REST listings and API keys read and write:
-``Store``'s mixins (their statements run through its ``_exec``, under its lock)."""
+"""The rows of the server's SQLite file that the REST listings and API keys read and write, and
+checkpoints as they are read: ``Store``'s mixins (their statements run through its ``_exec``,
+under its lock)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-from hosted_tinker.server.records import ApiKeyRecord, ModelRecord, SamplerRecord, SessionRow
+from hosted_tinker.server.records import ApiKeyRecord, CheckpointRecord, ModelRecord, SamplerRecord, SessionRow
 
 if TYPE_CHECKING:
+    from hosted_tinker.core.checkpoints import TinkerPath
     from hosted_tinker.server.schema import Fetched
 
 # A session created without a project belongs to this one (SessionSummary.project_id is required).
@@ -19,13 +21,126 @@ MODEL_COLUMNS = (
 )
 
 
+# A checkpoint and its run's base model (a checkpoint belongs to run ``model_id``): one join,
+# not a query per row; a left one, so that a checkpoint whose run row were missing still shows.
+CHECKPOINTS = "checkpoints c LEFT JOIN models m ON m.model_id = c.model_id"
+CHECKPOINT_COLUMNS = (
+    "c.model_id, c.kind, c.name, c.created_at, c.size_bytes, c.expires_at, c.public, c.user_metadata, m.base_model"
+)
+
+
 def model_record(row: tuple) -> ModelRecord:
     return ModelRecord(row[0], row[1], row[2], row[3], json.loads(row[4]), json.loads(row[5]), row[6], row[7])
+
+
+def checkpoint_record(row: tuple) -> CheckpointRecord:
+    return CheckpointRecord(*row[:6], bool(row[6]), json.loads(row[7]), row[8])
 
 
 class _Rows:
     def _exec(self, sql: str, args: tuple = ()) -> Fetched:
         raise NotImplementedError  # Store's
+
+
+class CheckpointRows(_Rows):
+    """Checkpoints as the services read them, each with its run's base model (``Store`` writes
+    them)."""
+
+    def checkpoint_created_at(self, path: TinkerPath) -> float | None:
+        """When the checkpoint at ``path`` was made (its version), or None if there is none."""
+        record = self.get_checkpoint(path.run_id, path.kind, path.name)
+        return record.created_at if record is not None else None
+
+    def get_checkpoint(self, model_id: str, kind: str, name: str) -> CheckpointRecord | None:
+        row = self._exec(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM {CHECKPOINTS} WHERE c.model_id=? AND c.kind=? AND c.name=?",
+            (model_id, kind, name),
+        ).fetchone()
+        return checkpoint_record(row) if row else None
+
+    def list_checkpoints(self, model_id: str | None = None) -> list[CheckpointRecord]:
+        """Newest first; all runs when ``model_id`` is None."""
+        where, args = ("WHERE c.model_id=?", (model_id,)) if model_id is not None else ("", ())
+        rows = self._exec(f"SELECT {CHECKPOINT_COLUMNS} FROM {CHECKPOINTS} {where} ORDER BY c.created_at DESC", args)
+        return [checkpoint_record(r) for r in rows.fetchall()]
+
+    def has_public_checkpoint(self, model_id: str) -> bool:
+        return (
+            self._exec("SELECT 1 FROM checkpoints WHERE model_id=? AND public=1 LIMIT 1", (model_id,)).fetchone()
+            is not None
+        )
+
+    def owned_checkpoints(self, owner: str) -> list[CheckpointRecord]:
+        """Newest first, of every run whose session ``owner`` opened."""
+        rows = self._exec(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c JOIN models m ON m.model_id = c.model_id "
+            "JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=? ORDER BY c.created_at DESC",
+            (owner,),
+        )
+        return [checkpoint_record(r) for r in rows.fetchall()]
+
+    def expired_checkpoints(self, now: float) -> list[CheckpointRecord]:
+        rows = self._exec(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM {CHECKPOINTS} WHERE c.expires_at IS NOT NULL AND c.expires_at <= ?",
+            (now,),
+        )
+        return [checkpoint_record(r) for r in rows.fetchall()]
+
+    def projects_of(self, owner: str) -> set[str]:
+        """The projects of ``owner``'s sessions (one made without a project is in ``DEFAULT_PROJECT``)."""
+        projects = "SELECT DISTINCT COALESCE(project_id, ?) FROM sessions WHERE owner=?"
+        rows = self._exec(projects, (DEFAULT_PROJECT, owner))
+        return {r[0] for r in rows.fetchall()}
+
+    def search_checkpoints(
+        self,
+        owner: str,
+        *,
+        own: bool,
+        others: list[str] | None,
+        projects: list[str] | None = None,
+        kind: str | None = None,
+        base_models: list[str] | None = None,
+        until: float | None = None,
+    ) -> list[CheckpointRecord]:
+        """Newest first: ``owner``'s checkpoints if ``own`` (of its sessions in ``projects``, if
+        given), and other keys' published ones: of the keys ``others`` (every other key's when
+        None). Of those, the ones of kind ``kind``, of runs of one of ``base_models`` and made
+        at or before ``until``, where given. Lists travel as one JSON parameter each (any
+        length: SQLite caps the number of parameters)."""
+        visible, args = [], []
+        if own:
+            mine = "s.owner = ?"
+            args.append(owner)
+            if projects is not None:
+                mine += " AND COALESCE(s.project_id, ?) IN (SELECT value FROM json_each(?))"
+                args += [DEFAULT_PROJECT, json.dumps(projects)]
+            visible.append(f"({mine})")
+        if others is None or others:
+            theirs = "c.public = 1 AND s.owner != ?"
+            args.append(owner)
+            if others is not None:
+                theirs += " AND s.owner IN (SELECT value FROM json_each(?))"
+                args.append(json.dumps(others))
+            visible.append(f"({theirs})")
+        if not visible:
+            return []
+        where = [f"({' OR '.join(visible)})"]
+        if kind is not None:
+            where.append("c.kind = ?")
+            args.append(kind)
+        if base_models is not None:
+            where.append("m.base_model IN (SELECT value FROM json_each(?))")
+            args.append(json.dumps(base_models))
+        if until is not None:
+            where.append("c.created_at <= ?")
+            args.append(until)
+        rows = self._exec(
+            f"SELECT {CHECKPOINT_COLUMNS} FROM checkpoints c JOIN models m ON m.model_id = c.model_id "
+            f"JOIN sessions s ON s.session_id = m.session_id WHERE {' AND '.join(where)} ORDER BY c.created_at DESC",
+            tuple(args),
+        )
+        return [checkpoint_record(r) for r in rows.fetchall()]
 
 
 class ListingRows(_Rows):

@@ -85,6 +85,13 @@ async def list_user_checkpoints(
     return server_state(request).runs.list_owned_checkpoints(tenant_of(request), limit, offset)
 
 
+@router.post("/checkpoints/search", **rsp.as_built(rsp.CheckpointSearchResponse))
+async def search_checkpoints(req: wire.CheckpointSearchRequest, request: Request) -> dict:
+    """``RestClient.search_checkpoints`` (SDK 0.39): the caller's checkpoints and other keys'
+    published ones. Every visible checkpoint may be read and matched: off the event loop."""
+    return await asyncio.to_thread(server_state(request).runs.search_checkpoints, req, tenant_of(request))
+
+
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", **NO_CONTENT)
 async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> Response:
     # Removing a large adapter's files takes a while: keep it off the event loop.

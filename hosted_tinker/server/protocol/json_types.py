@@ -133,8 +133,9 @@ class CopyWeightsRequest(Request):
 
 
 class SearchOwner(Request):
-    """Whose sessions: ``own``; ``accessible`` (all a key may list: its own, here); ``user``,
-    the sessions of the listed owners (``SessionSummary.owner``) the key may list."""
+    """Whose sessions or checkpoints: ``own``; ``accessible`` (all a key may list: of sessions,
+    its own; of checkpoints, its own and other keys' published ones); ``user``, those of the
+    listed owners (``SessionSummary.owner``, ``TrainingRun.model_owner``) the key may list."""
 
     type: Literal["own", "accessible", "user"] = "own"
     owner_urns: ListOf[str] | None = Field(default=None, min_length=1, max_length=10)
@@ -161,6 +162,28 @@ class SessionSearchRequest(Request):
     statuses: ListOf[SessionStatusQuery] | None = Field(default=None, min_length=1)
     limit: int = Field(default=50, ge=1, le=200)
     cursor: SessionSearchCursor | None = None
+
+
+class CheckpointSearchCursor(Request):
+    """A response's ``next_cursor``, passed back unchanged."""
+
+    last_created_at: AwareDatetime
+    # Checkpoints here have no uuid: a checkpoint's tinker path stands for it (unique, and the
+    # second key of the order after the time).
+    last_checkpoint_uuid: str
+
+
+class CheckpointSearchRequest(Request):
+    """``RestClient.search_checkpoints`` (SDK 0.39 ``types.CheckpointSearchRequest``, written from
+    the service's API reference: 0.39 is not installable here). ``base_models=[]`` matches none."""
+
+    project_ids: ListOf[str] | None = None
+    user_metadata: TextMap = Field(default_factory=dict)
+    checkpoint_type: Literal["training", "sampler", "external"] | None = None
+    owner: SearchOwner = Field(default_factory=SearchOwner)
+    base_models: ListOf[str] | None = None
+    limit: int = Field(default=50, ge=1, le=200)
+    cursor: CheckpointSearchCursor | None = None
 
 
 class TelemetryRequest(BaseModel):

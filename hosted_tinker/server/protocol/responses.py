@@ -263,6 +263,7 @@ class Checkpoint(Response):
     public: bool = False
     user_metadata: dict[str, str] | None = None
     expires_at: str | None = Field(default=None, json_schema_extra=_ISO)
+    base_model: str | None = None  # its run's (SDK 0.39)
 
 
 class TrainingRun(Response):
@@ -410,6 +411,16 @@ class SessionSummary(Response):
 class SessionSearchResponse(Response):
     sessions: list[SessionSummary]
     next_cursor: SessionSearchCursor | None = None
+
+
+class CheckpointSearchCursor(Response):
+    last_created_at: str = Field(json_schema_extra=_ISO)
+    last_checkpoint_uuid: str  # the checkpoint's tinker path (checkpoints here have no uuid)
+
+
+class CheckpointSearchResponse(Response):
+    checkpoints: list[Checkpoint]
+    next_cursor: CheckpointSearchCursor | None = None
 
 
 class RunStep(Response):

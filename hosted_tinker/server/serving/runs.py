@@ -1,16 +1,25 @@
 """What the REST API and the console say of training runs and their checkpoints: one JSON shape
 for each (``TrainingRun``, ``Checkpoint``), listings and their pages. Who may see what is
 checked before (``Tenancy``); another key than a run's owner sees it as far as its published
-checkpoints show it."""
+checkpoints show it. And the checkpoint search (``RestClient.search_checkpoints``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime
 
-from hosted_tinker.core.checkpoints import TinkerPath
+from hosted_tinker.core.checkpoints import KIND_TO_TYPE, TinkerPath
+from hosted_tinker.core.errors import bad_request, not_found
+from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.records import CheckpointRecord, ModelRecord
 from hosted_tinker.server.store import Store
+from hosted_tinker.server.store_rows import DEFAULT_PROJECT
+
+TYPE_TO_KIND = {t: k for k, t in KIND_TO_TYPE.items()}
+# A cursor's time is the stored float to the microsecond (``iso_time``): the store reads rows up
+# to a little past it, and the exact comparison is the wire's (``search_key``).
+CURSOR_SLACK_S = 1e-3
 
 
 def _iso(t: float) -> str:
@@ -33,6 +42,7 @@ class RunViews:
             "public": record.public,
             "user_metadata": record.user_metadata,
             "expires_at": _iso(record.expires_at) if record.expires_at else None,
+            "base_model": record.base_model,
         }
 
     def run_json(self, model: ModelRecord, owned: bool = True) -> dict:
@@ -88,3 +98,72 @@ class RunViews:
         page = records[offset : offset + limit] if limit is not None else records
         cursor = {"offset": offset, "limit": limit or len(records), "total_count": len(records)}
         return {"checkpoints": [self.checkpoint_json(r) for r in page], "cursor": cursor}
+
+    # ---- search (RestClient.search_checkpoints) --------------------------------------------
+
+    def search_checkpoints(self, req: wire.CheckpointSearchRequest, owner: str) -> dict:
+        """One page of the checkpoints ``owner`` may list that match, newest first: its own, and
+        of other keys only the published ones, as every listing here shows them. ``project_ids``
+        name the caller's own projects (another key's are not its to list), so with them only
+        its own checkpoints match."""
+        urns = req.owner.owner_urns
+        if req.owner.type != "user" and urns is not None:
+            raise bad_request(f"owner.owner_urns is only for owner.type 'user', not {req.owner.type!r}")
+        if req.owner.type == "user" and urns is None:
+            raise bad_request("owner.owner_urns: owner.type 'user' names 1 to 10 owners")
+        if req.project_ids is not None:
+            projects = self.store.projects_of(owner)
+            unknown = [p for p in req.project_ids if p not in projects and p != DEFAULT_PROJECT]
+            if unknown:
+                raise not_found(f"project_ids: {unknown[0]!r} is not a project of yours")
+        own = req.owner.type != "user" or owner in (urns or [])
+        others: list[str] | None = None  # "accessible": every other key's published ones
+        if req.owner.type == "own" or req.project_ids is not None:
+            others = []
+        elif req.owner.type == "user":
+            others = [u for u in urns or [] if u != owner]
+        after = (req.cursor.last_created_at, req.cursor.last_checkpoint_uuid) if req.cursor is not None else None
+        records = self.store.search_checkpoints(
+            owner,
+            own=own,
+            others=others,
+            projects=req.project_ids,
+            kind=TYPE_TO_KIND[req.checkpoint_type] if req.checkpoint_type is not None else None,
+            base_models=req.base_models,
+            until=after[0].timestamp() + CURSOR_SLACK_S if after is not None else None,
+        )
+        page, more = search_page(records, req.user_metadata, req.limit, after)
+        next_cursor = None
+        if more:
+            last_created_at, last_path = search_key(page[-1])
+            next_cursor = {"last_created_at": last_created_at.isoformat(), "last_checkpoint_uuid": last_path}
+        return {"checkpoints": [self.checkpoint_json(r) for r in page], "next_cursor": next_cursor}
+
+
+def search_key(record: CheckpointRecord) -> tuple[datetime, str]:
+    """Where a checkpoint stands in the search's order (descending) and in its cursor: its time
+    as the wire has it (microseconds, not the stored float), then its tinker path, which stands
+    for the uuid checkpoints here do not have (``last_checkpoint_uuid``)."""
+    return iso_time(record.created_at), str(TinkerPath(record.model_id, record.kind, record.name))
+
+
+def metadata_matches(record: CheckpointRecord, wanted: dict[str, str]) -> bool:
+    """Every wanted pair is one of the checkpoint's own ``user_metadata``, exactly."""
+    return all(k in record.user_metadata and str(record.user_metadata[k]) == v for k, v in wanted.items())
+
+
+def search_page(
+    records: list[CheckpointRecord], wanted: dict[str, str], limit: int, after: tuple[datetime, str] | None
+) -> tuple[list[CheckpointRecord], bool]:
+    """The first ``limit`` records after the cursor key ``after`` whose metadata matches, newest
+    first, and whether more match."""
+    rows = sorted(records, key=search_key, reverse=True)
+    if after is not None:
+        rows = [r for r in rows if search_key(r) < after]
+    matches: list[CheckpointRecord] = []
+    for row in rows:
+        if metadata_matches(row, wanted):
+            matches.append(row)
+            if len(matches) > limit:  # one more than a page: there is a next page
+                break
+    return matches[:limit], len(matches) > limit
