@@ -55,39 +55,76 @@ class Tensor:
     shape: tuple[int, ...]
 
 
+ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+HEADER_SLACK = 64 << 10  # room in a header for metadata, white space, another order of its tensors
+
+
 @dataclass(frozen=True)
 class Layout:
-    """An export's files: its config (Tinker's module names), its tensors, and each file's size."""
+    """An export's files: its config (Tinker's module names), its tensors, each file's size and
+    the length of its safetensors header."""
 
     config: dict
     tensors: dict[str, Tensor]
     sizes: dict[str, int]
+    header_bytes: int
 
     @classmethod
     def of_export(cls, files: dict[str, bytes]) -> Layout:
-        header = safetensors_header(files[WEIGHTS], WEIGHTS)
+        (header_bytes,) = struct.unpack("<Q", files[WEIGHTS][:8])
         return cls(
             json.loads(files[CONFIG]),
-            header,
+            safetensors_header(files[WEIGHTS], WEIGHTS),
             {name: len(data) for name, data in files.items()},
+            header_bytes,
         )
+
+    @classmethod
+    def at_rank(cls, one: Layout, two: Layout, rank: int) -> Layout:
+        """The layout of an export at ``rank``, from exports of the same adapter at ranks 1 and 2:
+        in each tensor the axis that grew is the rank's, and the config differs only in ``r``
+        (so one export per kind of adapter tells every rank's, without making each on the worker)."""
+        if set(one.tensors) != set(two.tensors) or {k for k in two.config if one.config.get(k) != two.config[k]} != {
+            "r"
+        }:
+            raise ValueError("exports at ranks 1 and 2 differ in more than their rank")
+        tensors = {}
+        for key, small in one.tensors.items():
+            grown = [i for i, (a, b) in enumerate(zip(small.shape, two.tensors[key].shape, strict=True)) if a != b]
+            if len(grown) != 1 or small.shape[grown[0]] != 1:
+                raise ValueError(f"tensor {key} does not have one rank axis")
+            shape = list(small.shape)
+            shape[grown[0]] = rank
+            tensors[key] = Tensor(small.dtype, tuple(shape))
+        data = sum(math.prod(t.shape) * ITEM_BYTES[t.dtype] for t in tensors.values())
+        header = two.header_bytes + 8 * len(tensors)  # each of its numbers a few digits longer
+        config = two.config | {"r": rank}
+        sizes = {CONFIG: len(json.dumps(config, indent=2)), WEIGHTS: 8 + header + data}
+        return cls(config, tensors, sizes, header)
+
+    @property
+    def max_header(self) -> int:
+        return 2 * self.header_bytes + HEADER_SLACK
 
     def max_bytes(self, name: str) -> int:
         """The most an upload of file ``name`` may hold: the export's size, with room for a
         header that carries metadata or names its tensors in another order."""
         if name == CONFIG:
             return MAX_CONFIG_BYTES
-        return self.sizes[name] + (1 << 20)
+        return self.sizes[name] - self.header_bytes + self.max_header
 
 
-def safetensors_header(data: bytes, name: str) -> dict[str, Tensor]:
+def safetensors_header(data: bytes, name: str, max_header: int | None = None) -> dict[str, Tensor]:
     """The tensors a ``safetensors`` file declares, from its header alone, checked to be one:
-    a header that parses, entries with a dtype, a shape and offsets that tile the data exactly."""
+    a header of at most ``max_header`` bytes (parsed JSON takes several times its size) that
+    parses, entries with a dtype, a shape and offsets that tile the data exactly."""
     if len(data) < 8:
         raise CheckpointError(f"{name} is not a safetensors file (shorter than its header length)")
     (size,) = struct.unpack("<Q", data[:8])
     if size > len(data) - 8:
         raise CheckpointError(f"{name} is not a safetensors file (its header is longer than the file)")
+    if max_header is not None and size > max_header:
+        raise CheckpointError(f"{name}: its header of {size} bytes is larger than this adapter's can be ({max_header})")
     try:
         header = json.loads(data[8 : 8 + size])
     except (ValueError, RecursionError):
@@ -100,7 +137,7 @@ def safetensors_header(data: bytes, name: str) -> dict[str, Tensor]:
             continue
         try:
             dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if not (isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            if not (isinstance(dtype, str) and isinstance(shape, list) and all(map(_count, [*shape, start, end]))):
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{name}: tensor {key!r} has no valid dtype, shape and data_offsets") from None
@@ -117,6 +154,10 @@ def safetensors_header(data: bytes, name: str) -> dict[str, Tensor]:
     return tensors
 
 
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def check_upload(layout: Layout, files: dict[str, bytes]) -> dict[str, torch.Tensor]:
     """The uploaded adapter's tensors, if ``files`` are what an export of ``layout``'s shape
     holds: the same files, a config that means the same adapter, the same tensor names (Tinker's),
@@ -125,7 +166,7 @@ def check_upload(layout: Layout, files: dict[str, bytes]) -> dict[str, torch.Ten
         if name not in files:
             raise CheckpointError(f"file {name} was not uploaded")
     check_config(layout.config, files[CONFIG])
-    tensors = safetensors_header(files[WEIGHTS], WEIGHTS)
+    tensors = safetensors_header(files[WEIGHTS], WEIGHTS, layout.max_header)
     missing = sorted(set(layout.tensors) - set(tensors))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -180,7 +221,10 @@ def _same(got: object, expected: object) -> bool:
     if _unset(got) or _unset(expected):
         return _unset(got) and _unset(expected)
     if isinstance(got, int | float) and isinstance(expected, int | float) and not isinstance(got, bool):
-        return math.isclose(got, expected)
+        try:
+            return math.isclose(got, expected)
+        except OverflowError:  # an integer past what a float holds: not this adapter's
+            return False
     return got == expected
 
 

@@ -118,7 +118,7 @@ async def _sweep(state: ServerState) -> None:
         try:
             await asyncio.to_thread(state.usage.accrue_storage)  # what was stored since the last sweep
             checkpoints = await asyncio.to_thread(state.checkpoints.delete_expired)
-            state.uploads.expire()  # adapter uploads never finished: their staged bytes and reservations
+            await asyncio.to_thread(state.uploads.expire)  # uploads never finished: their bytes and reservations
             results = await asyncio.to_thread(state.store.delete_futures_finished_before, time.time() - retention)
             sequences = await asyncio.to_thread(state.sequences.delete_expired)
             await asyncio.to_thread(state.audit.delete_expired)

@@ -5,8 +5,10 @@ link is). HTTP only."""
 from __future__ import annotations
 
 import asyncio
+import errno
 
 from fastapi import APIRouter, Request, Response
+from starlette.requests import ClientDisconnect
 
 from hosted_tinker.core.errors import ApiError, not_found
 from hosted_tinker.server.api.auth import tenant_of
@@ -14,10 +16,11 @@ from hosted_tinker.server.api.errors import large_body
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
+from hosted_tinker.server.serving.uploads import Receiving
 
 router = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
 files = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)  # signed: no API key
-WRITE_BYTES = 4 << 20  # a PUT's bytes go to disk in pieces of about this, off the event loop
+WRITE_BYTES = 1 << 20  # a PUT's bytes go to disk in pieces of about this, off the event loop
 
 
 @router.post("/external_weights_upload_start", **rsp.as_built(rsp.ExternalWeightsUploadStartResponse))
@@ -28,7 +31,9 @@ async def external_weights_upload_start(req: wire.ExternalWeightsUploadStartRequ
 
 @router.post("/external_weights_upload_finish", **rsp.as_built(rsp.ExternalWeightsUploadFinishResponse))
 async def external_weights_upload_finish(req: wire.ExternalWeightsUploadFinishRequest, request: Request) -> dict:
-    return await asyncio.to_thread(server_state(request).uploads.finish, req.upload_id, tenant_of(request))
+    uploads = server_state(request).uploads
+    async with uploads.finishing:  # a few at a time: each reads and checks its files whole
+        return await asyncio.to_thread(uploads.finish, req.upload_id, tenant_of(request))
 
 
 @files.put(
@@ -49,12 +54,18 @@ async def put_upload_file(upload_id: str, signature: str, file_name: str, reques
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > receiving.max_bytes:
             raise _too_large(receiving.name, receiving.max_bytes)
-        received, pending = 0, bytearray()
-        try:
-            out = open(receiving.partial, "wb")  # noqa: SIM115 (closed by the with below)
-        except FileNotFoundError:  # its upload was finished or expired since
-            raise not_found("no such upload: it was finished, refused, or has expired") from None
-        with out:
+        await _write(request, receiving)
+        state.uploads.received(receiving)
+    finally:
+        state.uploads.ended(receiving)
+    return Response(status_code=204)
+
+
+async def _write(request: Request, receiving: Receiving) -> None:
+    """The body into ``receiving.partial``, in pieces, each written off the event loop."""
+    received, pending = 0, bytearray()
+    try:
+        with open(receiving.partial, "wb") as out:
             async for chunk in request.stream():
                 received += len(chunk)
                 if received > receiving.max_bytes:
@@ -64,10 +75,14 @@ async def put_upload_file(upload_id: str, signature: str, file_name: str, reques
                     await asyncio.to_thread(out.write, bytes(pending))
                     pending.clear()
             await asyncio.to_thread(out.write, bytes(pending))
-        state.uploads.received(receiving)
-    finally:
-        state.uploads.ended(receiving)
-    return Response(status_code=204)
+    except FileNotFoundError:  # its upload was finished or expired since
+        raise not_found("no such upload: it was finished, refused, or has expired") from None
+    except ClientDisconnect:  # nobody hears the answer; nothing of the file is kept
+        raise ApiError(400, f"the client went away before {receiving.name} was whole") from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ApiError(507, "the server's disk is full; nothing of the file is kept") from None
+        raise
 
 
 def _too_large(name: str, limit: int) -> ApiError:

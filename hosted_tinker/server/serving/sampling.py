@@ -298,11 +298,11 @@ class SamplingService:
                 path = TinkerPath.parse(req.model_path, "model_path")
             except CheckpointError as e:
                 raise bad_request(str(e)) from None
-            if path.kind == "external_weights" and not (self.files.directory(path) / WEIGHTS).is_file():
-                raise bad_request(f"model_path {path} is encrypted to its recipients: it cannot be sampled here")
             model = self.store.get_model(path.run_id)
             if model is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
                 raise not_found(f"model_path: checkpoint {req.model_path} does not exist")
+            if path.kind == "external_weights" and not (self.files.directory(path) / WEIGHTS).is_file():
+                raise bad_request(f"model_path {path} is encrypted to its recipients: it cannot be sampled here")
             if model.base_model not in self.served_names:  # a data directory another model trained in
                 raise bad_request(
                     f"model_path: {req.model_path} was trained on {model.base_model!r}; served: {self.served_names}"

@@ -5,10 +5,12 @@ checkpoint in a run of its own that cannot be trained on (as ``copy_weights``' r
 a training client is created, a sampler samples, and the adapter is exported again.
 
 - **start**: the base model must be served and the LoRA shape one this server makes. What the
-  upload must hold (``Layout``) is read from a real export: an adapter of that shape is made on
-  the worker, exported as ``save_weights_external`` would, and dropped (once per shape). The
-  key's checkpoint bytes for an adapter of that size are reserved now; a key has at most
-  ``MAX_PENDING_PER_KEY`` uploads open, the server ``MAX_PENDING``.
+  upload must hold (``Layout``) is read from real exports: adapters of those layers at ranks 1
+  and 2 are made on the worker, exported as ``save_weights_external`` would, and dropped, once
+  per set of layers (at most seven in a server's life), every rank's layout following from
+  those two. The key's LoRA rank limit applies and its checkpoint bytes for an export of that
+  size are reserved first; a key has at most ``MAX_PENDING_PER_KEY`` uploads open (or
+  starting), the server ``MAX_PENDING``.
 - **PUT**: each file to its URL (the URL is the credential, as a download link's), streamed to
   the staging directory, at most the export's size of that file (``Layout.max_bytes``).
 - **finish**: every file checked (``core.adapter_layout``: config, tensor names, shapes, dtypes,
@@ -26,18 +28,20 @@ import concurrent.futures
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hosted_tinker.core.adapter_layout import CONFIG, WEIGHTS, Layout, check_upload
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath, adapter_files
-from hosted_tinker.core.errors import ApiError, bad_request, not_found
+from hosted_tinker.core.errors import ApiError, bad_request, not_found, unavailable
 from hosted_tinker.core.types import LoraSpec
 from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.protocol import json_types as wire
@@ -50,10 +54,13 @@ from hosted_tinker.server.serving.training import TrainingService
 if TYPE_CHECKING:
     from hosted_tinker.server.quotas import Quotas, Reservation
 
+log = logging.getLogger(__name__)
+Groups = tuple[bool, bool, bool]  # an adapter's layers: train_attn, train_mlp, train_unembed
+
 UPLOAD_TTL_S = 3600
 MAX_PENDING_PER_KEY = 4
-MAX_PENDING = 64
-MAX_LAYOUTS = 16  # the LoRA shapes whose export layout is remembered
+MAX_PENDING = 256
+MAX_FINISHING = 2  # finishes checked at once: each reads its files whole (about three times their size)
 CHECKPOINT_NAME = "upload"  # the checkpoint's name in the run made for it
 _SIGNED = "external-weights-upload"  # in every signed payload: a download link's signature is not an upload's
 
@@ -93,6 +100,7 @@ class UploadService:
         secret: bytes,
         quotas: Quotas | None = None,
         *,
+        may_upload: Callable[[str], bool] | None = None,
         mirror: CheckpointMirror | None = None,
         audit: AuditLog | None = None,
     ) -> None:
@@ -100,13 +108,16 @@ class UploadService:
         self.store = training.store
         self.files = files
         self.quotas = quotas
+        self.may_upload = may_upload  # whether a key (still) may: a revoked key's URLs stop taking bytes
         self.mirror = mirror
         self.audit = audit
         self._secret = secret
         self._lock = threading.Lock()  # the open uploads: read by the event loop and finishing threads
         self._open: dict[str, Upload] = {}
+        self._starting: dict[str, int] = {}  # per key: starts waiting for their layout
         self._finished: dict[str, tuple[str, str, float]] = {}  # upload_id -> (tenant, tinker path, until)
-        self._layouts: dict[tuple, Layout] = {}
+        self._exports: dict[Groups, asyncio.Future[tuple[Layout, Layout]]] = {}
+        self.finishing = asyncio.Semaphore(MAX_FINISHING)
 
     # ---- start ----------------------------------------------------------------------------
 
@@ -116,82 +127,98 @@ class UploadService:
         if req.destination_project_id is not None:
             check_project_id(req.destination_project_id)
         lora = self.training.lora_spec(req.lora_config)
-        self.expire()
+        await asyncio.to_thread(self.expire)
         with self._lock:
             self._check_room(tenant)
-        # Reserved before the worker makes an adapter of that shape: a key cannot have one made
-        # that it could not store (nor of a rank above its own limit).
-        held = self.quotas.reserve_upload(tenant, lora) if self.quotas is not None else None
+            self._starting[tenant] = self._starting.get(tenant, 0) + 1  # counted while it waits
+        held = upload = None
         try:
+            # Reserved before any adapter is made on the worker: a key cannot have one made that
+            # it could not store (nor of a rank above its own limit).
+            held = self.quotas.reserve_upload(tenant, lora) if self.quotas is not None else None
             layout = await self._layout(lora)
             if held is not None:
                 held.settle(sum(layout.sizes.values()))  # the export's true size (its headers too)
+            upload_id = f"upload-{secrets.token_hex(16)}"
+            upload = Upload(
+                upload_id,
+                tenant,
+                req.base_model,
+                lora,
+                req.destination_project_id,
+                layout,
+                time.time() + UPLOAD_TTL_S,
+                self.files.staging_dir(upload_id),
+                held,
+            )
+            with self._lock:
+                self._open[upload_id] = upload
         except BaseException:
-            if held is not None:
+            if upload is not None:
+                self._discard(upload)
+            elif held is not None:
                 held.release()
             raise
-        upload_id = f"upload-{secrets.token_hex(16)}"
-        upload = Upload(
-            upload_id,
-            tenant,
-            req.base_model,
-            lora,
-            req.destination_project_id,
-            layout,
-            time.time() + UPLOAD_TTL_S,
-            self.files.staging_dir(upload_id),
-            held,
-        )
-        with self._lock:
-            try:
-                self._check_room(tenant)  # again: the layout was awaited
-            except ApiError:
-                self._discard(upload)
-                raise
-            self._open[upload_id] = upload
+        finally:
+            with self._lock:
+                self._starting[tenant] -= 1
+                if not self._starting[tenant]:
+                    del self._starting[tenant]
         at = f"{base_url}/api/v1/uploads/{upload_id}"
         urls = {name: f"{at}/{self._sign(upload_id, name)}/{name}" for name in layout.sizes}
         return {"upload_id": upload_id, "urls": urls, "expires": iso_time(upload.expires).isoformat()}
 
     def _check_room(self, tenant: str) -> None:
-        mine = sum(u.tenant == tenant for u in self._open.values())
+        mine = sum(u.tenant == tenant for u in self._open.values()) + self._starting.get(tenant, 0)
         if mine >= MAX_PENDING_PER_KEY:
             raise ApiError(
                 403,
                 f"this key has {mine} adapter uploads open, the most it may: finish them, or let them expire "
                 f"({UPLOAD_TTL_S} s after their start)",
             )
-        if len(self._open) >= MAX_PENDING:
+        if len(self._open) + sum(self._starting.values()) >= MAX_PENDING:
             raise ApiError(503, "the server holds as many open adapter uploads as it takes; try again later")
 
     async def _layout(self, lora: LoraSpec) -> Layout:
-        """What an export of an adapter of ``lora``'s shape holds, made once on the worker."""
-        shape = (lora.rank, lora.train_attn, lora.train_mlp, lora.train_unembed)
-        if (known := self._layouts.pop(shape, None)) is not None:
-            self._layouts[shape] = known  # the most recently used last
-            return known
-        backend, family = self.training.backend, self.training.backend.capabilities.family
-        done: concurrent.futures.Future[Layout] = concurrent.futures.Future()
+        """What an export of an adapter of ``lora``'s shape holds: from exports of its layers at
+        ranks 1 and 2, made on the worker once (starts that ask meanwhile wait for the same)."""
+        groups = (lora.train_attn, lora.train_mlp, lora.train_unembed)
+        made = self._exports.get(groups)
+        if made is None:
+            made = self._exports[groups] = asyncio.wrap_future(self._export_pair(lora))
+        try:
+            one, two = await asyncio.shield(made)  # a start whose client left does not cancel the others'
+            return Layout.at_rank(one, two, lora.rank)
+        except Exception as e:
+            if self._exports.get(groups) is made:
+                del self._exports[groups]  # made again by the next start
+            log.exception("the layout of an adapter upload could not be made")
+            raise unavailable(f"the adapter's layout could not be made on the worker ({type(e).__name__})", 5) from None
 
-        def export() -> None:  # on the worker thread, between other jobs
+    def _export_pair(self, lora: LoraSpec) -> concurrent.futures.Future[tuple[Layout, Layout]]:
+        """Exports of adapters of ``lora``'s layers at ranks 1 and 2, made and dropped on the worker
+        thread between other jobs (no model holds them: nothing to park, no seq_id)."""
+        backend, family = self.training.backend, self.training.backend.capabilities.family
+        done: concurrent.futures.Future[tuple[Layout, Layout]] = concurrent.futures.Future()
+
+        def export(rank: int) -> Layout:
             model_id = f"upload-layout-{secrets.token_hex(8)}"
+            backend.create_adapter(model_id, LoraSpec(rank, 0, lora.train_mlp, lora.train_attn, lora.train_unembed))
             try:
-                backend.create_adapter(model_id, lora)
-                try:
-                    config = backend.peft_config(model_id)
-                    state = backend.export_state(model_id, with_optimizer=False)
-                finally:
-                    backend.delete_adapter(model_id)
-                done.set_result(Layout.of_export(adapter_files(config, state.weights, family)))
+                config = backend.peft_config(model_id)
+                state = backend.export_state(model_id, with_optimizer=False)
+            finally:
+                backend.delete_adapter(model_id)
+            return Layout.of_export(adapter_files(config, state.weights, family))
+
+        def run() -> None:
+            try:
+                done.set_result((export(1), export(2)))
             except BaseException as e:
                 done.set_exception(e)
 
-        self.training.scheduler.run_on_worker(export)
-        layout = await asyncio.wrap_future(done)
-        self._layouts[shape] = layout
-        while len(self._layouts) > MAX_LAYOUTS:
-            del self._layouts[next(iter(self._layouts))]
-        return layout
+        self.training.scheduler.run_on_worker(run)
+        return done
 
     # ---- files ----------------------------------------------------------------------------
 
@@ -205,8 +232,10 @@ class UploadService:
             raise ApiError(403, "this upload URL is invalid")
         with self._lock:
             upload = self._open.get(upload_id)
-            if upload is None or upload.expires < time.time() or name not in upload.layout.sizes:
-                raise not_found("no such upload: it was finished, refused, or has expired")
+        gone = upload is None or upload.expires < time.time() or name not in upload.layout.sizes
+        if gone or (self.may_upload is not None and not self.may_upload(upload.tenant)):  # revoked since
+            raise not_found("no such upload: it was finished, refused, or has expired")
+        with self._lock:
             if upload.busy:
                 raise ApiError(409, f"upload {upload_id} is being finished; its files can no longer change")
             if name in upload.writing:
@@ -251,6 +280,8 @@ class UploadService:
                 check_upload(upload.layout, files)
             except CheckpointError as e:
                 raise bad_request(f"upload {upload_id}: {e}") from None
+            except (ValueError, TypeError, OverflowError, RecursionError) as e:  # the files are the sender's
+                raise bad_request(f"upload {upload_id}: the files could not be read ({type(e).__name__})") from None
             config = upload.layout.config | {"base_model_name_or_path": upload.base_model}
             stored = {CONFIG: json.dumps(config, indent=2).encode(), WEIGHTS: files[WEIGHTS]}
             path = self._store(upload, stored)
@@ -305,12 +336,20 @@ class UploadService:
                 held.release()
             self.files.delete(path)
             raise
-        if self.mirror is not None:
-            self.mirror.saved(path)
-        if self.audit is not None:
-            self.audit.record(
-                upload.tenant, "checkpoint_create", upload.tenant, model_id=run_id, tinker_path=str(path), uploaded=True
-            )
+        try:  # the checkpoint is made: what follows must not turn its finish into an error
+            if self.mirror is not None:
+                self.mirror.saved(path)
+            if self.audit is not None:
+                self.audit.record(
+                    upload.tenant,
+                    "checkpoint_create",
+                    upload.tenant,
+                    model_id=run_id,
+                    tinker_path=str(path),
+                    uploaded=True,
+                )
+        except Exception:
+            log.exception("after the upload of %s", path)
         return path
 
     # ---- retention ------------------------------------------------------------------------

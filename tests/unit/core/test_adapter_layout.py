@@ -143,3 +143,40 @@ def test_a_config_that_is_not_an_object_is_refused(data: bytes, says: str) -> No
     with pytest.raises(CheckpointError) as refused:
         check_config(CONFIG_JSON, data)
     assert says in str(refused.value)
+
+
+def test_every_ranks_layout_follows_from_exports_at_ranks_1_and_2() -> None:
+    def at(rank: int) -> dict[str, bytes]:
+        tensors = {A: torch.zeros(rank, 16), B: torch.zeros(16, rank), "e.lora_A": torch.zeros(3, rank, 8)}
+        return export(tensors, CONFIG_JSON | {"r": rank})
+
+    one, two = Layout.of_export(at(1)), Layout.of_export(at(2))
+    for rank in (1, 4, 64):
+        made, real = Layout.at_rank(one, two, rank), Layout.of_export(at(rank))
+        assert made.tensors == real.tensors and made.config == real.config
+        assert made.sizes[WEIGHTS] >= real.sizes[WEIGHTS] and made.max_header >= real.header_bytes
+        check_upload(made, at(rank))
+    with pytest.raises(ValueError, match="differ in more than their rank"):
+        Layout.at_rank(
+            one, Layout.of_export(at(2) | {CONFIG: json.dumps(CONFIG_JSON | {"r": 2, "bias": "all"}).encode()}), 4
+        )
+
+
+def test_a_header_larger_than_the_adapters_is_refused_before_it_is_parsed() -> None:
+    files = export()
+    size = struct.unpack("<Q", files[WEIGHTS][:8])[0]
+    padded = raw({"__metadata__": {"pad": "x" * (LAYOUT.max_header)}}, b"")
+    with pytest.raises(CheckpointError, match="larger than this adapter's can be"):
+        check_upload(LAYOUT, files | {WEIGHTS: padded})
+    assert LAYOUT.header_bytes == size
+
+
+@pytest.mark.parametrize("offsets", [[0, None], [True, 4], ["0", "4"], [0.0, 4.0]])
+def test_offsets_that_are_not_counts_are_refused(offsets: list) -> None:
+    with pytest.raises(CheckpointError, match="no valid dtype, shape and data_offsets"):
+        safetensors_header(raw({A: {"dtype": "F32", "shape": [1], "data_offsets": offsets}}, b"\0" * 4), WEIGHTS)
+
+
+def test_a_number_no_float_holds_is_another_adapters() -> None:
+    with pytest.raises(CheckpointError, match="r is"):
+        check_config(CONFIG_JSON, json.dumps(CONFIG_JSON | {"r": 10**400}).encode())
