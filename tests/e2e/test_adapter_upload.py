@@ -21,11 +21,11 @@ from tinker import types
 from tests.support.server import ALIAS, ServerProcess
 from tests.support.tenants import serve_two_keys
 from tests.support.training import assert_identical, train
+from tests.support.uploads import LORA, download, finish, start, upload
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 QUOTA = 1 << 20  # each key's checkpoint bytes: a few tiny rank-4 adapters, not a rank-64 one
-LORA = {"rank": 4, "train_attn": True, "train_mlp": True, "train_unembed": True}
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
@@ -51,30 +51,6 @@ def export(two_keys) -> tuple[dict[str, bytes], str, str]:
         return download(sc.create_rest_client(), path), state, sampler
 
 
-def download(rest: tinker.RestClient, path: str) -> dict[str, bytes]:
-    urls = rest.get_external_weights_urls(path).result().urls
-    return {name: httpx.get(url, timeout=60).raise_for_status().content for name, url in urls.items()}
-
-
-def start(srv: ServerProcess, key: str, **fields) -> httpx.Response:
-    body = {"base_model": ALIAS, "lora_config": LORA} | fields
-    return httpx.post(f"{srv.base_url}/api/v1/external_weights_upload_start", json=body, headers={"X-API-Key": key})
-
-
-def finish(srv: ServerProcess, key: str, upload_id: str) -> httpx.Response:
-    url = f"{srv.base_url}/api/v1/external_weights_upload_finish"
-    return httpx.post(url, json={"upload_id": upload_id}, headers={"X-API-Key": key}, timeout=60)
-
-
-def upload(srv: ServerProcess, key: str, files: dict[str, bytes], **fields) -> httpx.Response:
-    """Start, PUT each file to its URL (no API key: the URL is the credential), finish."""
-    started = start(srv, key, **fields)
-    assert started.status_code == 200, started.text
-    for name, data in files.items():
-        httpx.put(started.json()["urls"][name], content=data, timeout=60).raise_for_status()
-    return finish(srv, key, started.json()["upload_id"])
-
-
 def stored(srv: ServerProcess, key: str) -> list[str]:
     with tinker.ServiceClient(base_url=srv.base_url, api_key=key) as sc:
         return [c.tinker_path for c in sc.create_rest_client().list_user_checkpoints(limit=1000).result().checkpoints]
@@ -87,18 +63,18 @@ def staged(srv: ServerProcess) -> list[Path]:
 def test_an_export_uploaded_under_another_key_is_the_same_adapter(two_keys, export) -> None:
     srv, alice, bob = two_keys
     files, state, sampler = export
-    r = start(srv, bob, destination_project_id="proj-byo")
+    r = start(srv.base_url, bob, destination_project_id="proj-byo")
     assert r.status_code == 200, r.text
     started = r.json()
     assert set(started["urls"]) == {WEIGHTS, CONFIG} and started["upload_id"] and started["expires"]
     for name, data in files.items():
         assert httpx.put(started["urls"][name], content=data, timeout=60).status_code == 204
-    assert finish(srv, alice, started["upload_id"]).status_code == 404  # another key's upload
-    done = finish(srv, bob, started["upload_id"])
+    assert finish(srv.base_url, alice, started["upload_id"]).status_code == 404  # another key's upload
+    done = finish(srv.base_url, bob, started["upload_id"])
     assert done.status_code == 200, done.text
     path = done.json()["tinker_path"]
     assert path.startswith("tinker://") and "/external_weights/" in path
-    assert finish(srv, bob, started["upload_id"]).json() == done.json()  # a retried finish: the same
+    assert finish(srv.base_url, bob, started["upload_id"]).json() == done.json()  # a retried finish: the same
     assert path in stored(srv, bob) and path not in stored(srv, alice)
     assert not staged(srv)
 
@@ -182,7 +158,7 @@ def test_every_malformed_upload_is_refused_and_leaves_nothing(two_keys, export) 
         (files | {CONFIG: b"[1, 2"}, "not JSON"),
     ]
     for sent, says in cases:
-        r = upload(srv, bob, sent)
+        r = upload(srv.base_url, bob, sent)
         assert r.status_code == 400 and says in r.json()["detail"], (says, r.text)
         assert not staged(srv) and stored(srv, bob) == before, says
 
@@ -195,11 +171,11 @@ def test_every_malformed_upload_is_refused_and_leaves_nothing(two_keys, export) 
         ({"lora_config": LORA | {"rank": 512}}, 400, "lora_rank"),  # above the key's rank
         ({"lora_config": LORA | {"rank": 64}}, 403, "checkpoint_bytes"),  # more than the key may store
     ]:
-        r = start(srv, bob, **fields)
+        r = start(srv.base_url, bob, **fields)
         assert r.status_code == status and says in r.text, (fields, r.text)
 
     # the URLs: signed per file, bounded by the adapter's size, the file's own bytes only
-    started = start(srv, bob).json()
+    started = start(srv.base_url, bob).json()
     url = started["urls"][CONFIG]
     base, _, name = url.rpartition("/")
     assert httpx.put(f"{base}/..%2F..%2Fescape", content=b"x").status_code in (403, 404)
@@ -208,15 +184,15 @@ def test_every_malformed_upload_is_refused_and_leaves_nothing(two_keys, export) 
     assert httpx.put(big, content=b"\0" * (len(files[WEIGHTS]) + (2 << 20))).status_code == 413
     zipped = httpx.put(url, content=b"x", headers={"Content-Encoding": "gzip"})
     assert zipped.status_code == 415
-    assert finish(srv, bob, started["upload_id"]).status_code == 400  # nothing whole was PUT
+    assert finish(srv.base_url, bob, started["upload_id"]).status_code == 400  # nothing whole was PUT
     assert httpx.put(url, content=files[CONFIG]).status_code == 404  # refused: the upload is gone
     assert not staged(srv)
 
     # a key has a few uploads open at a time; the refused ones gave back what they reserved
-    opened = [start(srv, bob) for _ in range(4)]
+    opened = [start(srv.base_url, bob) for _ in range(4)]
     assert all(r.status_code == 200 for r in opened)
-    assert start(srv, bob).status_code == 403
+    assert start(srv.base_url, bob).status_code == 403
     for r in opened[1:]:
-        finish(srv, bob, r.json()["upload_id"])  # refused (no files): closed
-    done = upload(srv, bob, files)  # opened[0] still holds its bytes: they all fit
+        finish(srv.base_url, bob, r.json()["upload_id"])  # refused (no files): closed
+    done = upload(srv.base_url, bob, files)  # opened[0] still holds its bytes: they all fit
     assert done.status_code == 200 and stored(srv, bob) == [done.json()["tinker_path"], *before]

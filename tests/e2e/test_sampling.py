@@ -15,6 +15,7 @@ import tinker
 from tinker import types
 
 from tests.support.server import ALIAS
+from tests.support.uploads import download, upload
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -269,6 +270,22 @@ def test_the_services_base_url_and_a_checkpoint_named_on_its_base(trained, base_
     assert reply.status_code == 200 and reply.json()["model"] == body["model"], reply.text
     refused = httpx.post(f"{base_url}/oai/api/v1/completions", json=body | {"max_tokens": -1}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["message"], refused.text  # OpenAI's shape
+
+
+def test_an_uploaded_export_answers_as_its_source(trained, base_url):
+    """An adapter brought back (SDK 0.39's upload: the export's files PUT to signed URLs) samples
+    as the run it came from, through the SDK and the OpenAI API."""
+    tc, rest = trained["tc"], trained["sc"].create_rest_client()
+    files = download(rest, tc.save_weights_external("to-upload").result().path)
+    done = upload(base_url, "tml-test", files, lora_config={"rank": 8})
+    assert done.status_code == 200, done.text
+    path = done.json()["tinker_path"]
+    prompt, expected = types.ModelInput.from_ints(trained["prompt"]), "The capital of France is Paris."
+    sampler = trained["sc"].create_sampling_client(model_path=path).result()
+    assert text(trained["tok"], sampler.sample(prompt, 1, GREEDY).result().sequences[0]).startswith(expected)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="tml-test")
+    answer = client.chat.completions.create(model=path, messages=CHAT[:1], temperature=0, max_tokens=24)
+    assert answer.choices[0].message.content == expected
 
 
 def test_anthropic_sdk_messages_at_both_doors(trained, base_url):

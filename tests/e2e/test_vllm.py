@@ -28,6 +28,7 @@ from tinker import types
 from tests.e2e.test_sampling import (  # noqa: F401 - collected again here, against vLLM
     CHAT,
     GREEDY,
+    test_an_uploaded_export_answers_as_its_source,
     test_anthropic_sdk_messages_at_both_doors,
     test_concurrent_samples_and_refusals,
     test_sampler_logprobs_match_the_trainer,
