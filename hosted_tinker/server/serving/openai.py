@@ -26,16 +26,18 @@ from jinja2 import TemplateError
 from hosted_tinker.core.adapter_layout import WEIGHTS
 from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request
-from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec
+from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import WeightsRef
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
+from hosted_tinker.server.serving.detokenize import IncrementalText, StopSearch
 from hosted_tinker.server.serving.openai_chat import chat_messages, offers_tools, tool_call_entries
+from hosted_tinker.server.serving.openai_logprobs import chat_logprobs, completion_logprobs
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.serving.tool_calls import CLOSE, OPEN, ToolCall, parse, tool_form
 from hosted_tinker.server.serving.usage import Charge
-from hosted_tinker.server.store import Store
 
 T = TypeVar("T")
 # A request made ready to sample, on the tokenizer's thread: its prompt tokens and spec (or a 4xx).
@@ -52,22 +54,15 @@ def model_not_found(name: str) -> ApiError:
     return ApiError(404, f"The model {name!r} does not exist", code="model_not_found")
 
 
-def _alternatives(seq: SampledSequence, i: int) -> tuple[list[int], list[float]]:
-    """The top-k tokens and log-probs at ``seq``'s ``i``-th sampled token (none if not asked)."""
-    if seq.topk is None:
-        return [], []
-    ids, lps = seq.topk[0][i].tolist(), seq.topk[1][i].tolist()
-    filled = [j for j, lp in enumerate(lps) if lp != MASK_LOGPROB]
-    return [ids[j] for j in filled], [lps[j] for j in filled]
-
-
 @dataclass
 class StreamedRow:
-    """One streamed choice: its tokens so far and how much text has been sent."""
+    """One streamed choice: its tokens so far, their visible text, and how much of it was sent."""
 
     tokens: list[int] = field(default_factory=list)
     sent: str = ""
     stopped_at: int | None = None  # text length where a stop string cut it
+    text: IncrementalText = field(default_factory=IncrementalText)
+    search: StopSearch | None = None  # made with the row's first token, from its spec's stop strings
 
 
 class OpenAIService:
@@ -277,16 +272,28 @@ class OpenAIService:
             return spec, ()
         return dataclasses.replace(spec, stop_strings=(*spec.stop_strings, OPEN)), self.tool_markers
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def _token_str(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def delta(self, row: StreamedRow, token: int, spec: SampleSpec, keep: tuple[str, ...] = ()) -> str:
         """The text ``token`` adds to a streamed ``row`` that may be sent now: none past a stop
-        string, none that may still turn out to begin one, no half of a multi-byte character."""
+        string, none that may still turn out to begin one, no half of a multi-byte character.
+        What ``visible_text`` of the row's tokens says, found a few tokens at a time
+        (``serving.detokenize``)."""
         row.tokens.append(token)
-        if row.stopped_at is not None:
+        if row.stopped_at is not None or token in spec.stop_token_ids:  # a stop token ends it, unseen
             return ""
-        text, stop = self.visible_text(row.tokens, spec, keep)
+        if row.search is None:
+            row.search = StopSearch(tuple(spec.stop_strings))
+        if token not in self._hidden_ids(keep):
+            row.text.add(self._decode, token)
+        text, cut = row.text.text, row.search(row.text.text)
+        stop = None
+        if cut is not None:
+            text, stop = text[: cut[0]], cut[1]
         hold = max((len(s) for s in spec.stop_strings), default=1) - 1  # text that may begin a stop string
         safe = text if stop is not None else text[: len(text) - hold] if hold else text
         if safe.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
@@ -309,38 +316,6 @@ class OpenAIService:
     @staticmethod
     def _finish_reason(seq: SampledSequence) -> str:
         return "stop" if seq.stop_reason == "stop" else "length"
-
-    def _chat_logprobs(self, seq: SampledSequence) -> dict:
-        content = []
-        for i, (token, lp) in enumerate(zip(seq.tokens, seq.logprobs, strict=True)):
-            text = self._token_str(token)
-            alternatives = _alternatives(seq, i)
-            content.append(
-                {
-                    "token": text,
-                    "logprob": lp,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {"token": self._token_str(t), "logprob": v, "bytes": list(self._token_str(t).encode())}
-                        for t, v in zip(*alternatives, strict=True)
-                    ],
-                }
-            )
-        return {"content": content}
-
-    def _completion_logprobs(self, seq: SampledSequence) -> dict:
-        tokens = [self._token_str(t) for t in seq.tokens]
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        top = None
-        if seq.topk is not None:
-            top = [
-                {self._token_str(t): v for t, v in zip(*_alternatives(seq, i), strict=True)}
-                for i in range(len(seq.tokens))
-            ]
-        return {"tokens": tokens, "token_logprobs": seq.logprobs, "top_logprobs": top, "text_offset": offsets}
 
     async def on_tokenizer_thread(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, functools.partial(fn, *args))
@@ -390,10 +365,10 @@ class OpenAIService:
                 choice["message"] = {"role": "assistant", "content": text or (None if calls else "")}
                 if calls:
                     choice["message"]["tool_calls"] = tool_call_entries(calls)
-                choice["logprobs"] = self._chat_logprobs(seq) if req.logprobs else None
+                choice["logprobs"] = chat_logprobs(seq, self._token_str) if req.logprobs else None
             else:
                 choice["text"] = text
-                choice["logprobs"] = self._completion_logprobs(seq) if req.logprobs is not None else None
+                choice["logprobs"] = completion_logprobs(seq, self._token_str) if req.logprobs is not None else None
             choices.append(choice)
         return {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
