@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from hosted_tinker.server.quotas import DERIVED, Limits, parse_limits
 
 if TYPE_CHECKING:
-    from hosted_tinker.server.store import Store
+    from hosted_tinker.server.persistence.store import Store
 
 
 def add_keys_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +41,8 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_keys(args: argparse.Namespace) -> int:
     from hosted_tinker.server.keys import create_key
-    from hosted_tinker.server.schema import DATABASE, DatabaseDamaged, check
-    from hosted_tinker.server.store import Store
+    from hosted_tinker.server.persistence.schema import DATABASE, DatabaseDamaged, check
+    from hosted_tinker.server.persistence.store import Store
 
     try:
         check(Path(args.data_dir) / DATABASE)

@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
-from hosted_tinker.server.store import Store
+from hosted_tinker.server.persistence.store import Store
 
 PREFIX = "tml-"
 OPEN = ""  # the tenant of every request when no key is configured

@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 
 from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles, TinkerPath
-from hosted_tinker.server.records import COPY_STATUS
-from hosted_tinker.server.store import Store
+from hosted_tinker.server.persistence.records import COPY_STATUS
+from hosted_tinker.server.persistence.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -47,9 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hosted_tinker.core.errors import ApiError
 from hosted_tinker.core.types import LoraSpec, adapter_bytes, lora_params
 from hosted_tinker.server.keys import OPEN
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol.ordering import is_text
 from hosted_tinker.server.scheduler import QueueLimits
-from hosted_tinker.server.store import Store
 
 LIVE_S = 120.0  # the SDK heartbeats every 10 s and warns after 2 min without one
 BURST_S = 10.0  # a key may spend this many seconds' worth of requests at once

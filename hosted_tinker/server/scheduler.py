@@ -25,8 +25,8 @@ from typing import Protocol
 
 from hosted_tinker.core.errors import ApiError, ServerError, too_many
 from hosted_tinker.server.metrics import ServerMetrics
-from hosted_tinker.server.records import FutureRecord
-from hosted_tinker.server.store import Store
+from hosted_tinker.server.persistence.records import FutureRecord
+from hosted_tinker.server.persistence.store import Store
 
 log = logging.getLogger(__name__)
 

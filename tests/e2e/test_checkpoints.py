@@ -204,8 +204,8 @@ def test_expired_checkpoints_are_deleted(tmp_path):
     from types import SimpleNamespace
 
     from hosted_tinker.core.checkpoints import CheckpointFiles, TinkerPath
+    from hosted_tinker.server.persistence.store import Store
     from hosted_tinker.server.serving.checkpoints import CheckpointService
-    from hosted_tinker.server.store import Store
 
     store = Store(tmp_path / "db.sqlite")
     files = CheckpointFiles(tmp_path / "checkpoints")

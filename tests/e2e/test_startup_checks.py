@@ -109,7 +109,7 @@ def test_a_garbage_wal_stops_the_start_like_a_garbage_database(tmp_path: Path, t
 
 def test_a_sound_wal_passes_the_check_and_its_rows_are_read(tmp_path: Path):
     """A ``-wal`` a kill left holds the database's last rows: the check lets it be."""
-    from hosted_tinker.server.schema import check
+    from hosted_tinker.server.persistence.schema import check
 
     db_path = tmp_path / "hosted_tinker.sqlite"
     _database_with_rows_in_its_wal(db_path)
@@ -121,7 +121,7 @@ def test_a_wal_never_written_is_let_be_with_a_warning(tmp_path: Path, caplog: py
     """From a review: a ``-wal`` of zeros (a power loss after the file grew, before its header was
     written) holds no commit, and SQLite opens the database past it; the check let it stop the
     start. It is now said, not refused."""
-    from hosted_tinker.server.schema import check
+    from hosted_tinker.server.persistence.schema import check
 
     db_path = tmp_path / "hosted_tinker.sqlite"
     _database_with_rows_in_its_wal(db_path)

@@ -121,6 +121,22 @@ def test_no_module_imports_one_that_imports_it():
         visit(node, [])
 
 
+PERSISTENCE = "hosted_tinker.server.persistence"
+
+
+def test_persistence_is_the_servers_bottom_layer():
+    """What the server keeps is read and written in one folder, which depends on nothing of the
+    server's above it (services, routes, workers) and only on ``core``."""
+    graph = module_edges()
+    for module, targets in graph.items():
+        if module.startswith(PERSISTENCE):
+            above = sorted(t for t in targets if not t.startswith((PERSISTENCE, "hosted_tinker.core")))
+            assert not above, f"{module} imports {above}"
+    rows = {"store", "store_rows", "schema", "records", "sequences"}
+    strays = [m for m in graph if m.startswith("hosted_tinker.server.") and m.rsplit(".", 1)[1] in rows]
+    assert all(m.startswith(PERSISTENCE) for m in strays), strays
+
+
 TESTS = PACKAGE.parent / "tests"
 # test_vllm collects test_sampling's tests again, against vLLM (a fixture of its own named as theirs)
 RECOLLECTED = {("tests.e2e.test_vllm", "tests.e2e.test_sampling")}

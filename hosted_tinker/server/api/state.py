@@ -26,11 +26,12 @@ from hosted_tinker.server.console.signin import ConsoleSignIn
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.server.metrics import ServerMetrics
 from hosted_tinker.server.mirror import CheckpointMirror
+from hosted_tinker.server.persistence.schema import DATABASE, DatabaseDamaged
+from hosted_tinker.server.persistence.schema import check as check_database
+from hosted_tinker.server.persistence.sequences import SequenceRecords
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.quotas import Limits, Quotas
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
-from hosted_tinker.server.schema import DATABASE, DatabaseDamaged
-from hosted_tinker.server.schema import check as check_database
-from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving.anthropic import AnthropicService
 from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.checkpoints import CheckpointService
@@ -53,7 +54,6 @@ from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.serving.training import TrainingService
 from hosted_tinker.server.serving.uploads import UploadService
 from hosted_tinker.server.serving.usage import UsageLedger
-from hosted_tinker.server.store import Store
 from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
 from hosted_tinker.server.workers.cluster import Cluster
 from hosted_tinker.server.workers.launch import rank_factories

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hosted_tinker.server.schema import connect
+from hosted_tinker.server.persistence.schema import connect
 
 TTL_S = 24 * 3600.0
 # Ids per statement: SQLite caps a statement's parameters (32766), and a request may name

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hosted_tinker.server.records import FutureRecord, ModelRecord
-from hosted_tinker.server.schema import DATABASE, SCHEMA, Fetched, connect, migrate
-from hosted_tinker.server.store_rows import (
+from hosted_tinker.server.persistence.records import FutureRecord, ModelRecord
+from hosted_tinker.server.persistence.schema import DATABASE, SCHEMA, Fetched, connect, migrate
+from hosted_tinker.server.persistence.store_rows import (
     MODEL_COLUMNS,
     AuditRows,
     CheckpointRows,

@@ -8,11 +8,17 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-from hosted_tinker.server.records import ApiKeyRecord, CheckpointRecord, ModelRecord, SamplerRecord, SessionRow
+from hosted_tinker.server.persistence.records import (
+    ApiKeyRecord,
+    CheckpointRecord,
+    ModelRecord,
+    SamplerRecord,
+    SessionRow,
+)
 
 if TYPE_CHECKING:
     from hosted_tinker.core.checkpoints import TinkerPath
-    from hosted_tinker.server.schema import Fetched
+    from hosted_tinker.server.persistence.schema import Fetched
 
 # A session created without a project belongs to this one (SessionSummary.project_id is required).
 DEFAULT_PROJECT = "default"

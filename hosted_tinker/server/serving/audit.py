@@ -24,8 +24,8 @@ from collections.abc import Callable
 from datetime import UTC, date, datetime
 
 from hosted_tinker.core.checkpoints import TinkerPath
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol.responses import iso_time
-from hosted_tinker.server.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -35,15 +35,15 @@ from hosted_tinker.core.errors import bad_request, not_found
 from hosted_tinker.core.types import AdapterState, LoraSpec, TrainingBackend
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.mirror import CheckpointMirror
+from hosted_tinker.server.persistence.records import CheckpointRecord, ModelRecord, SamplerRecord
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
-from hosted_tinker.server.records import CheckpointRecord, ModelRecord, SamplerRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers
 from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.training import Admit, TrainingService, json_result, model_optimizer
-from hosted_tinker.server.store import Store
 
 if TYPE_CHECKING:
     from hosted_tinker.server.quotas import Reservation

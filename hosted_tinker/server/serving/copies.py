@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.server.mirror import CheckpointMirror
+from hosted_tinker.server.persistence.records import COPY_STATUS
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
-from hosted_tinker.server.records import COPY_STATUS
 from hosted_tinker.server.serving.checkpoints import check_ttl
 from hosted_tinker.server.serving.sessions import check_project_id
 from hosted_tinker.server.serving.tenancy import Tenancy
-from hosted_tinker.server.store import Store
 
 if TYPE_CHECKING:
     from hosted_tinker.server.quotas import Reservation

@@ -21,12 +21,12 @@ import torch
 
 from hosted_tinker.core.custom_loss import CustomLossDef, CustomLossError
 from hosted_tinker.core.errors import ApiError, bad_request, not_found
+from hosted_tinker.server.persistence.schema import connect
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import WireDatum
 from hosted_tinker.server.quotas import Quotas
 from hosted_tinker.server.scheduler import Scheduler
-from hosted_tinker.server.schema import connect
-from hosted_tinker.server.store import Store
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS custom_losses (

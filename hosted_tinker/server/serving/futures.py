@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 
 from hosted_tinker.core.errors import bad_request
+from hosted_tinker.server.persistence.records import FutureRecord
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
-from hosted_tinker.server.records import FutureRecord
 from hosted_tinker.server.scheduler import Scheduler
-from hosted_tinker.server.store import Store
 
 SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids: [n·SEQ_BLOCK, (n+1)·SEQ_BLOCK)
 MAX_COMPLETIONS = 1000  # per answer; more are left for the next poll

@@ -1,4 +1,4 @@
-"""Provenance spans, checked against what the sampler recorded (``server.sequences``).
+"""Provenance spans, checked against what the sampler recorded (``server.persistence.sequences``).
 
 A datum's ``model_input_spans`` tile its input tokens and its ``loss_fn_input_spans`` tile its
 targets; each run claims that those positions are a stretch of a recorded sequence's prompt
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hosted_tinker.core.errors import ApiError, bad_request
+from hosted_tinker.server.persistence.sequences import RecordedSequence
 from hosted_tinker.server.protocol.proto_codec import Span, WireDatum
-from hosted_tinker.server.sequences import RecordedSequence
 
 # The client's copy of the sampler's log-probs went through float32 on the wire, as the
 # record did: equal up to rounding, or the datum is not what was sampled.

@@ -34,8 +34,8 @@ from hosted_tinker.core.checkpoints import (
 )
 from hosted_tinker.core.errors import RolledBack, ServerError, UserError, WorkerCrashed, WorkerDied
 from hosted_tinker.core.types import TrainingBackend
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.scheduler import Job, Scheduler
-from hosted_tinker.server.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hosted_tinker.server.schema import RUN_METRICS_SCHEMA, connect
+from hosted_tinker.server.persistence.schema import RUN_METRICS_SCHEMA, connect
 
 FORWARD_BACKWARD = "forward_backward"
 OPTIM_STEP = "optim_step"

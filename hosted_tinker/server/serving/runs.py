@@ -10,11 +10,11 @@ from datetime import datetime
 
 from hosted_tinker.core.checkpoints import KIND_TO_TYPE, TinkerPath
 from hosted_tinker.core.errors import bad_request, not_found
+from hosted_tinker.server.persistence.records import CheckpointRecord, ModelRecord
+from hosted_tinker.server.persistence.store import Store
+from hosted_tinker.server.persistence.store_rows import DEFAULT_PROJECT
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
-from hosted_tinker.server.records import CheckpointRecord, ModelRecord
-from hosted_tinker.server.store import Store
-from hosted_tinker.server.store_rows import DEFAULT_PROJECT
 
 TYPE_TO_KIND = {t: k for k, t in KIND_TO_TYPE.items()}
 # A cursor's time is the stored float to the microsecond (``iso_time``): the store reads rows up

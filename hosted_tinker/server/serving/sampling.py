@@ -26,15 +26,15 @@ from hosted_tinker.core.sampling import SampleOutput, SampleSpec
 from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.vllm_engine import VllmEngine, needs_embedded
+from hosted_tinker.server.persistence.records import SamplerRecord
+from hosted_tinker.server.persistence.sequences import SequenceRecords
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import decode_tensor_json, encode_sample_response
-from hosted_tinker.server.records import SamplerRecord
 from hosted_tinker.server.scheduler import Scheduler
-from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving.images import ImageLayout
 from hosted_tinker.server.serving.sample_budget import SampleBudget
 from hosted_tinker.server.serving.usage import Charge, UsageLedger
-from hosted_tinker.server.store import Store
 
 DEFAULT_MAX_TOKENS = 256
 MAX_NUM_SAMPLES = 128
@@ -367,7 +367,7 @@ class SamplingService:
             release()
             raise
         # With record_stability_info, what the sampler chose is recorded for training
-        # (``server.sequences``) under the ids the client gets, before the result is visible.
+        # (``server.persistence.sequences``) under the ids the client gets, before the result is visible.
         record = Recording(sampler.session_id, request_key, sequence_ids) if req.record_stability_info else None
         task = asyncio.get_running_loop().create_task(
             self._sample_into(request_id, self.weights_of(sampler), spec, record, target_layout, charge)

@@ -6,13 +6,13 @@ import secrets
 from collections.abc import Callable
 
 from hosted_tinker.core.errors import ApiError, bad_request, not_found
+from hosted_tinker.server.persistence.records import SessionRow
+from hosted_tinker.server.persistence.store import Store
+from hosted_tinker.server.persistence.store_rows import DEFAULT_PROJECT
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
-from hosted_tinker.server.records import SessionRow
 from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.training import TrainingService
-from hosted_tinker.server.store import Store
-from hosted_tinker.server.store_rows import DEFAULT_PROJECT
 
 
 class SessionService:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hosted_tinker.server.store import Store
+from hosted_tinker.server.persistence.store import Store
 
 SESSION_PID = 1
 

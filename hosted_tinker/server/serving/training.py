@@ -27,11 +27,12 @@ from hosted_tinker.core.errors import (
 from hosted_tinker.core.routing import routing_metrics
 from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend
 from hosted_tinker.inference.lora_sync import LiveAdapters
+from hosted_tinker.server.persistence.records import COPY_STATUS, ModelRecord
+from hosted_tinker.server.persistence.sequences import SequenceRecords
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
-from hosted_tinker.server.records import COPY_STATUS, ModelRecord
 from hosted_tinker.server.scheduler import Job, Scheduler
-from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving import optimizers, provenance
 from hosted_tinker.server.serving.batch_checks import check_datum
 from hosted_tinker.server.serving.custom_losses import CustomLossService
@@ -40,7 +41,6 @@ from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
 from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, OPTIM_STEP, RunMetrics
 from hosted_tinker.server.serving.usage import UsageLedger
-from hosted_tinker.server.store import Store
 
 JSON = "application/json"
 MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32

@@ -44,9 +44,9 @@ from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, Tin
 from hosted_tinker.core.errors import ApiError, bad_request, not_found, unavailable
 from hosted_tinker.core.types import LoraSpec
 from hosted_tinker.server.mirror import CheckpointMirror
+from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
-from hosted_tinker.server.records import COPY_STATUS
 from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.sessions import check_project_id
 from hosted_tinker.server.serving.training import TrainingService

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from hosted_tinker.core.errors import bad_request
+from hosted_tinker.server.persistence.store import Store
+from hosted_tinker.server.persistence.store_rows import DEFAULT_PROJECT
 from hosted_tinker.server.protocol.responses import iso_time
-from hosted_tinker.server.store import Store
-from hosted_tinker.server.store_rows import DEFAULT_PROJECT
 
 log = logging.getLogger(__name__)
 

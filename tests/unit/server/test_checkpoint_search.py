@@ -11,9 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from hosted_tinker.core.errors import ApiError
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol.json_types import CheckpointSearchRequest
 from hosted_tinker.server.serving.runs import RunViews
-from hosted_tinker.server.store import Store
 
 pytestmark = pytest.mark.fast
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from hosted_tinker.server.keys import OPEN, KeyRing, create_key, key_hash, read_keys_file
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.quotas import Limits, Quotas
-from hosted_tinker.server.store import Store
 
 pytestmark = pytest.mark.fast
 

@@ -16,12 +16,12 @@ import pytest
 from hosted_tinker.core.checkpoints import CheckpointFiles, TinkerPath
 from hosted_tinker.server.keys import create_key
 from hosted_tinker.server.mirror import RECORD, CheckpointMirror
+from hosted_tinker.server.persistence.records import COPY_STATUS
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
-from hosted_tinker.server.records import COPY_STATUS
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.tenancy import Tenancy
-from hosted_tinker.server.store import Store
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 

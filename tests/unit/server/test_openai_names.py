@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from hosted_tinker.core.errors import ApiError
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.tenancy import Tenancy
-from hosted_tinker.server.store import Store
 
 pytestmark = pytest.mark.fast
 

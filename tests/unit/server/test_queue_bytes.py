@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hosted_tinker.core.errors import ApiError
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
-from hosted_tinker.server.store import Store
 
 pytestmark = pytest.mark.fast
 

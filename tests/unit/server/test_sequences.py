@@ -1,4 +1,4 @@
-"""Unit tests of the sampler's records (``server.sequences``) and of provenance spans on the wire
+"""Unit tests of the sampler's records (``server.persistence.sequences``) and of provenance spans on the wire
 and against the records (``server.serving.provenance``)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from tinker.proto import tinker_public_pb2 as pb
 
 from hosted_tinker.core.errors import ApiError, WireError
+from hosted_tinker.server.persistence.sequences import SequenceRecords
 from hosted_tinker.server.protocol.proto_codec import Span, WireDatum, decode_forward_backward
-from hosted_tinker.server.sequences import SequenceRecords
 from hosted_tinker.server.serving import provenance
 
 pytestmark = pytest.mark.fast

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, RunMetrics
-from hosted_tinker.server.store import Store
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 
