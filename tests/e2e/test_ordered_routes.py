@@ -204,6 +204,7 @@ def test_ordered_routes_are_declared(env):
         ("/v1/chat/completions", "post"),
         ("/anthropic/api/v1/messages", "post"),
         ("/anthropic/api/v1/messages/count_tokens", "post"),
+        ("/api/v1/uploads/{upload_id}/{signature}/{file_name}", "put"),  # an adapter's file, streamed to disk
     }
 
 
