@@ -233,6 +233,11 @@ def test_openai_sdk_base_and_adapter(trained, base_url):
         client.chat.completions.create(model="no-such-model", messages=CHAT[:1])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=ALIAS, messages=CHAT[:1], temperature=5)
+    # errors name the fields as each door does (OpenAI: stop; Anthropic: stop_sequences), not as Tinker does
+    with pytest.raises(openai.BadRequestError, match="400 - stop contains an empty string"):
+        client.chat.completions.create(model=ALIAS, messages=CHAT[:1], stop=["x", ""])
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be between"):
+        client.chat.completions.create(model=ALIAS, messages=CHAT[:1], max_completion_tokens=100_000)
 
 
 def test_the_services_base_url_and_a_checkpoint_named_on_its_base(trained, base_url):
@@ -357,6 +362,8 @@ def test_anthropic_sdk_messages_at_both_doors(trained, base_url):
     assert too_long.value.body["type"] == "error" and too_long.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
         client.messages.create(model=path, max_tokens=4, messages=CHAT[:1], extra_body={"temperature": 1.5})
+    with pytest.raises(anthropic.BadRequestError, match="'stop_sequences contains an empty string"):  # its own name
+        client.messages.create(model=path, max_tokens=4, messages=CHAT[:1], stop_sequences=["x", ""])
     with pytest.raises(anthropic.BadRequestError, match="tool_choice: 'any' would force a call"):
         client.messages.create(
             model=path, max_tokens=4, messages=CHAT[:1], tools=[WEATHER], tool_choice={"type": "any"}

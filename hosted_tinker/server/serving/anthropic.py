@@ -32,7 +32,7 @@ from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpe
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.anthropic_types import CountTokensRequest, MessagesRequest, error_type
 from hosted_tinker.server.serving.openai import OpenAIService, Prepare, StreamedRow
-from hosted_tinker.server.serving.tool_calls import ToolForm
+from hosted_tinker.server.serving.tool_calls import Schemas, ToolForm, schemas
 
 TEXT_FIELDS = {"type", "text", "cache_control", "citations"}
 TOOL_USE_FIELDS = {"type", "id", "name", "input", "cache_control"}
@@ -45,6 +45,8 @@ NOT_SERVED = {
     "redacted_thinking": "extended thinking is not served here",
     "server_tool_use": "server tools are not served here",
 }
+
+ANTHROPIC_NAMES = {"stop": "stop_sequences"}  # where a Messages field is not named as Tinker's
 
 
 @dataclass
@@ -181,7 +183,7 @@ def _event(kind: str, body: dict[str, Any]) -> str:
 class _Prepared:
     prompt: list[int]
     spec: SampleSpec
-    tools: bool  # tools were offered: calls are read out of the answer
+    tools: Schemas | None  # the tools offered (calls are read out of the answer as they say), if any
 
 
 class AnthropicService:
@@ -191,8 +193,8 @@ class AnthropicService:
 
     # ---- requests -> prompts and specs ------------------------------------------------------
 
-    def _chat(self, req: MessagesRequest | CountTokensRequest) -> tuple[list[int], bool]:
-        """The prompt's tokens, and whether tools were offered; on the tokenizer's thread."""
+    def _chat(self, req: MessagesRequest | CountTokensRequest) -> tuple[list[int], Schemas | None]:
+        """The prompt's tokens, and the schemas of the tools offered, if any; on the tokenizer's thread."""
         turns = chat(req, self.openai.tool_form)
         try:
             self.openai.check_length(turns.characters(), "messages")
@@ -203,7 +205,8 @@ class AnthropicService:
             raise bad_request(f"messages: the model's chat template refused them: {e}") from None
         except RecursionError:  # JSON within the body parser's bounds, nested past the template's
             raise bad_request("messages or tools: nested too deep to write into the prompt") from None
-        return self.tokenizer.encode(text + turns.prefill, add_special_tokens=False), turns.tools is not None
+        offered = schemas(turns.tools) if turns.tools is not None else None
+        return self.tokenizer.encode(text + turns.prefill, add_special_tokens=False), offered
 
     async def _prepare(self, req: MessagesRequest) -> _Prepared:
         prompt, tools = await self.openai.on_tokenizer_thread(self._chat, req)
@@ -214,7 +217,9 @@ class AnthropicService:
             top_p=req.top_p if req.top_p is not None else 1.0,
             top_k=req.top_k if req.top_k is not None else -1,
         )
-        spec = self.openai.sampling.spec(prompt, params, cost_field="prompt tokens + max_tokens")
+        spec = self.openai.sampling.spec(
+            prompt, params, cost_field="prompt tokens + max_tokens", field=lambda name: ANTHROPIC_NAMES.get(name, name)
+        )
         return _Prepared(prompt, self.openai.ends_turn(spec), tools)
 
     def _preparer(self, req: MessagesRequest) -> tuple[list[_Prepared], Prepare]:

@@ -32,11 +32,11 @@ from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 from hosted_tinker.server.serving.detokenize import IncrementalText, StopSearch
-from hosted_tinker.server.serving.openai_chat import chat_messages, offers_tools, tool_call_entries
+from hosted_tinker.server.serving.openai_chat import chat_messages, offered_tools, tool_call_entries
 from hosted_tinker.server.serving.openai_logprobs import chat_logprobs, completion_logprobs
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.tenancy import Tenancy
-from hosted_tinker.server.serving.tool_calls import CLOSE, OPEN, ToolCall, parse, tool_form
+from hosted_tinker.server.serving.tool_calls import CLOSE, OPEN, Schemas, ToolCall, parse, tool_form
 from hosted_tinker.server.serving.usage import Charge
 
 T = TypeVar("T")
@@ -185,8 +185,14 @@ class OpenAIService:
             temperature=req.temperature,
             top_p=req.top_p,
         )
+        max_field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         spec = self.sampling.spec(
-            prompt, params, num_samples=req.n, topk_sample_logprobs=topk, cost_field="n * (prompt tokens + max_tokens)"
+            prompt,
+            params,
+            num_samples=req.n,
+            topk_sample_logprobs=topk,
+            cost_field=f"n * (prompt tokens + {max_field})",
+            field=lambda name: max_field if name == "max_tokens" else name,  # OpenAI's names are Tinker's
         )
         # Stop strings stop it besides the end of turn; ``stop: []`` turns stopping off, as a Tinker
         # ``stop`` does (a run of exactly max_tokens: what load tests and the fairness tests ask for).
@@ -255,20 +261,23 @@ class OpenAIService:
         kept = {self.tokenizer.convert_tokens_to_ids(token) for token in keep}
         return frozenset(special | set(self.tokenizer.all_special_ids)) - kept
 
-    def read_answer(self, tokens: list[int], spec: SampleSpec, tools: bool) -> tuple[str, str | None, list[ToolCall]]:
+    def read_answer(
+        self, tokens: list[int], spec: SampleSpec, tools: Schemas | None
+    ) -> tuple[str, str | None, list[ToolCall]]:
         """An answer's visible text, the stop string that cut it, and the tool calls it wrote
-        (read only when the model was told of tools; the text is then what comes before them)."""
-        if not tools or self.tool_form is None:
+        (read only when the model was told of ``tools``, whose schemas say how their values read;
+        the text is then what comes before them)."""
+        if tools is None or self.tool_form is None:
             text, stop = self.visible_text(tokens, spec)
             return text, stop, []
         text, stop = self.visible_text(tokens, spec, self.tool_markers)
-        text, calls = parse(text, self.tool_form)
+        text, calls = parse(text, self.tool_form, tools)
         return text, stop, calls
 
-    def streamed_spec(self, spec: SampleSpec, tools: bool) -> tuple[SampleSpec, tuple[str, ...]]:
+    def streamed_spec(self, spec: SampleSpec, tools: Schemas | None) -> tuple[SampleSpec, tuple[str, ...]]:
         """What ``delta`` streams text with: with tools, up to where a call may begin (a call is
         sent once read whole), its markers kept; the spec the engine samples is not changed."""
-        if not tools or self.tool_form is None:
+        if tools is None or self.tool_form is None:
             return spec, ()
         return dataclasses.replace(spec, stop_strings=(*spec.stop_strings, OPEN)), self.tool_markers
 
@@ -356,7 +365,7 @@ class OpenAIService:
         self, req: CompletionRequest | ChatCompletionRequest, prompt: list[int], spec: SampleSpec, output: SampleOutput
     ) -> dict:
         chat = isinstance(req, ChatCompletionRequest)
-        tools = chat and offers_tools(req)
+        tools = offered_tools(req) if chat else None
         choices = []
         for i, seq in enumerate(output.sequences):
             text, _, calls = self.read_answer(seq.tokens, spec, tools)
@@ -452,7 +461,7 @@ class OpenAIService:
                 }
             return f"data: {json.dumps(body)}\n\n"
 
-        tools = chat and offers_tools(req)
+        tools = offered_tools(req) if chat else None
         shown, keep = self.streamed_spec(spec, tools)
         if chat:
             for i in range(len(rows)):

@@ -9,12 +9,13 @@ from typing import Any
 
 from hosted_tinker.core.errors import bad_request
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest
-from hosted_tinker.server.serving.tool_calls import ToolCall, ToolForm
+from hosted_tinker.server.serving.tool_calls import Schemas, ToolCall, ToolForm, schemas
 
 
-def offers_tools(req: ChatCompletionRequest) -> bool:
-    """Whether the model is told of tools (and calls are read out of its answer)."""
-    return bool(req.tools) and req.tool_choice != "none"
+def offered_tools(req: ChatCompletionRequest) -> Schemas | None:
+    """The parameter schemas of the tools the model is told of (calls are read out of its answer
+    as they say), None when it is told of none."""
+    return schemas(req.tools) if req.tools and req.tool_choice != "none" else None
 
 
 def _content(content: str | list[dict[str, Any]] | None, where: str) -> str:
@@ -67,7 +68,7 @@ def chat_messages(req: ChatCompletionRequest, form: ToolForm | None) -> tuple[li
                     f"tools[{i}]: a tool is {{'type': 'function', 'function': {{'name': str, 'description': str, "
                     "'parameters': a JSON schema object}}}}"
                 )
-        tools = list(req.tools) if offers_tools(req) else None
+        tools = list(req.tools) if offered_tools(req) is not None else None
     messages = []
     for i, m in enumerate(req.messages):
         message: dict[str, Any] = {"role": m.role, "content": _content(m.content, f"messages[{i}].content")}

@@ -154,8 +154,10 @@ class SamplingService:
         prompt_alt_tokens_k: int = 0,
         images: tuple[ImageInput, ...] = (),
         cost_field: str = "num_samples * (prompt tokens + sampling_params.max_tokens)",
+        field: Callable[[str], str] = lambda name: f"sampling_params.{name}",
     ) -> SampleSpec:
-        """The validated request; ``cost_field`` is how the client spells ``n * (prompt + max_tokens)``."""
+        """The validated request; ``cost_field`` is how the client spells ``n * (prompt + max_tokens)``
+        and ``field`` how it names a sampling parameter (each door its own: errors name what was sent)."""
         caps = self.backend.capabilities
         if not prompt:
             raise bad_request("prompt is empty")
@@ -167,33 +169,33 @@ class SamplingService:
         check_num_samples(num_samples)
         # The SDK documents any 64-bit seed; a larger one would fail in the engine instead of here.
         if params.seed is not None and not -(2**63) <= params.seed < 2**64:
-            raise bad_request(f"sampling_params.seed must fit in 64 bits, got {params.seed}")
+            raise bad_request(f"{field('seed')} must fit in 64 bits, got {params.seed}")
         room = caps.max_seq_len - len(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
         if not 0 <= max_tokens <= room:
             raise bad_request(
-                f"sampling_params.max_tokens must be between 0 and {room} (the context holds {caps.max_seq_len} "
+                f"{field('max_tokens')} must be between 0 and {room} (the context holds {caps.max_seq_len} "
                 f"tokens, the prompt {len(prompt)}), got {max_tokens}"
             )
         if not (params.temperature >= 0 and math.isfinite(params.temperature)):
-            raise bad_request(f"sampling_params.temperature must be >= 0, got {params.temperature}")
+            raise bad_request(f"{field('temperature')} must be >= 0, got {params.temperature}")
         if not 0 < params.top_p <= 1:
-            raise bad_request(f"sampling_params.top_p must be in (0, 1], got {params.top_p}")
+            raise bad_request(f"{field('top_p')} must be in (0, 1], got {params.top_p}")
         if params.top_k == 0 or params.top_k < -1:
-            raise bad_request(f"sampling_params.top_k must be -1 (no limit) or >= 1, got {params.top_k}")
+            raise bad_request(f"{field('top_k')} must be -1 (no limit) or >= 1, got {params.top_k}")
         stop_ids, stop_strings = self.eos_token_ids, ()
         if params.stop is not None:  # an explicit stop replaces EOS; [] disables stopping
             stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
             if any(isinstance(x, int) for x in stops):
                 if not all(isinstance(x, int) and 0 <= x < caps.vocab_size for x in stops):
-                    raise bad_request("sampling_params.stop must be all strings or all token ids in the vocabulary")
+                    raise bad_request(f"{field('stop')} must be all strings or all token ids in the vocabulary")
                 stop_ids = frozenset(stops)
             else:
                 if any(s == "" for s in stops):
-                    raise bad_request("sampling_params.stop contains an empty string")
+                    raise bad_request(f"{field('stop')} contains an empty string")
                 if len(stops) > MAX_STOP_STRINGS or max(map(len, stops), default=0) > MAX_STOP_CHARS:
                     raise bad_request(
-                        f"sampling_params.stop takes at most {MAX_STOP_STRINGS} strings of at most "
+                        f"{field('stop')} takes at most {MAX_STOP_STRINGS} strings of at most "
                         f"{MAX_STOP_CHARS} characters each"
                     )
                 stop_ids, stop_strings = frozenset(), tuple(stops)

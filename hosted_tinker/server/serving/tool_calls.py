@@ -8,7 +8,8 @@ Two forms are read, the ones the lineup's templates write:
   object ``{"name": ..., "arguments": {...}}`` then ``</tool_call>``;
 - ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): ``<tool_call>`` ``<function=NAME>`` then one
   ``<parameter=KEY>`` VALUE ``</parameter>`` per argument, ``</function>`` ``</tool_call>``;
-  a value is JSON where it parses as JSON, else the string.
+  a value is the text as written where the tool's schema says the parameter is a string (``"007"``
+  stays ``"007"``), else JSON where it parses as JSON, else the string (as vLLM's parser reads them).
 
 A template that takes no ``tools``, or writes calls in another form, has none: asking for tools
 on it is refused (a model given tools it cannot call would answer as if it had none).
@@ -29,10 +30,34 @@ MAX_CALLS = 64  # an answer with more is text: no client asks for that many at o
 MAX_PARAMETERS = 256
 
 
+# Per tool offered, its parameters' JSON schemas (``properties``): what a written value is read as.
+Schemas = dict[str, dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: dict[str, Any]
+
+
+def schemas(tools: list[dict[str, Any]]) -> Schemas:
+    """The parameter schemas of ``tools`` as a chat template takes them (``{"type": "function",
+    "function": {"name", "parameters"}}``)."""
+    out: Schemas = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        parameters = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
+        properties = parameters.get("properties")
+        if isinstance(function.get("name"), str):
+            out[function["name"]] = properties if isinstance(properties, dict) else {}
+    return out
+
+
+def _is_text(schema: Any) -> bool:
+    """Whether a parameter's schema says its value is a string (and nothing but, or null)."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    return isinstance(kinds, list) and "string" in kinds and set(kinds) <= {"string", "null"}
 
 
 def tool_form(chat_template: str | None) -> ToolForm | None:
@@ -101,7 +126,7 @@ def _value(text: str) -> Any:
         return text
 
 
-def _qwen3_coder(body: str) -> ToolCall | None:
+def _qwen3_coder(body: str, known: Schemas) -> ToolCall | None:
     body = body.strip()
     if not body.startswith(FUNCTION) or not body.endswith(END_FUNCTION):
         return None
@@ -111,17 +136,19 @@ def _qwen3_coder(body: str) -> ToolCall | None:
     found = _pairs(params, PARAMETER, END_PARAMETER, MAX_PARAMETERS)
     if found is None or any(piece.strip() for piece in found[1]):
         return None
-    arguments = {}
+    arguments, properties = {}, known.get(name.strip(), {})
     for param in found[0]:
         key, closed, value = param.partition(">")
         if not closed or "\n" in key:
             return None
-        arguments[key.strip()] = _value(value.removeprefix("\n").removesuffix("\n"))
+        text = value.removeprefix("\n").removesuffix("\n")
+        arguments[key.strip()] = text if _is_text(properties.get(key.strip())) and text != "null" else _value(text)
     return ToolCall(name.strip(), arguments)
 
 
-def parse(text: str, form: ToolForm) -> tuple[str, list[ToolCall]]:
-    """The text before the first call, and the calls, of sampled ``text``. If any call does not
+def parse(text: str, form: ToolForm, known: Schemas | None = None) -> tuple[str, list[ToolCall]]:
+    """The text before the first call, and the calls, of sampled ``text`` (``known``: the
+    offered tools' parameter schemas, which say how a ``qwen3_coder`` value reads). If any call does not
     parse (a malformed one, one cut off by ``max_tokens``, more than ``MAX_CALLS``), or words
     stand between or after them, the whole text is text: a call is never made up from a part
     of one. Linear in the text's length, whatever the model writes."""
@@ -131,8 +158,8 @@ def parse(text: str, form: ToolForm) -> tuple[str, list[ToolCall]]:
     found = _pairs(text[start:], OPEN, CLOSE, MAX_CALLS)
     if found is None or any(piece.strip() for piece in found[1]):
         return text, []
-    read = _hermes if form == "hermes" else _qwen3_coder
-    calls = [read(body.strip()) for body in found[0]]
+    known = known or {}
+    calls = [_hermes(body.strip()) if form == "hermes" else _qwen3_coder(body.strip(), known) for body in found[0]]
     if any(call is None for call in calls):
         return text, []
     return text[:start].rstrip(), [call for call in calls if call is not None]

@@ -13,7 +13,7 @@ from hosted_tinker.server.protocol.anthropic_types import CountTokensRequest
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest
 from hosted_tinker.server.serving.anthropic import chat
 from hosted_tinker.server.serving.openai_chat import chat_messages
-from hosted_tinker.server.serving.tool_calls import ToolCall, parse, tool_form
+from hosted_tinker.server.serving.tool_calls import ToolCall, parse, schemas, tool_form
 
 pytestmark = pytest.mark.fast
 
@@ -298,3 +298,37 @@ def test_a_tool_whose_schema_or_description_is_not_one_is_a_400(tok) -> None:
         request = CountTokensRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER | bad])
         with pytest.raises(ApiError, match=r"tools\[0\]: input_schema is an object"):
             chat(request, tool_form(tok.chat_template))
+
+
+def test_a_qwen3_coder_value_reads_as_its_parameters_schema_says() -> None:
+    """As vLLM's parser: a parameter the tool declares a string keeps the text as written
+    (``123``, ``true`` stay strings); others read as JSON where they parse."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "book",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "code": {"type": "string"},
+                        "note": {"type": ["string", "null"]},
+                        "seats": {"type": "integer"},
+                        "tags": {"type": "array"},
+                    },
+                },
+            },
+        }
+    ]
+    call = (
+        "<tool_call>\n<function=book>\n<parameter=code>\n123\n</parameter>\n<parameter=note>\ntrue\n</parameter>\n"
+        "<parameter=seats>\n2\n</parameter>\n<parameter=tags>\n[1]\n</parameter>\n<parameter=other>\n3\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    _, (read,) = parse(call, "qwen3_coder", schemas(tools))
+    assert read.arguments == {"code": "123", "note": "true", "seats": 2, "tags": [1], "other": 3}
+    _, (untyped,) = parse(call, "qwen3_coder")  # no schemas: JSON where it parses
+    assert untyped.arguments["code"] == 123 and untyped.arguments["note"] is True
+    null = call.replace("<parameter=note>\ntrue", "<parameter=note>\nnull")
+    assert parse(null, "qwen3_coder", schemas(tools))[1][0].arguments["note"] is None
+    assert schemas([{"type": "function", "function": {"name": "f"}}, {"oops": 1}]) == {"f": {}}
