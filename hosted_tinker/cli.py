@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic.fields import FieldInfo
 
 from hosted_tinker.cli_keys import add_keys_parser
-from hosted_tinker.core.config import Flag, ServerConfig, read_cluster_key
+from hosted_tinker.core.config import NODES, Flag, ServerConfig, read_cluster_key
 from hosted_tinker.core.errors import WorkerDied, WorkerStartFailed
 from hosted_tinker.core.tiny_model import FAMILIES
 from hosted_tinker.rank.plans import BACKENDS, backend_options
@@ -56,19 +56,22 @@ def _unwrapped(kind: Any) -> Any:
     return kind
 
 
-def add_fields(parser: argparse.ArgumentParser, fields: dict[str, FieldInfo]) -> None:
-    """A flag for each of ``fields`` (``ServerConfig``'s), as its ``Flag`` says, in its group:
-    its type, default and choices are the field's, a list or a mapping is a repeatable flag,
-    a bool a switch."""
+def add_fields(
+    parser: argparse.ArgumentParser, fields: dict[str, FieldInfo], titles: dict[str, str] | None = None
+) -> None:
+    """A flag for each of ``fields`` (``ServerConfig``'s), as its ``Flag`` says, in its group
+    (titled as ``titles`` says, where the group's own title is the server's view): its type,
+    default and choices are the field's, a list or a mapping is a repeatable flag, a bool a switch."""
     groups: dict[str | None, argparse._ActionsContainer] = {None: parser}
     for name, field in fields.items():
         flag = next(m for m in field.metadata if isinstance(m, Flag))
         if flag.group not in groups:
-            groups[flag.group] = parser.add_argument_group(flag.group)
+            groups[flag.group] = parser.add_argument_group((titles or {}).get(flag.group or "", flag.group))
         kind, default = _unwrapped(field.annotation), field.get_default(call_default_factory=True)
         if name in CONVERTED:
             default = CONVERTED[name][0](default)
-        if name in ENVIRONMENT and (variable := os.environ.get(ENVIRONMENT[name], "").strip()):
+        # A launcher's 0 (NNODES=0, MASTER_PORT=0) is no value: the field's default stands.
+        if name in ENVIRONMENT and (variable := os.environ.get(ENVIRONMENT[name], "").strip()) not in ("", "0"):
             default = kind(variable) if variable.isdigit() or kind is str else default
         options: dict[str, Any] = {"dest": name, "help": flag.help}
         if flag.metavar is not None:
@@ -245,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="this machine's node number, 1 to nnodes-1 (default: $NODE_RANK)",
     )
     cluster = ("nnodes", "master_addr", "master_port", "cluster_key_file")
-    add_fields(node, {name: ServerConfig.model_fields[name] for name in cluster})
+    titles = {NODES: "the cluster: node 0's server and how to reach it"}  # not "this server is node 0"
+    add_fields(node, {name: ServerConfig.model_fields[name] for name in cluster}, titles)
     node.set_defaults(func=_node)
 
     add_keys_parser(sub)

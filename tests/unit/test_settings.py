@@ -131,6 +131,12 @@ def test_the_node_command_takes_the_cluster_settings_as_serve_does(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29999")
     args = build_parser().parse_args(["node", "--node-rank", "1", "--nnodes", "2"])
     assert (args.nnodes, args.master_port, args.master_addr) == (2, 29999, "127.0.0.1")
+    monkeypatch.setenv("NNODES", "0")  # a launcher's 0 is no value, as the flags always took it
+    monkeypatch.setenv("MASTER_PORT", "0")
+    args = build_parser().parse_args(["serve"])
+    assert (args.nnodes, args.master_port) == (1, 29500)
+    node_help = build_parser()._subparsers._group_actions[0].choices["node"].format_help()
+    assert "the cluster: node 0's server" in node_help and "this server is node 0" not in node_help
 
 
 def test_the_configuration_page_lists_every_setting(capsys):
