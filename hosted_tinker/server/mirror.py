@@ -31,10 +31,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles, TinkerPath
 from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.persistence.store import Store
+
+if TYPE_CHECKING:
+    from hosted_tinker.server.serving.events import CheckpointEvents
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,12 @@ class CheckpointMirror:
             return True
         run = self.store.get_model(path.run_id) if path.kind == "external_weights" else None
         return run is not None and run.status == COPY_STATUS
+
+    def subscribe(self, events: CheckpointEvents) -> None:
+        """Hear of every checkpoint made and every row changed (``serving.events``); a deletion
+        comes with its row's (``CheckpointService._delete``: the tombstone goes with it)."""
+        events.made.subscribe(lambda e: self.saved(e.path))
+        events.changed.subscribe(lambda e: self.changed(e.path))
 
     def saved(self, path: TinkerPath) -> None:
         if self.mirrors(path):

@@ -38,6 +38,7 @@ from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.custom_losses import CustomLossService
 from hosted_tinker.server.serving.downloads import DownloadLinks
+from hosted_tinker.server.serving.events import Changed, CheckpointEvents, Deleted, Made
 from hosted_tinker.server.serving.futures import FuturesService
 from hosted_tinker.server.serving.images import ImageLayout, ImageTokens
 from hosted_tinker.server.serving.joint_passes import JointPasses
@@ -199,6 +200,7 @@ def build_state(config: ServerConfig) -> ServerState:
         restored, queued = mirror.sync()
         log.info("checkpoint mirror %s: %d checkpoints restored, %d to copy up", mirror.url, restored, queued)
     tenancy = Tenancy(store, audit)
+    events = _checkpoint_events(scheduler.metrics, usage, audit, mirror, vllm)
     checkpoints = CheckpointService(
         training,
         files,
@@ -211,9 +213,8 @@ def build_state(config: ServerConfig) -> ServerState:
             may_read=lambda tenant, path: keys.still_valid(tenant) and tenancy.can_read(tenant, path),
             may_trace=lambda tenant, session_id: keys.still_valid(tenant) and tenancy.owns(tenant, session_id),
         ),
-        on_sampler_saved=vllm.prefetch_threadsafe if vllm is not None else None,
+        events=events,
         mirror=mirror,
-        audit=audit,
     )
     # The one link made after construction: the backend restores models through the training
     # service, which itself calls the backend.
@@ -235,15 +236,9 @@ def build_state(config: ServerConfig) -> ServerState:
         training=training,
         checkpoints=checkpoints,
         runs=RunViews(store),
-        copies=CopyService(store, files, tenancy, mirror),
+        copies=CopyService(store, files, tenancy, events),
         uploads=UploadService(
-            training,
-            files,
-            _server_secret(config.data_dir),
-            quotas,
-            may_upload=keys.still_valid,
-            mirror=mirror,
-            audit=audit,
+            training, files, _server_secret(config.data_dir), quotas, may_upload=keys.still_valid, events=events
         ),
         custom_losses=custom_losses,
         futures=FuturesService(store, scheduler, config.poll_timeout_s),
@@ -261,6 +256,48 @@ def build_state(config: ServerConfig) -> ServerState:
     )
     scheduler.metrics.watch(lambda: _metrics_state(state))
     return state
+
+
+def _checkpoint_events(
+    metrics: ServerMetrics,
+    usage: UsageLedger,
+    audit: AuditLog,
+    mirror: CheckpointMirror | None,
+    vllm: VllmEngine | None,
+) -> CheckpointEvents:
+    """Who hears of a checkpoint made, changed or deleted (``serving.events``), subscribed once."""
+    events = CheckpointEvents()
+
+    def made(e: Made) -> None:
+        if e.how == "save":  # a training model's save (copies and uploads are not saves)
+            metrics.checkpoint_bytes.labels(e.path.kind).inc(e.size)
+            usage.checkpoint_saved(e.path.run_id)
+        audit.record(
+            e.owner, "checkpoint_create", e.owner, model_id=e.path.run_id, tinker_path=str(e.path), **e.details
+        )
+
+    def changed(e: Changed) -> None:
+        if e.event is not None:
+            audit.checkpoint(e.event, e.path, e.actor)
+
+    def deleted(e: Deleted) -> None:
+        audit.checkpoint("checkpoint_delete", e.path, e.actor, **({"reason": e.reason} if e.reason else {}))
+
+    events.made.subscribe(made)
+    events.changed.subscribe(changed)
+    events.deleted.subscribe(deleted)
+    if mirror is not None:
+        mirror.subscribe(events)
+    if vllm is not None:  # a sampler's adapter loaded before it is asked for
+        prefetch = vllm.prefetch_threadsafe
+
+        def sampler_made(e: Made) -> None:
+            if e.path.kind == "sampler_weights":
+                prefetch(WeightsRef(str(e.path), e.files, e.path))
+
+        events.made.subscribe(sampler_made)
+        events.snapshot.subscribe(prefetch)
+    return events
 
 
 def _on_finish(checkpoints: CheckpointService, custom_losses: CustomLossService) -> Callable[[str], None]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,8 +40,8 @@ from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers
-from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.downloads import DownloadLinks
+from hosted_tinker.server.serving.events import Changed, CheckpointEvents, Deleted, Made
 from hosted_tinker.server.serving.training import Admit, TrainingService, json_result, model_optimizer
 
 if TYPE_CHECKING:
@@ -72,11 +71,10 @@ class CheckpointService:
         ephemeral: CheckpointFiles,
         links: DownloadLinks,
         *,
-        on_sampler_saved: Callable[[WeightsRef], None] | None = None,
+        events: CheckpointEvents | None = None,
         mirror: CheckpointMirror | None = None,
-        audit: AuditLog | None = None,
     ) -> None:
-        self.audit = audit  # creations, deletions, publications (``serving.audit``)
+        self.events = events if events is not None else CheckpointEvents()  # what follows (``serving.events``)
         self.training = training
         self.backend: TrainingBackend = training.backend
         self.scheduler: Scheduler = training.scheduler
@@ -84,13 +82,9 @@ class CheckpointService:
         self.files = files
         self.ephemeral = ephemeral  # snapshots behind save_weights_and_get_sampling_client
         self.links = links  # signed download links of external weights
-        # Called on the worker with each new sampler adapter (vLLM loads it before it is asked for).
-        self.on_sampler_saved = on_sampler_saved
-        self.mirror = mirror  # --checkpoint-mirror: told of every save and deletion
-
-    def _sampler_saved(self, files: CheckpointFiles, path: TinkerPath) -> None:
-        if self.on_sampler_saved is not None:
-            self.on_sampler_saved(WeightsRef(str(path), files, path))
+        # --checkpoint-mirror: a deletion's row goes with the mirror's tombstone (``_delete``); the
+        # rest of what it is told comes by ``events``.
+        self.mirror = mirror
 
     # ---- saving -----------------------------------------------------------------------------
 
@@ -156,17 +150,9 @@ class CheckpointService:
                     held.commit(record)
                 else:
                     record()
-                self.scheduler.metrics.checkpoint_bytes.labels(kind).inc(size)
-                if self.training.usage is not None:
-                    self.training.usage.checkpoint_saved(model_id)
-                if self.audit is not None:
-                    owner = self.store.session_owner(model.session_id) or ""
-                    self.audit.record(owner, "checkpoint_create", owner, model_id=model_id, tinker_path=str(path))
-                if self.mirror is not None:
-                    self.mirror.saved(path)
+                owner = self.store.session_owner(model.session_id) or ""
+                self.events.made(Made(path, owner, size, self.files))
                 result = {"path": str(path), "type": request_kind, **(extra or {})}
-                if kind == "sampler_weights":
-                    self._sampler_saved(self.files, path)
                 if kind == "external_weights":
                     result["size_bytes"] = size
                 return json_result(result)
@@ -268,7 +254,7 @@ class CheckpointService:
                     kind=req.kind,
                 )
                 self._retire_old(req.model_id)
-                self._sampler_saved(self.ephemeral, snapshot)
+                self.events.snapshot(WeightsRef(str(snapshot), self.ephemeral, snapshot))
                 return json_result({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
 
             return job
@@ -462,8 +448,7 @@ class CheckpointService:
     def delete(self, run_id: str, checkpoint_id: str, actor: str) -> None:
         path, _ = self._record(run_id, checkpoint_id)
         self._delete(path)
-        if self.audit is not None:
-            self.audit.checkpoint("checkpoint_delete", path, actor)
+        self.events.deleted(Deleted(path, actor))
 
     def _delete(self, path: TinkerPath) -> None:
         # A mirrored checkpoint's row goes with its tombstone: never a moment in which a restart
@@ -477,18 +462,14 @@ class CheckpointService:
     def set_public(self, run_id: str, checkpoint_id: str, public: bool, actor: str) -> None:
         path, _ = self._record(run_id, checkpoint_id)
         self.store.update_checkpoint(path.run_id, path.kind, path.name, public=int(public))
-        if self.mirror is not None:
-            self.mirror.changed(path)
-        if self.audit is not None:
-            self.audit.checkpoint("checkpoint_publish" if public else "checkpoint_unpublish", path, actor)
+        self.events.changed(Changed(path, actor, "checkpoint_publish" if public else "checkpoint_unpublish"))
 
     def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         path, _ = self._record(run_id, checkpoint_id)
         check_ttl(ttl_seconds)
         expires = time.time() + ttl_seconds if ttl_seconds is not None else None
         self.store.update_checkpoint(path.run_id, path.kind, path.name, expires_at=expires)
-        if self.mirror is not None:
-            self.mirror.changed(path)
+        self.events.changed(Changed(path, None))
 
     def weights_info(self, tinker_path: str) -> dict:
         """Base model and LoRA shape of any checkpoint: a training state's from its own record; a
@@ -526,6 +507,5 @@ class CheckpointService:
         for record in expired:
             path = TinkerPath(record.model_id, record.kind, record.name)
             self._delete(path)
-            if self.audit is not None:
-                self.audit.checkpoint("checkpoint_delete", path, None, reason="ttl")
+            self.events.deleted(Deleted(path, None, reason="ttl"))
         return len(expired)

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request, not_found
-from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.serving.checkpoints import check_ttl
+from hosted_tinker.server.serving.events import CheckpointEvents, Made
 from hosted_tinker.server.serving.sessions import check_project_id
 from hosted_tinker.server.serving.tenancy import Tenancy
 
@@ -35,12 +35,12 @@ if TYPE_CHECKING:
 
 class CopyService:
     def __init__(
-        self, store: Store, files: CheckpointFiles, tenancy: Tenancy, mirror: CheckpointMirror | None = None
+        self, store: Store, files: CheckpointFiles, tenancy: Tenancy, events: CheckpointEvents | None = None
     ) -> None:
         self.store = store
         self.files = files
         self.tenancy = tenancy
-        self.mirror = mirror  # --checkpoint-mirror: a copy is a checkpoint like any other
+        self.events = events if events is not None else CheckpointEvents()  # a copy is a checkpoint like any other
         self._lock = threading.Lock()  # one copy at a time: a retry racing its original finds it
 
     def copy(
@@ -122,12 +122,7 @@ class CopyService:
                 held.release()
             self.files.delete(target)
             raise
-        if self.mirror is not None:
-            self.mirror.saved(target)
-        if self.tenancy.audit is not None:
-            self.tenancy.audit.record(
-                owner, "checkpoint_create", owner, model_id=run_id, tinker_path=str(target), copied_from=str(source)
-            )
+        self.events.made(Made(target, owner, size, self.files, "copy", {"copied_from": str(source)}))
         return {"tinker_path": str(target)}
 
     def _destination(

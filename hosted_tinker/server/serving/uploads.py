@@ -43,11 +43,10 @@ from hosted_tinker.core.adapter_layout import CONFIG, WEIGHTS, Layout, check_upl
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath, adapter_files
 from hosted_tinker.core.errors import ApiError, bad_request, not_found, unavailable
 from hosted_tinker.core.types import LoraSpec
-from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
-from hosted_tinker.server.serving.audit import AuditLog
+from hosted_tinker.server.serving.events import CheckpointEvents, Made
 from hosted_tinker.server.serving.sessions import check_project_id
 from hosted_tinker.server.serving.training import TrainingService
 
@@ -101,16 +100,14 @@ class UploadService:
         quotas: Quotas | None = None,
         *,
         may_upload: Callable[[str], bool] | None = None,
-        mirror: CheckpointMirror | None = None,
-        audit: AuditLog | None = None,
+        events: CheckpointEvents | None = None,
     ) -> None:
         self.training = training
         self.store = training.store
         self.files = files
         self.quotas = quotas
         self.may_upload = may_upload  # whether a key (still) may: a revoked key's URLs stop taking bytes
-        self.mirror = mirror
-        self.audit = audit
+        self.events = events if events is not None else CheckpointEvents()
         self._secret = secret
         self._lock = threading.Lock()  # the open uploads: read by the event loop and finishing threads
         self._open: dict[str, Upload] = {}
@@ -336,20 +333,8 @@ class UploadService:
                 held.release()
             self.files.delete(path)
             raise
-        try:  # the checkpoint is made: what follows must not turn its finish into an error
-            if self.mirror is not None:
-                self.mirror.saved(path)
-            if self.audit is not None:
-                self.audit.record(
-                    upload.tenant,
-                    "checkpoint_create",
-                    upload.tenant,
-                    model_id=run_id,
-                    tinker_path=str(path),
-                    uploaded=True,
-                )
-        except Exception:
-            log.exception("after the upload of %s", path)
+        # The checkpoint is made: what follows cannot turn its finish into an error (``events.Topic``).
+        self.events.made(Made(path, upload.tenant, size, self.files, "upload", {"uploaded": True}))
         return path
 
     # ---- retention ------------------------------------------------------------------------

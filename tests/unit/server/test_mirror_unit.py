@@ -21,6 +21,7 @@ from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
+from hosted_tinker.server.serving.events import CheckpointEvents
 from hosted_tinker.server.serving.tenancy import Tenancy
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
@@ -39,7 +40,11 @@ class Disk:
         self.mirror = CheckpointMirror(f"file://{bucket}", self.files, self.store, keys_poll_s=0.05)
         # the service's own deletion (only its store, files and mirror take part in it)
         training = SimpleNamespace(backend=None, scheduler=None, store=self.store)
-        self.service = CheckpointService(training, self.files, self.files, links=None, mirror=self.mirror)
+        self.events = CheckpointEvents()
+        self.mirror.subscribe(self.events)
+        self.service = CheckpointService(
+            training, self.files, self.files, links=None, events=self.events, mirror=self.mirror
+        )
 
     def save(self, path: TinkerPath = STATE, data: bytes = b"adapter", ttl_seconds: int | None = None) -> None:
         if self.store.session_owner(SESSION) is None:
@@ -178,7 +183,7 @@ def test_a_copy_whose_ttl_passed_is_not_restored_and_goes(tmp_path: Path, bucket
 def test_copy_weights_is_mirrored_and_restored_as_a_copy(tmp_path: Path, bucket: Path):
     a = Disk(tmp_path / "a", bucket)
     a.save()
-    copies = CopyService(a.store, a.files, Tenancy(a.store), a.mirror)
+    copies = CopyService(a.store, a.files, Tenancy(a.store), a.events)
     request = wire.CopyWeightsRequest(session_id=SESSION, model_seq_id=1, source_path=str(STATE))
     target = TinkerPath.parse(copies.copy(request, OWNER, None)["tinker_path"])
     a.settle()
