@@ -43,7 +43,7 @@ PARTS = {
     "http": ("uvicorn", "h11", "httptools", "starlette", "fastapi", "anyio", "/asyncio/"),
     "codec": ("hosted_tinker/server/protocol", "google/protobuf", "zstandard", "pydantic"),
     "scheduler": ("hosted_tinker/server/scheduler.py", "hosted_tinker/server/serving/joint_passes.py"),
-    "store": ("hosted_tinker/server/store.py", "sqlite3", "hosted_tinker/server/schema.py"),
+    "store": ("hosted_tinker/server/persistence/", "sqlite3"),
 }
 
 

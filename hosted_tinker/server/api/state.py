@@ -292,7 +292,7 @@ def _checkpoint_events(
         prefetch = vllm.prefetch_threadsafe
 
         def sampler_made(e: Made) -> None:
-            if e.path.kind == "sampler_weights":
+            if e.how == "save" and e.path.kind == "sampler_weights":  # a copy is not loaded ahead
                 prefetch(WeightsRef(str(e.path), e.files, e.path))
 
         events.made.subscribe(sampler_made)

@@ -57,7 +57,7 @@ def _is_text(schema: Any) -> bool:
     """Whether a parameter's schema says its value is a string (and nothing but, or null)."""
     kinds = schema.get("type") if isinstance(schema, dict) else None
     kinds = [kinds] if isinstance(kinds, str) else kinds
-    return isinstance(kinds, list) and "string" in kinds and set(kinds) <= {"string", "null"}
+    return isinstance(kinds, list) and "string" in kinds and all(k in ("string", "null") for k in kinds)
 
 
 def tool_form(chat_template: str | None) -> ToolForm | None:

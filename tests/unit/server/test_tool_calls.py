@@ -332,3 +332,8 @@ def test_a_qwen3_coder_value_reads_as_its_parameters_schema_says() -> None:
     null = call.replace("<parameter=note>\ntrue", "<parameter=note>\nnull")
     assert parse(null, "qwen3_coder", schemas(tools))[1][0].arguments["note"] is None
     assert schemas([{"type": "function", "function": {"name": "f"}}, {"oops": 1}]) == {"f": {}}
+    for kind in (["string", {"a": 1}], ["string", ["x"]], 3, None):  # a client's schema, whatever it holds
+        odd = {"name": "book", "parameters": {"properties": {"code": {"type": kind}}}}
+        assert (
+            parse(call, "qwen3_coder", schemas([{"type": "function", "function": odd}]))[1][0].arguments["code"] == 123
+        )
