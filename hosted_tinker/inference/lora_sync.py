@@ -3,9 +3,10 @@
 On the worker, right after ``optim_step`` (and after create/load, which also set the weights),
 the adapter's tensors are cloned on their device: the only part on the training path. The rest
 runs on the event loop and a writer thread: the tensors go to a fresh directory (``/dev/shm``
-when there is one) as PEFT safetensors, written under a temporary name and renamed, so vLLM
-never reads a half-written adapter; then vLLM loads it under a new name and the previous
-version is retired (unloaded once no request uses it, its directory deleted).
+when there is one) as PEFT safetensors in the layout vLLM reads (``inference.vllm_layout``),
+written under a temporary name and renamed, so vLLM never reads a half-written adapter; then
+vLLM loads it under a new name and the previous version is retired (unloaded once no request
+uses it, its directory deleted).
 
 Steps that come faster than syncs coalesce: only the newest pending weights are written.
 A request for a run's live adapter waits for a sync in progress, so after ``optim_step``
@@ -30,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from hosted_tinker.core.checkpoints import peft_adapter_files
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.inference.vllm_adapters import AdapterRegistry, remove_dir, spawn
+from hosted_tinker.inference.vllm_layout import PLAIN, VllmLayout
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,11 @@ class _Run:
 
 
 class LiveAdapters:
-    def __init__(self, adapters: AdapterRegistry, ready: Callable[[], bool], root: Path) -> None:
+    def __init__(
+        self, adapters: AdapterRegistry, ready: Callable[[], bool], root: Path, layout: VllmLayout = PLAIN
+    ) -> None:
         self.adapters = adapters
+        self.layout = layout  # how vLLM reads the served model's adapters
         self._ready = ready  # True when vLLM can load now (else a version loads on first use)
         self.root = root
         self._runs: dict[str, _Run] = {}
@@ -118,7 +122,7 @@ class LiveAdapters:
 
     async def _sync_one(self, model_id: str, run: _Run, snapshot: _Snapshot) -> None:
         directory = self.root / model_id.replace(":", "_") / f"step{snapshot.step}-{secrets.token_hex(4)}"
-        await asyncio.to_thread(_write_adapter, directory, snapshot)
+        await asyncio.to_thread(_write_adapter, directory, snapshot, self.layout)
         key = f"live:{model_id}:{directory.name}"
         if self._runs.get(model_id) is not run:  # unloaded meanwhile
             shutil.rmtree(directory, ignore_errors=True)
@@ -163,19 +167,21 @@ class LiveAdapters:
         }
 
 
-def write_zero_adapter(root: Path, adapter_config: dict, weights: dict[str, torch.Tensor]) -> Path:
+def write_zero_adapter(
+    root: Path, adapter_config: dict, weights: dict[str, torch.Tensor], layout: VllmLayout = PLAIN
+) -> Path:
     directory = root / "base-zero"
-    _write_adapter(directory, _Snapshot(0, adapter_config, weights, time.monotonic()))
+    _write_adapter(directory, _Snapshot(0, adapter_config, weights, time.monotonic()), layout)
     return directory
 
 
-def _write_adapter(directory: Path, snapshot: _Snapshot) -> None:
+def _write_adapter(directory: Path, snapshot: _Snapshot, layout: VllmLayout) -> None:
     """Write under a temporary name in the same folder, then rename: readers see all or nothing."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".writing-", dir=directory.parent))
     try:
         weights = {k: v.to("cpu", non_blocking=False) for k, v in snapshot.weights.items()}
-        for name, data in peft_adapter_files(snapshot.adapter_config, weights).items():
+        for name, data in layout.files(snapshot.adapter_config, weights).items():
             (staging / name).write_bytes(data)
         os.replace(staging, directory)
     except BaseException:

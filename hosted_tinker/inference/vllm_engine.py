@@ -21,12 +21,13 @@ import httpx
 import numpy as np
 from safetensors import safe_open
 
-from hosted_tinker.core.checkpoints import adapter_weights, peft_adapter_files, peft_config, peft_keys
+from hosted_tinker.core.checkpoints import adapter_weights, peft_config, peft_keys
 from hosted_tinker.core.errors import EngineUnavailable, UserError
 from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.inference.vllm_adapters import AdapterRegistry, remove_dir, spawn
+from hosted_tinker.inference.vllm_layout import PLAIN, VllmLayout
 from hosted_tinker.inference.vllm_process import EngineState, ExternalVllm, VllmSupervisor
 
 log = logging.getLogger(__name__)
@@ -55,16 +56,18 @@ class VllmEngine:
         live_root: Path,
         zero_adapter: Path | None = None,
         family: str = "",
+        layout: VllmLayout = PLAIN,
     ) -> None:
         self.host = host
         self.family = family  # the served model's, whose adapters' names files say (``core.checkpoints``)
+        self.layout = layout
         # One pooled client for SDK sampling and adapter loads (the /v1 proxy streams over its own).
         # Idle connections are dropped before vLLM's own 5 s keep-alive ends, so a request never
         # goes out on a connection the server is closing at that moment.
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=2.0)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0))
         self.adapters = AdapterRegistry(self.client, lambda: self.host.base_url)
-        self.live = LiveAdapters(self.adapters, lambda: self.host.state is EngineState.READY, live_root)
+        self.live = LiveAdapters(self.adapters, lambda: self.host.state is EngineState.READY, live_root, layout)
         self._files_version = files_version
         self._verify = verify
         host.on_restart = self.adapters.forget  # a fresh vLLM holds none of our adapters
@@ -126,18 +129,19 @@ class VllmEngine:
             self.adapters.release(adapter)
 
     def _peft_view(self, directory: Path) -> tuple[Path, Callable[[], None] | None]:
-        """The saved adapter at ``directory`` as vLLM reads one: itself if its keys are PEFT's,
-        else a copy under PEFT's names (``core.checkpoints.peft_keys``: checkpoints say Tinker's
-        ``unembed_tokens``, which vLLM refuses), deleted once vLLM has let it go."""
+        """The saved adapter at ``directory`` as vLLM reads one: itself if its keys are PEFT's and
+        vLLM's layout keeps them, else a copy under PEFT's names (``core.checkpoints.peft_keys``:
+        checkpoints say Tinker's ``unembed_tokens``, which vLLM refuses) in vLLM's layout
+        (``inference.vllm_layout``), deleted once vLLM has let it go."""
         weights_file = directory / "adapter_model.safetensors"
         with safe_open(weights_file, "pt") as f:
             keys = dict.fromkeys(f.keys())
-        if peft_keys(keys, self.family) == keys:  # nothing named otherwise than PEFT does
+        if peft_keys(keys, self.family) == keys and not self.layout.changes_names(set(keys)):
             return directory, None
         view = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.live.root))
         config = peft_config(json.loads((directory / "adapter_config.json").read_text()), self.family)
         weights = adapter_weights(weights_file.read_bytes(), self.family)
-        for name, data in peft_adapter_files(config, weights).items():
+        for name, data in self.layout.files(config, weights).items():
             (view / name).write_bytes(data)
         return view, remove_dir(view)
 

@@ -39,21 +39,11 @@ from tests.e2e.test_sampling import (  # noqa: F401 - collected again here, agai
     trained,
 )
 from tests.support.server import ALIAS, ServerProcess, start_server
+from tests.support.vllm_env import vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).resolve().parents[2]
 VLLM_READY_S = 300.0
-
-
-def vllm_python() -> str:
-    """The vLLM venv's python: $HOSTED_TINKER_VLLM_PYTHON or ./.vllm-venv (scripts/install.sh --test)."""
-    python = os.environ.get("HOSTED_TINKER_VLLM_PYTHON") or str(REPO / ".vllm-venv" / "bin" / "python")
-    if not Path(python).exists():
-        if os.environ.get("HOSTED_TINKER_REQUIRE_VLLM"):
-            pytest.fail(f"no vLLM environment at {python}; run hosted-tinker setup-vllm")
-        pytest.skip(f"no vLLM environment at {python} (hosted-tinker setup-vllm .vllm-venv)")
-    return python
 
 
 def inference(base_url: str) -> dict:

@@ -19,6 +19,7 @@ from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
 from hosted_tinker.inference.vllm_engine import VllmEngine
+from hosted_tinker.inference.vllm_layout import VllmLayout, read_hf_config
 from hosted_tinker.inference.vllm_process import ExternalVllm, VllmLaunch, VllmSupervisor, free_port
 from hosted_tinker.inference.vllm_setup import check_vllm_python, default_vllm_python
 from hosted_tinker.server.api.inflight import BodyBytes
@@ -345,20 +346,22 @@ def _cluster(config: ServerConfig) -> Cluster | None:
 
 def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) -> VllmEngine:
     """The vLLM engine: a supervised child process, or a server at ``--inference-url``."""
-    if backend.capabilities.routed_experts:
-        # its adapters hold one LoRA per expert as 3-D tensors, which vLLM's PEFT loader does not read
+    on_gpu = config.vllm_gpus is not None or config.training_devices()[0].startswith("cuda")
+    layout = VllmLayout.of(read_hf_config(model_path), backend.capabilities)
+    if (refused := layout.refusal(on_gpu)) is not None:
         raise SystemExit(
-            f"--inference vllm: {backend.capabilities.arch} trains a LoRA on every routed expert, which is not "
-            "handed to vLLM yet; serve it with the embedded engine (leave out --inference vllm / --inference-url)"
+            f"--inference vllm: {refused}; serve it with the embedded engine "
+            "(leave out --inference vllm / --inference-url)"
         )
-    if backend.capabilities.linear_attention_layers:
-        # Tinker's separate q/k/v LoRA would have to be fused into vLLM's in_proj_qkv, not done yet
-        raise SystemExit(
-            f"--inference vllm: {backend.capabilities.arch} has linear-attention layers whose LoRA is not "
-            "handed to vLLM yet; serve it with the embedded engine (leave out --inference vllm / --inference-url)"
-        )
+    try:
+        max_lora_rank = layout.max_lora_rank(config.max_lora_rank)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if config.inference_url is not None:
         host = ExternalVllm(config.inference_url)
+        if layout.launch_args() or max_lora_rank != config.max_lora_rank:
+            needs = [*layout.launch_args(), "--max-lora-rank", str(max_lora_rank)]
+            log.warning("--inference-url: %s's adapters need vLLM started with %s", layout.arch, " ".join(needs))
     else:
         python = config.vllm_python or default_vllm_python()
         if python is not None:
@@ -387,12 +390,12 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
             served_names=config.served_names(),
             port=config.vllm_port or free_port(),
             dtype=config.dtype,
-            max_lora_rank=config.max_lora_rank,
+            max_lora_rank=max_lora_rank,
             max_loras=config.vllm_max_loras,
             max_model_len=backend.capabilities.max_seq_len,
             gpus=gpus,
             gpu_memory_utilization=config.vllm_gpu_memory_utilization or (0.45 if sharing_gpu else None),
-            extra_args=config.vllm_args,
+            extra_args=[*layout.launch_args(), *config.vllm_args],
             log_path=config.data_dir / "logs" / "vllm.log",
         )
         host = VllmSupervisor(launch)
@@ -404,9 +407,8 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
         weights.files.read(weights.path, only=ADAPTER_FILES)
 
     root = default_root(config.data_dir)
-    on_gpu = config.vllm_gpus is not None or config.training_devices()[0].startswith("cuda")
-    zero = None if on_gpu else write_zero_adapter(root, *backend.zero_adapter())  # see VllmEngine
-    return VllmEngine(host, files_version, verify, root, zero, backend.capabilities.family)
+    zero = None if on_gpu else write_zero_adapter(root, *backend.zero_adapter(), layout)  # see VllmEngine
+    return VllmEngine(host, files_version, verify, root, zero, backend.capabilities.family, layout)
 
 
 def _eos_ids(model_path: str, tokenizer) -> set[int]:
