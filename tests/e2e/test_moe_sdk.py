@@ -170,13 +170,15 @@ def test_the_server_says_it_trains_the_experts(moe):
     assert health["capabilities"]["routed_experts"] == 8
 
 
-def test_vllm_is_refused_in_one_line_for_expert_lora(moe):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_vllm_is_refused_in_one_line_for_expert_lora(family, tmp_path):
     """vLLM's CPU build has no kernels for LoRA on experts, and no vLLM decodes DeepSeek's latent
-    attention with its kv_b_proj LoRA (``inference.vllm_layout``): the server says so at start,
-    naming the model, rather than sample adapters without what they trained."""
+    attention with its kv_b_proj LoRA: the server says so at start, naming the model, rather than
+    sample adapters without what they trained. Every family's reason is
+    ``tests/unit/inference/test_vllm_layout.py``'s; here, that ``serve`` says it in one line."""
+    model_dir = build_tiny_model(tmp_path / "model", family=family, hidden_size=64)
     with pytest.raises(RuntimeError) as failed:
-        start_server(moe["root"] / "vllm", "--model", str(moe["model_dir"]), "--inference", "vllm", timeout=120)
-    log = str(failed.value)
-    latent = moe["arch"] == "DeepseekV3ForCausalLM"
-    why = " has multi-head latent attention" if latent else "'s LoRA on routed experts has no kernels in vLLM's CPU"
-    assert moe["arch"] + why in log and "Traceback" not in log
+        start_server(tmp_path / "data", "--model", str(model_dir), "--inference", "vllm", timeout=120)
+    log, arch = str(failed.value), ARCHS[family]
+    why = " has multi-head latent attention" if family == "deepseek_v3" else "'s LoRA on routed experts has no kernels"
+    assert arch + why in log and "Traceback" not in log
