@@ -343,6 +343,35 @@ class Reservation:
             self.held = 0
 
 
+def store_checkpoint(
+    held: Reservation | None,
+    size: int,
+    write: Callable[[], None],
+    record: Callable[[], None],
+    *,
+    replaces: int = 0,
+    undo: Callable[[], None] | None = None,
+) -> None:
+    """Write a checkpoint of ``size`` bytes and ``record`` its row under ``held``, the key's
+    reservation (None: no limits): over the key's checkpoint bytes it is refused before anything
+    is written; whatever fails, the reservation is let go and ``undo`` removes what was written.
+    ``replaces``: the bytes of the checkpoint it overwrites."""
+    try:
+        if held is not None:
+            held.settle(size, replaces=replaces)
+        write()
+        if held is not None:
+            held.commit(record)
+        else:
+            record()
+    except BaseException:
+        if held is not None:
+            held.release()
+        if undo is not None:
+            undo()
+        raise
+
+
 def _over_checkpoints(limit: int, stored: int, reserved: int, size: int | None = None) -> ApiError:
     this = f"; this one is {size}" if size is not None else ""
     detail = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,7 @@ from hosted_tinker.server.persistence.records import CheckpointRecord, ModelReco
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
+from hosted_tinker.server.quotas import store_checkpoint
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers
 from hosted_tinker.server.serving.downloads import DownloadLinks
@@ -126,15 +128,12 @@ class CheckpointService:
                     files = self._export(kind, model)
                     if recipients is not None:
                         files = encrypt_files(files, recipients)
-                    size = sum(len(data) for data in files.values())
-                    if held is not None:  # over the key's checkpoint bytes: refused before it is written
-                        replaced = self.store.get_checkpoint(model_id, kind, name)
-                        held.settle(size, replaces=replaced.size_bytes if replaced is not None else 0)
-                    self.files.write(path, files, overwrite=overwrite)
                 except BaseException:
                     if held is not None:
                         held.release()
                     raise
+                size = sum(len(data) for data in files.values())
+                replaced = self.store.get_checkpoint(model_id, kind, name) if held is not None else None
 
                 def record() -> None:
                     self.store.put_checkpoint(
@@ -146,10 +145,9 @@ class CheckpointService:
                         user_metadata=user_metadata or {},
                     )
 
-                if held is not None:
-                    held.commit(record)
-                else:
-                    record()
+                # over the key's checkpoint bytes: refused before it is written
+                write = partial(self.files.write, path, files, overwrite=overwrite)
+                store_checkpoint(held, size, write, record, replaces=replaced.size_bytes if replaced else 0)
                 owner = self.store.session_owner(model.session_id) or ""
                 self.events.made(Made(path, owner, size, self.files))
                 result = {"path": str(path), "type": request_kind, **(extra or {})}
@@ -314,7 +312,7 @@ class CheckpointService:
             raise bad_request(f"{field} {path} is a {parsed.checkpoint_type} checkpoint; this needs {wanted}")
         if self.store.get_checkpoint(parsed.run_id, parsed.kind, parsed.name) is None:
             raise not_found(f"{field}: checkpoint {path} does not exist")
-        if parsed.kind == "external_weights" and not (self.files.directory(parsed) / WEIGHTS).is_file():
+        if self.files.encrypted(parsed):
             raise bad_request(f"{field} {path} is encrypted to its recipients: it cannot be loaded here")
         return parsed
 

@@ -17,6 +17,7 @@ import hashlib
 import secrets
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
@@ -24,6 +25,7 @@ from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.quotas import store_checkpoint
 from hosted_tinker.server.serving.checkpoints import check_ttl
 from hosted_tinker.server.serving.events import CheckpointEvents, Made
 from hosted_tinker.server.serving.sessions import check_project_id
@@ -106,22 +108,16 @@ class CopyService:
                 user_metadata=record.user_metadata,
             )
 
-        try:
-            self.files.delete(target)  # a copy that a crash left without its rows, if any
+        self.files.delete(target)  # a copy that a crash left without its rows, if any
+        size = record.size_bytes  # a hard link of the source's files: the same bytes
+
+        def link() -> None:
             try:
-                size = self.files.link(source, target)
+                self.files.link(source, target)
             except CheckpointError as e:
                 raise bad_request(f"source_path: {e}") from None
-            if held is not None:
-                held.settle(size)  # within the owner's checkpoint bytes, or refused
-                held.commit(put)
-            else:
-                put()
-        except BaseException:
-            if held is not None:
-                held.release()
-            self.files.delete(target)
-            raise
+
+        store_checkpoint(held, size, link, put, undo=partial(self.files.delete, target))
         self.events.made(Made(target, owner, size, self.files, "copy", {"copied_from": str(source)}))
         return {"tinker_path": str(target)}
 

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ from hosted_tinker.core.types import LoraSpec
 from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.responses import iso_time
+from hosted_tinker.server.quotas import store_checkpoint
 from hosted_tinker.server.serving.events import CheckpointEvents, Made
 from hosted_tinker.server.serving.sessions import check_project_id
 from hosted_tinker.server.serving.training import TrainingService
@@ -320,19 +322,8 @@ class UploadService:
             self.store.put_checkpoint(run_id, path.kind, path.name, size_bytes=size, ttl_seconds=None, user_metadata={})
 
         held, upload.held = upload.held, None  # from here this save settles or releases it
-        try:
-            if held is not None:
-                held.settle(size)  # what was uploaded, within the key's checkpoint bytes
-            self.files.write(path, files, overwrite=False)
-            if held is not None:
-                held.commit(record)
-            else:
-                record()
-        except BaseException:
-            if held is not None:
-                held.release()
-            self.files.delete(path)
-            raise
+        write = partial(self.files.write, path, files, overwrite=False)
+        store_checkpoint(held, size, write, record, undo=partial(self.files.delete, path))
         # The checkpoint is made: what follows cannot turn its finish into an error (``events.Topic``).
         self.events.made(Made(path, upload.tenant, size, self.files, "upload", {"uploaded": True}))
         return path
