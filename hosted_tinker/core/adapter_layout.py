@@ -19,10 +19,8 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load as load_safetensors
 
-from hosted_tinker.core.checkpoints import CheckpointError
+from hosted_tinker.core.checkpoints import CONFIG, WEIGHTS, CheckpointError
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # an export's config lists every target module: ~40 KB for 64 layers
 METADATA = "__metadata__"
 # The adapter_config.json fields that change what the tensors mean (the others are PEFT's

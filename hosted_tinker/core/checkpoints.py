@@ -30,6 +30,7 @@ from hosted_tinker.core.types import OPTIMIZER_CONFIGS, AdapterState, LoraSpec
 
 KIND_TO_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 MANIFEST = "manifest.json"
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # an adapter's files, as PEFT names them
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "$" would let a trailing newline in
 # Not starting with '.': a run id is a directory name, and "." or ".." would leave the root.
 _RUN_ID = re.compile(r"[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]{0,199}")
@@ -119,6 +120,11 @@ class CheckpointFiles:
 
     def directory(self, path: TinkerPath) -> Path:
         return self.root / path.run_id / path.kind / path.name
+
+    def encrypted(self, path: TinkerPath) -> bool:
+        """Whether ``path`` is an export encrypted to its recipients (its files are ``.age``):
+        no key here opens it, so it cannot be loaded or sampled."""
+        return path.kind == "external_weights" and not (self.directory(path) / WEIGHTS).is_file()
 
     def exists(self, path: TinkerPath) -> bool:
         return (self.directory(path) / MANIFEST).exists()
@@ -255,8 +261,8 @@ def peft_config(config: dict, family: str = "") -> dict:
 def peft_adapter_files(adapter_config: dict, weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
     """A PEFT adapter directory: ``adapter_config.json`` + ``adapter_model.safetensors`` (what vLLM loads)."""
     return {
-        "adapter_config.json": json.dumps(adapter_config, indent=2).encode(),
-        "adapter_model.safetensors": save_safetensors({k: v.contiguous() for k, v in weights.items()}),
+        CONFIG: json.dumps(adapter_config, indent=2).encode(),
+        WEIGHTS: save_safetensors({k: v.contiguous() for k, v in weights.items()}),
     }
 
 

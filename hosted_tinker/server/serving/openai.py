@@ -23,7 +23,6 @@ from typing import TypeVar
 
 from jinja2 import TemplateError
 
-from hosted_tinker.core.adapter_layout import WEIGHTS
 from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request
 from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpec
@@ -165,7 +164,7 @@ class OpenAIService:
             raise bad_request(
                 f"{name} was trained on {model.base_model!r}{against}: this server serves {self.served_names}"
             )
-        if path.kind == "external_weights" and not (self.sampling.files.directory(path) / WEIGHTS).is_file():
+        if self.sampling.files.encrypted(path):
             raise bad_request(f"{name} is encrypted to its recipients: it cannot be sampled here")
         if audit and self.tenancy.audit is not None:
             self.tenancy.audit.read(path, tenant, "sample")

@@ -18,7 +18,6 @@ import torch
 from pydantic import ValidationError
 from tinker.proto import tinker_public_pb2 as pb
 
-from hosted_tinker.core.adapter_layout import WEIGHTS
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import EngineUnavailable, WireError, bad_request, not_found, unavailable
 from hosted_tinker.core.images import MAX_REQUEST_PIXELS, ImageInput
@@ -303,7 +302,7 @@ class SamplingService:
             model = self.store.get_model(path.run_id)
             if model is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
                 raise not_found(f"model_path: checkpoint {req.model_path} does not exist")
-            if path.kind == "external_weights" and not (self.files.directory(path) / WEIGHTS).is_file():
+            if self.files.encrypted(path):
                 raise bad_request(f"model_path {path} is encrypted to its recipients: it cannot be sampled here")
             if model.base_model not in self.served_names:  # a data directory another model trained in
                 raise bad_request(

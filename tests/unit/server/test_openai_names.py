@@ -29,7 +29,7 @@ def service(tmp_path: Path) -> OpenAIService:
     for run, base in (("s1:train:0", SERVED[1]), ("s1:train:1", "meta-llama/Llama-3.2-1B")):
         store.add_model(run, session_id="s1", model_seq_id=int(run[-1]), base_model=base, lora={}, user_metadata={})
         store.put_checkpoint(run, "sampler_weights", "final", size_bytes=1, ttl_seconds=None, user_metadata={})
-    sampling = SimpleNamespace(tokenizer=None, files=object())
+    sampling = SimpleNamespace(tokenizer=None, files=SimpleNamespace(encrypted=lambda path: False))  # sampler_weights
     return OpenAIService(sampling, store, Tenancy(store), SERVED)  # type: ignore[arg-type]
 
 
