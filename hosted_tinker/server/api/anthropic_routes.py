@@ -23,7 +23,7 @@ async def messages(req: ant.MessagesRequest, request: Request) -> Any:
     return await service.respond(req, tenant_of(request))
 
 
-async def count_tokens(req: ant.CountTokensRequest, request: Request) -> dict:
+async def count_tokens(req: ant.CountTokensRequest, request: Request) -> ant.TokenCount:
     return await server_state(request).anthropic.count_tokens(req, tenant_of(request))
 
 
@@ -35,7 +35,7 @@ def router(prefix: str, *, in_schema: bool = True) -> APIRouter:
     prompt = {"methods": ["POST"], **large_body("prompt")}
     # JSON, or server-sent events with stream=true
     door.add_api_route(
-        "/messages", messages, **prompt, responses={200: {"content": rsp.SSE}}, **rsp.as_built(ant.Message)
+        "/messages", messages, **prompt, responses={200: {"content": rsp.SSE}}, response_model=ant.Message
     )
-    door.add_api_route("/messages/count_tokens", count_tokens, **prompt, **rsp.as_built(ant.TokenCount))
+    door.add_api_route("/messages/count_tokens", count_tokens, **prompt, response_model=ant.TokenCount)
     return door

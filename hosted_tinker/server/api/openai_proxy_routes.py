@@ -27,7 +27,7 @@ async def forward(path: str, request: Request) -> Response:
 def router(prefix: str, *, in_schema: bool = True) -> APIRouter:
     """The routes at ``prefix``; our model names, as with the embedded engine."""
     door = APIRouter(prefix=prefix, responses=rsp.OPENAI_ERRORS, include_in_schema=in_schema)
-    door.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(oai.OpenAIModelList))
+    door.add_api_route("/models", list_models, methods=["GET"], response_model=oai.OpenAIModelList)
     door.add_api_route(
         "/{path:path}",
         forward,

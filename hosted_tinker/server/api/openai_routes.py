@@ -20,7 +20,7 @@ from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, Co
 _OR_STREAM = {200: {"content": rsp.SSE}}
 
 
-async def list_models(request: Request) -> dict:
+async def list_models(request: Request) -> oai.OpenAIModelList:
     return server_state(request).openai.list_models(tenant_of(request))
 
 
@@ -42,8 +42,8 @@ def router(prefix: str, *, in_schema: bool = True) -> APIRouter:
     """The routes at ``prefix`` (made per door, not included under one: a route keeps its whole
     path, which the request log, the metrics and ``errors.route_mark`` read)."""
     door = APIRouter(prefix=prefix, responses=rsp.OPENAI_ERRORS, route_class=OffLoopJson, include_in_schema=in_schema)
-    door.add_api_route("/models", list_models, methods=["GET"], **rsp.as_built(oai.OpenAIModelList))
+    door.add_api_route("/models", list_models, methods=["GET"], response_model=oai.OpenAIModelList)
     completion = {"methods": ["POST"], "responses": _OR_STREAM, **large_body("prompt")}
-    door.add_api_route("/completions", completions, **completion, **rsp.as_built(oai.Completion))
-    door.add_api_route("/chat/completions", chat_completions, **completion, **rsp.as_built(oai.ChatCompletion))
+    door.add_api_route("/completions", completions, **completion, response_model=oai.Completion)
+    door.add_api_route("/chat/completions", chat_completions, **completion, response_model=oai.ChatCompletion)
     return door

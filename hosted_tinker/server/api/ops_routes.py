@@ -16,10 +16,10 @@ from hosted_tinker.server.serving.health import health
 router = APIRouter(responses={413: {"model": rsp.ErrorResponse}, 415: {"model": rsp.ErrorResponse}})
 
 
-@router.get("/healthz", **rsp.as_built(rsp.ServerHealthResponse))
-@router.get("/health", **rsp.as_built(rsp.ServerHealthResponse))
-@router.get("/", **rsp.as_built(rsp.ServerHealthResponse))
-async def healthz(request: Request) -> dict:
+@router.get("/healthz", response_model=rsp.ServerHealthResponse)
+@router.get("/health", response_model=rsp.ServerHealthResponse)
+@router.get("/", response_model=rsp.ServerHealthResponse)
+async def healthz(request: Request) -> rsp.ServerHealthResponse:
     return health(server_state(request))
 
 
@@ -42,6 +42,6 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(scrape), media_type=CONTENT_TYPE_LATEST)  # type: ignore[arg-type]
 
 
-@router.get("/api/v1/healthz", **rsp.as_built(rsp.HealthResponse))
-async def api_healthz() -> dict:
-    return {"status": "ok"}
+@router.get("/api/v1/healthz", response_model=rsp.HealthResponse)
+async def api_healthz() -> rsp.HealthResponse:
+    return rsp.HealthResponse(status="ok")

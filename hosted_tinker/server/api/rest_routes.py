@@ -32,14 +32,14 @@ NO_CONTENT = {"status_code": 204, "response_class": Response}
 AccessScope = Literal["owned", "accessible"]
 
 
-@router.get("/training_runs", **rsp.as_built(rsp.TrainingRunsResponse))
+@router.get("/training_runs", response_model=rsp.TrainingRunsResponse)
 async def list_training_runs(
     request: Request,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),
     access_scope: AccessScope = "owned",
     project_id: str | None = None,
-) -> dict:
+) -> rsp.TrainingRunsResponse:
     return server_state(request).runs.list_runs(tenant_of(request), limit, offset, access_scope, project_id)
 
 
@@ -49,44 +49,46 @@ def _own_run(request: Request, run_id: str) -> ServerState:
     return state
 
 
-@router.get("/training_runs/{run_id}", **rsp.as_built(rsp.TrainingRun))
-async def get_training_run(run_id: str, request: Request, access_scope: AccessScope = "owned") -> dict:
+@router.get("/training_runs/{run_id}", response_model=rsp.TrainingRun)
+async def get_training_run(run_id: str, request: Request, access_scope: AccessScope = "owned") -> rsp.TrainingRun:
     state, tenant = server_state(request), tenant_of(request)
     if access_scope == "owned":
         return state.runs.run_json(state.tenancy.run(tenant, run_id))
     return state.runs.run_json(*state.tenancy.visible_run(tenant, run_id))
 
 
-@router.get("/training_runs/{run_id}/checkpoints", **rsp.as_built(rsp.CheckpointsListResponse))
-async def list_run_checkpoints(run_id: str, request: Request) -> dict:
+@router.get("/training_runs/{run_id}/checkpoints", response_model=rsp.CheckpointsListResponse)
+async def list_run_checkpoints(run_id: str, request: Request) -> rsp.CheckpointsListResponse:
     """A run's checkpoints: all of them to its owner, the published ones to every other key."""
     state = server_state(request)
     _, owned = state.tenancy.visible_run(tenant_of(request), run_id)
     return state.runs.list_checkpoints(run_id, owned)
 
 
-@router.get("/training_runs/{run_id}/metrics", **rsp.as_built(rsp.RunMetricsResponse))
+@router.get("/training_runs/{run_id}/metrics", response_model=rsp.RunMetricsResponse)
 async def get_run_metrics(
     run_id: str,
     request: Request,
     after: int = Query(-1, ge=-1, le=MAX_OFFSET),
     limit: int = Query(500, ge=1, le=5000),
-) -> dict:
+) -> rsp.RunMetricsResponse:
     """The run's closed steps after step ``after``, oldest first, and its open step."""
     state = _own_run(request, run_id)
-    # A page of thousands of steps is a large read: off the event loop.
-    return await asyncio.to_thread(state.run_metrics.steps, run_id, after, limit)
+    # A page of thousands of steps is a large read: off the event loop. The store's page (which
+    # the console's charts read too) is checked as the answer here.
+    page = await asyncio.to_thread(state.run_metrics.steps, run_id, after, limit)
+    return rsp.RunMetricsResponse.model_validate(page)
 
 
-@router.get("/checkpoints", **rsp.as_built(rsp.CheckpointsListResponse))
+@router.get("/checkpoints", response_model=rsp.CheckpointsListResponse)
 async def list_user_checkpoints(
     request: Request, limit: int = Query(100, ge=1, le=10000), offset: int = Query(0, ge=0, le=MAX_OFFSET)
-) -> dict:
+) -> rsp.CheckpointsListResponse:
     return server_state(request).runs.list_owned_checkpoints(tenant_of(request), limit, offset)
 
 
-@router.post("/checkpoints/search", **rsp.as_built(rsp.CheckpointSearchResponse))
-async def search_checkpoints(req: wire.CheckpointSearchRequest, request: Request) -> dict:
+@router.post("/checkpoints/search", response_model=rsp.CheckpointSearchResponse)
+async def search_checkpoints(req: wire.CheckpointSearchRequest, request: Request) -> rsp.CheckpointSearchResponse:
     """``RestClient.search_checkpoints`` (SDK 0.39): the caller's checkpoints and other keys'
     published ones. Every visible checkpoint may be read and matched: off the event loop."""
     return await asyncio.to_thread(server_state(request).runs.search_checkpoints, req, tenant_of(request))
@@ -132,9 +134,9 @@ async def set_checkpoint_ttl(
 
 @router.get(
     "/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls",
-    **rsp.as_built(rsp.ExternalWeightsUrlsResponse),
+    response_model=rsp.ExternalWeightsUrlsResponse,
 )
-async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
+async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> rsp.ExternalWeightsUrlsResponse:
     state = server_state(request)
     state.tenancy.readable(tenant_of(request), f"tinker://{run_id}/{kind}/{name}", purpose="download")
     base_url = str(request.base_url).rstrip("/")
@@ -156,28 +158,30 @@ def _admit_link(state: ServerState, tenant: str) -> None:
         raise over
 
 
-@router.post("/weights_info", **rsp.as_built(rsp.WeightsInfoResponse))
-async def weights_info(req: wire.WeightsInfoRequest, request: Request) -> dict:
+@router.post("/weights_info", response_model=rsp.WeightsInfoResponse)
+async def weights_info(req: wire.WeightsInfoRequest, request: Request) -> rsp.WeightsInfoResponse:
     state = server_state(request)
     state.tenancy.readable(tenant_of(request), req.tinker_path, field="tinker_path", purpose="describe")
     return state.checkpoints.weights_info(req.tinker_path)
 
 
-@router.get("/samplers/{sampler_id}", **rsp.as_built(rsp.GetSamplerResponse))
-async def get_sampler(sampler_id: str, request: Request) -> dict:
+@router.get("/samplers/{sampler_id}", response_model=rsp.GetSamplerResponse)
+async def get_sampler(sampler_id: str, request: Request) -> rsp.GetSamplerResponse:
     state = server_state(request)
     state.tenancy.sampler(tenant_of(request), sampler_id, field="sampler")
     return state.sampling.get_sampler(sampler_id)
 
 
-@router.get("/sessions", **rsp.as_built(rsp.ListSessionsResponse))
+@router.get("/sessions", response_model=rsp.ListSessionsResponse)
 async def list_sessions(
     request: Request,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),
     access_scope: AccessScope = "owned",  # a key may read only its own sessions: both scopes are those
-) -> dict:
-    return {"sessions": server_state(request).store.list_sessions(tenant_of(request), limit, offset)}
+) -> rsp.ListSessionsResponse:
+    return rsp.ListSessionsResponse(
+        sessions=server_state(request).store.list_sessions(tenant_of(request), limit, offset)
+    )
 
 
 @router.put("/sessions/{session_id}/project", **NO_CONTENT)
@@ -188,13 +192,14 @@ async def assign_session_project(session_id: str, req: wire.AssignSessionProject
     return Response(status_code=204)
 
 
-@router.get("/sessions/{session_id}/trace_export", **rsp.as_built(rsp.TraceExportResponse))
-async def export_session_trace(session_id: str, request: Request) -> dict:
+@router.get("/sessions/{session_id}/trace_export", response_model=rsp.TraceExportResponse)
+async def export_session_trace(session_id: str, request: Request) -> rsp.TraceExportResponse:
     """Ready at once: the link builds the trace when it is fetched (``serving.traces``)."""
     state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id, field="session")
     base_url = str(request.base_url).rstrip("/")
-    return {"status": "ready", "url": state.checkpoints.links.trace_url(session_id, base_url, tenant_of(request))}
+    url = state.checkpoints.links.trace_url(session_id, base_url, tenant_of(request))
+    return rsp.TraceExportResponse(status="ready", url=url)
 
 
 @downloads.get("/traces/{token}/{signature}/{file_name}", response_class=Response, responses=rsp.TRACE)
@@ -207,37 +212,39 @@ async def download_trace(token: str, signature: str, file_name: str, request: Re
     return Response(trace, media_type="application/json")
 
 
-@router.get("/audit", **rsp.as_built(rsp.AuditLogResponse))
+@router.get("/audit", response_model=rsp.AuditLogResponse)
 async def audit_log(
     request: Request,
     event_type: Literal["all", "checkpoints", "projects", "teams", "organizations"] = "all",
     day: date | None = None,
-) -> dict:
+) -> rsp.AuditLogResponse:
     """``AdminClient.get_audit_log``: what concerned the key's resources or was done by it."""
     state = server_state(request)
     return await asyncio.to_thread(state.audit.entries, tenant_of(request), event_type, day)
 
 
-@router.get("/billing/usage/events", **rsp.as_built(rsp.BillingUsageResponse))
-async def billing_usage(request: Request, starting_on: datetime, ending_before: datetime) -> dict:
+@router.get("/billing/usage/events", response_model=rsp.BillingUsageResponse)
+async def billing_usage(request: Request, starting_on: datetime, ending_before: datetime) -> rsp.BillingUsageResponse:
     """``AdminClient.get_billing_usage``: the key's own usage, per UTC hour (``serving.usage``)."""
     state, tenant = server_state(request), tenant_of(request)
     name = state.store.api_key_name(tenant)
     return await asyncio.to_thread(state.usage.report, tenant, name, starting_on, ending_before)
 
 
-@router.get("/billing/usage/checkpoints/current", **rsp.as_built(rsp.CheckpointStorageUsageResponse))
-async def checkpoint_storage_usage(request: Request, project_id: str | None = None) -> dict:
+@router.get("/billing/usage/checkpoints/current", response_model=rsp.CheckpointStorageUsageResponse)
+async def checkpoint_storage_usage(
+    request: Request, project_id: str | None = None
+) -> rsp.CheckpointStorageUsageResponse:
     state, tenant = server_state(request), tenant_of(request)
     return state.usage.stored_now(tenant, state.store.api_key_name(tenant), project_id)
 
 
-@router.post("/copy_weights", **rsp.as_built(rsp.CopyWeightsResponse))
+@router.post("/copy_weights", response_model=rsp.CopyWeightsResponse)
 async def copy_weights(
     req: wire.CopyWeightsRequest,
     request: Request,
     idempotency_key: str | None = Header(None, alias="X-Idempotency-Key"),
-) -> dict:
+) -> rsp.CopyWeightsResponse:
     state, tenant = server_state(request), tenant_of(request)
 
     def admit(size: int) -> Reservation:  # a new copy: not a retry of one already made
@@ -249,13 +256,13 @@ async def copy_weights(
     return await asyncio.to_thread(state.copies.copy, req, tenant, idempotency_key, admit)
 
 
-@router.post("/sessions/search", **rsp.as_built(rsp.SessionSearchResponse))
-async def search_sessions(req: wire.SessionSearchRequest, request: Request) -> dict:
+@router.post("/sessions/search", response_model=rsp.SessionSearchResponse)
+async def search_sessions(req: wire.SessionSearchRequest, request: Request) -> rsp.SessionSearchResponse:
     return server_state(request).sessions.search(req, tenant_of(request))
 
 
-@router.get("/sessions/{session_id}", **rsp.as_built(rsp.GetSessionResponse))
-async def get_session(session_id: str, request: Request, access_scope: AccessScope = "owned") -> dict:
+@router.get("/sessions/{session_id}", response_model=rsp.GetSessionResponse)
+async def get_session(session_id: str, request: Request, access_scope: AccessScope = "owned") -> rsp.GetSessionResponse:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id, field="session")
     return state.sessions.get_session(session_id)

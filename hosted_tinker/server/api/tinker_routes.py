@@ -55,23 +55,23 @@ def _optimizer_sent(req: wire.OptimStepRequest) -> str | None:
 # ---- client configuration, sessions, telemetry -----------------------------------------------
 
 
-@router.post("/client/config", **rsp.as_built(rsp.ClientConfigResponse))
-async def client_config(req: wire.ClientConfigRequest, request: Request) -> dict:
+@router.post("/client/config", response_model=rsp.ClientConfigResponse)
+async def client_config(req: wire.ClientConfigRequest, request: Request) -> rsp.ClientConfigResponse:
     config = server_state(request).config
-    return {
-        "pjwt_auth_enabled": False,
-        "proto_compress_fwdbwd": config.proto_compress,
-        "use_pyqwest_transport": config.sdk_transport == "pyqwest",
+    return rsp.ClientConfigResponse(
+        pjwt_auth_enabled=False,
+        proto_compress_fwdbwd=config.proto_compress,
+        use_pyqwest_transport=config.sdk_transport == "pyqwest",
         # Served here: one completions long-poll per sampling client, and clone numbers.
-        "sample_use_retrieve_futures": True,
-        "sample_join_sampling_session": True,
-        "custom_loss_server_side": True,  # create_custom_loss stores it; forward_backward_custom runs it here
-    }
+        sample_use_retrieve_futures=True,
+        sample_join_sampling_session=True,
+        custom_loss_server_side=True,  # create_custom_loss stores it; forward_backward_custom runs it here
+    )
 
 
-@router.post("/client/dynamic_config", **rsp.as_built(rsp.ClientDynamicConfigResponse))
-async def client_dynamic_config(req: wire.ClientConfigRequest) -> dict:
-    return {"sample_cancel_enabled": True}  # an abandoned sample is cancelled (cancel_future)
+@router.post("/client/dynamic_config", response_model=rsp.ClientDynamicConfigResponse)
+async def client_dynamic_config(req: wire.ClientConfigRequest) -> rsp.ClientDynamicConfigResponse:
+    return rsp.ClientDynamicConfigResponse(sample_cancel_enabled=True)  # an abandoned sample is cancelled
 
 
 @router.post("/create_session")
@@ -81,37 +81,41 @@ async def create_session(req: wire.CreateSessionRequest, request: Request) -> wi
     return state.sessions.create(req, owner=tenant)
 
 
-@router.post("/session_heartbeat", **rsp.as_built(rsp.SessionHeartbeatResponse))
-async def session_heartbeat(req: wire.SessionHeartbeatRequest, request: Request) -> dict:
+@router.post("/session_heartbeat", response_model=rsp.SessionHeartbeatResponse)
+async def session_heartbeat(req: wire.SessionHeartbeatRequest, request: Request) -> rsp.SessionHeartbeatResponse:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), req.session_id)
     return state.sessions.heartbeat(req)
 
 
-@router.post("/sessions/{session_id}/finish", **rsp.as_built(rsp.FinishSessionResponse))
-async def finish_session(session_id: str, req: wire.FinishSessionRequest, request: Request) -> dict:
+@router.post("/sessions/{session_id}/finish", response_model=rsp.FinishSessionResponse)
+async def finish_session(
+    session_id: str, req: wire.FinishSessionRequest, request: Request
+) -> rsp.FinishSessionResponse:
     state = server_state(request)
     state.tenancy.session(tenant_of(request), session_id)
     return state.sessions.finish(session_id, req)
 
 
-@router.post("/telemetry", **rsp.as_built(rsp.TelemetryResponse))
-async def telemetry(req: wire.TelemetryRequest) -> dict:
+@router.post("/telemetry", response_model=rsp.TelemetryResponse)
+async def telemetry(req: wire.TelemetryRequest) -> rsp.TelemetryResponse:
     # Telemetry batches can carry API keys in captured headers: never log or store them.
-    return {"status": "accepted"}
+    return rsp.TelemetryResponse(status="accepted")
 
 
-@router.get("/get_server_capabilities", **rsp.as_built(rsp.GetServerCapabilitiesResponse))
-async def get_server_capabilities(request: Request) -> dict:
+@router.get("/get_server_capabilities", response_model=rsp.GetServerCapabilitiesResponse)
+async def get_server_capabilities(request: Request) -> rsp.GetServerCapabilitiesResponse:
     state = server_state(request)
     caps = state.backend.capabilities
     sampleable = caps.sampling or state.vllm is not None  # see SamplingService._check_engine
-    return {
-        "supported_models": [
-            {"model_name": name, "max_context_length": caps.max_seq_len, "trainable": True, "sampleable": sampleable}
+    return rsp.GetServerCapabilitiesResponse(
+        supported_models=[
+            rsp.SupportedModel(
+                model_name=name, max_context_length=caps.max_seq_len, trainable=True, sampleable=sampleable
+            )
             for name in state.config.served_names()
         ]
-    }
+    )
 
 
 # ---- training --------------------------------------------------------------------------------
@@ -140,8 +144,8 @@ async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.U
     return _future(request, state.training.create_model(req, admit=_new_model(state, tenant, req.user_metadata)))
 
 
-@router.post("/get_info", **rsp.as_built(rsp.GetInfoResponse))
-async def get_info(req: wire.GetInfoRequest, request: Request) -> dict:
+@router.post("/get_info", response_model=rsp.GetInfoResponse)
+async def get_info(req: wire.GetInfoRequest, request: Request) -> rsp.GetInfoResponse:
     state = _owner_of_model(request, req.model_id)
     return state.training.get_info(req)
 
@@ -256,8 +260,10 @@ async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.U
     return _future(request, state.checkpoints.load_weights(req, admit=admit), req.model_id)
 
 
-@router.post("/create_sampling_session", **rsp.as_built(rsp.CreateSamplingSessionResponse))
-async def create_sampling_session(req: wire.CreateSamplingSessionRequest, request: Request) -> dict:
+@router.post("/create_sampling_session", response_model=rsp.CreateSamplingSessionResponse)
+async def create_sampling_session(
+    req: wire.CreateSamplingSessionRequest, request: Request
+) -> rsp.CreateSamplingSessionResponse:
     state, tenant = server_state(request), tenant_of(request)
     state.tenancy.session(tenant, req.session_id)
     if req.model_path is not None:
@@ -265,8 +271,10 @@ async def create_sampling_session(req: wire.CreateSamplingSessionRequest, reques
     return state.sampling.create_sampling_session(req)
 
 
-@router.post("/join_sampling_session", **rsp.as_built(rsp.JoinSamplingSessionResponse))
-async def join_sampling_session(req: wire.JoinSamplingSessionRequest, request: Request) -> dict:
+@router.post("/join_sampling_session", response_model=rsp.JoinSamplingSessionResponse)
+async def join_sampling_session(
+    req: wire.JoinSamplingSessionRequest, request: Request
+) -> rsp.JoinSamplingSessionResponse:
     """A number for another client of the session (an unpickled SamplingClient), so that the
     clients' seq_ids never collide: its own block of 10⁹."""
     state = server_state(request)
@@ -274,7 +282,7 @@ async def join_sampling_session(req: wire.JoinSamplingSessionRequest, request: R
     if state.store.get_sampler(req.sampling_session_id) is None:
         raise not_found(f"sampling_session_id {req.sampling_session_id!r} does not exist")
     counter = state.store.join_sampler(req.sampling_session_id)
-    return {"type": "join_sampling_session", "client_counter": counter}
+    return rsp.JoinSamplingSessionResponse(client_counter=counter)
 
 
 @router.post("/asample", response_model=rsp.SampleFuture, **large_body("prompt"))
@@ -320,15 +328,15 @@ async def retrieve_future(req: wire.RetrieveFutureRequest, request: Request) -> 
     return Response(record.payload, media_type=record.media_type)
 
 
-@router.post("/retrieve_futures", **rsp.as_built(rsp.FuturesRetrieveResponse))
-async def retrieve_futures(req: wire.FuturesRetrieveRequest, request: Request) -> dict:
+@router.post("/retrieve_futures", response_model=rsp.FuturesRetrieveResponse)
+async def retrieve_futures(req: wire.FuturesRetrieveRequest, request: Request) -> rsp.FuturesRetrieveResponse:
     state = server_state(request)
     state.tenancy.sampler(tenant_of(request), req.target.sampling_session_id, "target.sampling_session_id")
     return await state.futures.completions(req)
 
 
-@router.post("/cancel_future", **rsp.as_built(rsp.CancelFutureResponse))
-async def cancel_future(req: wire.CancelFutureRequest, request: Request) -> dict:
+@router.post("/cancel_future", response_model=rsp.CancelFutureResponse)
+async def cancel_future(req: wire.CancelFutureRequest, request: Request) -> rsp.CancelFutureResponse:
     state = server_state(request)
     note(request, request_id=req.request_id)
     state.tenancy.future(tenant_of(request), req.request_id)
@@ -336,4 +344,4 @@ async def cancel_future(req: wire.CancelFutureRequest, request: Request) -> dict
     if record is None:
         raise not_found(f"request_id {req.request_id!r} does not exist")
     check_cancellable(record)
-    return {"type": "cancel_future", "request_id": req.request_id, "cancelled": state.sampling.cancel(req.request_id)}
+    return rsp.CancelFutureResponse(request_id=req.request_id, cancelled=state.sampling.cancel(req.request_id))

@@ -23,14 +23,18 @@ files = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)  # signed: no A
 WRITE_BYTES = 1 << 20  # a PUT's bytes go to disk in pieces of about this, off the event loop
 
 
-@router.post("/external_weights_upload_start", **rsp.as_built(rsp.ExternalWeightsUploadStartResponse))
-async def external_weights_upload_start(req: wire.ExternalWeightsUploadStartRequest, request: Request) -> dict:
+@router.post("/external_weights_upload_start", response_model=rsp.ExternalWeightsUploadStartResponse)
+async def external_weights_upload_start(
+    req: wire.ExternalWeightsUploadStartRequest, request: Request
+) -> rsp.ExternalWeightsUploadStartResponse:
     base_url = str(request.base_url).rstrip("/")
     return await server_state(request).uploads.start(req, tenant_of(request), base_url)
 
 
-@router.post("/external_weights_upload_finish", **rsp.as_built(rsp.ExternalWeightsUploadFinishResponse))
-async def external_weights_upload_finish(req: wire.ExternalWeightsUploadFinishRequest, request: Request) -> dict:
+@router.post("/external_weights_upload_finish", response_model=rsp.ExternalWeightsUploadFinishResponse)
+async def external_weights_upload_finish(
+    req: wire.ExternalWeightsUploadFinishRequest, request: Request
+) -> rsp.ExternalWeightsUploadFinishResponse:
     uploads = server_state(request).uploads
     async with uploads.finishing:  # a few at a time: each reads and checks its files whole
         return await asyncio.to_thread(uploads.finish, req.upload_id, tenant_of(request))

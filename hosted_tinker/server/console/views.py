@@ -56,11 +56,11 @@ def run(state: ServerState, tenant: str, run_id: str, base_url: str) -> dict[str
     checkpoints = []
     for record in records[:CHECKPOINTS_SHOWN]:
         try:
-            urls = state.checkpoints.links.urls(TinkerPath(run_id, record.kind, record.name), base_url, tenant)["urls"]
+            urls = state.checkpoints.links.urls(TinkerPath(run_id, record.kind, record.name), base_url, tenant).urls
         except OSError:  # deleted (or swept past its TTL) since it was listed
             continue
         files = [{"name": name, "url": url} for name, url in urls.items()]
-        checkpoint = state.runs.checkpoint_json(record)
+        checkpoint = state.runs.checkpoint_json(record).model_dump()
         checkpoints.append({**checkpoint, "kind": record.kind, "name": record.name, "files": files})
     samplers = [
         {
@@ -88,7 +88,7 @@ def run(state: ServerState, tenant: str, run_id: str, base_url: str) -> dict[str
 
 def server(state: ServerState) -> dict[str, Any]:
     """The operator's page: what /healthz says, per-model queue depths, the keys and their use."""
-    status = health(state)
+    status = health(state).model_dump()
     now = time.time()
     keys = []
     for record in state.store.list_api_keys():

@@ -1,10 +1,10 @@
 """Wire types of the Anthropic Messages API (``/anthropic/api/v1/messages``, ``/v1/messages``):
 requests, whose unknown fields are refused by name (``protocol.strict``), and responses, as the
-Anthropic SDKs read them."""
+Anthropic SDKs read them (``responses.Response``: every key sent is declared, no other)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -70,7 +70,7 @@ class Message(Response):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextContent | ToolUseContent]
+    content: list[Annotated[TextContent | ToolUseContent, Field(discriminator="type")]]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None = None
     usage: Usage

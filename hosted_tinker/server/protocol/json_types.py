@@ -82,7 +82,7 @@ def _spelled(link: Link | None) -> str:
 
 
 class Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")  # every key sent is declared (``protocol.responses``)
 
 
 # ---- configuration and sessions ------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Wire types of the OpenAI-compatible API (``/v1``): requests, whose unknown fields are refused
-by name (``protocol.strict``), and responses (``responses.Response``: extra keys allowed)."""
+by name (``protocol.strict``), and responses (``responses.Response``: every key sent is declared,
+no other)."""
 
 from __future__ import annotations
 

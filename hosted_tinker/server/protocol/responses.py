@@ -1,16 +1,20 @@
 """JSON response types: what each route answers, for ``/openapi.json`` and the fuzzer's checks.
 
 Field names and optionality mirror the SDK 0.38 response types (``tinker/types/*``, protocol
-reference §3, §6.8) and the OpenAI SDK's. Every model allows extra keys, and the routes that
-return dicts serialize with ``response_model_exclude_unset``, so the bytes on the wire are what
-the services built: a key they omit stays absent, a ``None`` they set stays ``null``. Times are
-ISO 8601 strings (typed ``str`` so that their spelling is not re-rendered by pydantic).
+reference §3, §6.8) and the OpenAI SDK's. A model declares every key that is sent and no other
+(``extra="forbid"``: a key a service adds that its model lacks is an error, not a silent extra
+on the wire). Services build these models; the route declares the same one as its
+``response_model``, and every field is sent, a ``None`` as ``null``. Where a key is left out of
+some answers (a failed future's size, an open step's ``optim``), that answer has a model of its
+own. Open sub-objects whose keys are another part's to choose (``/healthz``'s parts, a billing
+event's ``event_info``) are typed ``dict[str, Any]``. Times are ISO 8601 strings (typed ``str``
+so that their spelling is not re-rendered by pydantic).
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,7 +33,7 @@ def iso_time(t: float) -> datetime.datetime:
 
 class Response(BaseModel):
     # Floats keep NaN/Infinity as the JSON encoder wrote them before (logprobs may be -inf).
-    model_config = ConfigDict(extra="allow", protected_namespaces=(), ser_json_inf_nan="constants")
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), ser_json_inf_nan="constants")
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -69,13 +73,21 @@ OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": OpenAIErrorRespon
 
 
 class ClientConfigResponse(Response):
+    """The SDK's feature flags; those not sent keep its defaults."""
+
     pjwt_auth_enabled: bool = False
     proto_compress_fwdbwd: bool = False
     use_pyqwest_transport: bool = True
+    sample_use_retrieve_futures: bool  # one completions long-poll per sampling client
+    sample_join_sampling_session: bool  # clone numbers (join_sampling_session)
+    custom_loss_server_side: bool  # create_custom_loss stores it; forward_backward_custom runs it here
 
 
 class ClientDynamicConfigResponse(Response):
-    refresh_interval_sec: int | None = None
+    """The SDK's refreshed flags. ``refresh_interval_sec`` is not sent: the SDK's is an ``int``
+    (300 by default), which a ``null`` would fail."""
+
+    sample_cancel_enabled: bool  # an abandoned sample is cancelled (cancel_future)
 
 
 class SessionHeartbeatResponse(Response):
@@ -87,7 +99,7 @@ class FinishSessionResponse(Response):
 
 
 class TelemetryResponse(Response):
-    status: Literal["accepted"]
+    status: Literal["accepted"] = "accepted"
 
 
 class SupportedModel(Response):
@@ -102,14 +114,14 @@ class GetServerCapabilitiesResponse(Response):
 
 
 class HealthResponse(Response):
-    status: Literal["ok"]
+    status: Literal["ok"] = "ok"
 
 
 class ServerHealthResponse(Response):
     """``/healthz`` for operators. Its inner parts come from the backend, the scheduler and the
-    inference engine, and change with them: they are typed as open objects."""
+    inference engine, and change with them: they stay open objects (``dict[str, Any]``)."""
 
-    status: Literal["ok"]
+    status: Literal["ok"] = "ok"
     served_models: list[str]
     capabilities: dict[str, Any]
     backend_options: dict[str, Any]
@@ -170,10 +182,20 @@ class RequestFailedResponse(Response):
     request_id: str | None = None
 
 
-class FutureCompletion(Response):
-    state: Literal["finished", "failed"]
+class FutureFinished(Response):
+    state: Literal["finished"] = "finished"
     request_id: str
-    response_payload_uncompressed_size: int | None = None
+    response_payload_uncompressed_size: int | None
+
+
+class FutureFailed(Response):
+    """A failed request: no payload, so no size (the SDK's ``FutureFailed``)."""
+
+    state: Literal["failed"] = "failed"
+    request_id: str
+
+
+FutureCompletion = Annotated[FutureFinished | FutureFailed, Field(discriminator="state")]
 
 
 class FuturesRetrieveResponse(Response):
@@ -307,8 +329,7 @@ class WeightsInfoResponse(Response):
 class CheckpointStorageUsageItem(Response):
     project_id: str | None = None
     org_user_urn: str | None = None
-    user_email: str | None = None
-    user_name: str | None = None
+    user_name: str | None = None  # (the SDK's user_email is not sent: keys here have none)
     checkpoint_count: int
     size_bytes: int
     size_gigabytes: float
@@ -323,7 +344,8 @@ class CheckpointStorageUsageResponse(Response):
 class AuditLogEntry(Response):
     timestamp: str = Field(json_schema_extra=_ISO)
     event: str
-    event_details: dict[str, Any] = Field(default_factory=dict)
+    event_details: dict[str, Any] = Field(default_factory=dict)  # what each event records: open
+    # The SDK's deprecated copies of checkpoint events' details: null on other events.
     model_id: str | None = None
     tinker_path: str | None = None
     purpose: str | None = None
@@ -349,16 +371,21 @@ class BillingUsageEvent(Response):
     event_info: dict[str, Any]
 
 
+class BillingUsageSession(Response):
+    user_metadata: dict[str, str] | None = None
+
+
 class BillingUsageResponse(Response):
     data: list[BillingUsageEvent]
-    sessions: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    sessions: dict[str, BillingUsageSession] = Field(default_factory=dict)
     cost_data_through: str | None = None
 
 
 class TraceExportResponse(Response):
+    """Always ready here: the link builds the trace when it is fetched (``serving.traces``)."""
+
     status: Literal["pending", "ready", "failed"]
     url: str | None = None
-    error: str | None = None
 
 
 class GetSamplerResponse(Response):
@@ -423,10 +450,9 @@ class CheckpointSearchResponse(Response):
     next_cursor: CheckpointSearchCursor | None = None
 
 
-class RunStep(Response):
-    """One optimizer step of a run (``serving.run_metrics``): its forward_backward calls summed up
-    (``metrics`` merged by their ``:sum``/``:mean``/``:max``/``:min`` suffix) and, once closed, its
-    optim_step's own metrics."""
+class OpenRunStep(Response):
+    """The step still open (``serving.run_metrics``): its forward_backward calls summed up
+    (``metrics`` merged by their ``:sum``/``:mean``/``:max``/``:min`` suffix)."""
 
     step: int
     time: float  # Unix seconds: when its optim_step finished (an open step: its latest call)
@@ -434,14 +460,19 @@ class RunStep(Response):
     tokens: int
     calls: int
     metrics: dict[str, float | None]  # null: a NaN or infinite value
-    optim: dict[str, float | None] | None = None  # absent from the open step
+
+
+class RunStep(OpenRunStep):
+    """A closed optimizer step: also its optim_step's own metrics."""
+
+    optim: dict[str, float | None]
 
 
 class RunMetricsResponse(Response):
     run_id: str
     steps: list[RunStep]
     next_after: int | None = None  # the last step shown when there are more: the next page's ``after``
-    open_step: RunStep | None = None
+    open_step: OpenRunStep | None = None
 
 
 # ---- non-JSON bodies (declared with ``responses=``) -----------------------------------------
@@ -453,9 +484,3 @@ PROTOBUF = {"application/x-protobuf": {"schema": _BINARY}}
 TRACE = {
     200: {"content": {"application/json": {"schema": {"type": "object"}}}, "description": "Chrome trace-event JSON"}
 }
-
-
-def as_built(model: type[BaseModel]) -> dict[str, Any]:
-    """Route options for a route that returns a service's dict: ``model`` documents and checks
-    it, and it is sent as built (a key the dict leaves out stays absent, as before)."""
-    return {"response_model": model, "response_model_exclude_unset": True}

@@ -29,6 +29,7 @@ from jinja2 import TemplateError
 
 from hosted_tinker.core.errors import ApiError, bad_request
 from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpec
+from hosted_tinker.server.protocol import anthropic_types as ant
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol.anthropic_types import CountTokensRequest, MessagesRequest, error_type
 from hosted_tinker.server.serving.openai import OpenAIService, Prepare, StreamedRow
@@ -233,11 +234,11 @@ class AnthropicService:
 
         return prepared, prepare
 
-    async def count_tokens(self, req: CountTokensRequest, tenant: str) -> dict:
+    async def count_tokens(self, req: CountTokensRequest, tenant: str) -> ant.TokenCount:
         self.openai.resolve(req.model, tenant, audit=False)  # one the key may not sample is a 404 here too
         with self.openai.slot(req.model, tenant):  # tokenizing a long prompt is work: bounded like a request
             prompt, _ = await self.openai.on_tokenizer_thread(self._chat, req)
-        return {"input_tokens": len(prompt)}
+        return ant.TokenCount(input_tokens=len(prompt))
 
     # ---- answers ----------------------------------------------------------------------------
 
@@ -256,30 +257,30 @@ class AnthropicService:
             return blocks, "stop_sequence", stop
         return blocks, ("end_turn" if seq.stop_reason == "stop" else "max_tokens"), None
 
-    def _message(self, req: MessagesRequest, prompt: list[int]) -> dict[str, Any]:
-        return {
-            "id": f"msg_{secrets.token_hex(12)}",
-            "type": "message",
-            "role": "assistant",
-            "model": req.model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": {"input_tokens": len(prompt), "output_tokens": 0},
-        }
+    def _message(
+        self,
+        req: MessagesRequest,
+        prompt: list[int],
+        answer: tuple[list[dict[str, Any]], str, str | None] | None = None,
+        output_tokens: int = 0,
+    ) -> ant.Message:
+        """The message with ``answer`` (``_content``'s), or before it: a stream's ``message_start``."""
+        blocks, reason, stop = answer if answer is not None else ([], None, None)
+        return ant.Message(
+            id=f"msg_{secrets.token_hex(12)}",
+            model=req.model,
+            content=blocks,  # each block's dict is checked as its type's model
+            stop_reason=reason,
+            stop_sequence=stop,
+            usage=ant.Usage(input_tokens=len(prompt), output_tokens=output_tokens),
+        )
 
-    async def respond(self, req: MessagesRequest, tenant: str) -> dict:
+    async def respond(self, req: MessagesRequest, tenant: str) -> ant.Message:
         prepared, prepare = self._preparer(req)
         prompt, _, output = await self.openai.complete(req.model, tenant, prepare)
         [seq] = output.sequences
-        blocks, reason, stop = await self.openai.on_tokenizer_thread(self._content, seq, prepared[0])
-        usage = {"input_tokens": len(prompt), "output_tokens": len(seq.tokens)}
-        return self._message(req, prompt) | {
-            "content": blocks,
-            "stop_reason": reason,
-            "stop_sequence": stop,
-            "usage": usage,
-        }
+        answer = await self.openai.on_tokenizer_thread(self._content, seq, prepared[0])
+        return self._message(req, prompt, answer, len(seq.tokens))
 
     async def stream(self, req: MessagesRequest, tenant: str) -> AsyncIterator[str]:
         """Server-sent events as Anthropic sends them; a bad request is still a plain 4xx."""
@@ -290,7 +291,7 @@ class AnthropicService:
     async def _events(
         self, req: MessagesRequest, prompt: list[int], ready: _Prepared, events: asyncio.Queue, task: asyncio.Future
     ) -> AsyncIterator[str]:
-        yield _event("message_start", {"message": self._message(req, prompt)})
+        yield _event("message_start", {"message": self._message(req, prompt).model_dump()})
         # Text is sent as it is sampled, up to where a tool call may begin; each call once read
         # whole. The text block starts with its first text, so an answer that is only calls
         # streams the blocks that it has when not streamed.

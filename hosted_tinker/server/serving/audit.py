@@ -25,6 +25,7 @@ from datetime import UTC, date, datetime
 
 from hosted_tinker.core.checkpoints import TinkerPath
 from hosted_tinker.server.persistence.store import Store
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
 
 log = logging.getLogger(__name__)
@@ -80,24 +81,27 @@ class AuditLog:
         if owner is not None:
             self.record(owner, event, actor, model_id=path.run_id, tinker_path=str(path), **details)
 
-    def entries(self, key: str, event_type: str, day: date | None) -> dict:
+    def entries(self, key: str, event_type: str, day: date | None) -> rsp.AuditLogResponse:
         """``AuditLogResponse``: what concerned ``key``'s resources or was done by it on ``day``
         (UTC, default today), oldest first."""
         prefix = EVENT_TYPES[event_type]
         if prefix is None:
-            return {"entries": []}
+            return rsp.AuditLogResponse(entries=[])
         start = datetime.combine(day or datetime.now(UTC).date(), datetime.min.time(), UTC).timestamp()
         rows = self.store.audit_of(key, start, start + DAY_S, prefix)  # (seconds: 9999-12-31 has an end too)
-        return {"entries": [_entry(at, event, details) for at, event, details in rows]}
+        return rsp.AuditLogResponse(entries=[_entry(at, event, details) for at, event, details in rows])
 
     def delete_expired(self) -> int:
         return self.store.delete_audit_before(self._clock() - RETENTION_S)
 
 
-def _entry(at: float, event: str, details: dict) -> dict:
-    entry = {"timestamp": iso_time(at).isoformat(), "event": event, "event_details": details}
-    # The SDK's deprecated copies of checkpoint events' details.
-    for field in ("model_id", "tinker_path", "purpose"):
-        if field in details:
-            entry[field] = details[field]
-    return entry
+def _entry(at: float, event: str, details: dict) -> rsp.AuditLogEntry:
+    # The SDK's deprecated copies of checkpoint events' details (null on other events).
+    return rsp.AuditLogEntry(
+        timestamp=iso_time(at).isoformat(),
+        event=event,
+        event_details=details,
+        model_id=details.get("model_id"),
+        tinker_path=details.get("tinker_path"),
+        purpose=details.get("purpose"),
+    )

@@ -38,6 +38,7 @@ from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.persistence.records import CheckpointRecord, ModelRecord, SamplerRecord
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.quotas import store_checkpoint
 from hosted_tinker.server.scheduler import Job, Scheduler
@@ -469,7 +470,7 @@ class CheckpointService:
         self.store.update_checkpoint(path.run_id, path.kind, path.name, expires_at=expires)
         self.events.changed(Changed(path, None))
 
-    def weights_info(self, tinker_path: str) -> dict:
+    def weights_info(self, tinker_path: str) -> rsp.WeightsInfoResponse:
         """Base model and LoRA shape of any checkpoint: a training state's from its own record; a
         sampler's or an external one's (a PEFT adapter, which does not say all of it) from the
         run it was saved from, whose shape never changes."""
@@ -480,17 +481,20 @@ class CheckpointService:
         if path.kind == "weights":
             path = self._training_path(tinker_path, "tinker_path")
             try:
-                return describe_checkpoint(path, self.files.read(path, only=("training_state.json",)))
+                described = describe_checkpoint(path, self.files.read(path, only=("training_state.json",)))
+                return rsp.WeightsInfoResponse(**described)
             except CheckpointError as e:
                 raise bad_request(str(e)) from None
         run = self.store.get_model(path.run_id)
         if run is None or self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
             raise not_found(f"tinker_path: checkpoint {tinker_path} does not exist")
-        return describe_lora(run.base_model, LoraSpec(**run.lora))
+        return rsp.WeightsInfoResponse(**describe_lora(run.base_model, LoraSpec(**run.lora)))
 
     # ---- downloads --------------------------------------------------------------------------
 
-    def download_urls(self, run_id: str, checkpoint_id: str, base_url: str, tenant: str) -> dict:
+    def download_urls(
+        self, run_id: str, checkpoint_id: str, base_url: str, tenant: str
+    ) -> rsp.ExternalWeightsUrlsResponse:
         """Signed, expiring URLs for each file of an external-weights checkpoint (no auth needed),
         for ``tenant``'s key: they serve while that key may read it."""
         path, _ = self._record(run_id, checkpoint_id)

@@ -25,6 +25,7 @@ from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.quotas import store_checkpoint
 from hosted_tinker.server.serving.checkpoints import check_ttl
 from hosted_tinker.server.serving.events import CheckpointEvents, Made
@@ -51,7 +52,7 @@ class CopyService:
         owner: str,
         idempotency_key: str | None,
         admit: Callable[[int], Reservation] | None = None,
-    ) -> dict:
+    ) -> rsp.CopyWeightsResponse:
         """The copy's ``tinker_path`` (made now, or found: a retry of the same request; ``admit``
         reserves the owner's checkpoint bytes for a new one, of the source's size). Reads and
         links files: call it off the event loop."""
@@ -64,7 +65,7 @@ class CopyService:
         owner: str,
         idempotency_key: str | None,
         admit: Callable[[int], Reservation] | None,
-    ) -> dict:
+    ) -> rsp.CopyWeightsResponse:
         if req.weights_access_token is not None:
             raise bad_request("weights_access_token is not supported: checkpoints here have no access tokens")
         check_ttl(req.ttl_seconds)
@@ -85,7 +86,7 @@ class CopyService:
         existing = self.store.get_model(run_id)
         if existing is not None:
             if existing.status == COPY_STATUS and self.store.get_checkpoint(run_id, source.kind, source.name):
-                return {"tinker_path": str(target)}  # the same copy, asked for again
+                return rsp.CopyWeightsResponse(tinker_path=str(target))  # the same copy, asked for again
             raise ApiError(409, f"training run {run_id} already exists; copy into another model_seq_id")
         held = admit(record.size_bytes) if admit is not None else None
 
@@ -119,7 +120,7 @@ class CopyService:
 
         store_checkpoint(held, size, link, put, undo=partial(self.files.delete, target))
         self.events.made(Made(target, owner, size, self.files, "copy", {"copied_from": str(source)}))
-        return {"tinker_path": str(target)}
+        return rsp.CopyWeightsResponse(tinker_path=str(target))
 
     def _destination(
         self, req: wire.CopyWeightsRequest, owner: str, idempotency_key: str | None, source: TinkerPath

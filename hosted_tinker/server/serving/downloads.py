@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import ApiError, not_found
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
 
 DOWNLOAD_URL_TTL_S = 3600
@@ -45,7 +46,7 @@ class DownloadLinks:
     def _sign(self, payload: str) -> str:
         return hmac.new(self._secret, payload.encode(), hashlib.sha256).hexdigest()[:32]
 
-    def urls(self, path: TinkerPath, base_url: str, tenant: str) -> dict:
+    def urls(self, path: TinkerPath, base_url: str, tenant: str) -> rsp.ExternalWeightsUrlsResponse:
         """A link to each file of the checkpoint at ``path`` for ``tenant``'s key (which may read
         it now), all expiring together."""
         expires = int(time.time()) + DOWNLOAD_URL_TTL_S
@@ -56,7 +57,7 @@ class DownloadLinks:
             payload = json.dumps([path.run_id, path.kind, path.name, version, name, tenant, expires])
             token = payload.encode().hex()
             urls[name] = f"{base_url}/api/v1/files/{token}/{self._sign(payload)}/{name}"
-        return {"urls": urls, "expires": iso_time(expires).isoformat()}
+        return rsp.ExternalWeightsUrlsResponse(urls=urls, expires=iso_time(expires).isoformat())
 
     def file(self, token: str, signature: str, asked_name: str) -> tuple[Path, str]:
         """The file a link names and the tenant it was made for, if its signature holds, it has

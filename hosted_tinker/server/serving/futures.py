@@ -17,6 +17,7 @@ from hosted_tinker.core.errors import bad_request
 from hosted_tinker.server.persistence.records import FutureRecord
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.scheduler import Scheduler
 
 SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids: [n·SEQ_BLOCK, (n+1)·SEQ_BLOCK)
@@ -29,7 +30,7 @@ class FuturesService:
         self.scheduler = scheduler
         self.poll_timeout_s = poll_timeout_s
 
-    async def completions(self, req: wire.FuturesRetrieveRequest) -> dict:
+    async def completions(self, req: wire.FuturesRetrieveRequest) -> rsp.FuturesRetrieveResponse:
         """What finished after ``prev_cursor``, waiting up to the request's ``timeout`` (at most
         the server's long-poll) for something to."""
         sampler_id, clone = req.target.sampling_session_id, req.target.cloned_sampler_id
@@ -49,13 +50,13 @@ class FuturesService:
                     await asyncio.wait_for(finished.wait(), left)
                 except TimeoutError:
                     pass
-        completions = [
-            {"state": "finished", "request_id": request_id, "response_payload_uncompressed_size": size}
+        completions: list[rsp.FutureFinished | rsp.FutureFailed] = [
+            rsp.FutureFinished(request_id=request_id, response_payload_uncompressed_size=size)
             if status == "done"
-            else {"state": "failed", "request_id": request_id}
+            else rsp.FutureFailed(request_id=request_id)
             for _, request_id, status, size in rows
         ]
-        return {"completions": completions, "cursor": rows[-1][0] if rows else req.prev_cursor}
+        return rsp.FuturesRetrieveResponse(completions=completions, cursor=rows[-1][0] if rows else req.prev_cursor)
 
 
 def check_cancellable(record: FutureRecord) -> None:

@@ -29,6 +29,7 @@ from hosted_tinker.core.sampling import SampledSequence, SampleOutput, SampleSpe
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import openai_types as oai
 from hosted_tinker.server.protocol.openai_types import ChatCompletionRequest, CompletionRequest
 from hosted_tinker.server.serving.detokenize import IncrementalText, StopSearch
 from hosted_tinker.server.serving.openai_chat import chat_messages, offered_tools, tool_call_entries
@@ -91,7 +92,7 @@ class OpenAIService:
 
     # ---- models -----------------------------------------------------------------------------
 
-    def list_models(self, tenant: str) -> dict:
+    def list_models(self, tenant: str) -> oai.OpenAIModelList:
         """The base model's names and what ``tenant`` may sample: its saved sampler weights, its
         sampling sessions, and (with vLLM) its live training runs."""
         names = list(self.served_names)
@@ -104,10 +105,7 @@ class OpenAIService:
         if self.live_runs:
             names += self.store.live_model_ids(tenant)
         now = int(time.time())
-        return {
-            "object": "list",
-            "data": [{"id": n, "object": "model", "created": now, "owned_by": "hosted-tinker"} for n in names],
-        }
+        return oai.OpenAIModelList(data=[oai.OpenAIModel(id=n, created=now, owned_by="hosted-tinker") for n in names])
 
     def charge(self, tenant: str) -> Charge:
         """What a /v1 request uses counts against its key, in no session, on the served base model."""
@@ -343,7 +341,9 @@ class OpenAIService:
 
     # ---- non-streaming ----------------------------------------------------------------------
 
-    async def respond(self, req: CompletionRequest | ChatCompletionRequest, tenant: str) -> dict:
+    async def respond(
+        self, req: CompletionRequest | ChatCompletionRequest, tenant: str
+    ) -> oai.Completion | oai.ChatCompletion:
         """A whole completion or chat completion: every choice, its text, logprobs and usage."""
         prompt, spec, output = await self.complete(req.model, tenant, lambda: self._prepare(req))
         # The texts and logprobs of many long choices: a tokenizer.decode per token and per alternative.
@@ -362,30 +362,29 @@ class OpenAIService:
 
     def _answer(
         self, req: CompletionRequest | ChatCompletionRequest, prompt: list[int], spec: SampleSpec, output: SampleOutput
-    ) -> dict:
+    ) -> oai.Completion | oai.ChatCompletion:
         chat = isinstance(req, ChatCompletionRequest)
         tools = offered_tools(req) if chat else None
-        choices = []
+        choices: list = []
         for i, seq in enumerate(output.sequences):
             text, _, calls = self.read_answer(seq.tokens, spec, tools)
-            choice = {"index": i, "finish_reason": "tool_calls" if calls else self._finish_reason(seq)}
+            finish = "tool_calls" if calls else self._finish_reason(seq)
             if chat:
-                choice["message"] = {"role": "assistant", "content": text or (None if calls else "")}
-                if calls:
-                    choice["message"]["tool_calls"] = tool_call_entries(calls)
-                choice["logprobs"] = chat_logprobs(seq, self._token_str) if req.logprobs else None
+                entries = [oai.ToolCallOut.model_validate(c) for c in tool_call_entries(calls)] if calls else None
+                message = oai.AssistantMessage(content=text or (None if calls else ""), tool_calls=entries)
+                logprobs = chat_logprobs(seq, self._token_str) if req.logprobs else None
+                choices.append(oai.ChatChoice(index=i, finish_reason=finish, message=message, logprobs=logprobs))
             else:
-                choice["text"] = text
-                choice["logprobs"] = completion_logprobs(seq, self._token_str) if req.logprobs is not None else None
-            choices.append(choice)
-        return {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": choices,
-            "usage": self._usage(prompt, output),
-        }
+                logprobs = completion_logprobs(seq, self._token_str) if req.logprobs is not None else None
+                choices.append(oai.CompletionChoice(index=i, finish_reason=finish, text=text, logprobs=logprobs))
+        answer = oai.ChatCompletion if chat else oai.Completion
+        return answer(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            created=int(time.time()),
+            model=req.model,
+            choices=choices,
+            usage=oai.Usage(**self._usage(prompt, output)),
+        )
 
     # ---- streaming --------------------------------------------------------------------------
 

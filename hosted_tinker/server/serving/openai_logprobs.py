@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence
+from hosted_tinker.server.protocol import openai_types as oai
 
 TokenStr = Callable[[int], str]
 
@@ -19,25 +20,25 @@ def alternatives(seq: SampledSequence, i: int) -> tuple[list[int], list[float]]:
     return [ids[j] for j in filled], [lps[j] for j in filled]
 
 
-def chat_logprobs(seq: SampledSequence, token_str: TokenStr) -> dict:
+def chat_logprobs(seq: SampledSequence, token_str: TokenStr) -> oai.ChoiceLogprobs:
     content = []
     for i, (token, lp) in enumerate(zip(seq.tokens, seq.logprobs, strict=True)):
         text = token_str(token)
         content.append(
-            {
-                "token": text,
-                "logprob": lp,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": token_str(t), "logprob": v, "bytes": list(token_str(t).encode())}
+            oai.ChatTokenLogprob(
+                token=text,
+                logprob=lp,
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    oai.TopLogprob(token=token_str(t), logprob=v, bytes=list(token_str(t).encode()))
                     for t, v in zip(*alternatives(seq, i), strict=True)
                 ],
-            }
+            )
         )
-    return {"content": content}
+    return oai.ChoiceLogprobs(content=content)
 
 
-def completion_logprobs(seq: SampledSequence, token_str: TokenStr) -> dict:
+def completion_logprobs(seq: SampledSequence, token_str: TokenStr) -> oai.CompletionLogprobs:
     tokens = [token_str(t) for t in seq.tokens]
     offsets, at = [], 0
     for t in tokens:
@@ -46,4 +47,4 @@ def completion_logprobs(seq: SampledSequence, token_str: TokenStr) -> dict:
     top = None
     if seq.topk is not None:
         top = [{token_str(t): v for t, v in zip(*alternatives(seq, i), strict=True)} for i in range(len(seq.tokens))]
-    return {"tokens": tokens, "token_logprobs": seq.logprobs, "top_logprobs": top, "text_offset": offsets}
+    return oai.CompletionLogprobs(tokens=tokens, token_logprobs=seq.logprobs, top_logprobs=top, text_offset=offsets)

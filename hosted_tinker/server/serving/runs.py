@@ -14,6 +14,7 @@ from hosted_tinker.server.persistence.records import CheckpointRecord, ModelReco
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.persistence.store_rows import DEFAULT_PROJECT
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
 
 TYPE_TO_KIND = {t: k for k, t in KIND_TO_TYPE.items()}
@@ -30,22 +31,22 @@ class RunViews:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def checkpoint_json(self, record: CheckpointRecord) -> dict:
+    def checkpoint_json(self, record: CheckpointRecord) -> rsp.Checkpoint:
         """A checkpoint as the REST API describes it."""
         path = TinkerPath(record.model_id, record.kind, record.name)
-        return {
-            "checkpoint_id": path.checkpoint_id,
-            "checkpoint_type": path.checkpoint_type,
-            "time": _iso(record.created_at),
-            "tinker_path": str(path),
-            "size_bytes": record.size_bytes,
-            "public": record.public,
-            "user_metadata": record.user_metadata,
-            "expires_at": _iso(record.expires_at) if record.expires_at else None,
-            "base_model": record.base_model,
-        }
+        return rsp.Checkpoint(
+            checkpoint_id=path.checkpoint_id,
+            checkpoint_type=path.checkpoint_type,
+            time=_iso(record.created_at),
+            tinker_path=str(path),
+            size_bytes=record.size_bytes,
+            public=record.public,
+            user_metadata=record.user_metadata,
+            expires_at=_iso(record.expires_at) if record.expires_at else None,
+            base_model=record.base_model,
+        )
 
-    def run_json(self, model: ModelRecord, owned: bool = True) -> dict:
+    def run_json(self, model: ModelRecord, owned: bool = True) -> rsp.TrainingRun:
         """A run (checked by ``Tenancy``) as the REST API describes it: to another key than its
         owner's, as far as its published checkpoints show it."""
         checkpoints = self.store.list_checkpoints(model.model_id)
@@ -55,53 +56,55 @@ class RunViews:
         last = next((c for c in checkpoints if c.kind == "weights"), None)
         last_sampler = next((c for c in checkpoints if c.kind == "sampler_weights"), None)
         owner = self.store.session_owner(model.session_id)
-        return {
-            "training_run_id": model.model_id,
-            "base_model": model.base_model,
-            "model_owner": owner or "local",
-            "is_lora": True,
-            "corrupted": False,
-            "lora_rank": model.lora["rank"],
-            "last_request_time": _iso(
+        return rsp.TrainingRun(
+            training_run_id=model.model_id,
+            base_model=model.base_model,
+            model_owner=owner or "local",
+            is_lora=True,
+            corrupted=False,
+            lora_rank=model.lora["rank"],
+            last_request_time=_iso(
                 self.store.model_last_request(model.model_id)
                 if owned
                 else max((c.created_at for c in checkpoints), default=model.created_at)
             ),
-            "last_checkpoint": self.checkpoint_json(last) if last else None,
-            "last_sampler_checkpoint": self.checkpoint_json(last_sampler) if last_sampler else None,
-            "user_metadata": {k: str(v) for k, v in model.user_metadata.items()},
-        }
+            last_checkpoint=self.checkpoint_json(last) if last else None,
+            last_sampler_checkpoint=self.checkpoint_json(last_sampler) if last_sampler else None,
+            user_metadata={k: str(v) for k, v in model.user_metadata.items()},
+        )
 
     def list_runs(
         self, owner: str, limit: int, offset: int, access_scope: str = "owned", project_id: str | None = None
-    ) -> dict:
+    ) -> rsp.TrainingRunsResponse:
         """``owner``'s runs, newest first (``access_scope`` "accessible": and others' runs with a
         published checkpoint), of project ``project_id`` if given."""
         published = access_scope == "accessible"
         models, total = self.store.list_models(owner, limit, offset, published=published, project=project_id)
-        return {
-            "training_runs": [self.run_json(m, self.store.session_owner(m.session_id) == owner) for m in models],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total},
-        }
+        return rsp.TrainingRunsResponse(
+            training_runs=[self.run_json(m, self.store.session_owner(m.session_id) == owner) for m in models],
+            cursor=rsp.Cursor(offset=offset, limit=limit, total_count=total),
+        )
 
-    def list_checkpoints(self, run_id: str, owned: bool = True) -> dict:
+    def list_checkpoints(self, run_id: str, owned: bool = True) -> rsp.CheckpointsListResponse:
         """The checkpoints of a run (checked by ``Tenancy``), newest first: another key than its
         owner's sees its published ones."""
         checkpoints = self.store.list_checkpoints(run_id)
         return self._checkpoints_page(checkpoints if owned else [c for c in checkpoints if c.public], None, 0)
 
-    def list_owned_checkpoints(self, owner: str, limit: int, offset: int) -> dict:
+    def list_owned_checkpoints(self, owner: str, limit: int, offset: int) -> rsp.CheckpointsListResponse:
         """Every checkpoint of every run of ``owner``'s sessions, newest first."""
         return self._checkpoints_page(self.store.owned_checkpoints(owner), limit, offset)
 
-    def _checkpoints_page(self, records: list[CheckpointRecord], limit: int | None, offset: int) -> dict:
+    def _checkpoints_page(
+        self, records: list[CheckpointRecord], limit: int | None, offset: int
+    ) -> rsp.CheckpointsListResponse:
         page = records[offset : offset + limit] if limit is not None else records
-        cursor = {"offset": offset, "limit": limit or len(records), "total_count": len(records)}
-        return {"checkpoints": [self.checkpoint_json(r) for r in page], "cursor": cursor}
+        cursor = rsp.Cursor(offset=offset, limit=limit or len(records), total_count=len(records))
+        return rsp.CheckpointsListResponse(checkpoints=[self.checkpoint_json(r) for r in page], cursor=cursor)
 
     # ---- search (RestClient.search_checkpoints) --------------------------------------------
 
-    def search_checkpoints(self, req: wire.CheckpointSearchRequest, owner: str) -> dict:
+    def search_checkpoints(self, req: wire.CheckpointSearchRequest, owner: str) -> rsp.CheckpointSearchResponse:
         """One page of the checkpoints ``owner`` may list that match, newest first: its own, and
         of other keys only the published ones, as every listing here shows them. ``project_ids``
         name the caller's own projects (another key's are not its to list), so with them only
@@ -136,8 +139,12 @@ class RunViews:
         next_cursor = None
         if more:
             last_created_at, last_path = search_key(page[-1])
-            next_cursor = {"last_created_at": last_created_at.isoformat(), "last_checkpoint_uuid": last_path}
-        return {"checkpoints": [self.checkpoint_json(r) for r in page], "next_cursor": next_cursor}
+            next_cursor = rsp.CheckpointSearchCursor(
+                last_created_at=last_created_at.isoformat(), last_checkpoint_uuid=last_path
+            )
+        return rsp.CheckpointSearchResponse(
+            checkpoints=[self.checkpoint_json(r) for r in page], next_cursor=next_cursor
+        )
 
 
 def search_key(record: CheckpointRecord) -> tuple[datetime, str]:

@@ -29,6 +29,7 @@ from hosted_tinker.server.persistence.records import SamplerRecord
 from hosted_tinker.server.persistence.sequences import SequenceRecords
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.proto_codec import decode_tensor_json, encode_sample_response
 from hosted_tinker.server.scheduler import Scheduler
 from hosted_tinker.server.serving.images import ImageLayout
@@ -277,7 +278,7 @@ class SamplingService:
 
     # ---- sampling sessions ------------------------------------------------------------------
 
-    def create_sampling_session(self, req: wire.CreateSamplingSessionRequest) -> dict:
+    def create_sampling_session(self, req: wire.CreateSamplingSessionRequest) -> rsp.CreateSamplingSessionResponse:
         """Register a sampler on the base model or on a saved adapter (sampling itself: issue #4)."""
         status = self.store.session_status(req.session_id)
         if status is None:
@@ -288,7 +289,7 @@ class SamplingService:
         existing = self.store.get_sampler(sampler_id)
         if existing is not None:
             if (existing.base_model if req.base_model else existing.model_path) in (req.base_model, req.model_path):
-                return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}  # a resend
+                return rsp.CreateSamplingSessionResponse(sampling_session_id=sampler_id)  # a resend
             raise bad_request(f"sampling_session_seq_id {req.sampling_session_seq_id} is already used")
         if req.base_model is not None:
             if req.base_model not in self.served_names:
@@ -312,13 +313,15 @@ class SamplingService:
         self.store.add_sampler(
             sampler_id, session_id=req.session_id, base_model=base_model, model_path=req.model_path, model_id=None
         )
-        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+        return rsp.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
 
-    def get_sampler(self, sampler_id: str) -> dict:
+    def get_sampler(self, sampler_id: str) -> rsp.GetSamplerResponse:
         sampler = self.store.get_sampler(sampler_id)
         if sampler is None:
             raise not_found(f"sampler {sampler_id!r} does not exist")
-        return {"sampler_id": sampler.sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+        return rsp.GetSamplerResponse(
+            sampler_id=sampler.sampler_id, base_model=sampler.base_model, model_path=sampler.model_path
+        )
 
     # ---- the Tinker endpoint ----------------------------------------------------------------
 

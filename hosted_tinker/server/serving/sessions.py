@@ -10,6 +10,7 @@ from hosted_tinker.server.persistence.records import SessionRow
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.persistence.store_rows import DEFAULT_PROJECT
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.training import TrainingService
@@ -43,7 +44,7 @@ class SessionService:
         )
         return wire.CreateSessionResponse(session_id=session_id)
 
-    def heartbeat(self, req: wire.SessionHeartbeatRequest) -> dict:
+    def heartbeat(self, req: wire.SessionHeartbeatRequest) -> rsp.SessionHeartbeatResponse:
         status = self.store.session_status(req.session_id)
         if status is None:
             raise not_found(f"session_id {req.session_id!r} does not exist")
@@ -51,12 +52,12 @@ class SessionService:
             # 410 tells the SDK's heartbeat loop that the session is over.
             raise ApiError(410, f"session {req.session_id} has finished")
         self.store.touch_session(req.session_id)
-        return {"type": "session_heartbeat"}
+        return rsp.SessionHeartbeatResponse()
 
-    def finish(self, session_id: str, req: wire.FinishSessionRequest) -> dict:
+    def finish(self, session_id: str, req: wire.FinishSessionRequest) -> rsp.FinishSessionResponse:
         if not self._end(session_id, f"finished:{req.reason.type}", req.detail):
             raise not_found(f"session_id {session_id!r} does not exist")
-        return {}
+        return rsp.FinishSessionResponse()
 
     def expire(self, session_id: str) -> None:
         """End a session silent for longer than results are kept (its client is gone): as if
@@ -82,20 +83,24 @@ class SessionService:
         if self.audit is not None:
             self.audit.record(actor, "project_session_assign", actor, session_id=session_id, project_id=project_id)
 
-    def get_session(self, session_id: str) -> dict:
+    def get_session(self, session_id: str) -> rsp.GetSessionResponse:
         session = self.store.get_session(session_id)
         if session is None:
             raise not_found(f"session {session_id!r} does not exist")
-        session["user_metadata"] = {k: str(v) for k, v in session["user_metadata"].items()}
-        return session
+        return rsp.GetSessionResponse(
+            training_run_ids=session["training_run_ids"],
+            sampler_ids=session["sampler_ids"],
+            user_metadata={k: str(v) for k, v in session["user_metadata"].items()},
+            display_name=session["display_name"],
+        )
 
     # ---- search (RestClient.search_sessions) -----------------------------------------------
 
-    def search(self, req: wire.SessionSearchRequest, owner: str) -> dict:
+    def search(self, req: wire.SessionSearchRequest, owner: str) -> rsp.SessionSearchResponse:
         """One page of the caller's sessions that match, newest first. A key lists only its own
         sessions, so ``accessible`` is ``own`` and ``user`` finds the caller's among its URNs."""
         if req.owner.type == "user" and owner not in (req.owner.owner_urns or []):
-            return {"sessions": []}
+            return rsp.SessionSearchResponse(sessions=[])
         if req.owner.type != "user" and req.owner.owner_urns is not None:
             raise bad_request(f"owner.owner_urns is only for owner.type 'user', not {req.owner.type!r}")
         # Pages are ordered and cut by the key the cursor carries: time at microseconds, then id.
@@ -118,20 +123,22 @@ class SessionService:
         next_cursor = None
         if len(matches) > req.limit:
             last = page[-1]
-            next_cursor = {"last_created_at": iso_time(last.created_at).isoformat(), "last_session_id": last.session_id}
-        return {"sessions": [self._summary(r) for r in page], "next_cursor": next_cursor}
+            next_cursor = rsp.SessionSearchCursor(
+                last_created_at=iso_time(last.created_at).isoformat(), last_session_id=last.session_id
+            )
+        return rsp.SessionSearchResponse(sessions=[self._summary(r) for r in page], next_cursor=next_cursor)
 
-    def _summary(self, row: SessionRow) -> dict:
-        return {
-            "session_id": row.session_id,
-            "created_at": iso_time(row.created_at).isoformat(),
-            "owner": row.owner,
-            "project_id": _project(row),
-            "status": _status(row.status, row.status_detail),
-            "checkpoints_count": self.store.checkpoints_count(row.session_id),
-            "display_name": row.display_name,
-            "user_metadata": {k: str(v) for k, v in row.user_metadata.items()},
-        }
+    def _summary(self, row: SessionRow) -> rsp.SessionSummary:
+        return rsp.SessionSummary(
+            session_id=row.session_id,
+            created_at=iso_time(row.created_at).isoformat(),
+            owner=row.owner,
+            project_id=_project(row),
+            status=_status(row.status, row.status_detail),
+            checkpoints_count=self.store.checkpoints_count(row.session_id),
+            display_name=row.display_name,
+            user_metadata={k: str(v) for k, v in row.user_metadata.items()},
+        )
 
 
 MAX_PROJECT_ID = 128

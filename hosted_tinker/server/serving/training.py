@@ -31,6 +31,7 @@ from hosted_tinker.server.persistence.records import COPY_STATUS, ModelRecord
 from hosted_tinker.server.persistence.sequences import SequenceRecords
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers, provenance
@@ -232,21 +233,19 @@ class TrainingService:
         self.scheduler.open_model(model_id)
         return request_id
 
-    def get_info(self, req: wire.GetInfoRequest) -> dict:
+    def get_info(self, req: wire.GetInfoRequest) -> rsp.GetInfoResponse:
         model = self.live_model(req.model_id)
-        return {
-            "model_id": model.model_id,
-            "model_data": {
-                "arch": self.backend.capabilities.arch,
-                "model_name": model.base_model,
-                "tokenizer_id": self.tokenizer_id,
-            },
-            "model_name": model.base_model,
-            "is_lora": True,
-            "lora_rank": model.lora["rank"],
-            "optimizer_config": OPTIMIZER_CONFIGS[model_optimizer(model)],
-            "type": "get_info",
-        }
+        return rsp.GetInfoResponse(
+            type="get_info",
+            model_data=rsp.ModelData(
+                arch=self.backend.capabilities.arch, model_name=model.base_model, tokenizer_id=self.tokenizer_id
+            ),
+            model_id=model.model_id,
+            optimizer_config=OPTIMIZER_CONFIGS[model_optimizer(model)],
+            is_lora=True,
+            lora_rank=model.lora["rank"],
+            model_name=model.base_model,
+        )
 
     def unload_model(self, model_id: str) -> str:
         """Free the model's adapter; requests still waiting for their turn fail."""

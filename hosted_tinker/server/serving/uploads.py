@@ -46,6 +46,7 @@ from hosted_tinker.core.errors import ApiError, bad_request, not_found, unavaila
 from hosted_tinker.core.types import LoraSpec
 from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
 from hosted_tinker.server.quotas import store_checkpoint
 from hosted_tinker.server.serving.events import CheckpointEvents, Made
@@ -120,7 +121,9 @@ class UploadService:
 
     # ---- start ----------------------------------------------------------------------------
 
-    async def start(self, req: wire.ExternalWeightsUploadStartRequest, tenant: str, base_url: str) -> dict:
+    async def start(
+        self, req: wire.ExternalWeightsUploadStartRequest, tenant: str, base_url: str
+    ) -> rsp.ExternalWeightsUploadStartResponse:
         if req.base_model not in self.training.served_names:
             raise bad_request(f"base_model {req.base_model!r} is not served here; served: {self.training.served_names}")
         if req.destination_project_id is not None:
@@ -165,7 +168,9 @@ class UploadService:
                     del self._starting[tenant]
         at = f"{base_url}/api/v1/uploads/{upload_id}"
         urls = {name: f"{at}/{self._sign(upload_id, name)}/{name}" for name in layout.sizes}
-        return {"upload_id": upload_id, "urls": urls, "expires": iso_time(upload.expires).isoformat()}
+        return rsp.ExternalWeightsUploadStartResponse(
+            upload_id=upload_id, urls=urls, expires=iso_time(upload.expires).isoformat()
+        )
 
     def _check_room(self, tenant: str) -> None:
         mine = sum(u.tenant == tenant for u in self._open.values()) + self._starting.get(tenant, 0)
@@ -259,14 +264,16 @@ class UploadService:
 
     # ---- finish ---------------------------------------------------------------------------
 
-    def finish(self, upload_id: str, tenant: str) -> dict:
+    def finish(self, upload_id: str, tenant: str) -> rsp.ExternalWeightsUploadFinishResponse:
         """The checkpoint made of an upload's files, if they hold the adapter it was started for;
         else a 400 naming what differs, and nothing of the upload is left. Reads and checks
         every byte: call it off the event loop."""
         with self._lock:
             done = self._finished.get(upload_id)
             if done is not None and done[0] == tenant:
-                return {"tinker_path": done[1]}  # a retry of a finish that succeeded
+                return rsp.ExternalWeightsUploadFinishResponse(
+                    tinker_path=done[1]
+                )  # a retry of a finish that succeeded
             upload = self._open.get(upload_id)
             if upload is None or upload.tenant != tenant or upload.expires < time.time():
                 raise not_found(f"upload_id {upload_id!r}: no such upload open (finished, refused or expired)")
@@ -290,7 +297,7 @@ class UploadService:
             self._discard(upload)
         with self._lock:
             self._finished[upload_id] = (tenant, str(path), upload.expires)
-        return {"tinker_path": str(path)}
+        return rsp.ExternalWeightsUploadFinishResponse(tinker_path=str(path))
 
     def _store(self, upload: Upload, files: dict[str, bytes]) -> TinkerPath:
         """A finished session of the key's, whose run 0 holds the adapter as its one checkpoint."""

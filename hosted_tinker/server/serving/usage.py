@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from hosted_tinker.core.errors import bad_request
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.persistence.store_rows import DEFAULT_PROJECT
+from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,9 @@ class UsageLedger:
 
     # ---- reading --------------------------------------------------------------------------
 
-    def report(self, owner: str, owner_name: str | None, starting_on: datetime, ending_before: datetime) -> dict:
+    def report(
+        self, owner: str, owner_name: str | None, starting_on: datetime, ending_before: datetime
+    ) -> rsp.BillingUsageResponse:
         """``owner``'s usage in the UTC hours [starting_on, ending_before), as ``BillingUsageResponse``."""
         start, end = _hour(starting_on, "starting_on"), _hour(ending_before, "ending_before")
         if start > self._clock():
@@ -107,48 +110,52 @@ class UsageLedger:
             raise bad_request("ending_before must be after starting_on and at most 14 days after it")
         rows = self.store.usage_of(owner, start, end)
         known = {row.session_id: row for row in self.store.sessions_of(owner)} if rows else {}
-        events, sessions = [], {}
+        events: list[rsp.BillingUsageEvent] = []
+        sessions: dict[str, rsp.BillingUsageSession] = {}
         for bucket, session_id, base_model, kind, quantity in rows:
             session = known.get(session_id)
             if session is not None:
-                sessions[session_id] = {"user_metadata": {k: str(v) for k, v in session.user_metadata.items()} or None}
+                metadata = {k: str(v) for k, v in session.user_metadata.items()} or None
+                sessions[session_id] = rsp.BillingUsageSession(user_metadata=metadata)
             events.append(
-                {
-                    "bucket_start": iso_time(bucket).isoformat(),
-                    "bucket_end": iso_time(bucket + HOUR).isoformat(),
-                    "base_model": base_model,
-                    "user_id": owner or "local",
-                    "user_name": owner_name,
-                    "session_id": session_id or None,
-                    "project_id": (session.project_id or DEFAULT_PROJECT) if session is not None else None,
-                    "estimated_cost_usd": None,
-                    "effective_rate_usd_per_million_tokens": None,
-                    "effective_rate_usd_per_gigabyte_month": None,
-                    "event_info": _event_info(kind, quantity),
-                }
+                rsp.BillingUsageEvent(
+                    bucket_start=iso_time(bucket).isoformat(),
+                    bucket_end=iso_time(bucket + HOUR).isoformat(),
+                    base_model=base_model,
+                    user_id=owner or "local",
+                    user_name=owner_name,
+                    session_id=session_id or None,
+                    project_id=(session.project_id or DEFAULT_PROJECT) if session is not None else None,
+                    estimated_cost_usd=None,
+                    effective_rate_usd_per_million_tokens=None,
+                    effective_rate_usd_per_gigabyte_month=None,
+                    event_info=_event_info(kind, quantity),
+                )
             )
-        return {"data": events, "sessions": sessions, "cost_data_through": None}
+        return rsp.BillingUsageResponse(data=events, sessions=sessions, cost_data_through=None)
 
-    def stored_now(self, owner: str, owner_name: str | None, project_id: str | None) -> dict:
+    def stored_now(
+        self, owner: str, owner_name: str | None, project_id: str | None
+    ) -> rsp.CheckpointStorageUsageResponse:
         """``AdminClient.get_current_checkpoint_storage_usage``: the bytes ``owner``'s checkpoints
         hold now, per project (of ``project_id`` only if given). A key sees its own: keys are
         tenants here, not members of an organization."""
         usage = self.store.checkpoint_storage(owner, project_id)
-        return {
-            "effective_rate_usd_per_gigabyte_month": None,
-            "data": [
-                {
-                    "project_id": project,
-                    "org_user_urn": owner or "local",
-                    "user_name": owner_name,
-                    "checkpoint_count": count,
-                    "size_bytes": size,
-                    "size_gigabytes": size / GIGABYTE,
-                    "estimated_monthly_cost_usd": None,
-                }
+        return rsp.CheckpointStorageUsageResponse(
+            effective_rate_usd_per_gigabyte_month=None,
+            data=[
+                rsp.CheckpointStorageUsageItem(
+                    project_id=project,
+                    org_user_urn=owner or "local",
+                    user_name=owner_name,
+                    checkpoint_count=count,
+                    size_bytes=size,
+                    size_gigabytes=size / GIGABYTE,
+                    estimated_monthly_cost_usd=None,
+                )
                 for project, count, size in usage
             ],
-        }
+        )
 
 
 def _hour(value: datetime, field: str) -> int:

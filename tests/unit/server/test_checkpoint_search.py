@@ -56,8 +56,8 @@ def views(tmp_path: Path) -> RunViews:
 
 def found(views: RunViews, caller: str = ALICE, **fields) -> list[str]:
     reply = views.search_checkpoints(CheckpointSearchRequest(**fields), caller)
-    assert reply["next_cursor"] is None
-    return [c["tinker_path"] for c in reply["checkpoints"]]
+    assert reply.next_cursor is None
+    return [c.tinker_path for c in reply.checkpoints]
 
 
 ALICE_ALL = [
@@ -111,14 +111,14 @@ def test_pages_visit_every_checkpoint_once_in_order(views: RunViews):
         seen, cursor = [], None
         for _ in range(len(whole) + 1):
             reply = views.search_checkpoints(CheckpointSearchRequest(**everyone, limit=limit, cursor=cursor), ALICE)
-            seen += [c["tinker_path"] for c in reply["checkpoints"]]
-            cursor = reply["next_cursor"]
+            seen += [c.tinker_path for c in reply.checkpoints]
+            cursor = reply.next_cursor and reply.next_cursor.model_dump()
             if cursor is None:
                 break
             assert cursor["last_checkpoint_uuid"] == seen[-1]
         assert seen == whole, limit
     # the cursor's time in another zone is the same instant
-    first = views.search_checkpoints(CheckpointSearchRequest(limit=1), ALICE)["next_cursor"]
+    first = views.search_checkpoints(CheckpointSearchRequest(limit=1), ALICE).next_cursor.model_dump()
     parsed = CheckpointSearchRequest(cursor=first).cursor
     elsewhere = {**first, "last_created_at": parsed.last_created_at.astimezone(timezone(timedelta(hours=5)))}
     assert found(views, cursor=elsewhere) == ALICE_ALL[1:]
@@ -149,7 +149,7 @@ def test_every_checkpoint_row_carries_its_run_s_base_model(views: RunViews):
     assert {c.base_model for c in store.expired_checkpoints(float("inf"))} == set()  # none expires
     store.update_checkpoint("sa:train:0", "weights", "s1", expires_at=1.0)
     assert [c.base_model for c in store.expired_checkpoints(2.0)] == ["base-1"]
-    assert views.list_checkpoints("sb:train:0")["checkpoints"][0]["base_model"] == "base-2"
-    assert views.list_owned_checkpoints(ALICE, 100, 0)["checkpoints"][0]["base_model"] == "base-2"
+    assert views.list_checkpoints("sb:train:0").checkpoints[0].base_model == "base-2"
+    assert views.list_owned_checkpoints(ALICE, 100, 0).checkpoints[0].base_model == "base-2"
     run = views.run_json(store.get_model("sa:train:0"))
-    assert run["last_checkpoint"]["base_model"] == run["last_sampler_checkpoint"]["base_model"] == "base-1"
+    assert run.last_checkpoint.base_model == run.last_sampler_checkpoint.base_model == "base-1"

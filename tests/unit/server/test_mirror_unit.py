@@ -185,7 +185,7 @@ def test_copy_weights_is_mirrored_and_restored_as_a_copy(tmp_path: Path, bucket:
     a.save()
     copies = CopyService(a.store, a.files, Tenancy(a.store), a.events)
     request = wire.CopyWeightsRequest(session_id=SESSION, model_seq_id=1, source_path=str(STATE))
-    target = TinkerPath.parse(copies.copy(request, OWNER, None)["tinker_path"])
+    target = TinkerPath.parse(copies.copy(request, OWNER, None).tinker_path)
     a.settle()
     assert copied(bucket, target)["model"]["status"] == COPY_STATUS
 
