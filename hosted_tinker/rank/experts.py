@@ -29,6 +29,7 @@ token reached takes part in nothing (its LoRA's gradient is zero).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype
+
+_SEPARATE_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+
+
+def separate_expert_linears(model: nn.Module) -> list[str]:
+    """Linear layers of ``model`` that are one routed expert's own (``…experts.<e>.…``): such a
+    model would get an ordinary 2-D LoRA per expert, not Tinker's 3-D layout (one hidden-side
+    factor for every expert), so it is not served. None of transformers 5.24's mixture-of-experts
+    classes keeps its experts so (all hold 3-D weights), and no remote code is run here."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and _SEPARATE_EXPERT.search(name)]
+
 
 IMPLEMENTATION = "hosted_tinker_lora"  # its name in transformers' ALL_EXPERTS_FUNCTIONS
 PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down: Tinker's names, in the order adapters are drawn

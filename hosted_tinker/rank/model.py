@@ -29,7 +29,7 @@ from hosted_tinker.rank import attention, linear_attention
 from hosted_tinker.rank import vision as vision_tower
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import LoraAdapters, lora_config, segments
-from hosted_tinker.rank.experts import PROJECTIONS, experts_modules
+from hosted_tinker.rank.experts import PROJECTIONS, experts_modules, separate_expert_linears
 from hosted_tinker.rank.linear_attention import GATES, gated_delta_modules, split_targets
 from hosted_tinker.rank.vision import VisionTower
 
@@ -215,6 +215,11 @@ class HfLoraModel:
             raise UserError(
                 f"{self.arch} is not supported: its {', '.join(unpackable)} layers carry state from token to "
                 "token, which this server cannot restart at each packed sequence"
+            )
+        if separate := separate_expert_linears(self.base):
+            raise UserError(
+                f"{self.arch} is not supported: its routed experts are separate linear layers ({separate[0]}, ...), "
+                "which this server does not train in Tinker's 3-D expert layout"
             )
         self.family = family(model_path)
         self.vocab_size = self.base.config.vocab_size

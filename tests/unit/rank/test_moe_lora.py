@@ -524,3 +524,17 @@ def test_one_tenant_routing_everything_to_one_expert_gets_no_padded_slab():
     assert not padding_pays([16384 * 8] + [0] * 127)  # everything to one expert
     assert not padding_pays([0] * 255 + [1000, 1000])  # two spans × 128 experts, one group busy
     assert MAX_PADDING <= 4
+
+
+def test_experts_kept_as_separate_linear_layers_are_found_and_the_lineups_have_none(rank: Rank):
+    """A model whose experts are linear layers of their own would get a 2-D LoRA per expert, not
+    Tinker's layout: ``HfLoraModel`` refuses it by ``separate_expert_linears``' answer."""
+    from torch import nn
+
+    from hosted_tinker.rank.experts import separate_expert_linears
+
+    assert separate_expert_linears(rank.trainer.model.base) == []
+    block = nn.Module()
+    block.experts = nn.ModuleList(nn.ModuleDict({"gate_proj": nn.Linear(4, 4)}) for _ in range(2))
+    block.shared_expert = nn.Linear(4, 4)
+    assert separate_expert_linears(block) == ["experts.0.gate_proj", "experts.1.gate_proj"]
