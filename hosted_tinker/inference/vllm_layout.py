@@ -25,6 +25,7 @@ flash-linear-attention's Triton kernel).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -159,9 +160,12 @@ def _fused_module(module: str) -> str:
 
 
 def read_hf_config(model_path: str) -> dict:
-    """The checkpoint's ``config.json`` ({} for a hub name not on disk: vLLM resolves it then)."""
-    try:
-        with open(f"{model_path}/config.json") as f:
-            return json.load(f)
-    except OSError:
-        return {}
+    """The checkpoint's ``config.json``, what vLLM builds its model from: in its directory, or
+    from the hub's cache for a hub id (``OSError`` if neither has it)."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isdir(model_path):
+        from huggingface_hub import hf_hub_download  # a hub id: as transformers finds its files
+
+        path = hf_hub_download(model_path, "config.json")
+    with open(path) as f:
+        return json.load(f)

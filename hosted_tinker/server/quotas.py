@@ -354,12 +354,16 @@ def store_checkpoint(
 ) -> None:
     """Write a checkpoint of ``size`` bytes and ``record`` its row under ``held``, the key's
     reservation (None: no limits): over the key's checkpoint bytes it is refused before anything
-    is written; whatever fails, the reservation is let go and ``undo`` removes what was written.
-    ``replaces``: the bytes of the checkpoint it overwrites."""
+    is written; whatever fails, the reservation is let go. ``undo`` removes a written checkpoint
+    whose row could not be recorded (a write is atomic: one that fails leaves nothing, and must
+    not take an existing checkpoint of that name with it). ``replaces``: the bytes of the
+    checkpoint it overwrites."""
+    written = False
     try:
         if held is not None:
             held.settle(size, replaces=replaces)
         write()
+        written = True
         if held is not None:
             held.commit(record)
         else:
@@ -367,7 +371,7 @@ def store_checkpoint(
     except BaseException:
         if held is not None:
             held.release()
-        if undo is not None:
+        if written and undo is not None:
             undo()
         raise
 

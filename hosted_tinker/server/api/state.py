@@ -347,7 +347,10 @@ def _cluster(config: ServerConfig) -> Cluster | None:
 def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) -> VllmEngine:
     """The vLLM engine: a supervised child process, or a server at ``--inference-url``."""
     on_gpu = config.vllm_gpus is not None or config.training_devices()[0].startswith("cuda")
-    layout = VllmLayout.of(read_hf_config(model_path), backend.capabilities)
+    try:  # which classes vLLM builds, from the checkpoint's own config (a hub id's too)
+        layout = VllmLayout.of(read_hf_config(model_path), backend.capabilities)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--inference vllm: cannot read {model_path}'s config.json ({e})") from None
     if (refused := layout.refusal(on_gpu)) is not None:
         raise SystemExit(
             f"--inference vllm: {refused}; serve it with the embedded engine "

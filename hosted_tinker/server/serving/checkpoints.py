@@ -148,7 +148,8 @@ class CheckpointService:
 
                 # over the key's checkpoint bytes: refused before it is written
                 write = partial(self.files.write, path, files, overwrite=overwrite)
-                store_checkpoint(held, size, write, record, replaces=replaced.size_bytes if replaced else 0)
+                undo = None if overwrite else partial(self.files.delete, path)  # (an overwritten one is gone)
+                store_checkpoint(held, size, write, record, replaces=replaced.size_bytes if replaced else 0, undo=undo)
                 owner = self.store.session_owner(model.session_id) or ""
                 self.events.made(Made(path, owner, size, self.files))
                 result = {"path": str(path), "type": request_kind, **(extra or {})}

@@ -109,10 +109,10 @@ class CopyService:
                 user_metadata=record.user_metadata,
             )
 
-        self.files.delete(target)  # a copy that a crash left without its rows, if any
         size = record.size_bytes  # a hard link of the source's files: the same bytes
 
         def link() -> None:
+            self.files.delete(target)  # a copy that a crash left without its rows, if any
             try:
                 self.files.link(source, target)
             except CheckpointError as e:

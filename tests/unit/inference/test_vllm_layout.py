@@ -4,12 +4,14 @@ That vLLM's own loader reads these files as meant is ``tests/e2e/test_vllm_layou
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from hosted_tinker.core.checkpoints import load_safetensors
 from hosted_tinker.core.types import Capabilities
-from hosted_tinker.inference.vllm_layout import PLAIN, VllmLayout, fuse_qkv
+from hosted_tinker.inference.vllm_layout import PLAIN, VllmLayout, fuse_qkv, read_hf_config
 
 pytestmark = pytest.mark.fast
 
@@ -107,3 +109,24 @@ def test_vllm_holds_a_fused_qkv_lora_at_three_times_the_rank():
     assert [PLAIN.max_lora_rank(64), *(gdn.max_lora_rank(r) for r in (8, 64, 128))] == [64, 32, 256, 512]
     with pytest.raises(ValueError, match="--max-lora-rank 256"):
         gdn.max_lora_rank(256)
+
+
+def test_the_config_vllm_reads_is_found_for_a_directory_and_for_a_hub_id(tmp_path, monkeypatch):
+    """A model served by hub id gets its layout from the cached config.json, as vLLM reads it: a
+    Qwen3.5 named ``Qwen/…`` is a vision-language checkpoint whatever class the ranks load."""
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    assert read_hf_config(str(tmp_path / "model")) == config
+    # the hub's cache layout: refs/main names the snapshot that holds the files
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3.5-4B"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert VllmLayout.of(read_hf_config("Qwen/Qwen3.5-4B"), caps(linear_attention_layers=1)).vision_language
+    with pytest.raises(OSError):
+        read_hf_config("Qwen/not-in-the-cache")

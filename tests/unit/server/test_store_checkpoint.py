@@ -23,17 +23,22 @@ def reservation(stored: int, limit: int | None = 100, held: int = 0) -> Reservat
 
 
 def run(
-    held: Reservation | None, size: int, *, fail_write: bool = False, replaces: int = 0, done: list[str] | None = None
+    held: Reservation | None,
+    size: int,
+    *,
+    fail: str = "",
+    replaces: int = 0,
+    done: list[str] | None = None,
 ) -> list[str]:
     done = [] if done is None else done
 
-    def write() -> None:
-        done.append("write")
-        if fail_write:
-            raise OSError("disk full")
+    def step(name: str) -> None:
+        done.append(name)
+        if fail == name:
+            raise OSError(f"{name} failed")
 
     store_checkpoint(
-        held, size, write, lambda: done.append("record"), replaces=replaces, undo=lambda: done.append("undo")
+        held, size, lambda: step("write"), lambda: step("record"), replaces=replaces, undo=lambda: step("undo")
     )
     return done
 
@@ -49,18 +54,27 @@ def test_over_the_limit_nothing_is_written_and_the_reservation_goes():
     with pytest.raises(ApiError) as refused:
         run(held, 40, done=done)
     assert refused.value.status == 403 and "checkpoint_bytes" in str(refused.value)
-    assert done == ["undo"] and held.quotas._reserved == {} and held.held == 0
+    assert done == [] and held.quotas._reserved == {} and held.held == 0
 
 
 def test_an_overwrite_counts_only_what_it_adds():
     assert run(reservation(stored=90), 40, replaces=35) == ["write", "record"]
 
 
-def test_a_failed_write_is_undone_and_never_recorded():
+def test_a_failed_write_is_never_recorded_nor_undone():
+    """A write is atomic: undoing a failed one could only delete a checkpoint already there
+    under that name (another save's, which won the race to it)."""
     held, done = reservation(stored=0, held=10), []
     with pytest.raises(OSError):
-        run(held, 10, fail_write=True, done=done)
-    assert done == ["write", "undo"] and held.quotas._reserved == {} and held.held == 0
+        run(held, 10, fail="write", done=done)
+    assert done == ["write"] and held.quotas._reserved == {} and held.held == 0
+
+
+def test_a_checkpoint_whose_row_cannot_be_recorded_is_removed():
+    held, done = reservation(stored=0, held=10), []
+    with pytest.raises(OSError):
+        run(held, 10, fail="record", done=done)
+    assert done == ["write", "record", "undo"] and held.quotas._reserved == {} and held.held == 0
 
 
 def test_without_a_reservation_it_is_written_and_recorded():
