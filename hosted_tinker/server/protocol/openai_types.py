@@ -129,7 +129,8 @@ class ToolCallOut(Response):
 class AssistantMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCallOut] | None = None
+    # left out when the model called nothing, as OpenAI's answers leave it
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChoice(Response):
