@@ -22,6 +22,42 @@ import pytest
 from tests.support.server import ServerProcess, start_server  # first: it sets the tests' environment
 
 
+# The modules that take longest, longest first (CI's durations). CI runs the suite on two
+# processes, a module on one (``-n 2 --dist loadfile --no-loadscope-reorder``), handing out
+# modules in this order: the long ones start at once, and the many short ones fill in at the end
+# (in collection order, xdist would start test_vllm's 3 minutes last and wait on it alone).
+LONGEST_FIRST = (
+    "test_vllm.py",
+    "test_fair_sampling.py",
+    "test_ddp.py",
+    "test_nodes.py",
+    "test_moe_sdk.py",
+    "test_sampling.py",
+    "test_sdk_training.py",
+    "test_residency.py",
+    "test_ddp_server.py",
+    "test_plans.py",
+    "test_startup_checks.py",
+    "test_fuzz.py",
+    "test_http_protocol.py",
+    "test_custom_loss_sdk.py",
+    "test_faults.py",
+    "test_quotas.py",
+    "test_tenants.py",
+    "test_worker_unit.py",
+    "test_deploy.py",
+    "test_console.py",
+    "test_megatron.py",
+    "test_hostile_ops.py",
+    "test_checkpoints.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {name: n for n, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the rest as collected
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("data")
