@@ -12,7 +12,6 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.conftest import keyed  # noqa: F401 - keyed: the fixture, with two keys
 from tests.support.server import ALIAS
 from tests.support.tenants import datum
 
@@ -23,7 +22,7 @@ def events(log: types.AuditLogResponse) -> list[tuple[str, str | None, str | Non
     return [(e.event, e.event_details.get("actor"), e.event_details.get("purpose")) for e in log.entries]
 
 
-def test_what_was_done_to_a_keys_checkpoints_and_by_whom(keyed) -> None:  # noqa: F811
+def test_what_was_done_to_a_keys_checkpoints_and_by_whom(keyed) -> None:
     srv, key_a, key_b = keyed
     admin_a = tinker.AdminClient(base_url=srv.base_url, api_key=key_a)
     admin_b = tinker.AdminClient(base_url=srv.base_url, api_key=key_b)

@@ -12,7 +12,6 @@ import tinker
 from pydantic import AwareDatetime, BaseModel, ConfigDict
 from tinker import types
 
-from tests.e2e.conftest import keyed  # noqa: F401 - keyed: the fixture, with two keys
 from tests.support.server import ALIAS
 from tests.support.tenants import datum
 
@@ -39,7 +38,7 @@ class CheckpointSearchResponse(BaseModel):
     next_cursor: CheckpointSearchCursor | None = None
 
 
-def test_search_checkpoints_and_their_base_model(keyed) -> None:  # noqa: F811
+def test_search_checkpoints_and_their_base_model(keyed) -> None:
     srv, key_a, key_b = keyed
     alice = httpx.Client(base_url=srv.base_url, headers={"X-API-Key": key_a}, timeout=30)
     bob = httpx.Client(base_url=srv.base_url, headers={"X-API-Key": key_b}, timeout=30)

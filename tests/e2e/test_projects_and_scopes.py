@@ -13,7 +13,6 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.conftest import keyed  # noqa: F401 - keyed: the fixture, with two keys
 from tests.support.server import ALIAS
 from tests.support.sessions import search
 from tests.support.tenants import datum
@@ -25,7 +24,7 @@ def run_ids(runs: types.TrainingRunsResponse) -> set[str]:
     return {r.training_run_id for r in runs.training_runs}
 
 
-def test_projects_scopes_and_storage(keyed) -> None:  # noqa: F811
+def test_projects_scopes_and_storage(keyed) -> None:
     srv, key_a, key_b = keyed
     with (
         tinker.ServiceClient(base_url=srv.base_url, api_key=key_a, project_id="proj-a") as in_a,
@@ -106,7 +105,7 @@ def test_projects_scopes_and_storage(keyed) -> None:  # noqa: F811
         assert copy_run.last_request_time > datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def test_a_closing_client_says_why(keyed) -> None:  # noqa: F811
+def test_a_closing_client_says_why(keyed) -> None:
     srv, key_a, _ = keyed
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=key_a, user_metadata={"why": "closing"})
     session_id = sc.holder.get_session_id()

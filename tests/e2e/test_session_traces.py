@@ -14,7 +14,6 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.conftest import keyed  # noqa: F401 - keyed: the fixture, with two keys
 from tests.support.cli import run_cli
 from tests.support.server import ALIAS
 from tests.support.tenants import datum
@@ -61,7 +60,7 @@ def test_a_sessions_requests_come_back_as_a_trace(base_url: str, tmp_path: Path)
     assert json.loads(out.read_text())["traceEvents"][0] == events[0]
 
 
-def test_another_keys_session_has_no_trace(keyed) -> None:  # noqa: F811
+def test_another_keys_session_has_no_trace(keyed) -> None:
     srv, key_a, key_b = keyed
     with tinker.ServiceClient(base_url=srv.base_url, api_key=key_a) as sc:
         session_id = sc.holder.get_session_id()

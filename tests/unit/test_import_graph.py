@@ -144,11 +144,14 @@ RECOLLECTED = {("tests.e2e.test_vllm", "tests.e2e.test_sampling")}
 
 def test_no_test_module_imports_another():
     """What tests share lives in ``tests/support/`` (and fixtures in a conftest.py): a test
-    module, or a benchmark, that imports a test module depends on that module's other tests."""
+    module, or a benchmark, that imports a test module depends on that module's other tests. A
+    conftest's fixtures reach its folder's tests by name; importing the conftest too registers
+    them a second time, under the importer's name."""
     found = set()
     for path in [*TESTS.rglob("*.py"), *(PACKAGE.parent / "benchmarks").glob("*.py")]:
         importer = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1].startswith("test_"):
-                found.add((importer, node.module))
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.split(".")[-1].startswith(("test_", "conftest")):
+                    found.add((importer, node.module))
     assert found == RECOLLECTED
