@@ -1,23 +1,38 @@
-"""Fixtures of the end-to-end tests (``keyed``: a server with two keys, alice's and bob's), and
-the modules left out when the test extra is not installed (``tests.support.extras``)."""
+"""Fixtures of the end-to-end tests (``keyed``: a keyed server and two keys of the module's own,
+alice's and bob's), and the modules left out when the test extra is not installed
+(``tests.support.extras``)."""
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import extras
-from tests.support.tenants import serve_two_keys
+from tests.support.server import ServerProcess, start_server
+from tests.support.tenants import new_keys
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    """One keyed server for the modules that need no flag of their own (a server start is ~10 s
+    of CPU): each module's ``keyed`` keys are its own tenants, so the modules cannot see each
+    other's models, checkpoints or sessions, as two real tenants cannot."""
+    data = tmp_path_factory.mktemp("keyed")
+    new_keys(data, "operator")  # keyed from its start: with no key, a server is open to all
+    srv = start_server(data, "--model", str(tiny_model_dir))
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
-    srv, key_a, key_b = serve_two_keys(tmp_path_factory.mktemp("tenants"), tiny_model_dir)
-    yield srv, key_a, key_b
-    srv.stop()
+def keyed(keyed_server: ServerProcess) -> tuple[ServerProcess, str, str]:
+    """The shared keyed server, and two new keys (alice's and bob's) for this module alone."""
+    key_a, key_b = new_keys(keyed_server.data_dir, "alice", "bob")
+    return keyed_server, key_a, key_b
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

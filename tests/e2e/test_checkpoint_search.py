@@ -6,6 +6,8 @@ unpublished checkpoints never show."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 import tinker
@@ -13,7 +15,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict
 from tinker import types
 
 from tests.support.server import ALIAS
-from tests.support.tenants import datum
+from tests.support.tenants import datum, serve_two_keys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -36,6 +38,15 @@ class CheckpointSearchResponse(BaseModel):
     model_config = STRICT
     checkpoints: list[Checkpoint]
     next_cursor: CheckpointSearchCursor | None = None
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    """A server of this module's own: a published checkpoint is every key's to find, and the
+    searches below expect exactly the checkpoints made here (not the shared server's others)."""
+    srv, key_a, key_b = serve_two_keys(tmp_path_factory.mktemp("search"), tiny_model_dir)
+    yield srv, key_a, key_b
+    srv.stop()
 
 
 def test_search_checkpoints_and_their_base_model(keyed) -> None:

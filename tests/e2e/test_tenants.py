@@ -101,12 +101,14 @@ def test_an_anonymous_request_costs_its_headers_only(keyed):
             if not chunk:
                 break
             answer += chunk
-    assert time.monotonic() - started < 0.5
+    # Bounds far below --body-timeout's 30 s, which a server waiting for the body would take, and
+    # loose enough for a 2-core box running two test processes.
+    assert time.monotonic() - started < 2
     assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
     assert _rss_kib(srv.proc.pid) - rss_before < 50 * 1024
     health_started = time.monotonic()
     assert httpx.get(f"{srv.base_url}/healthz").status_code == 200
-    assert time.monotonic() - health_started < 0.1
+    assert time.monotonic() - health_started < 1
 
 
 def test_a_revoked_key_is_refused_at_once(keyed):

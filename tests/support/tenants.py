@@ -1,4 +1,4 @@
-"""Two tenants on one server: keys made by the CLI, a datum, a future's result polled."""
+"""Two tenants on one server: their keys (made as `keys create` makes them), a datum, a future's result polled."""
 
 from __future__ import annotations
 
@@ -19,10 +19,22 @@ def cli(*args: str) -> str:
     return done.stdout.strip()
 
 
+def new_keys(data: Path, *names: str) -> list[str]:
+    """Keys made in this process, as ``keys create`` makes them (a running server on ``data``
+    looks keys up per request, so they work at once): without the CLI's 2 s of imports each."""
+    from hosted_tinker.server.keys import create_key
+    from hosted_tinker.server.persistence.store import Store
+
+    store = Store.in_data_dir(data)
+    try:
+        return [create_key(store, name)[1] for name in names]
+    finally:
+        store.close()
+
+
 def serve_two_keys(data: Path, model: Path, *extra: str) -> tuple[ServerProcess, str, str]:
-    """A server on ``data`` with two keys made by the CLI first, alice's and bob's."""
-    key_a = cli("keys", "create", "--data-dir", str(data), "--name", "alice")
-    key_b = cli("keys", "create", "--data-dir", str(data), "--name", "bob")
+    """A server on ``data`` with two keys made first, alice's and bob's."""
+    key_a, key_b = new_keys(data, "alice", "bob")
     return start_server(data, "--model", str(model), *extra), key_a, key_b
 
 
