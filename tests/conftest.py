@@ -5,9 +5,10 @@ starts servers, workers and real clients, ``tests/support/`` holds what tests sh
 data builders, the server process); a test module imports no other test module
 (``tests/unit/test_import_graph.py``).
 
-Markers (pyproject.toml): ``fast`` is the quick loop, ``pytest -m fast`` (unit tests and the SDK
-smoke test, test_smoke.py; under a minute on 2 cores); ``slow`` marks the end-to-end tests that
-start servers, worker processes, ranks, vLLM or real clients. CI runs everything: ``pytest -q``.
+The loop after every change is ``pytest tests/unit`` (its budget: 60 s on 2 cores); markers
+(pyproject.toml): ``fast`` is that plus the SDK smoke test, ``slow`` marks the end-to-end tests
+that start servers, worker processes, ranks, vLLM or real clients. CI runs everything
+(``scripts/test.sh``: tests/unit within its budget, then tests/e2e on two processes).
 Tests wait for what they need by polling an observable condition with a deadline, never by a
 fixed sleep.
 """
