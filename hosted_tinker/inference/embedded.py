@@ -20,14 +20,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
 
 from hosted_tinker.core.checkpoints import adapter_weights, peft_config
 from hosted_tinker.core.errors import WorkerError
-from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
+from hosted_tinker.rank.sampler import EmbeddedSampler
 
 MAX_BATCH_ROWS = 64  # sequences decoded together in one run
 # Newcomers join a run during its first this many decode steps only: a run then ends within
@@ -67,30 +65,12 @@ class _Run:
     dropped: set[int] = field(default_factory=set)
 
 
-class Sampler(Protocol):
-    """The embedded sampler's calls (``rank.sampler.EmbeddedSampler``, on the worker)."""
-
-    def has_sampler(self, key: str) -> bool: ...
-
-    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
-
-    def decode_slice(
-        self,
-        run_id: str,
-        key: str | None,
-        specs: list[SampleSpec],
-        admit: Callable[[], Admission],
-        on_token: TokenListener | None = None,
-        on_finished: FinishListener | None = None,
-    ) -> bool: ...
-
-
 class EmbeddedEngine:
     name = "embedded"
 
     def __init__(
         self,
-        sampler: Sampler,
+        sampler: EmbeddedSampler,
         run_on_worker: Callable[[Callable[[], None]], None],
         batch_window_s: float = 0.01,
         slice_s: float = 0.1,

@@ -116,7 +116,7 @@ class EmbeddedSampler:
         alpha = config.get("lora_alpha", 8)
         return Adapter(layers, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
 
-    @rank_call("first")
+    @rank_call("first", listeners=("on_token",))
     def generate(
         self,
         key: str | None,
@@ -130,7 +130,7 @@ class EmbeddedSampler:
         self.adapters.routes.everything(None if key is None else self.loaded[key])
         return generate(self.adapters.lm, specs, admit=admit, on_token=on_token, **self._decoding())
 
-    @rank_call("first")
+    @rank_call("first", listeners=("on_token", "on_finished"))
     def decode_slice(
         self,
         run_id: str,

@@ -136,7 +136,7 @@ class Trainer:
 
     # ---- adapters ---------------------------------------------------------------------------
 
-    @rank_call("every")
+    @rank_call("every", model="creates")
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
         """Created on every rank or on none; then its initial weights are the same everywhere."""
         failure: Exception | None = None
@@ -155,7 +155,7 @@ class Trainer:
             raise error
         self.plan.broadcast_initial(self.adapters[model_id].handle.params)
 
-    @rank_call("every", model="replaces")
+    @rank_call("every", model="deletes")
     def delete_adapter(self, model_id: str) -> None:
         adapter = self._adapter(model_id)
         del self.adapters[model_id]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hosted_tinker.core.adapter_layout import WEIGHTS
+from hosted_tinker.core.calls import on_rank_0
 from hosted_tinker.core.checkpoints import (
     CheckpointError,
     CheckpointFiles,
@@ -32,7 +33,7 @@ from hosted_tinker.core.checkpoints import describe as describe_checkpoint
 from hosted_tinker.core.checkpoints import description as describe_lora
 from hosted_tinker.core.encryption import encrypt_files, parse_recipients
 from hosted_tinker.core.errors import bad_request, not_found
-from hosted_tinker.core.types import AdapterState, LoraSpec, TrainingBackend
+from hosted_tinker.core.types import AdapterState, LoraSpec
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.persistence.records import CheckpointRecord, ModelRecord, SamplerRecord
@@ -46,6 +47,7 @@ from hosted_tinker.server.serving import optimizers
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.events import Changed, CheckpointEvents, Deleted, Made
 from hosted_tinker.server.serving.training import Admit, TrainingService, json_result, model_optimizer
+from hosted_tinker.server.workers.backend import ProcessBackend
 
 if TYPE_CHECKING:
     from hosted_tinker.server.quotas import Reservation
@@ -79,7 +81,7 @@ class CheckpointService:
     ) -> None:
         self.events = events if events is not None else CheckpointEvents()  # what follows (``serving.events``)
         self.training = training
-        self.backend: TrainingBackend = training.backend
+        self.backend: ProcessBackend = training.backend
         self.scheduler: Scheduler = training.scheduler
         self.store: Store = training.store
         self.files = files
@@ -182,10 +184,10 @@ class CheckpointService:
         return next((c.size_bytes for c in self.store.list_checkpoints(model_id) if c.kind == kind), 0)
 
     def _export(self, kind: str, model: ModelRecord) -> dict[str, bytes]:
-        config = self.backend.peft_config(model.model_id)
+        config = self.backend.trainer.peft_config(model.model_id)
         config["base_model_name_or_path"] = model.base_model
         # Only training state needs the optimizer moments (twice the adapter's size).
-        state = self.backend.export_state(model.model_id, with_optimizer=kind == "weights")
+        state = on_rank_0(self.backend.trainer.export_state(model.model_id, with_optimizer=kind == "weights"))
         if kind == "weights":
             return state_to_files(state, config, model.base_model, self.backend.capabilities.family)
         return adapter_files(config, state.weights, self.backend.capabilities.family)
@@ -394,7 +396,7 @@ class CheckpointService:
                 )
 
             def job() -> tuple[bytes, str]:
-                self.backend.load_state(model.model_id, self._state(path, lora), with_optimizer=req.optimizer)
+                self.backend.trainer.load_state(model.model_id, self._state(path, lora), with_optimizer=req.optimizer)
                 self.training.weights_changed(model.model_id)
                 return json_result({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
@@ -421,7 +423,7 @@ class CheckpointService:
             lora = dataclasses.replace(lora, optimizer=named or "adamw")
 
         def load(new_model_id: str) -> None:
-            self.backend.load_state(new_model_id, self._state(path, lora), with_optimizer=req.optimizer)
+            self.backend.trainer.load_state(new_model_id, self._state(path, lora), with_optimizer=req.optimizer)
 
         return self.training.create_model_with(
             model_id,
