@@ -12,8 +12,8 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # 0: pad

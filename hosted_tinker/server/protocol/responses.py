@@ -480,8 +480,12 @@ class RunMetricsResponse(Response):
 
 # typed as FastAPI's ``responses=`` and ``content`` take them
 _BINARY: dict[str, Any] = {"type": "string", "format": "binary"}
-SSE: dict[str, Any] = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events, ending in [DONE]"}}}
-FILE: dict[int | str, dict[str, Any]] = {200: {"content": {"application/octet-stream": {"schema": _BINARY}}, "description": "the file's bytes"}}
+SSE: dict[str, Any] = {
+    "text/event-stream": {"schema": {"type": "string", "description": "server-sent events, ending in [DONE]"}}
+}
+FILE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {"schema": _BINARY}}, "description": "the file's bytes"}
+}
 PROTOBUF: dict[str, Any] = {"application/x-protobuf": {"schema": _BINARY}}
 TRACE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/json": {"schema": {"type": "object"}}}, "description": "Chrome trace-event JSON"}
