@@ -119,7 +119,9 @@ class EmbeddedEngine:
         sequences; with ``at_least_one``, the oldest even if it alone has more (it then runs
         alone: a request validation accepted must be served, and one left waiting would be
         retried forever). Call with the lock held."""
-        taken, rest, rows = [], [], 0
+        taken: list[_Pending] = []
+        rest: list[_Pending] = []
+        rows = 0
         for item in self._pending:
             if item.abandoned:  # never started: nothing to stop
                 continue
@@ -209,7 +211,8 @@ class EmbeddedEngine:
     def _ensure_loaded(self, weights: WeightsRef) -> None:
         if weights.key is None or self.sampler.has_sampler(weights.key):
             return
-        files = weights.files.read(weights.path, only=("adapter_config.json", "adapter_model.safetensors"))
+        saved, path = weights.saved()
+        files = saved.read(path, only=("adapter_config.json", "adapter_model.safetensors"))
         config = peft_config(json.loads(files["adapter_config.json"]), self.family)
         self.sampler.load_sampler(weights.key, config, adapter_weights(files["adapter_model.safetensors"], self.family))
 

@@ -361,7 +361,7 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if config.inference_url is not None:
-        host = ExternalVllm(config.inference_url)
+        host: ExternalVllm | VllmSupervisor = ExternalVllm(config.inference_url)
         if layout.launch_args() or max_lora_rank != config.max_lora_rank:
             needs = [*layout.launch_args(), "--max-lora-rank", str(max_lora_rank)]
             log.warning("--inference-url: %s's adapters need vLLM started with %s", layout.arch, " ".join(needs))
@@ -404,10 +404,12 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
         host = VllmSupervisor(launch)
 
     def files_version(weights: WeightsRef) -> str:
-        return str((weights.directory() / MANIFEST).stat().st_mtime_ns)
+        files, path = weights.saved()
+        return str((files.directory(path) / MANIFEST).stat().st_mtime_ns)
 
     def verify(weights: WeightsRef) -> None:  # SHA-256 of every file, before vLLM reads them
-        weights.files.read(weights.path, only=ADAPTER_FILES)
+        files, path = weights.saved()
+        files.read(path, only=ADAPTER_FILES)
 
     root = default_root(config.data_dir)
     zero = None if on_gpu else write_zero_adapter(root, *backend.trainer.zero_adapter(), layout)  # see VllmEngine

@@ -80,6 +80,7 @@ class JointPasses:
             self._run_together([entry, *companions])
         if isinstance(entry.outcome, BaseException):
             raise entry.outcome
+        assert entry.outcome is not None  # _run_together gave every entry of its pass one
         return entry.outcome
 
     def _companions(self, lead: Pending) -> list[Pending]:

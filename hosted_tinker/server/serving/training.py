@@ -421,7 +421,8 @@ class TrainingService:
                 if "logprobs" in datum.inputs:
                     provenance.check_client_logprobs(datum.inputs["logprobs"].numpy(), resolved, where)
                 recorded = resolved.inputs()
-                datum.inputs.update({key: torch.from_numpy(recorded[key]) for key in spec.recorded_inputs})
+                wanted_inputs = spec.recorded_inputs if spec is not None else ()  # needs_records: never None
+                datum.inputs.update({key: torch.from_numpy(recorded[key]) for key in wanted_inputs})
 
     # ---- optimizer ------------------------------------------------------------------------
 

@@ -215,7 +215,8 @@ class ProcessBackend:
                 todo, self._adapters = self._adapters + todo, []  # those restored died with it
             finally:
                 self._restoring = False
-        for model_id in todo:  # the workers kept dying
+        for model_id in todo:  # the workers kept dying (with a recovery: without one, returned above)
+            assert self.recovery is not None
             outcome[model_id] = self.recovery.lose(model_id, "could not be restored: new workers kept dying")
         log.info("after the restart: %s", "; ".join(f"{m} {how}" for m, how in outcome.items()) or "no models")
         for model_id, how in outcome.items():
