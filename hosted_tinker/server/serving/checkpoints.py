@@ -269,13 +269,13 @@ class CheckpointService:
         samplers = self.store.ephemeral_samplers(model_id=model_id)
         self._retire_snapshots([s for s in samplers if s.kind == "snapshot"][KEEP_SNAPSHOTS:])
         for sampler in [s for s in samplers if s.kind == "inflight"][KEEP_SNAPSHOTS:]:
-            self.ephemeral.delete(TinkerPath.parse(sampler.snapshot))
+            self.ephemeral.delete(_snapshot(sampler))
 
     def _retire_snapshots(self, samplers: list[SamplerRecord]) -> None:
         """Delete ephemeral snapshots (an RL loop makes one per step; each is a full adapter)."""
         for sampler in samplers:
             self.store.delete_sampler(sampler.sampler_id)
-            self.ephemeral.delete(TinkerPath.parse(sampler.snapshot))
+            self.ephemeral.delete(_snapshot(sampler))
 
     def finish_session(self, session_id: str) -> None:
         """A finished session's ephemeral samplers can no longer be used: free their disk."""
@@ -362,11 +362,12 @@ class CheckpointService:
             return self._create_via_load(req, admit)
         if req.seq_id is None:
             raise bad_request("load_weights on an existing model needs seq_id")
+        model_id = req.model_id
 
         def prepare() -> Job:  # every refusal in here still consumes the seq_id
             named = self._check_load_options(req)
             path = self._training_path(req.path, adapter=not req.optimizer)
-            model = self.training.live_model(req.model_id)
+            model = self.training.live_model(model_id)
             mine = model_optimizer(model)
             if named is not None and named != mine:
                 raise bad_request(
@@ -377,8 +378,8 @@ class CheckpointService:
             shape = ("rank", "train_attn", "train_mlp", "train_unembed")
             if any(getattr(lora, k) != model.lora[k] for k in shape):
                 theirs = {k: getattr(lora, k) for k in shape}
-                mine = {k: model.lora[k] for k in shape}
-                raise bad_request(f"{path} holds a LoRA adapter {theirs}, but model {model.model_id} has {mine}")
+                ours = {k: model.lora[k] for k in shape}
+                raise bad_request(f"{path} holds a LoRA adapter {theirs}, but model {model.model_id} has {ours}")
             if base_model not in self.training.served_names:
                 raise bad_request(f"{path} was trained on {base_model!r}, which is not served here")
             if req.optimizer and lora.optimizer != mine:
@@ -455,11 +456,11 @@ class CheckpointService:
     def _delete(self, path: TinkerPath) -> None:
         # A mirrored checkpoint's row goes with its tombstone: never a moment in which a restart
         # would find the mirror's copy and no row, and restore what was deleted.
-        mirrored = self.mirror is not None and self.mirror.mirrors(path)
-        self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=mirrored)
+        mirror = self.mirror if self.mirror is not None and self.mirror.mirrors(path) else None
+        self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=mirror is not None)
         self.files.delete(path)
-        if mirrored:
-            self.mirror.deleted(path)
+        if mirror is not None:
+            mirror.deleted(path)
 
     def set_public(self, run_id: str, checkpoint_id: str, public: bool, actor: str) -> None:
         path, _ = self._record(run_id, checkpoint_id)
@@ -514,3 +515,10 @@ class CheckpointService:
             self._delete(path)
             self.events.deleted(Deleted(path, None, reason="ttl"))
         return len(expired)
+
+
+def _snapshot(sampler: SamplerRecord) -> TinkerPath:
+    """Where an ephemeral sampler's snapshot is (``ephemeral_samplers`` lists only those with one)."""
+    if sampler.snapshot is None:
+        raise ValueError(f"sampler {sampler.sampler_id} has no snapshot")
+    return TinkerPath.parse(sampler.snapshot)

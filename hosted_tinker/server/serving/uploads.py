@@ -237,8 +237,12 @@ class UploadService:
             raise ApiError(403, "this upload URL is invalid")
         with self._lock:
             upload = self._open.get(upload_id)
-        gone = upload is None or upload.expires < time.time() or name not in upload.layout.sizes
-        if gone or (self.may_upload is not None and not self.may_upload(upload.tenant)):  # revoked since
+        if (
+            upload is None
+            or upload.expires < time.time()
+            or name not in upload.layout.sizes
+            or (self.may_upload is not None and not self.may_upload(upload.tenant))  # revoked since
+        ):
             raise not_found("no such upload: it was finished, refused, or has expired")
         with self._lock:
             if upload.busy:
