@@ -105,11 +105,11 @@ class VllmEngine:
         if weights.live is not None:
             key, directory = await self.live.current(weights.live)
             cleanup = remove_dir(directory)
-        elif weights.key is None and self.zero_adapter is None:
-            yield self.host.model_name
-            return
         elif weights.key is None:
-            key, directory = "base:zero", self.zero_adapter  # (not None: the branch above)
+            if self.zero_adapter is None:
+                yield self.host.model_name
+                return
+            key, directory = "base:zero", self.zero_adapter
         else:
             # The manifest's version: an overwritten checkpoint is another adapter.
             try:

@@ -272,7 +272,7 @@ class VllmSupervisor:
             start_new_session=True,  # its own process group, so that stopping it stops all of it
             preexec_fn=_die_with_parent if _prctl is not None else None,
         )
-        if out is not subprocess.DEVNULL:
+        if not isinstance(out, int):  # the log file (DEVNULL is an int)
             out.close()
 
     async def _healthy(self, client: httpx.AsyncClient) -> bool:
