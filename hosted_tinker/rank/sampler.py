@@ -167,7 +167,7 @@ class EmbeddedSampler:
         return {"vision": self.vision, "pad_id": self.pad_id, "decode": self._decode, "default_seed": _seed}
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=False))  # one sequence: one string
 
 
 def _seed() -> int:
