@@ -44,6 +44,7 @@ from hosted_tinker.rank.experts import (
     experts_modules,
     use_lora_experts,
 )
+from hosted_tinker.rank.hf import CausalLM
 from hosted_tinker.rank.linear_attention import split_targets
 from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype, scaled
 
@@ -179,7 +180,7 @@ class LoraAdapters:
     """Adapters on one HF module tree, by name, applied per ``routes``. A layer gets its hook
     when the first adapter on it arrives, and keeps it (an idle hook returns at once)."""
 
-    def __init__(self, lm: nn.Module, compute: str = "float32") -> None:
+    def __init__(self, lm: CausalLM, compute: str = "float32") -> None:
         self.lm = lm  # the causal LM; its modules are never replaced
         self.compute = checked_compute(compute)
         self.routes = Routes()

@@ -29,6 +29,7 @@ from hosted_tinker.core.sampling import (
     SampleSpec,
     TokenListener,
 )
+from hosted_tinker.rank.hf import CausalLM
 from hosted_tinker.rank.vision import VisionTower
 
 
@@ -221,7 +222,7 @@ class Decode:
 
     def __init__(
         self,
-        lm: nn.Module,
+        lm: CausalLM,
         specs: list[SampleSpec],
         *,
         pad_id: int,
@@ -377,7 +378,7 @@ class Decode:
 
 
 def generate(
-    lm: nn.Module,
+    lm: CausalLM,
     specs: list[SampleSpec],
     *,
     pad_id: int,

@@ -23,6 +23,7 @@ from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput,
 from hosted_tinker.rank.adapters import KEY_PREFIX, Adapter, Lora, LoraAdapters
 from hosted_tinker.rank.experts import PROJECTIONS
 from hosted_tinker.rank.generate import Decode, generate
+from hosted_tinker.rank.hf import CausalLM
 from hosted_tinker.rank.vision import VisionTower
 
 MAX_SAMPLER_ADAPTERS = 16
@@ -52,7 +53,7 @@ class EmbeddedSampler:
     SERVED_AS = "sampler"  # its name in calls to the worker (``rank.serve.Rank``)
 
     def __init__(
-        self, base: nn.Module, model_path: str, lora_compute: str = "float32", vision: VisionTower | None = None
+        self, base: CausalLM, model_path: str, lora_compute: str = "float32", vision: VisionTower | None = None
     ) -> None:
         from transformers import AutoTokenizer
 
