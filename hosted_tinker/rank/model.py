@@ -175,7 +175,7 @@ def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[Causa
     if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
         # gpt-oss ships its experts in MXFP4; LoRA trains on the dense experts transformers
         # dequantizes them to (where its kernels are installed it would keep them packed, untrainable)
-        from transformers import Mxfp4Config
+        from transformers import Mxfp4Config  # type: ignore[attr-defined]  # exported lazily, not in its stub
 
         options["quantization_config"] = Mxfp4Config(dequantize=True)
     vision = None
@@ -283,17 +283,18 @@ class HfLoraModel:
         routes = self.adapters.routes
         routes.segments = segments([h.name for h in handles], [d.num_tokens for d in data])
         decoder = getattr(lm, lm.base_model_prefix)
-        inputs = {
-            "input_ids": packed.tokens[None].to(self.device),
+        input_ids = packed.tokens[None].to(self.device)
+        inputs: dict[str, Tensor | list[Tensor]] = {
+            "input_ids": input_ids,
             "position_ids": packed.positions[None].to(self.device),
         }
         if any(d.images for d in data):  # their embeddings from the frozen tower, M-RoPE positions
             starts = packed.cu_seqlens.tolist()
             placed = [(0, starts[i], d.num_tokens, d.images) for i, d in enumerate(data) if d.images]
             where = [f"data[{i}]" for i, d in enumerate(data) if d.images]
-            inputs = self.vision.embed(
-                decoder.get_input_embeddings(), inputs["input_ids"], packed.positions[None], placed, where
-            )
+            if self.vision is None:  # the server refuses images for a model without a tower
+                raise UserError("this model takes no images")
+            inputs = self.vision.embed(decoder.get_input_embeddings(), input_ids, packed.positions[None], placed, where)
         with recomputed(self.layers, recompute), self._counting_routes():
             hidden = decoder(
                 **inputs,

@@ -56,7 +56,7 @@ def causal_lm(whole: CausalLM) -> CausalLM:
     mapped = AutoModelForCausalLM._model_mapping.get(type(language.config), None)
     if mapped is not None:
         with torch.device("meta"):  # a shell: every module of it is replaced by the loaded ones
-            lm = mapped(language.config)
+            lm = mapped(language.config)  # type: ignore[operator]  # .get answers the class (typed as a pair)
         lm.model, lm.lm_head = language, whole.lm_head
     else:
         lm = _text_causal_lm(type(whole))(language.config, language, whole.lm_head)
