@@ -45,7 +45,7 @@ def rank_call(ranks: Ranks, model: ModelEffect = None, listeners: tuple[str, ...
     """Declare a method as a worker call (see the module docstring)."""
 
     def mark(fn: F) -> F:
-        fn.__rank_call__ = CallSpec(ranks, model, listeners)  # type: ignore[attr-defined]
+        fn.__rank_call__ = CallSpec(ranks, model, listeners)  # type: ignore[attr-defined]  # a mark on the function
         return fn
 
     return mark
@@ -88,7 +88,7 @@ class _Calls:
         component = self._component
         spec = call_spec(component, method)
         signature = inspect.signature(getattr(component, method))
-        served_as = f"{component.SERVED_AS}.{method}"  # type: ignore[attr-defined]
+        served_as = f"{component.SERVED_AS}.{method}"  # type: ignore[attr-defined]  # every rank class has one
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return self._send(_shaped(served_as, spec, signature.bind(None, *args, **kwargs)))
