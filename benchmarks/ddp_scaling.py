@@ -34,8 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, model_label, print_table, result_header, setup, write_results  # noqa: E402
 from hosted_tinker.core.config import ServerConfig  # noqa: E402
-from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend  # noqa: E402
+from hosted_tinker.core.types import AdamParams, DatumInput, ForwardBackwardBatch, LoraSpec  # noqa: E402
 from hosted_tinker.rank.serve import local_rank  # noqa: E402
+from hosted_tinker.rank.trainer import Trainer  # noqa: E402
 from hosted_tinker.server.workers.backend import ProcessBackend  # noqa: E402
 from hosted_tinker.server.workers.launch import rank_factories  # noqa: E402
 
@@ -76,7 +77,7 @@ def worker_backend(
     return ProcessBackend(rank_factories(config, model))
 
 
-def step(backend: TrainingBackend, batch: ForwardBackwardBatch, adam: AdamParams) -> tuple[float, float]:
+def step(backend: Trainer, batch: ForwardBackwardBatch, adam: AdamParams) -> tuple[float, float]:
     """One SFT step; its seconds and loss."""
     start = time.perf_counter()
     loss = backend.forward_backward("bench", batch).loss_sum
@@ -87,7 +88,7 @@ def step(backend: TrainingBackend, batch: ForwardBackwardBatch, adam: AdamParams
 
 
 def run_rounds(
-    paths: dict[str, TrainingBackend], batch: ForwardBackwardBatch, adam: AdamParams, rounds: int, steps: int
+    paths: dict[str, Trainer], batch: ForwardBackwardBatch, adam: AdamParams, rounds: int, steps: int
 ) -> dict[str, dict[str, list[float]]]:
     """Alternate blocks of steps so that drifting machine load hits every path alike."""
     out = {name: {"seconds": [], "loss": []} for name in paths}
@@ -101,24 +102,27 @@ def run_rounds(
 
 
 def measure(
-    makers: dict[str, Callable[[], TrainingBackend]], batch: ForwardBackwardBatch, adam: AdamParams, args: Any
+    makers: dict[str, Callable[[], Trainer | ProcessBackend]], batch: ForwardBackwardBatch, adam: AdamParams, args: Any
 ) -> dict[str, dict[str, list[float]]]:
     """Start the paths and create the adapter on each, warm them up (``args.warmup`` steps at
     learning rate 0: first steps allocate), time ``args.rounds`` x ``args.steps`` in alternating
     rounds (``run_rounds``), and stop the worker processes."""
-    paths: dict[str, TrainingBackend] = {}
+    paths: dict[str, Trainer] = {}  # in this process, or the workers' (``ProcessBackend.trainer``)
+    workers: list[ProcessBackend] = []
     try:
         for name, make in makers.items():
-            paths[name] = make()
+            made = make()
+            if isinstance(made, ProcessBackend):
+                workers.append(made)
+            paths[name] = made.trainer if isinstance(made, ProcessBackend) else made
             paths[name].create_adapter("bench", LORA)
         for backend in paths.values():
             for _ in range(args.warmup):
                 step(backend, batch, AdamParams(learning_rate=0.0))
         return run_rounds(paths, batch, adam, args.rounds, args.steps)
     finally:
-        for backend in paths.values():
-            if isinstance(backend, ProcessBackend):
-                backend.close()
+        for worker in workers:
+            worker.close()
 
 
 def workload(args: Any, tokens: int, model: str) -> dict[str, Any]:
@@ -164,7 +168,7 @@ def main() -> None:
     one = "cuda:0" if args.device.startswith("cuda") else "cpu"
 
     ddp_n = f"ddp{args.ranks}"
-    makers: dict[str, Callable[[], TrainingBackend]] = {
+    makers: dict[str, Callable[[], Trainer | ProcessBackend]] = {
         "in_process": lambda: local_rank(model, device=one).trainer,
         "peft": lambda: worker_backend(model, "peft", one),
         "ddp1": lambda: worker_backend(model, "ddp", devices_for(args.device, 1)),

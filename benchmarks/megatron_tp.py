@@ -45,7 +45,8 @@ from benchmarks.report import (  # noqa: E402
     write_results,
 )
 from benchmarks.shapes import SHAPES, flops_per_token, peak_tflops, random_model  # noqa: E402
-from hosted_tinker.core.types import AdamParams, TrainingBackend  # noqa: E402
+from hosted_tinker.core.types import AdamParams  # noqa: E402
+from hosted_tinker.server.workers.backend import ProcessBackend  # noqa: E402
 
 
 def main() -> None:
@@ -82,7 +83,7 @@ def main() -> None:
     one = "cuda:0" if args.device.startswith("cuda") else "cpu"
     tp_n = f"tp{args.tp}"
     no_sampler = {"embedded_sampler": "false"}  # not measured; it would hold a second copy of the base
-    makers: dict[str, Callable[[], TrainingBackend]] = {  # with --tp 1, tpN is tp1
+    makers: dict[str, Callable[[], ProcessBackend]] = {  # with --tp 1, tpN is tp1
         "peft": lambda: worker_backend(model, "peft", one, dtype=args.dtype),
         "tp1": lambda: worker_backend(model, "megatron", one, {"tp": "1", **no_sampler}, args.dtype),
         tp_n: lambda: worker_backend(

@@ -151,7 +151,8 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=config.access_log,
         http=http_protocol(ConnectionLimits.from_config(config)),
         # Open requests may delay the shutdown this long, so that parking fits --shutdown-timeout.
-        timeout_graceful_shutdown=graceful_shutdown_s(config),
+        # uvicorn annotates it as int; it waits with asyncio.wait_for, which takes any float
+        timeout_graceful_shutdown=graceful_shutdown_s(config),  # type: ignore[arg-type]
     )
     return 0
 

@@ -104,7 +104,7 @@ def _converted(action: argparse.Action, value: Any, where: str) -> Any:
 
 
 def _one(action: argparse.Action, value: Any, where: str) -> Any:
-    if action.type is not None and not isinstance(value, bool):
+    if callable(action.type) and not isinstance(value, bool):  # (never a registered type's name here)
         try:
             value = action.type(str(value) if action.type is not float else value)
         except (TypeError, ValueError):
@@ -128,7 +128,7 @@ def _groups(parser: argparse.ArgumentParser) -> list[tuple[str, list[argparse.Ac
     """The settings of ``parser`` by --help group, the first (argparse's "options") as "server"."""
     known = settings(parser).values()
     return [
-        (group.title if group.title != "options" else "server", actions)
+        (group.title if group.title and group.title != "options" else "server", actions)
         for group in parser._action_groups
         if (actions := [a for a in group._group_actions if a in known])
     ]

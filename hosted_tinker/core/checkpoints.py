@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, TypeVar
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -28,8 +29,14 @@ from safetensors.torch import save as save_safetensors
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.types import OPTIMIZER_CONFIGS, AdapterState, LoraSpec
 
-KIND_TO_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+CheckpointType = Literal["training", "sampler", "external"]  # as the SDK's Checkpoint names a kind
+KIND_TO_TYPE: dict[str, CheckpointType] = {
+    "weights": "training",
+    "sampler_weights": "sampler",
+    "external_weights": "external",
+}
 MANIFEST = "manifest.json"
+V = TypeVar("V")  # what a file's names map to: its tensors, or nothing (the names alone)
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # an adapter's files, as PEFT names them
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "$" would let a trailing newline in
 # Not starting with '.': a run id is a directory name, and "." or ".." would leave the root.
@@ -82,7 +89,7 @@ class TinkerPath:
         return f"{self.kind}/{self.name}"
 
     @property
-    def checkpoint_type(self) -> str:
+    def checkpoint_type(self) -> CheckpointType:
         return KIND_TO_TYPE[self.kind]
 
     def __str__(self) -> str:
@@ -239,7 +246,7 @@ def tinker_keys(weights: dict[str, torch.Tensor], family: str = "") -> dict[str,
     return {_tinker_name(k, family): v for k, v in weights.items()}
 
 
-def peft_keys(weights: dict[str, torch.Tensor], family: str = "") -> dict[str, torch.Tensor]:
+def peft_keys(weights: dict[str, V], family: str = "") -> dict[str, V]:
     """``weights`` under PEFT's names, whichever a file used (checkpoints written before this
     server wrote Tinker's names hold PEFT's)."""
     return {_peft_name(k, family): v for k, v in weights.items()}

@@ -258,7 +258,7 @@ def _check_size(node: _Node, a: list, kw: dict, budget: int, allowance: Allowanc
     operands = _tensors([a, kw])
     if node.target in _NUMBER_RESULTS or not operands:
         return
-    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]  # installed at import
         meta = _apply(node, _on_meta(a), _on_meta(kw))
     made = _tensors(meta)
     largest = max((t.numel() for t in made), default=0)

@@ -6,13 +6,15 @@ opens them."""
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import pyrage
 from pyrage import ssh, x25519
 
 MAX_RECIPIENTS = 10  # the service's bound (protocol reference, save_weights_external)
 SUFFIX = ".age"
 
-Recipient = x25519.Recipient | ssh.Recipient
+Recipient: TypeAlias = x25519.Recipient | ssh.Recipient
 
 
 def parse_recipients(values: list[str], field: str = "age_encryption_recipients") -> list[Recipient]:

@@ -42,8 +42,20 @@ def merge_results(results: list[ForwardBackwardResult], shards: list[list[int]])
             metrics[key] = metrics.get(key, 0.0) + value
     routed = [r.routed for r in results if r.routed is not None]  # each replica's tokens: they add up
     return ForwardBackwardResult(
-        logprobs, sum(r.loss_sum for r in results), elementwise, metrics, sum(routed) if routed else None
+        every(logprobs),
+        sum(r.loss_sum for r in results),
+        elementwise,
+        metrics,
+        sum(routed[1:], routed[0]) if routed else None,
     )
+
+
+def every(per_datum: list[np.ndarray | None]) -> list[np.ndarray]:
+    """``per_datum`` once every datum has its array (the shards cover the batch)."""
+    missing = [i for i, a in enumerate(per_datum) if a is None]
+    if missing:
+        raise ValueError(f"no result for datums {missing}")
+    return [a for a in per_datum if a is not None]
 
 
 def merge_many(

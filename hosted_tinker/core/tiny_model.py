@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # 0: pad
@@ -113,7 +114,8 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             tie_word_embeddings=True,
         )
     if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
+        # head_dim is not in its signature, but the config keeps it (and its attention reads it)
+        return transformers.Qwen3MoeConfig(  # type: ignore[call-arg]
             **common,
             intermediate_size=3 * hidden_size,
             num_key_value_heads=2,
@@ -229,7 +231,7 @@ def _vision_tower(hidden_size: int, initializer_range: float, depth: int = 1, **
     )
 
 
-def _vision_tokens(tok) -> dict[str, int]:
+def _vision_tokens(tok) -> dict[str, Any]:  # spread into a config's keywords (ints all)
     start, end, image, video = tok.convert_tokens_to_ids(list(VISION_TOKENS))
     return dict(vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video)
 

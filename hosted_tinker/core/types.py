@@ -1,7 +1,7 @@
-"""What the server and the ranks say to each other about training: typed payloads, and the
-training calls as the server sees them (``TrainingBackend``).
+"""What the server and the ranks say to each other about training: typed payloads.
 
-The calls run in worker processes (``rank.trainer``), from one thread, one at a time. Each
+The training calls are ``rank.trainer.Trainer``'s (which the server makes through
+``core.calls.calls_to``). They run in worker processes, from one thread, one at a time. Each
 either returns or raises a ``core.errors`` type (``UserError``: the caller's mistake, reported
 with ``category: user``; anything else is ours, ``category: server``). A failed call leaves the
 trainer's state as it was before the call.
@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from hosted_tinker.core.custom_loss import CustomLossDef
-from hosted_tinker.core.errors import RolledBack
+from hosted_tinker.core.errors import RolledBack, ServerError, UserError, WorkerError
 from hosted_tinker.core.images import ImageInput
 
 # The optimizer families a model can be created with, as the SDK's ``optimizer_config`` names
@@ -86,11 +85,20 @@ class ForwardBackwardResult:
 @dataclass(frozen=True)
 class RequestFailed:
     """One request of a joint ``forward_backward_many`` that failed where the others did not:
-    how a rank reports a failed call (``core.messages``: "user_error", "peer_failed", "error")
-    and its message."""
+    how a rank reports a failed call (``core.messages``: "user_error", "peer_failed", "error"),
+    or "rolled_back": the server ran it nowhere, its model being owed a ``RolledBack`` notice
+    (``server.workers.backend``); and its message."""
 
     kind: str
     message: str
+
+    def error(self) -> ServerError:
+        """The exception the request's call alone would have raised."""
+        if self.kind == "user_error":
+            return UserError(self.message)
+        if self.kind == "rolled_back":
+            return RolledBack.said(self.message)
+        return WorkerError(self.message)
 
 
 @dataclass
@@ -193,44 +201,3 @@ def lora_params(lora: LoraSpec, per_rank: Mapping[str, int]) -> int:
     """How many numbers a LoRA of ``lora``'s shape holds (an export's float32 tensors: 4 bytes each)."""
     groups = {"attn": lora.train_attn, "mlp": lora.train_mlp, "unembed": lora.train_unembed}
     return lora.rank * sum(count for group, count in per_rank.items() if groups.get(group))
-
-
-class TrainingBackend(Protocol):
-    """The training calls as the server makes them (``server.workers.ProcessBackend``), whatever
-    plan runs them; each is declared on ``rank.trainer.Trainer``."""
-
-    capabilities: Capabilities
-
-    def create_adapter(self, model_id: str, lora: LoraSpec) -> None: ...
-
-    def delete_adapter(self, model_id: str) -> None: ...
-
-    def has_adapter(self, model_id: str) -> bool: ...
-
-    def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult: ...
-
-    def forward_backward_many(
-        self, requests: list[tuple[str, ForwardBackwardBatch]]
-    ) -> list[ForwardBackwardResult | Exception]:
-        """Several models' requests in one pass over the base; per request, its result or the
-        exception its call alone would have raised."""
-        ...
-
-    def optim_step(self, model_id: str, params: OptimParams) -> dict[str, float]: ...
-
-    def export_state(
-        self, model_id: str, *, with_optimizer: bool = True, with_gradients: bool = False
-    ) -> AdapterState: ...
-
-    def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None: ...
-
-    def peft_config(self, model_id: str) -> dict: ...
-
-    def take_notice(self, model_id: str) -> RolledBack | None:
-        """The notice a model restored after a worker death is owed, no longer owed."""
-
-    def owe_notice(self, model_id: str, notice: RolledBack) -> None: ...
-
-    def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
-        """(optimizer steps, a copy of the adapter's whole tensors), for LoRA sync."""
-        ...

@@ -20,14 +20,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
 
 from hosted_tinker.core.checkpoints import adapter_weights, peft_config
 from hosted_tinker.core.errors import WorkerError
-from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.sampling import Admission, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
+from hosted_tinker.rank.sampler import EmbeddedSampler
 
 MAX_BATCH_ROWS = 64  # sequences decoded together in one run
 # Newcomers join a run during its first this many decode steps only: a run then ends within
@@ -67,30 +65,12 @@ class _Run:
     dropped: set[int] = field(default_factory=set)
 
 
-class Sampler(Protocol):
-    """The embedded sampler's calls (``rank.sampler.EmbeddedSampler``, on the worker)."""
-
-    def has_sampler(self, key: str) -> bool: ...
-
-    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None: ...
-
-    def decode_slice(
-        self,
-        run_id: str,
-        key: str | None,
-        specs: list[SampleSpec],
-        admit: Callable[[], Admission],
-        on_token: TokenListener | None = None,
-        on_finished: FinishListener | None = None,
-    ) -> bool: ...
-
-
 class EmbeddedEngine:
     name = "embedded"
 
     def __init__(
         self,
-        sampler: Sampler,
+        sampler: EmbeddedSampler,
         run_on_worker: Callable[[Callable[[], None]], None],
         batch_window_s: float = 0.01,
         slice_s: float = 0.1,
@@ -139,7 +119,9 @@ class EmbeddedEngine:
         sequences; with ``at_least_one``, the oldest even if it alone has more (it then runs
         alone: a request validation accepted must be served, and one left waiting would be
         retried forever). Call with the lock held."""
-        taken, rest, rows = [], [], 0
+        taken: list[_Pending] = []
+        rest: list[_Pending] = []
+        rows = 0
         for item in self._pending:
             if item.abandoned:  # never started: nothing to stop
                 continue
@@ -229,7 +211,8 @@ class EmbeddedEngine:
     def _ensure_loaded(self, weights: WeightsRef) -> None:
         if weights.key is None or self.sampler.has_sampler(weights.key):
             return
-        files = weights.files.read(weights.path, only=("adapter_config.json", "adapter_model.safetensors"))
+        saved, path = weights.saved()
+        files = saved.read(path, only=("adapter_config.json", "adapter_model.safetensors"))
         config = peft_config(json.loads(files["adapter_config.json"]), self.family)
         self.sampler.load_sampler(weights.key, config, adapter_weights(files["adapter_model.safetensors"], self.family))
 

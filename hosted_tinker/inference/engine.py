@@ -33,6 +33,12 @@ class WeightsRef:
     def directory(self) -> Path | None:
         return self.files.directory(self.path) if self.files is not None and self.path is not None else None
 
+    def saved(self) -> tuple[CheckpointFiles, TinkerPath]:
+        """Where a saved adapter's files are; ``ValueError`` for other weights."""
+        if self.files is None or self.path is None:
+            raise ValueError(f"{self.key or 'the base model'} is not a saved adapter")
+        return self.files, self.path
+
 
 # (sample index, token, logprob): one request's tokens, as they are sampled.
 SampleListener = Callable[[int, int, float], None]

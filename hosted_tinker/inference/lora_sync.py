@@ -96,6 +96,8 @@ class LiveAdapters:
     def publish(self, model_id: str, step: int, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None:
         """The run's weights just changed: queue them for vLLM (``weights`` must be a copy)."""
         snapshot = _Snapshot(step, adapter_config, weights, time.monotonic())
+        if self._loop is None:  # bind_loop comes at start-up, before any training
+            raise RuntimeError("LoRA sync is not bound to the event loop")
         self._loop.call_soon_threadsafe(self._enqueue, model_id, snapshot)
 
     # ---- on the event loop ----------------------------------------------------------------
@@ -118,7 +120,8 @@ class LiveAdapters:
                 except Exception:  # the previous version stays live; the next step tries again
                     log.exception("LoRA sync of %s step %d failed", model_id, snapshot.step)
         finally:
-            run.syncing.set()
+            if run.syncing is not None:  # (set before this task was spawned)
+                run.syncing.set()
 
     async def _sync_one(self, model_id: str, run: _Run, snapshot: _Snapshot) -> None:
         directory = self.root / model_id.replace(":", "_") / f"step{snapshot.step}-{secrets.token_hex(4)}"

@@ -93,7 +93,8 @@ class AdapterRegistry:
                 try:
                     await asyncio.shield(pending)
                 except asyncio.CancelledError:
-                    if asyncio.current_task().cancelling():
+                    task = asyncio.current_task()  # (a coroutine's: never None)
+                    if task is not None and task.cancelling():
                         raise
                     # The loading request was cancelled, not this one: load it ourselves.
                 continue

@@ -105,10 +105,10 @@ class VllmEngine:
         if weights.live is not None:
             key, directory = await self.live.current(weights.live)
             cleanup = remove_dir(directory)
-        elif weights.key is None and self.zero_adapter is None:
-            yield self.host.model_name
-            return
         elif weights.key is None:
+            if self.zero_adapter is None:
+                yield self.host.model_name
+                return
             key, directory = "base:zero", self.zero_adapter
         else:
             # The manifest's version: an overwritten checkpoint is another adapter.
@@ -116,7 +116,8 @@ class VllmEngine:
                 key = f"{weights.key}#{self._files_version(weights)}"
             except FileNotFoundError:
                 raise UserError(f"{weights.key} no longer exists (deleted, or past its TTL)") from None
-            directory = weights.directory()
+            files, path = weights.saved()
+            directory = files.directory(path)
 
             def verify() -> None:
                 self._verify(weights)
@@ -135,7 +136,7 @@ class VllmEngine:
         (``inference.vllm_layout``), deleted once vLLM has let it go."""
         weights_file = directory / "adapter_model.safetensors"
         with safe_open(weights_file, "pt") as f:
-            keys = dict.fromkeys(f.keys())
+            keys: dict[str, None] = dict.fromkeys(f.keys())  # the names alone
         if peft_keys(keys, self.family) == keys and not self.layout.changes_names(set(keys)):
             return directory, None
         view = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=self.live.root))
@@ -146,6 +147,8 @@ class VllmEngine:
         return view, remove_dir(view)
 
     def prefetch_threadsafe(self, weights: WeightsRef) -> None:
+        if self._loop is None:  # before start(): nothing to prefetch into
+            raise RuntimeError("the vLLM engine is not started")
         self._loop.call_soon_threadsafe(self.prefetch, weights)
 
     def prefetch(self, weights: WeightsRef) -> None:

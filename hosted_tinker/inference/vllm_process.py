@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -115,6 +116,7 @@ class VllmLaunch:
         return env
 
 
+_prctl: Callable[..., int] | None
 try:  # resolved now: the child, forked from a threaded process, must only make the call
     _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 except OSError:  # not Linux
@@ -124,7 +126,8 @@ PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when our server dies, however it dies."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:  # (passed to the child only where it is)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _log_errors(path: Path | None, lines: int = 3) -> str:
@@ -203,7 +206,11 @@ class VllmSupervisor:
             "url": self.base_url,
             "pid": self.pid,
             "restarts": self.restarts,
-            "uptime_s": round(time.monotonic() - self.started_at, 1) if self.state is EngineState.READY else None,
+            "uptime_s": (
+                round(time.monotonic() - self.started_at, 1)
+                if self.state is EngineState.READY and self.started_at is not None
+                else None
+            ),
             "last_error": self.last_error,
         }
 
@@ -249,6 +256,7 @@ class VllmSupervisor:
         return await self._watch()
 
     def _spawn(self) -> None:
+        out: IO[bytes] | int  # the log file, or DEVNULL
         if self.launch.log_path is not None:
             self.launch.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.launch.log_path, "ab")  # noqa: SIM115 - handed to the child
@@ -264,7 +272,7 @@ class VllmSupervisor:
             start_new_session=True,  # its own process group, so that stopping it stops all of it
             preexec_fn=_die_with_parent if _prctl is not None else None,
         )
-        if out is not subprocess.DEVNULL:
+        if not isinstance(out, int):  # the log file (DEVNULL is an int)
             out.close()
 
     async def _healthy(self, client: httpx.AsyncClient) -> bool:
@@ -273,12 +281,19 @@ class VllmSupervisor:
         except httpx.HTTPError:
             return False
 
+    def _started(self) -> subprocess.Popen:
+        """The process ``_spawn`` started (waited on only after it)."""
+        if self._proc is None:
+            raise RuntimeError("vLLM was not started")
+        return self._proc
+
     async def _wait_healthy(self) -> str | None:
         """None once /health answers 200; otherwise why it never will."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        proc = self._started()
         async with httpx.AsyncClient() as client:
             while time.monotonic() < deadline:
-                if (code := self._proc.poll()) is not None:
+                if (code := proc.poll()) is not None:
                     return f"exited with code {code} while starting"
                 if await self._healthy(client):
                     return None
@@ -288,10 +303,11 @@ class VllmSupervisor:
     async def _watch(self) -> str:
         """While ready: return why it stopped being so (exit, or three failed health checks)."""
         misses, tick = 0, 0
+        proc = self._started()
         async with httpx.AsyncClient() as client:
             while True:
                 await asyncio.sleep(0.5)  # an exit is noticed within half a second
-                if (code := self._proc.poll()) is not None:
+                if (code := proc.poll()) is not None:
                     return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
                 tick += 1
                 if tick % int(HEALTH_INTERVAL_S / 0.5) == 0:

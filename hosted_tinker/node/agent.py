@@ -100,7 +100,7 @@ def _serve(
                 except (EOFError, OSError):
                     return
                 _obey(message, ranks, context, address, authkey)
-            else:
+            elif isinstance(ready, int):  # a rank's sentinel
                 generation, rank = key = by_sentinel[ready]
                 process = ranks.pop(key)
                 process.join()

@@ -44,6 +44,7 @@ from hosted_tinker.rank.experts import (
     experts_modules,
     use_lora_experts,
 )
+from hosted_tinker.rank.hf import CausalLM
 from hosted_tinker.rank.linear_attention import split_targets
 from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype, scaled
 
@@ -162,8 +163,12 @@ def lora_config(rank: int, alpha: float, modules: list[str], base: str) -> dict:
     """The ``adapter_config.json`` PEFT writes for a LoRA of ``rank`` on ``modules`` of ``base``."""
     from peft import LoraConfig
 
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules, base_model_name_or_path=base
+    config = LoraConfig(  # PEFT annotates lora_alpha as int, but keeps and scales by any number
+        r=rank,
+        lora_alpha=alpha,  # type: ignore[arg-type]
+        lora_dropout=0.0,
+        target_modules=modules,
+        base_model_name_or_path=base,
     ).to_dict()
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
@@ -175,7 +180,7 @@ class LoraAdapters:
     """Adapters on one HF module tree, by name, applied per ``routes``. A layer gets its hook
     when the first adapter on it arrives, and keeps it (an idle hook returns at once)."""
 
-    def __init__(self, lm: nn.Module, compute: str = "float32") -> None:
+    def __init__(self, lm: CausalLM, compute: str = "float32") -> None:
         self.lm = lm  # the causal LM; its modules are never replaced
         self.compute = checked_compute(compute)
         self.routes = Routes()
@@ -346,11 +351,11 @@ def span_updates(x: Tensor, spans: list[Span], out_features: int, dtype: torch.d
     matmuls per layer, not two per model. (Spans of unequal length would have to be copied
     together, which costs more than it saves on a CPU.)"""
     if len(spans) == 1 and spans[0].lora is not None:  # one model: no copy
-        return _update(x, spans[0], dtype)
-    if _batchable(x, spans):
+        return _update(x, spans[0], spans[0].lora, dtype)
+    if (loras := _batchable(x, spans)) is not None:
         count, length = len(spans), spans[0].end - spans[0].start
-        a = in_dtype(torch.stack([span.lora.A for span in spans]), dtype)  # (S, r, in)
-        b = in_dtype(torch.stack([span.lora.B for span in spans]), dtype)  # (S, out, r)
+        a = in_dtype(torch.stack([lora.A for lora in loras]), dtype)  # (S, r, in)
+        b = in_dtype(torch.stack([lora.B for lora in loras]), dtype)  # (S, out, r)
         scales = [span.scale for span in spans]
         scale = (
             scales[0]
@@ -360,7 +365,7 @@ def span_updates(x: Tensor, spans: list[Span], out_features: int, dtype: torch.d
         xs = x.reshape(count, length, x.shape[-1])  # (S, L, in): a view, span by span
         return scaled(torch.bmm(lora_down(xs, a), b.transpose(1, 2)), scale).reshape(*x.shape[:-1], -1)
     updates = [
-        _update(x, span, dtype)
+        _update(x, span, span.lora, dtype)
         if span.lora is not None
         else x.new_zeros((*x.shape[:-2], span.end - span.start, out_features), dtype=dtype or torch.float32)
         for span in spans
@@ -368,25 +373,27 @@ def span_updates(x: Tensor, spans: list[Span], out_features: int, dtype: torch.d
     return torch.cat(updates, dim=-2)
 
 
-def _batchable(x: Tensor, spans: list[Span]) -> bool:
-    """Whether ``spans`` cut all of ``x``'s one sequence into equal parts, each under a LoRA of
-    the same shape."""
+def _batchable(x: Tensor, spans: list[Span]) -> list[Lora] | None:
+    """The spans' LoRAs if ``spans`` cut all of ``x``'s one sequence into equal parts, each
+    under a LoRA of the same shape; else None."""
     length = spans[0].end - spans[0].start
     if x.dim() != 3 or x.shape[0] != 1 or len(spans) * length != x.shape[1]:
-        return False
-    shape = spans[0].lora.A.shape if spans[0].lora is not None else None
-    return all(
-        span.lora is not None
-        and span.lora.A.shape == shape
-        and (span.start, span.end) == (i * length, (i + 1) * length)
-        for i, span in enumerate(spans)
+        return None
+    loras = [span.lora for span in spans if span.lora is not None]
+    if len(loras) < len(spans):
+        return None
+    shape = loras[0].A.shape
+    same = all(
+        lora.A.shape == shape and (span.start, span.end) == (i * length, (i + 1) * length)
+        for i, (span, lora) in enumerate(zip(spans, loras, strict=True))
     )
+    return loras if same else None
 
 
-def _update(x: Tensor, span: Span, dtype: torch.dtype | None) -> Tensor:
+def _update(x: Tensor, span: Span, lora: Lora, dtype: torch.dtype | None) -> Tensor:
     # all of x (one model's pass): not narrowed, whose backward pass would write the gradient
     # into a zeroed copy of the whole input
     whole = span.start == 0 and span.end == x.shape[-2]
     xs = x if whole else x.narrow(-2, span.start, span.end - span.start)
-    a, b = in_dtype(span.lora.A, dtype), in_dtype(span.lora.B, dtype)
+    a, b = in_dtype(lora.A, dtype), in_dtype(lora.B, dtype)  # span.lora's
     return scaled(F.linear(lora_down(xs, a), b), span.scale)

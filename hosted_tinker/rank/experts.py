@@ -30,8 +30,9 @@ token reached takes part in nothing (its LoRA's gradient is zero).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +86,7 @@ class ExpertSpan:
 
     start: int
     end: int
-    loras: dict[str, tuple[Tensor, Tensor]]
+    loras: Mapping[str, tuple[Tensor, Tensor]]
     scale: float
 
 
@@ -142,7 +143,7 @@ def experts_modules(model: nn.Module) -> dict[str, ExpertsShape]:
     return {name: shape for name, m in model.named_modules() if (shape := fused_experts(m)) is not None}
 
 
-def use_lora_experts(model: nn.Module) -> None:
+def use_lora_experts(model: Any) -> None:  # a transformers model (``set_experts_implementation``)
     """Have ``model``'s experts modules run ``lora_experts_forward`` (a no-op for a model without)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -212,7 +213,10 @@ def _as_out_in(weight: Tensor, transposed: bool) -> Tensor:
 
 
 def lora_experts_forward(
-    experts: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+    experts: Any,  # transformers' fused experts module of the family, read by the attributes they share
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
 ) -> Tensor:
     """``experts``' output for ``hidden_states`` ``(T, H)`` routed to ``top_k_index`` ``(T, K)``
     with ``top_k_weights``, each token's experts under its own adapter's expert LoRA. Without
@@ -265,6 +269,8 @@ def lora_experts_forward(
         factors = [padded(span) for span in spans]
         like_a, like_b = next(f for f in factors if f is not None)
         if like_a.shape[0] == 1:  # gate, up: one A for every expert, once per token
+            if by_token is None:
+                raise ValueError(f"{projection}: a LoRA shared by the experts needs the tokens' hidden states")
             down_by_token = by_token.new_zeros(tokens, rank, dtype=like_a.dtype)
             for span, f in zip(spans, factors, strict=True):
                 if f is not None and span.end > span.start:
@@ -300,9 +306,11 @@ def lora_experts_forward(
     if experts.has_bias:
         gate_up = gate_up + experts.gate_up_proj_bias[expert_sorted]
     gate, up = lora_update("w1", x, hidden_states), lora_update("w3", x, hidden_states)
-    if gate is not None or up is not None:
-        gate = gate if gate is not None else torch.zeros_like(up)
-        up = up if up is not None else torch.zeros_like(gate)
+    if gate is None and up is not None:
+        gate = torch.zeros_like(up)
+    if up is None and gate is not None:
+        up = torch.zeros_like(gate)
+    if gate is not None and up is not None:
         paired = torch.cat([gate, up], -1) if experts.is_concatenated else torch.stack([gate, up], -1).flatten(-2)
         gate_up = add_into(gate_up, paired)
     hidden = experts._apply_gate(gate_up)  # (S, I)

@@ -14,11 +14,13 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.logprobs import chunk_tokens_for, target_logprobs
 from hosted_tinker.core.sampling import (
     MASK_LOGPROB,
@@ -29,6 +31,7 @@ from hosted_tinker.core.sampling import (
     SampleSpec,
     TokenListener,
 )
+from hosted_tinker.rank.hf import CausalLM
 from hosted_tinker.rank.vision import VisionTower
 
 
@@ -93,11 +96,11 @@ def _prompt_extras(
         end = min(start + _CHUNK, n - 1)
         logits = head(hidden[start:end]).float()  # row r predicts prompt position start + r + 1
         logp = torch.log_softmax(logits, -1)
-        if ids is not None and end > start_row:
+        if ids is not None and targets is not None and end > start_row:  # (targets: made with ids)
             rows = ids[start:end].to(logp.device)
             scored = logp.gather(-1, rows.clamp(min=0)).masked_fill(rows < 0, 0.0)
             targets[start:end] = scored.cpu()
-        if k:
+        if k and alt is not None:  # (alt: made with k)
             if spec.temperature == 0:
                 drawn = logits.argmax(-1, keepdim=True).expand(-1, k)
             else:
@@ -108,7 +111,7 @@ def _prompt_extras(
 
 
 def _prompt_scores(
-    head: nn.Module, hidden: Tensor, prompt: list[int], spec: SampleSpec
+    head: nn.Linear, hidden: Tensor, prompt: list[int], spec: SampleSpec
 ) -> tuple[list[float] | None, tuple[Tensor, Tensor] | None]:
     """Prompt log-probs (position 0 and positions before ``last_n`` are NaN) and top-k rows."""
     n = len(prompt)
@@ -134,7 +137,7 @@ def _prompt_scores(
     return logprobs, topk
 
 
-def _cache(out: object) -> object:
+def _cache(out: Any) -> Any:  # a decoder's output, and its cache, of either transformers version
     """The decoder output's cache (``cache`` in transformers 5, ``past_key_values`` before)."""
     cache = getattr(out, "cache", None)
     return out.past_key_values if cache is None else cache
@@ -161,7 +164,7 @@ class _Live:
     generators: list[torch.Generator]
     mask: Tensor
     positions: Tensor
-    cache: object  # the decoder's KV cache (transformers DynamicCache)
+    cache: Any  # the decoder's KV cache (transformers' DynamicCache, whose layers differ by version)
     last: Tensor
 
     def select(self, keep: list[int]) -> None:
@@ -193,7 +196,10 @@ class _Live:
             for my_states, their_states in zip(_recurrent_states(mine), _recurrent_states(theirs), strict=True):
                 for i, state in my_states.items():
                     if state is not None:
-                        my_states[i] = torch.cat([state, their_states[i]])
+                        theirs_i = their_states[i]
+                        if theirs_i is None:  # one layout of cache for every run of the model
+                            raise RuntimeError("a run's linear-attention state is missing where another's is not")
+                        my_states[i] = torch.cat([state, theirs_i])
             if hasattr(mine, "keys"):
                 # a sliding-window layer keeps its last window - 1 positions only: both right-aligned
                 # with the mask, the shorter left-padded, as a full layer's
@@ -221,7 +227,7 @@ class Decode:
 
     def __init__(
         self,
-        lm: nn.Module,
+        lm: CausalLM,
         specs: list[SampleSpec],
         *,
         pad_id: int,
@@ -265,13 +271,15 @@ class Decode:
             mask[r, longest - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        inputs = {"input_ids": ids, "position_ids": positions}
+        inputs: dict[str, Tensor | list[Tensor]] = {"input_ids": ids, "position_ids": positions}
         if placed := [
             (r, longest - len(specs[i].prompt), len(specs[i].prompt), specs[i].images)
             for r, (i, _) in enumerate(rows)
             if specs[i].images
         ]:
             where = [f"request {i}: prompt" for i, _ in rows if specs[i].images]
+            if self.vision is None:  # the server refuses images for a model without a tower
+                raise UserError("this model takes no images")
             inputs = self.vision.embed(self.decoder.get_input_embeddings(), ids, positions, placed, where)
             # the rows decode on from past their prompt's largest M-RoPE position (an image's
             # positions advance less than its tokens do); text alone: the same as its count
@@ -377,7 +385,7 @@ class Decode:
 
 
 def generate(
-    lm: nn.Module,
+    lm: CausalLM,
     specs: list[SampleSpec],
     *,
     pad_id: int,

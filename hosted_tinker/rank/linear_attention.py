@@ -32,6 +32,7 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,9 @@ def unpackable_layers(model: nn.Module) -> list[str]:
     return sorted(name for name in names if any(word in name for word in SEQUENCE_MIXERS))
 
 
-def gated_delta_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The Gated-DeltaNet layers of ``model``, by qualified name."""
+def gated_delta_modules(model: nn.Module) -> dict[str, Any]:
+    """The Gated-DeltaNet layers of ``model``, by qualified name (of transformers' classes for
+    each family, which share no base class: read by the attribute names they share)."""
     return {name: m for name, m in model.named_modules() if is_gated_delta_net(m)}
 
 
@@ -93,7 +95,11 @@ def install(model: nn.Module) -> int:
 
 
 def packed_forward(
-    self: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None, **kwargs
+    self: Any,  # a Gated-DeltaNet layer (``gated_delta_modules``)
+    hidden_states: Tensor,
+    cache=None,
+    attention_mask: Tensor | None = None,
+    **kwargs,
 ) -> Tensor:
     """transformers' Gated-DeltaNet forward for one packed row ``(1, T, H)`` whose sequences
     ``cu_seq_lens_q`` marks; a row without bounds, or a pass with a cache (decoding), runs

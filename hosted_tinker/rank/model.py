@@ -30,6 +30,7 @@ from hosted_tinker.rank import vision as vision_tower
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import LoraAdapters, lora_config, segments
 from hosted_tinker.rank.experts import PROJECTIONS, experts_modules, separate_expert_linears
+from hosted_tinker.rank.hf import CausalLM
 from hosted_tinker.rank.linear_attention import GATES, gated_delta_modules, split_targets
 from hosted_tinker.rank.vision import VisionTower
 
@@ -106,7 +107,7 @@ def zero_adapter(target: str, out_features: int, in_features: int, base: str) ->
     return config, weights
 
 
-def target_modules(model: nn.Module) -> dict[str, list[str]]:
+def target_modules(model: CausalLM) -> dict[str, list[str]]:
     """Fully qualified names of what LoRA may wrap, grouped as Tinker's flags: linear layers, the
     projections of fused routed experts (``<experts>.w1``, ``.w3``, ``.w2``), which ``train_mlp``
     covers as the service's does, and a Gated-DeltaNet layer's q/k/v slices (``<layer>.in_proj_q``)."""
@@ -156,7 +157,7 @@ def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:
     return load_model(model_path, device, dtype)[0]
 
 
-def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[nn.Module, VisionTower | None]:
+def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[CausalLM, VisionTower | None]:
     """``load_base``'s model, and, for a vision-language checkpoint whose images this server
     feeds (``rank.vision``), its vision tower."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -174,7 +175,7 @@ def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[nn.Mo
     if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
         # gpt-oss ships its experts in MXFP4; LoRA trains on the dense experts transformers
         # dequantizes them to (where its kernels are installed it would keep them packed, untrainable)
-        from transformers import Mxfp4Config
+        from transformers import Mxfp4Config  # type: ignore[attr-defined]  # exported lazily, not in its stub
 
         options["quantization_config"] = Mxfp4Config(dequantize=True)
     vision = None
@@ -189,7 +190,7 @@ def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[nn.Mo
     return base, vision
 
 
-def sharing_weights(module: nn.Module) -> nn.Module:
+def sharing_weights(module: CausalLM) -> CausalLM:
     """A second module tree over the same parameter and buffer tensors (no copy of the weights):
     hooks registered on one tree leave the other untouched."""
     memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
@@ -282,17 +283,18 @@ class HfLoraModel:
         routes = self.adapters.routes
         routes.segments = segments([h.name for h in handles], [d.num_tokens for d in data])
         decoder = getattr(lm, lm.base_model_prefix)
-        inputs = {
-            "input_ids": packed.tokens[None].to(self.device),
+        input_ids = packed.tokens[None].to(self.device)
+        inputs: dict[str, Tensor | list[Tensor]] = {
+            "input_ids": input_ids,
             "position_ids": packed.positions[None].to(self.device),
         }
         if any(d.images for d in data):  # their embeddings from the frozen tower, M-RoPE positions
             starts = packed.cu_seqlens.tolist()
             placed = [(0, starts[i], d.num_tokens, d.images) for i, d in enumerate(data) if d.images]
             where = [f"data[{i}]" for i, d in enumerate(data) if d.images]
-            inputs = self.vision.embed(
-                decoder.get_input_embeddings(), inputs["input_ids"], packed.positions[None], placed, where
-            )
+            if self.vision is None:  # the server refuses images for a model without a tower
+                raise UserError("this model takes no images")
+            inputs = self.vision.embed(decoder.get_input_embeddings(), input_ids, packed.positions[None], placed, where)
         with recomputed(self.layers, recompute), self._counting_routes():
             hidden = decoder(
                 **inputs,

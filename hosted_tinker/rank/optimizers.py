@@ -8,6 +8,7 @@ parameter without a gradient is left alone, state included, as ``torch.optim`` d
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Protocol
 
 import torch
@@ -20,7 +21,9 @@ from hosted_tinker.core.types import AdamParams, DimuonParams, OptimParams
 class Optimizer(Protocol):
     family: str
     STATE_FIELDS: tuple[str, ...]
-    state: dict[nn.Parameter, dict[str, Tensor]]
+
+    @property
+    def state(self) -> MutableMapping[Tensor, dict[str, Tensor]]: ...  # the trainer fills it on a load
 
     def step(self, params: OptimParams) -> None: ...
 
@@ -37,13 +40,13 @@ class AdamW:
     """``torch.optim.AdamW``, its hyperparameters set from each step's ``AdamParams``."""
 
     family = "adamw"
-    STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq")
+    STATE_FIELDS: tuple[str, ...] = ("step", "exp_avg", "exp_avg_sq")
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self._torch = torch.optim.AdamW(params, lr=0.0, foreach=False)
 
     @property
-    def state(self) -> dict[nn.Parameter, dict[str, Tensor]]:
+    def state(self) -> MutableMapping[Tensor, dict[str, Tensor]]:
         return self._torch.state
 
     def step(self, params: OptimParams) -> None:
@@ -65,11 +68,11 @@ class Dimuon:
     each rank applies its own part; the momentum stays sharded like the weight."""
 
     family = "dimuon"
-    STATE_FIELDS = ("momentum",)
+    STATE_FIELDS: tuple[str, ...] = ("momentum",)
 
     def __init__(self, params: list[nn.Parameter], split_dims: list[int | None], rank: int, plan: WholeTensors) -> None:
         self.params, self.split_dims, self.rank, self.plan = params, split_dims, rank, plan
-        self.state: dict[nn.Parameter, dict[str, Tensor]] = {}
+        self.state: dict[Tensor, dict[str, Tensor]] = {}
 
     @torch.no_grad()
     def step(self, params: OptimParams) -> None:

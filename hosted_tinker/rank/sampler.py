@@ -23,6 +23,7 @@ from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput,
 from hosted_tinker.rank.adapters import KEY_PREFIX, Adapter, Lora, LoraAdapters
 from hosted_tinker.rank.experts import PROJECTIONS
 from hosted_tinker.rank.generate import Decode, generate
+from hosted_tinker.rank.hf import CausalLM
 from hosted_tinker.rank.vision import VisionTower
 
 MAX_SAMPLER_ADAPTERS = 16
@@ -52,7 +53,7 @@ class EmbeddedSampler:
     SERVED_AS = "sampler"  # its name in calls to the worker (``rank.serve.Rank``)
 
     def __init__(
-        self, base: nn.Module, model_path: str, lora_compute: str = "float32", vision: VisionTower | None = None
+        self, base: CausalLM, model_path: str, lora_compute: str = "float32", vision: VisionTower | None = None
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -116,7 +117,7 @@ class EmbeddedSampler:
         alpha = config.get("lora_alpha", 8)
         return Adapter(layers, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
 
-    @rank_call("first")
+    @rank_call("first", listeners=("on_token",))
     def generate(
         self,
         key: str | None,
@@ -130,7 +131,7 @@ class EmbeddedSampler:
         self.adapters.routes.everything(None if key is None else self.loaded[key])
         return generate(self.adapters.lm, specs, admit=admit, on_token=on_token, **self._decoding())
 
-    @rank_call("first")
+    @rank_call("first", listeners=("on_token", "on_finished"))
     def decode_slice(
         self,
         run_id: str,
@@ -167,7 +168,7 @@ class EmbeddedSampler:
         return {"vision": self.vision, "pad_id": self.pad_id, "decode": self._decode, "default_seed": _seed}
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=False))  # one sequence: one string
 
 
 def _seed() -> int:

@@ -23,8 +23,10 @@ returns or raises; a failed call leaves the trainer as it was before it (``core.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,6 +38,7 @@ from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.custom_loss import Allowance, allowance_for, pass_allowance
 from hosted_tinker.core.errors import GroupBroken, PeerFailed, UserError
 from hosted_tinker.core.packing import microbatches
+from hosted_tinker.core.sharding import every
 from hosted_tinker.core.types import (
     AdapterState,
     ForwardBackwardBatch,
@@ -82,11 +85,17 @@ class _Outcome:
         losses of every request in this pass may hold together."""
         batch = self.batch
         inputs = [{k: v.to(lp.device) for k, v in batch.data[i].inputs.items()} for i, lp in scored]
+        terms: list[torch.Tensor | None]
         if self.custom is None:
-            terms = [self.spec.fn(lp, x, batch.loss_config) for (_, lp), x in zip(scored, inputs, strict=True)]
-            loss = sum(t.sum() for t in terms)
+            if self.spec is None:  # the gateway refuses an unknown loss first
+                raise UserError(f"unknown loss_fn {batch.loss_fn!r}")
+            spec = self.spec
+            per_token = [spec.fn(lp, x, batch.loss_config) for (_, lp), x in zip(scored, inputs, strict=True)]
+            loss = functools.reduce(operator.add, (t.sum() for t in per_token))  # as sum() adds, from the first
+            terms = list(per_token)
         else:  # one scalar per datum, and its metrics: no per-token terms
-            terms, loss = [None] * len(scored), torch.zeros((), device=scored[0][1].device)
+            terms = [None] * len(scored)
+            loss = torch.zeros((), device=scored[0][1].device)
             # What all these datums' graphs may hold, until their backward.
             datums = [[lp, *x.values()] for (_, lp), x in zip(scored, inputs, strict=True)]
             allowance = allowance_for(datums, within=shared)
@@ -102,7 +111,7 @@ class _Outcome:
         return loss
 
     def result(self) -> ForwardBackwardResult:
-        return ForwardBackwardResult(self.logprobs, self.loss_sum, self.elementwise, self.metrics, self.routed)
+        return ForwardBackwardResult(every(self.logprobs), self.loss_sum, self.elementwise, self.metrics, self.routed)
 
 
 @dataclass
@@ -136,7 +145,7 @@ class Trainer:
 
     # ---- adapters ---------------------------------------------------------------------------
 
-    @rank_call("every")
+    @rank_call("every", model="creates")
     def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
         """Created on every rank or on none; then its initial weights are the same everywhere."""
         failure: Exception | None = None
@@ -155,7 +164,7 @@ class Trainer:
             raise error
         self.plan.broadcast_initial(self.adapters[model_id].handle.params)
 
-    @rank_call("every", model="replaces")
+    @rank_call("every", model="deletes")
     def delete_adapter(self, model_id: str) -> None:
         adapter = self._adapter(model_id)
         del self.adapters[model_id]
@@ -281,12 +290,13 @@ class Trainer:
                 for r, (handle, _) in enumerate(requests):
                     if handle.name in routed:
                         outs[r].add_routed(routed[handle.name])
-                total, shared = None, pass_allowance()
+                total: torch.Tensor | None = None
+                shared = pass_allowance()
                 for r in sorted({owner[i] for i in indices}):
                     mine = [(i - first[r], lp) for i, lp in zip(indices, lps, strict=True) if owner[i] == r]
                     loss = outs[r].add(mine, shared)
                     total = loss if total is None else total + loss
-                if not forward_only and total.requires_grad:  # a loss free of lp has no gradient
+                if not forward_only and total is not None and total.requires_grad:  # a loss free of lp has no gradient
                     total.backward()
         return [out.result() for out in outs]
 
@@ -306,7 +316,9 @@ class Trainer:
         return layers - layers_to_store(tokens, layers, self.layer_bytes_per_token, self._activation_budget())
 
     def _activation_budget(self) -> float:
-        if self.activation_memory != "auto":
+        if self.activation_memory is None:  # layers_to_recompute asks only with a budget
+            raise ValueError("no activation memory budget")
+        if not isinstance(self.activation_memory, str):  # bytes, not "auto"
             return float(self.activation_memory)
         free = free_device_bytes(self.model.device)
         if free is None:  # refused at start-up (PlanOptions.check); a trainer built by hand

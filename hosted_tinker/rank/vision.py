@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from hosted_tinker.core.images import ImageInput, pixels
+from hosted_tinker.rank.hf import CausalLM
 
 VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 
@@ -45,7 +46,7 @@ def load(
     return causal_lm(whole), whole, VisionTower(whole, model_path) if images else None
 
 
-def causal_lm(whole: nn.Module) -> nn.Module:
+def causal_lm(whole: CausalLM) -> CausalLM:
     """The language model of ``whole`` (a vision-language model) as a causal LM over its very
     modules, named as Tinker's adapters name them (``model.layers...``, ``lm_head``): the
     ``...ForCausalLM`` class transformers maps its text config to, or one made here."""
@@ -55,7 +56,7 @@ def causal_lm(whole: nn.Module) -> nn.Module:
     mapped = AutoModelForCausalLM._model_mapping.get(type(language.config), None)
     if mapped is not None:
         with torch.device("meta"):  # a shell: every module of it is replaced by the loaded ones
-            lm = mapped(language.config)
+            lm = mapped(language.config)  # type: ignore[operator]  # .get answers the class (typed as a pair)
         lm.model, lm.lm_head = language, whole.lm_head
     else:
         lm = _text_causal_lm(type(whole))(language.config, language, whole.lm_head)
@@ -92,7 +93,11 @@ def _text_causal_lm(whole_class: type) -> type:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         out = self.model(input_ids=input_ids, **kwargs)
-        return CausalLMOutputWithPast(logits=self.lm_head(out.last_hidden_state), past_key_values=out.cache)
+        # past_key_values: transformers 4's name (5 takes it as the deprecated alias of ``cache``)
+        return CausalLMOutputWithPast(
+            logits=self.lm_head(out.last_hidden_state),
+            past_key_values=out.cache,  # type: ignore[call-arg]
+        )
 
     members = {
         "__init__": __init__,
@@ -111,7 +116,7 @@ class VisionTower:
     """The image side of a vision-language model: pixels to embeddings, and M-RoPE positions.
     Frozen; called under ``no_grad``."""
 
-    def __init__(self, whole: nn.Module, model_path: str) -> None:
+    def __init__(self, whole: CausalLM, model_path: str) -> None:
         from transformers import AutoImageProcessor
 
         self.model = whole.model  # get_image_features, get_vision_position_ids

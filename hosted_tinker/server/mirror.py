@@ -24,6 +24,7 @@ that fails is logged and done again at the next start.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -209,7 +210,7 @@ class CheckpointMirror:
         self._restore_keys()
         deleted = {TinkerPath(*row) for row in self.store.mirror_deletions()}
         for path in deleted:  # a deletion that failed, or had not run when the server stopped
-            self._queue.put(lambda path=path: self._delete(path))
+            self._queue.put(functools.partial(self._delete, path))
         now = time.time()
         for record_path in self.fs.glob(f"{self.root}/*/*/*/{RECORD}"):
             try:
@@ -220,7 +221,7 @@ class CheckpointMirror:
                     continue
                 if self.store.get_checkpoint(path.run_id, path.kind, path.name) is None:
                     if checkpoint["expires_at"] is not None and checkpoint["expires_at"] <= now:
-                        self._queue.put(lambda path=path: self._delete(path))  # its TTL passed while away
+                        self._queue.put(functools.partial(self._delete, path))  # its TTL passed while away
                         continue
                     restored += self._restore(path, record)
                 mirrored[path] = record

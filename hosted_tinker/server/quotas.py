@@ -346,7 +346,7 @@ class Reservation:
 def store_checkpoint(
     held: Reservation | None,
     size: int,
-    write: Callable[[], None],
+    write: Callable[[], object],  # (what it returns is not used)
     record: Callable[[], None],
     *,
     replaces: int = 0,

@@ -141,7 +141,7 @@ class Scheduler:
             )
         owner = owner or self._owner(model_id)
         limits = self.keys.pending(owner) if self.keys is not None and owner is not None else None
-        if limits is not None:
+        if limits is not None and owner is not None:  # (limits: only with an owner)
             count, held = limits
             if self._pending_per_key.get(owner, 0) >= count:
                 raise self._refuse(
@@ -215,7 +215,7 @@ class Scheduler:
         request_id = self.register(kind, model_id=model_id, seq_id=seq_id, size=size)
         job = self._timed(kind, job)
         queue = self._queues.get(model_id) if model_id is not None else None
-        if queue is None or seq_id is None:
+        if queue is None or model_id is None or seq_id is None:  # (a queue: only with a model_id)
             self._dispatch(request_id, job)
         elif seq_id < queue.next_seq:
             self._finish(request_id, error=f"seq_id {seq_id} of model {model_id} was already used", category="user")

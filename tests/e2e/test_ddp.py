@@ -30,7 +30,7 @@ from hosted_tinker.core.types import AdamParams, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.rank.plans import plan_module
 from hosted_tinker.rank.serve import Rank, RankSpec, build_rank, local_rank
 from hosted_tinker.rank.trainer import Trainer
-from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
+from hosted_tinker.server.workers.backend import ProcessBackend
 from hosted_tinker.server.workers.group import PEER_GRACE_S
 from hosted_tinker.server.workers.launch import rank_factories, rendezvous
 from tests.support.batches import random_batch
@@ -95,28 +95,28 @@ def assert_same(got, want, what: str) -> None:
 def test_two_ranks_train_exactly_like_one_process(ddp: ProcessBackend, reference: Trainer):
     """Seven steps, one per loss, of 1, 3 or 7 datums plus a second call that accumulates; also
     the per-token loss terms (``elementwise_loss``) merged back in batch order."""
-    for backend in (ddp, reference):
+    for backend in (ddp.trainer, reference):
         backend.create_adapter("same", LoraSpec(rank=8, seed=11))
     rng = np.random.default_rng(0)
     probe = batch(rng, 5)
     plan = zip((1, 3, 7, 3, 1, 7, 3), losses.LOSSES, strict=True)
     for step, (size, loss_fn) in enumerate(plan):
         for b in (batch(rng, size, loss_fn), batch(rng, 2, loss_fn)):
-            got, want = ddp.forward_backward("same", b), reference.forward_backward("same", b)
+            got, want = ddp.trainer.forward_backward("same", b), reference.forward_backward("same", b)
             assert_same(got.logprobs, want.logprobs, f"step {step} ({loss_fn})")
             for g, w in zip(got.elementwise_loss, want.elementwise_loss, strict=True):
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"step {step} ({loss_fn}) terms")
             assert got.loss_sum == pytest.approx(want.loss_sum, rel=1e-5, abs=1e-5)
-        got, want = ddp.optim_step("same", ADAM), reference.optim_step("same", ADAM)
+        got, want = ddp.trainer.optim_step("same", ADAM), reference.optim_step("same", ADAM)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-    assert_same(forward(ddp, "same", probe), forward(reference, "same", probe), "after seven steps")
+    assert_same(forward(ddp.trainer, "same", probe), forward(reference, "same", probe), "after seven steps")
 
-    rank0 = ddp.export_state("same")
+    rank0 = ddp.trainer.export_state("same")
     rank1 = ddp._group.workers[1].call("local_state", "same")  # rank 1 alone, for this check
     assert rank0.steps == 7 and rank1.keys() == {**rank0.weights, **rank0.optimizer}.keys()
     for name, tensor in {**rank0.weights, **rank0.optimizer}.items():
         assert torch.equal(tensor, rank1[name]), f"the ranks differ in {name}"
-    for backend in (ddp, reference):
+    for backend in (ddp.trainer, reference):
         backend.delete_adapter("same")
 
 
@@ -128,16 +128,16 @@ def test_one_rank_is_the_single_process_backend(tiny_model_dir: Path, reference:
     single = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
     try:
         assert single.capabilities.devices == ("cpu",)
-        for backend in (single, reference):
+        for backend in (single.trainer, reference):
             backend.create_adapter("one", LoraSpec(rank=8, seed=4))
         rng = np.random.default_rng(4)
         for size in (3, 1):
             b = batch(rng, size, "ppo")
-            got, want = single.forward_backward("one", b), reference.forward_backward("one", b)
+            got, want = single.trainer.forward_backward("one", b), reference.forward_backward("one", b)
             assert got.loss_sum == want.loss_sum
-            assert single.optim_step("one", ADAM) == reference.optim_step("one", ADAM)
+            assert single.trainer.optim_step("one", ADAM) == reference.optim_step("one", ADAM)
         probe = batch(rng, 2)
-        assert_same(forward(single, "one", probe), forward(reference, "one", probe), "one rank")
+        assert_same(forward(single.trainer, "one", probe), forward(reference, "one", probe), "one rank")
     finally:
         reference.delete_adapter("one")
         single.close()
@@ -148,16 +148,15 @@ def test_ranks_start_identical_whatever_else_rank_0_holds(ddp: ProcessBackend):
     """The embedded sampler lives on rank 0 alone, and ranks may have made different adapters
     before (their PEFT wrappers came and went differently). Rank 0's initial weights are
     broadcast, so the ranks still start out bitwise identical."""
-    ddp.create_adapter("first", LoraSpec(rank=8, seed=1))
-    sampler = SamplerClient(ddp)
-    config, weights = ddp.zero_adapter()
-    sampler.load_sampler("zero", config, weights)
-    ddp.delete_adapter("first")
-    ddp.create_adapter("second", LoraSpec(rank=8, seed=2))
-    rank0, rank1 = ddp.export_state("second"), ddp._group.workers[1].call("local_state", "second")
+    ddp.trainer.create_adapter("first", LoraSpec(rank=8, seed=1))
+    config, weights = ddp.trainer.zero_adapter()
+    ddp.sampler.load_sampler("zero", config, weights)
+    ddp.trainer.delete_adapter("first")
+    ddp.trainer.create_adapter("second", LoraSpec(rank=8, seed=2))
+    rank0, rank1 = ddp.trainer.export_state("second"), ddp._group.workers[1].call("local_state", "second")
     for name, tensor in rank0.weights.items():
         assert torch.equal(tensor, rank1[name]), f"the ranks start apart in {name}"
-    ddp.delete_adapter("second")
+    ddp.trainer.delete_adapter("second")
 
 
 @pytest.mark.slow
@@ -165,7 +164,7 @@ def test_a_request_that_fails_on_one_rank_leaves_no_gradient_on_any(ddp: Process
     """One datum whose target is outside the vocabulary (the server's validation would refuse
     it; the backend is called directly here) fails on its rank alone. The error is that rank's,
     and the other rank drops its shard's gradients too: the next step equals one without it."""
-    for backend in (ddp, reference):
+    for backend in (ddp.trainer, reference):
         backend.create_adapter("atomic", LoraSpec(rank=4, seed=5))
     rng = np.random.default_rng(1)
     good = batch(rng, 3)
@@ -174,15 +173,15 @@ def test_a_request_that_fails_on_one_rank_leaves_no_gradient_on_any(ddp: Process
     spoiled.data[1] = dataclasses.replace(bad, target_tokens=torch.full_like(bad.target_tokens, 10**6))
     assert [len(s) for s in shard_by_tokens([d.num_tokens for d in spoiled.data], 2)] == [1, 1]
 
-    for backend in (ddp, reference):
+    for backend in (ddp.trainer, reference):
         backend.forward_backward("atomic", good)
     with pytest.raises(WorkerError) as failure:
-        ddp.forward_backward("atomic", spoiled)
+        ddp.trainer.forward_backward("atomic", spoiled)
     assert "index" in str(failure.value) and "another rank" not in str(failure.value)
-    got, want = ddp.optim_step("atomic", ADAM), reference.optim_step("atomic", ADAM)
+    got, want = ddp.trainer.optim_step("atomic", ADAM), reference.optim_step("atomic", ADAM)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-    assert_same(forward(ddp, "atomic", good), forward(reference, "atomic", good), "after the failed request")
-    for backend in (ddp, reference):
+    assert_same(forward(ddp.trainer, "atomic", good), forward(reference, "atomic", good), "after the failed request")
+    for backend in (ddp.trainer, reference):
         backend.delete_adapter("atomic")
 
 
@@ -200,12 +199,12 @@ def test_a_rank_that_hangs_fails_the_request_and_the_group_is_replaced(tiny_mode
     )
     backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)), call_timeout_s=3600)
     try:
-        backend.create_adapter("m", LoraSpec(rank=4, seed=0))
+        backend.trainer.create_adapter("m", LoraSpec(rank=4, seed=0))
         waiter, hung = backend.status()["pids"]
         os.kill(hung, signal.SIGSTOP)
         started = time.monotonic()
         with pytest.raises(WorkerCrashed) as crash:
-            backend.forward_backward("m", batch(np.random.default_rng(2), 3))
+            backend.trainer.forward_backward("m", batch(np.random.default_rng(2), 3))
         waited = time.monotonic() - started
         said = str(crash.value)
         assert said.startswith(f"training rank 0 (pid {waiter}): the ranks' agreement on a call's outcome failed")
@@ -215,8 +214,8 @@ def test_a_rank_that_hangs_fails_the_request_and_the_group_is_replaced(tiny_mode
 
         status = backend.status()
         assert status["alive"] and status["restarts"] == 1 and hung not in status["pids"]
-        backend.create_adapter("after", LoraSpec(rank=4, seed=0))  # no recovery here: "m" is gone
-        assert len(backend.forward_backward("after", batch(np.random.default_rng(3), 3)).logprobs) == 3
+        backend.trainer.create_adapter("after", LoraSpec(rank=4, seed=0))  # no recovery here: "m" is gone
+        assert len(backend.trainer.forward_backward("after", batch(np.random.default_rng(3), 3)).logprobs) == 3
     finally:
         backend.close()
 
@@ -262,22 +261,22 @@ def test_adapters_are_made_on_every_rank_or_none_and_ranks_that_disagree_are_rep
     out of step, so the group is rebuilt (from saved states, when the server's recovery is on)."""
     backend = ProcessBackend(lambda: one_rank_fails(str(tiny_model_dir)))
     try:
-        backend.create_adapter("stuck", LoraSpec(rank=4, seed=0))
+        backend.trainer.create_adapter("stuck", LoraSpec(rank=4, seed=0))
         before = backend.status()["pids"]
         with pytest.raises(WorkerError, match=r"^rank 1: RuntimeError: CUDA error: out of memory$"):
-            backend.create_adapter("too-big", LoraSpec(rank=3, seed=0))
-        assert not backend.has_adapter("too-big") and backend.status()["pids"] == before
+            backend.trainer.create_adapter("too-big", LoraSpec(rank=3, seed=0))
+        assert not backend.trainer.has_adapter("too-big") and backend.status()["pids"] == before
 
         with pytest.raises(WorkerCrashed) as crash:
-            backend.delete_adapter("stuck")
+            backend.trainer.delete_adapter("stuck")
         assert (
             "training rank 1 failed delete_adapter (RuntimeError: CUDA error: an illegal memory access was "
             "encountered) where rank 0 completed it, so the ranks no longer hold the same state" in str(crash.value)
         )
         status = backend.status()
         assert status["alive"] and status["restarts"] == 1 and not set(status["pids"]) & set(before)
-        backend.create_adapter("fits", LoraSpec(rank=4, seed=0))
-        assert len(backend.forward_backward("fits", batch(np.random.default_rng(5), 3)).logprobs) == 3
+        backend.trainer.create_adapter("fits", LoraSpec(rank=4, seed=0))
+        assert len(backend.trainer.forward_backward("fits", batch(np.random.default_rng(5), 3)).logprobs) == 3
     finally:
         backend.close()
 
@@ -297,19 +296,19 @@ def test_two_ranks_train_a_mixture_of_experts_exactly_like_one_process(family: s
     reference = local_rank(model).trainer
     try:
         assert ddp.capabilities.routed_experts == 8
-        for backend in (ddp, reference):
+        for backend in (ddp.trainer, reference):
             backend.create_adapter("moe", LoraSpec(rank=4, seed=5))
         rng = np.random.default_rng(1)
         probe = batch(rng, 4)
         for step in range(3):
             b = batch(rng, 5)
-            got, want = ddp.forward_backward("moe", b), reference.forward_backward("moe", b)
+            got, want = ddp.trainer.forward_backward("moe", b), reference.forward_backward("moe", b)
             assert_same(got.logprobs, want.logprobs, f"step {step}")
             np.testing.assert_array_equal(got.routed, want.routed)  # the replicas' routed tokens add up
-            got, want = ddp.optim_step("moe", ADAM), reference.optim_step("moe", ADAM)
+            got, want = ddp.trainer.optim_step("moe", ADAM), reference.optim_step("moe", ADAM)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-        assert_same(forward(ddp, "moe", probe), forward(reference, "moe", probe), "after three steps")
-        state = ddp.export_state("moe")
+        assert_same(forward(ddp.trainer, "moe", probe), forward(reference, "moe", probe), "after three steps")
+        state = ddp.trainer.export_state("moe")
         assert any(".experts.w2.lora_A" in k and v.abs().sum() > 0 for k, v in state.weights.items())
     finally:
         ddp.close()
@@ -336,13 +335,13 @@ def test_two_ranks_train_on_images_exactly_like_one_process(tmp_path_factory):
             image_datum(vision.model.config, vision.processor, [list(range(20, 40)), [41]], [png(48, 48, 3)]),
         ]
         b = ForwardBackwardBatch(datums, "cross_entropy", {}, forward_only=False)
-        for backend in (ddp, reference.trainer):
+        for backend in (ddp.trainer, reference.trainer):
             backend.create_adapter("vl", LoraSpec(rank=4, seed=5))
         for step in range(2):
-            got, want = ddp.forward_backward("vl", b), reference.trainer.forward_backward("vl", b)
+            got, want = ddp.trainer.forward_backward("vl", b), reference.trainer.forward_backward("vl", b)
             assert_same(got.logprobs, want.logprobs, f"step {step}")
-            got, want = ddp.optim_step("vl", ADAM), reference.trainer.optim_step("vl", ADAM)
+            got, want = ddp.trainer.optim_step("vl", ADAM), reference.trainer.optim_step("vl", ADAM)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-        assert_same(forward(ddp, "vl", b), forward(reference.trainer, "vl", b), "after two steps")
+        assert_same(forward(ddp.trainer, "vl", b), forward(reference.trainer, "vl", b), "after two steps")
     finally:
         ddp.close()

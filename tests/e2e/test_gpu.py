@@ -82,8 +82,8 @@ def test_the_gpu_gives_the_cpus_results(backend: str, settings: dict, tiny_model
     gpu = on_gpu(tiny_model_dir, backend, settings)
     try:
         assert gpu.capabilities is not None
-        gpu.create_adapter("m", LORA)
-        got = steps(gpu, "m", seed=3, n=3)
+        gpu.trainer.create_adapter("m", LORA)
+        got = steps(gpu.trainer, "m", seed=3, n=3)
     finally:
         gpu.close()
     for (lp_g, loss_g, norm_g), (lp_c, loss_c, norm_c) in zip(got, on_cpu, strict=True):
@@ -108,9 +108,9 @@ def test_a_bfloat16_base_trains_float32_lora_on_the_gpu(
     other places); the LoRA weights and their optimizer state stay float32 through three steps."""
     gpu = on_gpu(tiny_model_dir, backend, settings, dtype="bfloat16")
     try:
-        gpu.create_adapter("bf16", LORA)
-        got = steps(gpu, "bf16", seed=3, n=3)
-        state = gpu.export_state("bf16")
+        gpu.trainer.create_adapter("bf16", LORA)
+        got = steps(gpu.trainer, "bf16", seed=3, n=3)
+        state = gpu.trainer.export_state("bf16")
     finally:
         gpu.close()
     assert {t.dtype for t in [*state.weights.values(), *state.optimizer.values()]} == {torch.float32}

@@ -64,7 +64,7 @@ def assert_agree(got: list, want: list) -> None:
 
 @pytest.mark.parametrize("direction", ["megatron->peft", "peft->megatron"])
 def test_a_training_state_moves_between_backends(direction: str, megatron: ProcessBackend, peft: Trainer):
-    source, target = (megatron, peft) if direction == "megatron->peft" else (peft, megatron)
+    source, target = (megatron.trainer, peft) if direction == "megatron->peft" else (peft, megatron.trainer)
     name = direction.replace("->", "-to-")
     source.create_adapter(name, LORA)
     steps(source, name, seed=1, n=2)
@@ -80,16 +80,16 @@ def test_a_training_state_moves_between_backends(direction: str, megatron: Proce
 
 def test_the_same_seed_starts_at_the_same_weights(megatron: ProcessBackend, peft: Trainer):
     """LoRA is drawn as PEFT draws it, so a seed starts a model where peft starts it."""
-    for backend in (megatron, peft):
+    for backend in (megatron.trainer, peft):
         backend.create_adapter("seeded", LORA)
-    got, want = megatron.export_state("seeded"), peft.export_state("seeded")
+    got, want = megatron.trainer.export_state("seeded"), peft.export_state("seeded")
     assert list(got.weights) == list(want.weights)
     assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
     # what the server sizes a key's adapters by (``server.quotas``' adapter_bytes): the parameters
     # made, every group of the model being on in LORA
     per_rank = megatron.capabilities.lora_params_per_rank
     assert sum(v.numel() for v in got.weights.values()) == LORA.rank * sum(per_rank.values())
-    for backend in (megatron, peft):
+    for backend in (megatron.trainer, peft):
         backend.delete_adapter("seeded")
 
 
@@ -99,20 +99,20 @@ def test_sampler_weights_load_into_peft(megatron: ProcessBackend, tiny_model_dir
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    megatron.create_adapter("export", LORA)
-    steps(megatron, "export", seed=3, n=2)
-    files = peft_adapter_files(megatron.peft_config("export"), megatron.export_state("export").weights)
+    megatron.trainer.create_adapter("export", LORA)
+    steps(megatron.trainer, "export", seed=3, n=2)
+    files = peft_adapter_files(megatron.trainer.peft_config("export"), megatron.trainer.export_state("export").weights)
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path).eval()
     batch = random_batch(np.random.default_rng(4), 2, "cross_entropy")
-    trainer = megatron.forward_backward("export", dataclasses.replace(batch, forward_only=True))
+    trainer = megatron.trainer.forward_backward("export", dataclasses.replace(batch, forward_only=True))
     for datum, lp in zip(batch.data, trainer.logprobs, strict=True):
         with torch.no_grad():
             logits = hf(datum.tokens[None]).logits[0].log_softmax(-1)
         want = logits.gather(-1, datum.target_tokens[:, None])[:, 0]
         np.testing.assert_allclose(lp, want.numpy(), rtol=TOL, atol=TOL)
-    megatron.delete_adapter("export")
+    megatron.trainer.delete_adapter("export")
 
 
 def topk_batch(rng: np.random.Generator) -> ForwardBackwardBatch:
@@ -128,18 +128,18 @@ def topk_batch(rng: np.random.Generator) -> ForwardBackwardBatch:
 
 def test_top_k_targets(megatron: ProcessBackend, peft: Trainer):
     """(N, K) targets, scored vocab-parallel, as peft scores them."""
-    for backend in (megatron, peft):
+    for backend in (megatron.trainer, peft):
         backend.create_adapter("topk", LORA)
     batch = topk_batch(np.random.default_rng(6))
-    got, want = megatron.forward_backward("topk", batch), peft.forward_backward("topk", batch)
+    got, want = megatron.trainer.forward_backward("topk", batch), peft.forward_backward("topk", batch)
     for g, w in zip(got.logprobs, want.logprobs, strict=True):
         assert g.shape == w.shape and g.shape[1] == 4
         np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL)
     assert got.loss_sum == pytest.approx(want.loss_sum, rel=TOL)
-    assert megatron.optim_step("topk", ADAM)["grad_norm"] == pytest.approx(
+    assert megatron.trainer.optim_step("topk", ADAM)["grad_norm"] == pytest.approx(
         peft.optim_step("topk", ADAM)["grad_norm"], rel=TOL
     )
-    for backend in (megatron, peft):
+    for backend in (megatron.trainer, peft):
         backend.delete_adapter("topk")
 
 
@@ -180,18 +180,18 @@ def test_other_architectures_at_tp_2(arch: str, tmp_path: Path, tiny_model_dir: 
     peft = local_rank(str(tmp_path)).trainer
     try:
         lora = LoraSpec(rank=4, seed=2, train_unembed=True)
-        for backend in (megatron, peft):
+        for backend in (megatron.trainer, peft):
             backend.create_adapter(arch, lora)
-        assert any("lm_head" in key for key in megatron.export_state(arch).weights)
+        assert any("lm_head" in key for key in megatron.trainer.export_state(arch).weights)
         if arch == "qwen2":
             assert any(k.endswith("q_proj.bias") for k in load_file(tmp_path / "model.safetensors"))
         rng = np.random.default_rng(8)
         for loss_fn in ("cross_entropy", "ppo"):
             batch = random_batch(rng, 3, loss_fn, vocab=256)
-            got, want = megatron.forward_backward(arch, batch), peft.forward_backward(arch, batch)
+            got, want = megatron.trainer.forward_backward(arch, batch), peft.forward_backward(arch, batch)
             for g, w in zip(got.logprobs, want.logprobs, strict=True):
                 np.testing.assert_allclose(g, w, rtol=TOL, atol=TOL)
-            assert megatron.optim_step(arch, ADAM)["grad_norm"] == pytest.approx(
+            assert megatron.trainer.optim_step(arch, ADAM)["grad_norm"] == pytest.approx(
                 peft.optim_step(arch, ADAM)["grad_norm"], rel=TOL
             )
     finally:
@@ -215,7 +215,7 @@ def test_a_bfloat16_base_trains_float32_lora(tiny_model_dir: Path, lora_compute:
     peft = local_rank(str(tiny_model_dir), dtype="bfloat16", lora_compute=lora_compute).trainer
     try:
         got, want = [], []
-        for trainer, out in ((backend, got), (peft, want)):
+        for trainer, out in ((backend.trainer, got), (peft, want)):
             trainer.create_adapter("bf16", LORA)
             out += steps(trainer, "bf16", seed=2, n=1)
         (lp_g, loss_g, norm_g), (lp_w, loss_w, norm_w) = got[0], want[0]
@@ -224,7 +224,7 @@ def test_a_bfloat16_base_trains_float32_lora(tiny_model_dir: Path, lora_compute:
         for g, w in zip(lp_g, lp_w, strict=True):
             assert g.dtype == np.float32
             np.testing.assert_allclose(g, w, atol=5e-2)
-        state = backend.export_state("bf16")
+        state = backend.trainer.export_state("bf16")
         assert {t.dtype for t in [*state.weights.values(), *state.optimizer.values()]} == {torch.float32}
     finally:
         backend.close()
@@ -250,8 +250,8 @@ def test_transformer_engine_layers_train_as_the_local_ones(tiny_model_dir: Path)
         )
         backend = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
         try:
-            backend.create_adapter("m", LORA)
-            results[layers] = steps(backend, "m", seed=3, n=2)
+            backend.trainer.create_adapter("m", LORA)
+            results[layers] = steps(backend.trainer, "m", seed=3, n=2)
         finally:
             backend.close()
     for (lp_te, loss_te, norm_te), (lp, loss, norm) in zip(results["te"], results["local"], strict=True):

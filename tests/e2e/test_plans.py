@@ -94,20 +94,20 @@ def test_plan_trains_like_the_float64_reference(
     model_id = f"plan-{backend}"
     try:
         assert plan.capabilities.backend == backend
-        plan.create_adapter(model_id, LoraSpec(rank=8, seed=3))
+        plan.trainer.create_adapter(model_id, LoraSpec(rank=8, seed=3))
         reference.create_adapter(model_id, LoraSpec(rank=8, seed=3))
-        reference.load_state(model_id, as_float64(plan.export_state(model_id)), with_optimizer=True)
+        reference.load_state(model_id, as_float64(plan.trainer.export_state(model_id)), with_optimizer=True)
         rng = np.random.default_rng(7)
         for step, loss_fn in enumerate(sorted(losses.LOSSES)):
             for size in (3, 2):  # two calls, accumulated before the step
                 b = batch(rng, size, loss_fn)
-                got, want = plan.forward_backward(model_id, b), reference.forward_backward(model_id, b)
+                got, want = plan.trainer.forward_backward(model_id, b), reference.forward_backward(model_id, b)
                 for g, w in zip(got.logprobs, want.logprobs, strict=True):
                     np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4, err_msg=f"step {step} ({loss_fn})")
                 assert got.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4), loss_fn
-            got_step, want_step = plan.optim_step(model_id, ADAM), reference.optim_step(model_id, ADAM)
+            got_step, want_step = plan.trainer.optim_step(model_id, ADAM), reference.optim_step(model_id, ADAM)
             assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), loss_fn
-        got_state, want_state = plan.export_state(model_id), reference.export_state(model_id)
+        got_state, want_state = plan.trainer.export_state(model_id), reference.export_state(model_id)
         assert got_state.steps == want_state.steps == len(losses.LOSSES)
         assert got_state.weights.keys() == want_state.weights.keys()
         for key, tensor in got_state.weights.items():
@@ -135,7 +135,7 @@ def check_custom_loss(plan: ProcessBackend, reference: Trainer, model_id: str, r
     nodes = tuple(node.model_dump() for node in encode_graph(handle).nodes)
     loss = CustomLossDef(handle.name, (("logprobs", 1), ("weights", 1)), nodes)
     b = dataclasses.replace(batch(rng, 5, "cross_entropy"), loss_fn="custom", loss_config={}, custom_loss=loss)
-    got, want = plan.forward_backward(model_id, b), reference.forward_backward(model_id, b)
+    got, want = plan.trainer.forward_backward(model_id, b), reference.forward_backward(model_id, b)
     assert got.loss_sum == pytest.approx(want.loss_sum, rel=RTOL)
     assert got.metrics.keys() == want.metrics.keys() == {"custom/nll:sum", "custom/weight:mean"}
     assert got.metrics["custom/nll:sum"] == pytest.approx(want.loss_sum, rel=RTOL)
@@ -148,7 +148,7 @@ def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[s
     replicas per request: each model's results, gradients and gradient norm are those of its
     request alone."""
     requests = [(model_id, batch(rng, size, "ppo")) for model_id, size in zip(model_ids, (3, 4), strict=True)]
-    got = plan.forward_backward_many(requests)
+    got = plan.trainer.forward_backward_many(requests)
     for (model_id, b), result in zip(requests, got, strict=True):
         want = reference.forward_backward(model_id, b)
         assert result.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4), model_id
@@ -156,7 +156,7 @@ def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[s
             np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4)
     # Parking exports the gradients not yet applied, summed over the replicas, and leaves the
     # ranks ready to step as if nothing had been exported.
-    got_state = plan.export_state(model_ids[0], with_gradients=True)
+    got_state = plan.trainer.export_state(model_ids[0], with_gradients=True)
     want_state = reference.export_state(model_ids[0], with_gradients=True)
     assert got_state.gradients and got_state.gradients.keys() == want_state.gradients.keys()
     scale = max(float(t.abs().max()) for t in want_state.gradients.values())
@@ -165,22 +165,22 @@ def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[s
             tensor.double(), want_state.gradients[key], rtol=1e-3, atol=1e-4 * scale, err_msg=key
         )
     for model_id, params in zip(model_ids, (ADAM, DIMUON(0.02)), strict=True):
-        got_step, want_step = plan.optim_step(model_id, params), reference.optim_step(model_id, params)
+        got_step, want_step = plan.trainer.optim_step(model_id, params), reference.optim_step(model_id, params)
         assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), model_id
 
 
 def check_dimuon(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
     """Dimuon takes whole matrices: a plan that shards them must make them whole for the step."""
     spec = LoraSpec(rank=4, seed=5, optimizer="dimuon")
-    plan.create_adapter(model_id, spec)
+    plan.trainer.create_adapter(model_id, spec)
     reference.create_adapter(model_id, spec)
-    reference.load_state(model_id, as_float64(plan.export_state(model_id)), with_optimizer=True)
+    reference.load_state(model_id, as_float64(plan.trainer.export_state(model_id)), with_optimizer=True)
     for lr in (0.02, 0.01, 0.03):
         b = batch(rng, 3, "cross_entropy")
-        plan.forward_backward(model_id, b), reference.forward_backward(model_id, b)
-        got_step, want_step = plan.optim_step(model_id, DIMUON(lr)), reference.optim_step(model_id, DIMUON(lr))
+        plan.trainer.forward_backward(model_id, b), reference.forward_backward(model_id, b)
+        got_step, want_step = plan.trainer.optim_step(model_id, DIMUON(lr)), reference.optim_step(model_id, DIMUON(lr))
         assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4)
-    got_state, want_state = plan.export_state(model_id), reference.export_state(model_id)
+    got_state, want_state = plan.trainer.export_state(model_id), reference.export_state(model_id)
     assert {k for k in got_state.optimizer if k.endswith(".momentum")} == {f"{k}.momentum" for k in got_state.weights}
     for key, tensor in [*got_state.weights.items(), *got_state.optimizer.items()]:
         want = {**want_state.weights, **want_state.optimizer}[key]

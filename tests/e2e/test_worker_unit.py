@@ -15,7 +15,7 @@ import torch
 from hosted_tinker.core.errors import RolledBack, UserError, WorkerCrashed, WorkerError, WorkerStartFailed
 from hosted_tinker.core.messages import Listener, dumps
 from hosted_tinker.core.types import Capabilities, ForwardBackwardBatch, LoraSpec
-from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient, one_worker
+from hosted_tinker.server.workers.backend import ProcessBackend, one_worker
 from hosted_tinker.server.workers.process import WorkerProcess
 
 pytestmark = pytest.mark.timeout(120)  # worker processes: slow, but for the watchdog's own test
@@ -98,13 +98,13 @@ def backend():
 
 @pytest.mark.slow
 def test_calls_and_callbacks_cross_the_process(backend: ProcessBackend):
-    backend.create_adapter("m", LoraSpec(rank=1, seed=0))
-    assert backend.has_adapter("m")
+    backend.trainer.create_adapter("m", LoraSpec(rank=1, seed=0))
+    assert backend.trainer.has_adapter("m")
     pid = backend.status()["pid"]
-    assert backend.forward_backward("m", batch("cross_entropy")) == f"m: ok, pid {pid}"
+    assert backend.trainer.forward_backward("m", batch("cross_entropy")) == f"m: ok, pid {pid}"
     assert pid != os.getpid()
     arrivals = iter([["b"], ["c"]])
-    assert SamplerClient(backend).generate(None, ["a"], admit=lambda: next(arrivals)) == ["a", "b", "c"]
+    assert backend.sampler.generate(None, ["a"], admit=lambda: next(arrivals)) == ["a", "b", "c"]
 
 
 @pytest.mark.slow
@@ -119,7 +119,7 @@ def test_listeners_hear_every_notification_in_order(backend: ProcessBackend):
         heard.append((request, chr(token)))
 
     arrivals = iter([["x"], ["c"]])
-    assert SamplerClient(backend).generate(None, ["a"], admit=lambda: next(arrivals), on_token=on_token) == [
+    assert backend.sampler.generate(None, ["a"], admit=lambda: next(arrivals), on_token=on_token) == [
         "a",
         "x",
         "c",
@@ -157,17 +157,17 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 def test_errors_fail_the_call_and_keep_the_worker(backend: ProcessBackend):
     pid = backend.status()["pid"]
     with pytest.raises(UserError, match="your mistake"):
-        backend.forward_backward("m", batch("user"))
+        backend.trainer.forward_backward("m", batch("user"))
     with pytest.raises(WorkerError, match="MemoryError: cannot allocate"):
-        backend.forward_backward("m", batch("oom"))
+        backend.trainer.forward_backward("m", batch("oom"))
     with pytest.raises(WorkerError, match="the server's admit failed: ZeroDivisionError"):
-        SamplerClient(backend).generate(None, [], admit=lambda: 1 / 0)
+        backend.sampler.generate(None, [], admit=lambda: 1 / 0)
     status = backend.status()
     ranks = status.pop("ranks")
     assert status == {"pid": pid, "pids": [pid], "alive": True, "restarts": 0, "last_death": None}
     # Each answer, a failure's too, brings the rank's memory (``rank.memory``).
     assert ranks[0]["pid"] == pid and ranks[0]["device"] == "cpu" and ranks[0]["memory"]["rss"] > 0
-    assert backend.forward_backward("m", batch("cross_entropy")).endswith(str(pid))
+    assert backend.trainer.forward_backward("m", batch("cross_entropy")).endswith(str(pid))
 
 
 class Recovery:
@@ -179,7 +179,7 @@ class Recovery:
         self.lost: dict[str, str] = {}
 
     def restore(self, model_id: str) -> str:
-        self.backend.create_adapter(model_id, LoraSpec(rank=2, seed=0))
+        self.backend.trainer.create_adapter(model_id, LoraSpec(rank=2, seed=0))
         self.restored.append(model_id)
         return "was restored from its checkpoint"
 
@@ -192,40 +192,44 @@ class Recovery:
 def test_death_mid_call_restarts_restores_and_tells_the_others(backend: ProcessBackend):
     recovery = backend.recovery = Recovery(backend)
     for model_id in ("a", "b", "c"):
-        backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
+        backend.trainer.create_adapter(model_id, LoraSpec(rank=1, seed=0))
     old_pid = backend.status()["pid"]
     with pytest.raises(WorkerCrashed) as crash:
-        backend.forward_backward("a", batch("die"))
+        backend.trainer.forward_backward("a", batch("die"))
     assert f"pid {old_pid}) was killed by SIGKILL" in crash.value.reason
     assert crash.value.message_for("a").endswith("Model a was restored from its checkpoint")
     assert "Model" not in crash.value.message_for("other")  # other tenants' models go unmentioned
     assert recovery.restored == ["a", "b", "c"]
     status = backend.status()
     assert status["restarts"] == 1 and status["alive"] and status["pid"] != old_pid
-    assert backend.has_adapter("b")
+    assert backend.trainer.has_adapter("b")
 
     # a's client was told by its failed request; b's next training call tells b's, once.
-    assert backend.forward_backward("a", batch("cross_entropy")).startswith("a: ok")
+    assert backend.trainer.forward_backward("a", batch("cross_entropy")).startswith("a: ok")
     with pytest.raises(RolledBack, match=r"while running another request; .* model b was restored from its"):
-        backend.forward_backward("b", batch("cross_entropy"))
-    assert backend.forward_backward("b", batch("cross_entropy")) == f"b: ok, pid {status['pid']}"
+        backend.trainer.forward_backward("b", batch("cross_entropy"))
+    assert backend.trainer.forward_backward("b", batch("cross_entropy")) == f"b: ok, pid {status['pid']}"
     # Loading a state makes c's rollback moot: no notice after it.
-    backend.load_state("c", None, with_optimizer=True)
-    assert backend.forward_backward("c", batch("cross_entropy")).startswith("c: ok")
+    backend.trainer.load_state("c", None, with_optimizer=True)
+    assert backend.trainer.forward_backward("c", batch("cross_entropy")).startswith("c: ok")
 
 
 @pytest.mark.slow
 def test_a_model_that_kills_the_new_worker_too_is_given_up(backend: ProcessBackend):
     recovery = backend.recovery = Recovery(backend)
     for model_id in ("a", "poison", "b"):
-        backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
+        backend.trainer.create_adapter(model_id, LoraSpec(rank=1, seed=0))
     with pytest.raises(WorkerCrashed) as crash:
-        backend.forward_backward("a", batch("die"))
+        backend.trainer.forward_backward("a", batch("die"))
     # a went onto the worker that poison then killed, so a goes onto the next one again.
     assert recovery.restored == ["a", "a", "b"] and list(recovery.lost) == ["poison"]
     assert "killed the new worker too while being restored" in crash.value.restored["poison"]
     assert backend.status()["restarts"] == 2 and backend.status()["alive"]
-    assert backend.has_adapter("a") and backend.has_adapter("b") and not backend.has_adapter("poison")
+    assert (
+        backend.trainer.has_adapter("a")
+        and backend.trainer.has_adapter("b")
+        and not backend.trainer.has_adapter("poison")
+    )
 
 
 @pytest.mark.slow
@@ -235,7 +239,7 @@ def test_a_worker_that_cannot_start_keeps_the_models_owed(tmp_path: Path):
     try:
         recovery = backend.recovery = Recovery(backend)
         for model_id in ("a", "b"):
-            backend.create_adapter(model_id, LoraSpec(rank=1, seed=0))
+            backend.trainer.create_adapter(model_id, LoraSpec(rank=1, seed=0))
         broken.touch()
         os.kill(backend.status()["pid"], signal.SIGKILL)
         backend._group.workers[0].process.join(10)
@@ -243,7 +247,7 @@ def test_a_worker_that_cannot_start_keeps_the_models_owed(tmp_path: Path):
             backend.ensure_alive()
         broken.unlink()
         backend.ensure_alive()
-        assert recovery.restored == ["a", "b"] and backend.has_adapter("a") and backend.has_adapter("b")
+        assert recovery.restored == ["a", "b"] and backend.trainer.has_adapter("a") and backend.trainer.has_adapter("b")
     finally:
         backend.close()
 
@@ -261,10 +265,10 @@ class FlakyBackend(FakeBackend):
 def test_a_hung_call_kills_the_worker_and_the_next_call_runs():
     backend = ProcessBackend(one_worker(FakeBackend), call_timeout_s=1.0)
     try:
-        backend.create_adapter("m", LoraSpec(rank=1, seed=0))
+        backend.trainer.create_adapter("m", LoraSpec(rank=1, seed=0))
         with pytest.raises(WorkerCrashed, match=r"did not answer forward_backward within 1.0 s and was killed"):
-            backend.forward_backward("m", batch("hang"))
-        assert backend.forward_backward("m", batch("cross_entropy")).startswith("m: ok")
+            backend.trainer.forward_backward("m", batch("hang"))
+        assert backend.trainer.forward_backward("m", batch("cross_entropy")).startswith("m: ok")
     finally:
         backend.close()
 
@@ -285,9 +289,9 @@ def test_a_long_call_that_keeps_talking_is_not_cut_off():
 @pytest.mark.slow
 def test_odd_deaths_and_answers_are_reported(backend: ProcessBackend):
     with pytest.raises(WorkerError, match="the answer could not be sent"):
-        SamplerClient(backend).generate(None, [], admit=lambda: [lambda: None])  # a lambda cannot be pickled
+        backend.sampler.generate(None, [], admit=lambda: [lambda: None])  # a lambda cannot be pickled
     with pytest.raises(WorkerCrashed, match=r"was killed by signal \d+"):  # no name: a real-time one
-        backend.forward_backward("m", batch("realtime-signal"))
+        backend.trainer.forward_backward("m", batch("realtime-signal"))
 
 
 @pytest.mark.slow
@@ -296,7 +300,7 @@ def test_death_while_idle_is_repaired_before_the_next_call(backend: ProcessBacke
     os.kill(old_pid, signal.SIGKILL)
     backend._group.workers[0].process.join(10)
     assert not backend.status()["alive"]
-    assert backend.forward_backward("m", batch("cross_entropy")).startswith("m: ok")  # runs, no error
+    assert backend.trainer.forward_backward("m", batch("cross_entropy")).startswith("m: ok")  # runs, no error
     assert backend.status()["restarts"] == 1
     assert "killed by SIGKILL" in backend.status()["last_death"]
 

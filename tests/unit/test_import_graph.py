@@ -2,7 +2,8 @@
 
 core/        pure and shared by every process: imports nothing else of ours
 rank/        inside worker processes: core only
-inference/   the engines the server samples through: core only
+inference/   the engines the server samples through: core, and rank (the embedded sampler's calls,
+             which the embedded engine makes through ``server.workers.ProcessBackend.sampler``)
 node/        the agent of a node other than the server's: core, and rank (to start ranks)
 server/      the event loop: core, inference, and rank (to start ranks and read their calls)
 cli.py       the entry point (cli_keys.py: its keys command): anything
@@ -23,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hosted_tinker"
 MAY_IMPORT = {
     "core": {"core"},
     "rank": {"core", "rank"},
-    "inference": {"core", "inference"},
+    "inference": {"core", "inference", "rank"},
     "node": {"core", "node", "rank"},
     "server": {"core", "inference", "rank", "server"},
 }

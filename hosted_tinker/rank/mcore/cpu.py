@@ -22,7 +22,7 @@ def use_cpu() -> None:
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: None
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # megatron passes it on as a device
     torch.cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -68,7 +69,7 @@ class Adapter:
     scale: float
 
 
-def sites(gpt: nn.Module, shape: HfShape, tp: int) -> dict[str, Site]:
+def sites(gpt: Any, shape: HfShape, tp: int) -> dict[str, Site]:  # gpt: megatron's GPTModel (untyped)
     """Every layer LoRA may wrap, by Tinker's groups: ``attn``, ``mlp``, ``unembed``."""
     out: dict[str, Site] = {}
     groups = shape.kv_heads // tp  # query groups on this rank
@@ -197,7 +198,7 @@ class TpLora:
         def apply(hidden: Tensor) -> Tensor:
             # identity forward; backward, the input's gradient summed over the vocabulary slices
             logits = copy_to_tensor_model_parallel_region(hidden) @ weight.T
-            if projections:
+            if projections and adapter is not None:
                 (p,) = projections
                 dtype = products_dtype(self.compute, hidden.dtype)
                 update = scaled(column_delta(hidden, p, dtype), adapter.scale)  # its own copy_to
@@ -221,8 +222,8 @@ class TpLora:
             updates = []
             for start, end, adapter in spans:
                 projections = adapter.projections.get(name) if adapter is not None else None
-                if not projections:
-                    shape = (end - start, *x.shape[1:-1], out.shape[-1])
+                if not projections or adapter is None:
+                    shape = (x[start:end].shape[0], *x.shape[1:-1], out.shape[-1])  # end None: to the last
                     updates.append(x.new_zeros(shape, dtype=dtype or torch.float32))
                     continue
                 updates.append(scaled(site.fuse([delta(x[start:end], p, dtype) for p in projections]), adapter.scale))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -149,7 +150,7 @@ class McoreLoraModel:
             cu_seqlens = torch.cat([cu_seqlens, torch.tensor([total + short], dtype=torch.int32)])
         names = [h.name for h in handles] + ([""] if short else [])  # "": no adapter on the filler
         self.lora.routes.segments = segments(names, [d.num_tokens for d in data] + ([short] if short else []))
-        on = {"device": self.device}
+        on: dict[str, Any] = {"device": self.device}
         # transformer-engine reads the bounds on the device. Megatron's own layers (its unfused
         # RoPE, our attention) read them in Python in every layer: on the host they make no layer
         # wait for the GPU (a device tensor's .tolist() would).

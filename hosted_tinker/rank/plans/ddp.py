@@ -78,6 +78,8 @@ class Plan:
         # The server hosts the group's store (``server.workers.launch.rendezvous``): every rank,
         # rank 0 included, joins it as a client.
         address = urllib.parse.urlsplit(init_method)
+        if address.hostname is None or address.port is None:
+            raise ValueError(f"init_method {init_method!r} names no host and port")
         store = dist.TCPStore(address.hostname, address.port, len(devices), is_master=False, timeout=timeout)
         dist.init_process_group(
             "gloo" if self.device == "cpu" else "nccl",

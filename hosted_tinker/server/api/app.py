@@ -80,7 +80,8 @@ def create_app(state: ServerState) -> FastAPI:
     # The web console: its own sign-in (a cookie that stands for a key), its assets in the package.
     app.include_router(console.router)
     app.mount(f"{console.PATH}/static", StaticFiles(directory=console.STATIC), name="console-static")
-    app.add_exception_handler(console.NotSignedIn, console.not_signed_in)
+    # Starlette types a handler as taking any Exception; it calls this one with NotSignedIn alone.
+    app.add_exception_handler(console.NotSignedIn, console.not_signed_in)  # type: ignore[arg-type]
     # What each route declares (errors.route_mark), for the middleware that runs before routing.
     app.state.declared_routes = [route for router, _ in routers for route in router.routes]
     app.add_middleware(

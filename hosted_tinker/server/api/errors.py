@@ -37,7 +37,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # FastAPI's own refusals (a body it cannot parse, 405): in the route family's shape.
-        return error_response(request.url.path, exc.status_code, str(exc.detail), headers=exc.headers)
+        return error_response(
+            request.url.path,
+            exc.status_code,
+            str(exc.detail),
+            headers=dict(exc.headers) if exc.headers is not None else None,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -14,12 +16,16 @@ from hosted_tinker.server.protocol import openai_types as oai
 from hosted_tinker.server.protocol import responses as rsp
 
 # vLLM's answer, passed through as it sent it: JSON or server-sent events.
-_PASSED_THROUGH = {200: {"content": {"application/json": {"schema": {"type": "object"}}, **rsp.SSE}}}
+_PASSED_THROUGH: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/json": {"schema": {"type": "object"}}, **rsp.SSE}}
+}
 
 
 async def forward(path: str, request: Request) -> Response:
     """Completions, chat completions, and vLLM's other OpenAI-style routes."""
     proxy = server_state(request).openai_proxy
+    if proxy is None:  # (these routes are mounted only with vLLM, which comes with its proxy)
+        raise RuntimeError("no OpenAI proxy")
     body = await request.body()
     return await proxy.forward(request.method, path, request.url.query, body, dict(request.headers), tenant_of(request))
 

@@ -39,7 +39,7 @@ async def metrics(request: Request) -> Response:
             return tenant is not None and state.tenancy.owns(tenant, model)
 
         scrape = await asyncio.to_thread(visible, scrape.families, owns)  # a query per model
-    return Response(generate_latest(scrape), media_type=CONTENT_TYPE_LATEST)  # type: ignore[arg-type]
+    return Response(generate_latest(scrape), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/api/v1/healthz", response_model=rsp.HealthResponse)

@@ -88,12 +88,13 @@ def open_request_log(target: str) -> logging.Logger:
     logger = logging.getLogger(LOGGER)
     logger.propagate = False  # its lines are JSON, not the server log's format
     logger.setLevel(logging.INFO)
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-        handler.close()
+    for old in list(logger.handlers):
+        logger.removeHandler(old)
+        old.close()
     path = Path(target)
+    handler: logging.Handler
     if target == "-":
-        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler = logging.StreamHandler(sys.stderr)
     elif path.exists() and not path.is_file():  # a fifo or /dev/null: written to, never rotated
         handler = logging.FileHandler(target)
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import date, datetime
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse
@@ -24,7 +24,7 @@ MAX_OFFSET = 2**62  # SQLite integers are 64-bit: a larger offset is a 422, not 
 router = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
 # Signed download links are their own credential: the CLI fetches them without an API key.
 downloads = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS)
-NO_CONTENT = {"status_code": 204, "response_class": Response}
+NO_CONTENT: dict[str, Any] = {"status_code": 204, "response_class": Response}
 
 
 # "owned": the key's own. "accessible": also what it may read of others', which here is runs

@@ -56,7 +56,7 @@ from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.serving.training import TrainingService
 from hosted_tinker.server.serving.uploads import UploadService
 from hosted_tinker.server.serving.usage import UsageLedger
-from hosted_tinker.server.workers.backend import ProcessBackend, SamplerClient
+from hosted_tinker.server.workers.backend import ProcessBackend
 from hosted_tinker.server.workers.cluster import Cluster
 from hosted_tinker.server.workers.launch import rank_factories
 
@@ -165,7 +165,7 @@ def build_state(config: ServerConfig) -> ServerState:
         sequences=sequences,
         custom_losses=custom_losses,
         residency=residency,
-        joint=JointPasses(backend, scheduler, residency.is_resident, config.joint_pass_tokens),
+        joint=JointPasses(backend.trainer, scheduler, residency.is_resident, config.joint_pass_tokens),
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
         run_metrics=run_metrics,
@@ -181,7 +181,7 @@ def build_state(config: ServerConfig) -> ServerState:
         tokenizer,
         _eos_ids(model_path, tokenizer),
         EmbeddedEngine(
-            SamplerClient(backend),
+            backend.sampler,
             scheduler.run_on_worker,
             config.sample_batch_window_s,
             config.sample_slice_s,
@@ -361,7 +361,7 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if config.inference_url is not None:
-        host = ExternalVllm(config.inference_url)
+        host: ExternalVllm | VllmSupervisor = ExternalVllm(config.inference_url)
         if layout.launch_args() or max_lora_rank != config.max_lora_rank:
             needs = [*layout.launch_args(), "--max-lora-rank", str(max_lora_rank)]
             log.warning("--inference-url: %s's adapters need vLLM started with %s", layout.arch, " ".join(needs))
@@ -404,13 +404,15 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
         host = VllmSupervisor(launch)
 
     def files_version(weights: WeightsRef) -> str:
-        return str((weights.directory() / MANIFEST).stat().st_mtime_ns)
+        files, path = weights.saved()
+        return str((files.directory(path) / MANIFEST).stat().st_mtime_ns)
 
     def verify(weights: WeightsRef) -> None:  # SHA-256 of every file, before vLLM reads them
-        weights.files.read(weights.path, only=ADAPTER_FILES)
+        files, path = weights.saved()
+        files.read(path, only=ADAPTER_FILES)
 
     root = default_root(config.data_dir)
-    zero = None if on_gpu else write_zero_adapter(root, *backend.zero_adapter(), layout)  # see VllmEngine
+    zero = None if on_gpu else write_zero_adapter(root, *backend.trainer.zero_adapter(), layout)  # see VllmEngine
     return VllmEngine(host, files_version, verify, root, zero, backend.capabilities.family, layout)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
@@ -219,12 +220,13 @@ async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, reque
     state = _owner_of_model(request, req.model_id)
     held = None
     if req.path is not None:  # a named save is stored; an unnamed one is a sampler's snapshot
-        held = state.quotas.reserve_checkpoint(
+        reserved = state.quotas.reserve_checkpoint(
             tenant_of(request), req.user_metadata, state.checkpoints.likely_size(req.model_id, "sampler_weights")
         )
-        if isinstance(held, ApiError):
-            refused = state.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, held)
+        if isinstance(reserved, ApiError):
+            refused = state.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, reserved)
             return _future(request, refused)
+        held = reserved
     return _future(request, state.checkpoints.save_weights_for_sampler(req, held), req.model_id)
 
 
@@ -320,7 +322,7 @@ async def retrieve_future(req: wire.RetrieveFutureRequest, request: Request) -> 
         raise not_found(f"request_id {req.request_id!r} does not exist")
     if not record.finished:
         # The SDK re-polls at once on try_again, so this is only sent after a full long-poll.
-        body = {"type": "try_again", "request_id": record.request_id, "queue_state": "active"}
+        body: dict[str, Any] = {"type": "try_again", "request_id": record.request_id, "queue_state": "active"}
         return Response(json.dumps(body), media_type="application/json")
     if record.status == "failed":
         body = {"error": record.error, "category": record.category, "request_id": record.request_id}

@@ -151,7 +151,7 @@ async def signin(request: Request) -> Response:
     if state.keys.required:
         if state.keys.tenant_of(key) is None:
             nonce = new_nonce()
-            response = page(
+            response: Response = page(
                 request, "signin.html", None, status_code=401, nonce=nonce, next=target, needs_key=True,
                 error="That key is not valid here (or it was revoked).",
             )  # fmt: skip

@@ -275,6 +275,11 @@ class Fetched:
     def fetchone(self) -> tuple | None:
         return self.rows[0] if self.rows else None
 
+    def one(self) -> tuple:
+        """The row of a statement that always returns one (an aggregate, or a RETURNING of a row
+        that exists); ``IndexError`` if it returned none."""
+        return self.rows[0]
+
     def fetchall(self) -> list[tuple]:
         return self.rows
 

@@ -199,13 +199,13 @@ class Store(CheckpointRows, ListingRows, UsageRows, AuditRows, KeyRows):
         loaded or parked in its unfinished sessions (heard from or not: a client that never
         heartbeats must not get around the count), and bytes of stored checkpoints."""
         live = "SELECT session_id FROM sessions WHERE owner=? AND status='active' AND last_heartbeat >= ?"
-        sessions = self._exec(f"SELECT COUNT(*) FROM ({live})", (owner, live_since)).fetchone()[0]
-        models = self._exec(f"SELECT COUNT(*) {_HELD_MODELS}", (owner,)).fetchone()[0]
+        sessions = self._exec(f"SELECT COUNT(*) FROM ({live})", (owner, live_since)).one()[0]
+        models = self._exec(f"SELECT COUNT(*) {_HELD_MODELS}", (owner,)).one()[0]
         stored = self._exec(
             "SELECT COALESCE(SUM(c.size_bytes), 0) FROM checkpoints c JOIN models m ON m.model_id = c.model_id "
             "JOIN sessions s ON s.session_id = m.session_id WHERE s.owner=?",
             (owner,),
-        ).fetchone()[0]
+        ).one()[0]
         return {"sessions": sessions, "models": models, "checkpoint_bytes": stored}
 
     def live_loras(self, owner: str) -> list[dict]:
@@ -214,9 +214,9 @@ class Store(CheckpointRows, ListingRows, UsageRows, AuditRows, KeyRows):
 
     def count_active(self) -> dict[str, int]:
         """Live sessions, loaded models and parked ones (saved off the workers), for /healthz."""
-        sessions = self._exec("SELECT COUNT(*) FROM sessions WHERE status='active'").fetchone()[0]
-        models = self._exec("SELECT COUNT(*) FROM models WHERE status='active'").fetchone()[0]
-        parked = self._exec("SELECT COUNT(*) FROM models WHERE status='parked'").fetchone()[0]
+        sessions = self._exec("SELECT COUNT(*) FROM sessions WHERE status='active'").one()[0]
+        models = self._exec("SELECT COUNT(*) FROM models WHERE status='active'").one()[0]
+        parked = self._exec("SELECT COUNT(*) FROM models WHERE status='parked'").one()[0]
         return {"sessions": sessions, "models": models, "parked_models": parked}
 
     def parked_models(self) -> list[tuple[str, int]]:

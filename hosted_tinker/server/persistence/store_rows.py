@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hosted_tinker.server.persistence.records import (
     ApiKeyRecord,
@@ -40,7 +40,7 @@ def model_record(row: tuple) -> ModelRecord:
 
 
 def checkpoint_record(row: tuple) -> CheckpointRecord:
-    return CheckpointRecord(*row[:6], bool(row[6]), json.loads(row[7]), row[8])
+    return CheckpointRecord(row[0], row[1], row[2], row[3], row[4], row[5], bool(row[6]), json.loads(row[7]), row[8])
 
 
 class _Rows:
@@ -114,7 +114,8 @@ class CheckpointRows(_Rows):
         None). Of those, the ones of kind ``kind``, of runs of one of ``base_models`` and made
         at or before ``until``, where given. Lists travel as one JSON parameter each (any
         length: SQLite caps the number of parameters)."""
-        visible, args = [], []
+        visible: list[str] = []
+        args: list[Any] = []  # the placeholders' values: text and numbers
         if own:
             mine = "s.owner = ?"
             args.append(owner)
@@ -166,7 +167,7 @@ class ListingRows(_Rows):
             where = f"{where} AND COALESCE(s.project_id, ?) = ?"
             args += [DEFAULT_PROJECT, project]
         runs = f"FROM models m JOIN sessions s ON s.session_id = m.session_id WHERE {where}"
-        total = self._exec(f"SELECT COUNT(*) {runs}", tuple(args)).fetchone()[0]
+        total = self._exec(f"SELECT COUNT(*) {runs}", tuple(args)).one()[0]
         rows = self._exec(
             f"SELECT {MODEL_COLUMNS} {runs} ORDER BY m.created_at DESC LIMIT ? OFFSET ?", (*args, limit, offset)
         ).fetchall()
@@ -214,7 +215,7 @@ class ListingRows(_Rows):
         return self._exec(
             "SELECT COUNT(*) FROM checkpoints c JOIN models m ON m.model_id = c.model_id WHERE m.session_id=?",
             (session_id,),
-        ).fetchone()[0]
+        ).one()[0]
 
     def get_session(self, session_id: str) -> dict | None:
         row = self._exec(
@@ -255,7 +256,8 @@ class ListingRows(_Rows):
         self, *, model_id: str | None = None, session_id: str | None = None, owner: str | None = None
     ) -> list[SamplerRecord]:
         """Samplers on ephemeral snapshots, newest first, optionally of one model, session or owner."""
-        where, args = "x.snapshot IS NOT NULL", []
+        where = "x.snapshot IS NOT NULL"
+        args: list[Any] = []
         if model_id is not None:
             where, args = where + " AND x.model_id=?", [*args, model_id]
         if session_id is not None:
@@ -290,7 +292,7 @@ class ListingRows(_Rows):
         """The next client number of a sampling session (its first client is 0, joiners 1, 2, …)."""
         row = self._exec(
             "UPDATE samplers SET clients = clients + 1 WHERE sampler_id=? RETURNING clients", (sampler_id,)
-        ).fetchone()
+        ).one()
         return int(row[0])
 
     def get_sampler(self, sampler_id: str) -> SamplerRecord | None:

@@ -22,7 +22,11 @@ from hosted_tinker.core.sampling import SampleOutput
 from hosted_tinker.server.protocol.json_types import TensorData
 from hosted_tinker.server.protocol.proto_scan import scan_forward_backward
 
-_DTYPES = {pb.DTYPE_FLOAT32: np.dtype("<f4"), pb.DTYPE_INT64: np.dtype("<i8"), pb.DTYPE_INT32: np.dtype("<i4")}
+_DTYPES: dict[int, np.dtype] = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+}
 
 
 @dataclass(frozen=True)
@@ -250,9 +254,8 @@ def _datum(msg: pb.Datum, index: int, budget: list[int]) -> WireDatum:
     images = [c for c in chunks if isinstance(c, WireImage)]
     # the SDK's ModelInput.length counts an image as its expected_tokens; one without them has
     # its length only once the server has counted it (``serving.images``), where shapes are checked
-    leading = (
-        None if any(i.expected_tokens is None for i in images) else len(joined) + sum(i.expected_tokens for i in images)
-    )
+    expected = [i.expected_tokens for i in images]
+    leading = None if None in expected else len(joined) + sum(e for e in expected if e is not None)
     inputs = {
         key: _tensor(t, f"{where}.loss_fn_inputs.{key}", leading, budget) for key, t in msg.loss_fn_inputs.items()
     }
@@ -354,10 +357,10 @@ def encode_sample_response(output: SampleOutput, target_layout: pb.Tensor | None
     if output.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(output.prompt_logprobs, dtype="<f4").tobytes()
     if output.topk_prompt is not None:
-        ids, lps = output.topk_prompt
-        msg.topk_prompt_logprobs.token_ids = ids.numpy().astype("<i4").tobytes()
-        msg.topk_prompt_logprobs.logprobs = lps.numpy().astype("<f4").tobytes()
-        msg.topk_prompt_logprobs.length, msg.topk_prompt_logprobs.k = ids.shape
+        prompt_ids, prompt_lps = output.topk_prompt
+        msg.topk_prompt_logprobs.token_ids = prompt_ids.numpy().astype("<i4").tobytes()
+        msg.topk_prompt_logprobs.logprobs = prompt_lps.numpy().astype("<f4").tobytes()
+        msg.topk_prompt_logprobs.length, msg.topk_prompt_logprobs.k = prompt_ids.shape
     if output.target_prompt is not None:
         _fill_like(msg.target_prompt_logprobs, output.target_prompt.numpy(), target_layout)
     if output.prompt_alt is not None:

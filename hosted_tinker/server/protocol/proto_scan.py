@@ -70,7 +70,7 @@ class Scanned:
     tokens: int = 0
 
 
-def scan_forward_backward(body: bytes | memoryview, max_tokens: int | None = None) -> Scanned:
+def scan_forward_backward(body: bytes | bytearray | memoryview, max_tokens: int | None = None) -> Scanned:
     """Walk ``body`` (an inflated ``ForwardBackwardRequest``) within the bounds above (tokens:
     none unless ``max_tokens``); a ``WireError`` names the first one passed, or what is malformed."""
     walk = _Walk(memoryview(body), max_tokens)

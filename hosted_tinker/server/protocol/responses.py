@@ -17,12 +17,13 @@ import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import JsonDict
 
 from hosted_tinker.server.protocol.json_types import CreateSessionResponse, UntypedFuture
 
 __all__ = ["CreateSessionResponse", "UntypedFuture"]
 
-_ISO = {"format": "date-time"}
+_ISO: JsonDict = {"format": "date-time"}
 
 
 def iso_time(t: float) -> datetime.datetime:
@@ -477,10 +478,15 @@ class RunMetricsResponse(Response):
 
 # ---- non-JSON bodies (declared with ``responses=``) -----------------------------------------
 
-_BINARY = {"type": "string", "format": "binary"}
-SSE = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events, ending in [DONE]"}}}
-FILE = {200: {"content": {"application/octet-stream": {"schema": _BINARY}}, "description": "the file's bytes"}}
-PROTOBUF = {"application/x-protobuf": {"schema": _BINARY}}
-TRACE = {
+# typed as FastAPI's ``responses=`` and ``content`` take them
+_BINARY: dict[str, Any] = {"type": "string", "format": "binary"}
+SSE: dict[str, Any] = {
+    "text/event-stream": {"schema": {"type": "string", "description": "server-sent events, ending in [DONE]"}}
+}
+FILE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {"schema": _BINARY}}, "description": "the file's bytes"}
+}
+PROTOBUF: dict[str, Any] = {"application/x-protobuf": {"schema": _BINARY}}
+TRACE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/json": {"schema": {"type": "object"}}}, "description": "Chrome trace-event JSON"}
 }

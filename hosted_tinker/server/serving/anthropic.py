@@ -23,7 +23,7 @@ import json
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from jinja2 import TemplateError
 
@@ -187,6 +187,10 @@ class _Prepared:
     tools: Schemas | None  # the tools offered (calls are read out of the answer as they say), if any
 
 
+# why a message ended, as the Messages API names it
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
 class AnthropicService:
     def __init__(self, openai: OpenAIService) -> None:
         self.openai = openai
@@ -242,7 +246,7 @@ class AnthropicService:
 
     # ---- answers ----------------------------------------------------------------------------
 
-    def _content(self, seq: SampledSequence, ready: _Prepared) -> tuple[list[dict[str, Any]], str, str | None]:
+    def _content(self, seq: SampledSequence, ready: _Prepared) -> tuple[list[dict[str, Any]], StopReason, str | None]:
         """A sampled answer's content blocks (its text, then its tool calls), stop reason, and the
         stop sequence that ended it, if one did."""
         text, stop, calls = self.openai.read_answer(seq.tokens, ready.spec, ready.tools)
@@ -261,18 +265,20 @@ class AnthropicService:
         self,
         req: MessagesRequest,
         prompt: list[int],
-        answer: tuple[list[dict[str, Any]], str, str | None] | None = None,
+        answer: tuple[list[dict[str, Any]], StopReason, str | None] | None = None,
         output_tokens: int = 0,
     ) -> ant.Message:
         """The message with ``answer`` (``_content``'s), or before it: a stream's ``message_start``."""
         blocks, reason, stop = answer if answer is not None else ([], None, None)
-        return ant.Message(
-            id=f"msg_{secrets.token_hex(12)}",
-            model=req.model,
-            content=blocks,  # each block's dict is checked as its type's model
-            stop_reason=reason,
-            stop_sequence=stop,
-            usage=ant.Usage(input_tokens=len(prompt), output_tokens=output_tokens),
+        return ant.Message.model_validate(
+            {
+                "id": f"msg_{secrets.token_hex(12)}",
+                "model": req.model,
+                "content": blocks,  # each block's dict is checked as its type's model
+                "stop_reason": reason,
+                "stop_sequence": stop,
+                "usage": ant.Usage(input_tokens=len(prompt), output_tokens=output_tokens),
+            }
         )
 
     async def respond(self, req: MessagesRequest, tenant: str) -> ant.Message:
@@ -322,9 +328,12 @@ class AnthropicService:
             yield _event("content_block_stop", {"index": 0})
         for index, block in enumerate((b for b in blocks if b["type"] == "tool_use"), start=int(started)):
             yield _event("content_block_start", {"index": index, "content_block": block | {"input": {}}})
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            yield _event("content_block_delta", {"index": index, "delta": delta})
+            partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield _event("content_block_delta", {"index": index, "delta": partial})
             yield _event("content_block_stop", {"index": index})
-        delta = {"delta": {"stop_reason": reason, "stop_sequence": stop}, "usage": {"output_tokens": len(seq.tokens)}}
+        delta: dict[str, Any] = {
+            "delta": {"stop_reason": reason, "stop_sequence": stop},
+            "usage": {"output_tokens": len(seq.tokens)},
+        }
         yield _event("message_delta", delta)
         yield _event("message_stop", {})

@@ -32,7 +32,7 @@ def check_datum(
         raise bad_request(f"{where}.loss_fn_inputs.target_tokens is required")
     if targets.dtype.kind not in "iu":
         raise bad_request(f"{where}.loss_fn_inputs.target_tokens must be int64, got {targets.dtype}")
-    topk_allowed = custom is not None or spec.allows_topk_targets
+    topk_allowed = custom is not None or (spec is not None and spec.allows_topk_targets)
     if targets.ndim == 2 and not (topk_allowed and caps.topk_targets):
         raise bad_request(f"{where}.loss_fn_inputs.target_tokens: (N, K) targets are only valid for cross_entropy")
     if targets.shape[:1] != (n,) or targets.ndim > 2:
@@ -48,6 +48,8 @@ def check_datum(
             inputs=datum_inputs(custom, d, where, targets),
             images=tuple(d.images),
         )
+    if spec is None:  # neither a built-in loss nor a custom one: the loss_fn check comes first
+        raise bad_request(f"{where}: no loss to check it for")
     tensors: dict[str, torch.Tensor] = {}
     for key in spec.required_inputs:
         if key not in inputs:
@@ -65,9 +67,9 @@ def check_datum(
         if not np.isfinite(value).all():
             raise bad_request(f"{where}.loss_fn_inputs.{key} contains NaN or infinity")
         tensors[key] = torch.from_numpy(value.astype(np.float32))
-    for key, value in spec.input_defaults.items():
+    for key, default in spec.input_defaults.items():
         if key not in tensors:  # weights follow the target's shape, as above
-            tensors[key] = torch.full(targets.shape if key == "weights" else (n,), value, dtype=torch.float32)
+            tensors[key] = torch.full(targets.shape if key == "weights" else (n,), default, dtype=torch.float32)
     return DatumInput(
         tokens=torch.from_numpy(d.tokens.astype(np.int64)),
         target_tokens=torch.from_numpy(targets.astype(np.int64)),

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hosted_tinker.core.adapter_layout import WEIGHTS
+from hosted_tinker.core.calls import on_rank_0
 from hosted_tinker.core.checkpoints import (
     CheckpointError,
     CheckpointFiles,
@@ -32,7 +33,7 @@ from hosted_tinker.core.checkpoints import describe as describe_checkpoint
 from hosted_tinker.core.checkpoints import description as describe_lora
 from hosted_tinker.core.encryption import encrypt_files, parse_recipients
 from hosted_tinker.core.errors import bad_request, not_found
-from hosted_tinker.core.types import AdapterState, LoraSpec, TrainingBackend
+from hosted_tinker.core.types import AdapterState, LoraSpec
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.mirror import CheckpointMirror
 from hosted_tinker.server.persistence.records import CheckpointRecord, ModelRecord, SamplerRecord
@@ -46,6 +47,7 @@ from hosted_tinker.server.serving import optimizers
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.events import Changed, CheckpointEvents, Deleted, Made
 from hosted_tinker.server.serving.training import Admit, TrainingService, json_result, model_optimizer
+from hosted_tinker.server.workers.backend import ProcessBackend
 
 if TYPE_CHECKING:
     from hosted_tinker.server.quotas import Reservation
@@ -79,7 +81,7 @@ class CheckpointService:
     ) -> None:
         self.events = events if events is not None else CheckpointEvents()  # what follows (``serving.events``)
         self.training = training
-        self.backend: TrainingBackend = training.backend
+        self.backend: ProcessBackend = training.backend
         self.scheduler: Scheduler = training.scheduler
         self.store: Store = training.store
         self.files = files
@@ -182,10 +184,10 @@ class CheckpointService:
         return next((c.size_bytes for c in self.store.list_checkpoints(model_id) if c.kind == kind), 0)
 
     def _export(self, kind: str, model: ModelRecord) -> dict[str, bytes]:
-        config = self.backend.peft_config(model.model_id)
+        config = self.backend.trainer.peft_config(model.model_id)
         config["base_model_name_or_path"] = model.base_model
         # Only training state needs the optimizer moments (twice the adapter's size).
-        state = self.backend.export_state(model.model_id, with_optimizer=kind == "weights")
+        state = on_rank_0(self.backend.trainer.export_state(model.model_id, with_optimizer=kind == "weights"))
         if kind == "weights":
             return state_to_files(state, config, model.base_model, self.backend.capabilities.family)
         return adapter_files(config, state.weights, self.backend.capabilities.family)
@@ -267,13 +269,13 @@ class CheckpointService:
         samplers = self.store.ephemeral_samplers(model_id=model_id)
         self._retire_snapshots([s for s in samplers if s.kind == "snapshot"][KEEP_SNAPSHOTS:])
         for sampler in [s for s in samplers if s.kind == "inflight"][KEEP_SNAPSHOTS:]:
-            self.ephemeral.delete(TinkerPath.parse(sampler.snapshot))
+            self.ephemeral.delete(_snapshot(sampler))
 
     def _retire_snapshots(self, samplers: list[SamplerRecord]) -> None:
         """Delete ephemeral snapshots (an RL loop makes one per step; each is a full adapter)."""
         for sampler in samplers:
             self.store.delete_sampler(sampler.sampler_id)
-            self.ephemeral.delete(TinkerPath.parse(sampler.snapshot))
+            self.ephemeral.delete(_snapshot(sampler))
 
     def finish_session(self, session_id: str) -> None:
         """A finished session's ephemeral samplers can no longer be used: free their disk."""
@@ -360,11 +362,12 @@ class CheckpointService:
             return self._create_via_load(req, admit)
         if req.seq_id is None:
             raise bad_request("load_weights on an existing model needs seq_id")
+        model_id = req.model_id
 
         def prepare() -> Job:  # every refusal in here still consumes the seq_id
             named = self._check_load_options(req)
             path = self._training_path(req.path, adapter=not req.optimizer)
-            model = self.training.live_model(req.model_id)
+            model = self.training.live_model(model_id)
             mine = model_optimizer(model)
             if named is not None and named != mine:
                 raise bad_request(
@@ -375,8 +378,8 @@ class CheckpointService:
             shape = ("rank", "train_attn", "train_mlp", "train_unembed")
             if any(getattr(lora, k) != model.lora[k] for k in shape):
                 theirs = {k: getattr(lora, k) for k in shape}
-                mine = {k: model.lora[k] for k in shape}
-                raise bad_request(f"{path} holds a LoRA adapter {theirs}, but model {model.model_id} has {mine}")
+                ours = {k: model.lora[k] for k in shape}
+                raise bad_request(f"{path} holds a LoRA adapter {theirs}, but model {model.model_id} has {ours}")
             if base_model not in self.training.served_names:
                 raise bad_request(f"{path} was trained on {base_model!r}, which is not served here")
             if req.optimizer and lora.optimizer != mine:
@@ -394,7 +397,7 @@ class CheckpointService:
                 )
 
             def job() -> tuple[bytes, str]:
-                self.backend.load_state(model.model_id, self._state(path, lora), with_optimizer=req.optimizer)
+                self.backend.trainer.load_state(model.model_id, self._state(path, lora), with_optimizer=req.optimizer)
                 self.training.weights_changed(model.model_id)
                 return json_result({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
@@ -421,7 +424,7 @@ class CheckpointService:
             lora = dataclasses.replace(lora, optimizer=named or "adamw")
 
         def load(new_model_id: str) -> None:
-            self.backend.load_state(new_model_id, self._state(path, lora), with_optimizer=req.optimizer)
+            self.backend.trainer.load_state(new_model_id, self._state(path, lora), with_optimizer=req.optimizer)
 
         return self.training.create_model_with(
             model_id,
@@ -453,11 +456,11 @@ class CheckpointService:
     def _delete(self, path: TinkerPath) -> None:
         # A mirrored checkpoint's row goes with its tombstone: never a moment in which a restart
         # would find the mirror's copy and no row, and restore what was deleted.
-        mirrored = self.mirror is not None and self.mirror.mirrors(path)
-        self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=mirrored)
+        mirror = self.mirror if self.mirror is not None and self.mirror.mirrors(path) else None
+        self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=mirror is not None)
         self.files.delete(path)
-        if mirrored:
-            self.mirror.deleted(path)
+        if mirror is not None:
+            mirror.deleted(path)
 
     def set_public(self, run_id: str, checkpoint_id: str, public: bool, actor: str) -> None:
         path, _ = self._record(run_id, checkpoint_id)
@@ -512,3 +515,10 @@ class CheckpointService:
             self._delete(path)
             self.events.deleted(Deleted(path, None, reason="ttl"))
         return len(expired)
+
+
+def _snapshot(sampler: SamplerRecord) -> TinkerPath:
+    """Where an ephemeral sampler's snapshot is (``ephemeral_samplers`` lists only those with one)."""
+    if sampler.snapshot is None:
+        raise ValueError(f"sampler {sampler.sampler_id} has no snapshot")
+    return TinkerPath.parse(sampler.snapshot)

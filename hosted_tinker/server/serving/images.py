@@ -48,7 +48,7 @@ class ImageLayout:
         """``image`` (``where`` names its chunk) placed at ``start``: its size read from the header,
         its token count, the SDK's ``expected_tokens`` held to it; ``budget``: the pixels the
         request may still decode, less this image's."""
-        self._check_takes_images(where)
+        counter = self.image_tokens(where)
         try:
             opened = open_image(image.data, image.format, where)
         except UserError as e:
@@ -64,7 +64,7 @@ class ImageLayout:
             raise bad_request(f"{where}: the request's images hold over {MAX_REQUEST_PIXELS} pixels in all")
         if size is not None:
             width, height = size
-        tokens = self.counter.count(width, height, where)
+        tokens = counter.count(width, height, where)
         if image.expected_tokens is not None and image.expected_tokens != tokens:
             raise bad_request(
                 f"{where}: the {width}×{height} {image.format} image is {tokens} tokens for this model, "
@@ -72,9 +72,11 @@ class ImageLayout:
             )
         return ImageInput(start, tokens, image.data, image.format, size)
 
-    def _check_takes_images(self, where: str) -> None:
+    def image_tokens(self, where: str) -> ImageTokens:
+        """The served model's image tokens; a 400 naming ``where`` if it takes no images."""
         if self.counter is None:
             raise bad_request(f"{where}: image chunks are not supported by {self.caps.arch} (a text-only model)")
+        return self.counter
 
     def data(self, data: list[WireDatum]) -> None:
         """Lay each datum's images into its tokens (each a run of the model's image token)."""
@@ -90,7 +92,8 @@ class ImageLayout:
             if isinstance(chunk, WireImage):
                 image = self.image(chunk, start, f"{where}.model_input[{chunk.chunk}]", budget)
                 d.images.append(image)
-                pieces.append(np.full(image.tokens, self.counter.image_token_id, dtype=np.int64))
+                token = self.image_tokens(where).image_token_id  # (image() checked it)
+                pieces.append(np.full(image.tokens, token, dtype=np.int64))
             else:
                 pieces.append(chunk.astype(np.int64))
             start += len(pieces[-1])
@@ -99,7 +102,7 @@ class ImageLayout:
 
     def prompt_image(self, chunk: dict, start: int, where: str, budget: list[int]) -> ImageInput:
         """A sampling prompt's JSON image chunk (``{"data": base64, "format", "expected_tokens"?}``)."""
-        self._check_takes_images(where)  # before its fields: a text-only model takes none
+        self.image_tokens(where)  # before its fields: a text-only model takes none
         data, fmt, expected = chunk.get("data"), chunk.get("format"), chunk.get("expected_tokens")
         if not isinstance(data, str):
             raise bad_request(f"{where}.data must be a base64 string")

@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hosted_tinker.core.types import ForwardBackwardBatch, ForwardBackwardResult, TrainingBackend
+from hosted_tinker.core.types import ForwardBackwardBatch, ForwardBackwardResult, RequestFailed
+from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.scheduler import Scheduler
 
 
@@ -39,9 +40,9 @@ class Pending:
 
 class JointPasses:
     def __init__(
-        self, backend: TrainingBackend, scheduler: Scheduler, resident: Callable[[str], bool], max_tokens: int
+        self, trainer: Trainer, scheduler: Scheduler, resident: Callable[[str], bool], max_tokens: int
     ) -> None:
-        self.backend = backend
+        self.trainer = trainer  # the workers' (``ProcessBackend.trainer``)
         self.scheduler = scheduler
         self.resident = resident  # whether a model is on the workers now (``Residency.is_resident``)
         self.max_tokens = max_tokens  # 0: every request runs alone
@@ -73,12 +74,13 @@ class JointPasses:
             if not companions:
                 started = time.perf_counter()
                 try:
-                    return self.backend.forward_backward(entry.model_id, entry.batch)
+                    return self.trainer.forward_backward(entry.model_id, entry.batch)
                 finally:
                     entry.seconds = time.perf_counter() - started
             self._run_together([entry, *companions])
         if isinstance(entry.outcome, BaseException):
             raise entry.outcome
+        assert entry.outcome is not None  # _run_together gave every entry of its pass one
         return entry.outcome
 
     def _companions(self, lead: Pending) -> list[Pending]:
@@ -121,8 +123,10 @@ class JointPasses:
             for entry in entries[1:]:
                 self._pending.pop((entry.model_id, entry.seq_id), None)
         started = time.perf_counter()
+        outcomes: list[ForwardBackwardResult | BaseException]
         try:
-            outcomes = self.backend.forward_backward_many([(e.model_id, e.batch) for e in entries])
+            replies = self.trainer.forward_backward_many([(e.model_id, e.batch) for e in entries])
+            outcomes = [r.error() if isinstance(r, RequestFailed) else r for r in replies]
         except BaseException as e:  # the workers died under all of them
             outcomes = [e] * len(entries)
         seconds, tokens = time.perf_counter() - started, sum(e.tokens for e in entries)

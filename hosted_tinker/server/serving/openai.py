@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, Literal, TypeVar
 
 from jinja2 import TemplateError
 
@@ -320,7 +320,7 @@ class OpenAIService:
         return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
 
     @staticmethod
-    def _finish_reason(seq: SampledSequence) -> str:
+    def _finish_reason(seq: SampledSequence) -> Literal["stop", "length"]:
         return "stop" if seq.stop_reason == "stop" else "length"
 
     async def on_tokenizer_thread(self, fn: Callable[..., T], *args: object) -> T:
@@ -364,19 +364,20 @@ class OpenAIService:
         self, req: CompletionRequest | ChatCompletionRequest, prompt: list[int], spec: SampleSpec, output: SampleOutput
     ) -> oai.Completion | oai.ChatCompletion:
         chat = isinstance(req, ChatCompletionRequest)
-        tools = offered_tools(req) if chat else None
+        tools = offered_tools(req) if isinstance(req, ChatCompletionRequest) else None
         choices: list = []
         for i, seq in enumerate(output.sequences):
             text, _, calls = self.read_answer(seq.tokens, spec, tools)
-            finish = "tool_calls" if calls else self._finish_reason(seq)
+            finish: Literal["tool_calls", "stop", "length"] = "tool_calls" if calls else self._finish_reason(seq)
             if chat:
                 entries = [oai.ToolCallOut.model_validate(c) for c in tool_call_entries(calls)] if calls else None
                 message = oai.AssistantMessage(content=text or (None if calls else ""), tool_calls=entries)
-                logprobs = chat_logprobs(seq, self._token_str) if req.logprobs else None
-                choices.append(oai.ChatChoice(index=i, finish_reason=finish, message=message, logprobs=logprobs))
+                chat_lps = chat_logprobs(seq, self._token_str) if req.logprobs else None
+                choices.append(oai.ChatChoice(index=i, finish_reason=finish, message=message, logprobs=chat_lps))
             else:
-                logprobs = completion_logprobs(seq, self._token_str) if req.logprobs is not None else None
-                choices.append(oai.CompletionChoice(index=i, finish_reason=finish, text=text, logprobs=logprobs))
+                text_lps = completion_logprobs(seq, self._token_str) if req.logprobs is not None else None
+                reason = self._finish_reason(seq)  # (tool calls are a chat's)
+                choices.append(oai.CompletionChoice(index=i, finish_reason=reason, text=text, logprobs=text_lps))
         answer = oai.ChatCompletion if chat else oai.Completion
         return answer(
             id=f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
@@ -438,7 +439,9 @@ class OpenAIService:
             index: int, text: str | None, finish: str | None, first: bool = False, calls: list | None = None
         ) -> str:
             if chat:
-                delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+                delta: dict[str, Any] = ({"role": "assistant", "content": ""} if first else {}) | (
+                    {"content": text} if text else {}
+                )
                 delta |= {"tool_calls": calls} if calls else {}
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 body = {

@@ -47,4 +47,4 @@ def completion_logprobs(seq: SampledSequence, token_str: TokenStr) -> oai.Comple
     top = None
     if seq.topk is not None:
         top = [{token_str(t): v for t, v in zip(*alternatives(seq, i), strict=True)} for i in range(len(seq.tokens))]
-    return oai.CompletionLogprobs(tokens=tokens, token_logprobs=seq.logprobs, top_logprobs=top, text_offset=offsets)
+    return oai.CompletionLogprobs(tokens=tokens, token_logprobs=[*seq.logprobs], top_logprobs=top, text_offset=offsets)

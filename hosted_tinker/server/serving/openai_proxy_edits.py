@@ -114,11 +114,16 @@ class GreedyCopies:
 
     def __init__(self, payload: dict, path: str) -> None:
         n, temperature = payload.get("n"), payload.get("temperature")
-        greedy = type(temperature) in (int, float) and 0 <= temperature < GREEDY_BELOW
+        # numbers, not booleans (JSON's true is no temperature)
+        greedy = (
+            isinstance(temperature, int | float)
+            and not isinstance(temperature, bool)
+            and 0 <= temperature < GREEDY_BELOW
+        )
         # Beam search reads n as its width; best_of asks for more than n to choose from.
         alone = not lax_bool(payload.get("use_beam_search")) and payload.get("best_of") in (None, 1)
         wanted = path in SAMPLING_PATHS and greedy and alone and type(n) is int and 1 < n <= MAX_COPIES
-        self.n = n if wanted else 1
+        self.n: int = n if wanted and type(n) is int else 1
         self.asks = {"n": 1} if self.n > 1 else {}
 
     def answer(self, content: bytes) -> bytes:

@@ -17,6 +17,7 @@ the sampler's recorded log-prob of it (0 elsewhere).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,13 +74,11 @@ def resolve(
     provenance to every RL datum, whatever the loss and whether or not its sampler recorded."""
     targets = datum.loss_fn_inputs["target_tokens"]
     n = len(datum.tokens)
-    walk = {"records": records, "require_records": require_records}
-    _walk(datum.model_input_spans, f"{where}.model_input_spans", datum.tokens, check_prompt=True, **walk)
+    walk = functools.partial(_walk, records=records, require_records=require_records)
+    walk(datum.model_input_spans, f"{where}.model_input_spans", datum.tokens, check_prompt=True)
     mask = np.zeros(n, dtype=np.float32)
     logprobs = np.zeros(n, dtype=np.float32)
-    for pos, span, rec in _walk(
-        datum.loss_fn_input_spans, f"{where}.loss_fn_input_spans", targets, check_prompt=False, **walk
-    ):
+    for pos, span, rec in walk(datum.loss_fn_input_spans, f"{where}.loss_fn_input_spans", targets, check_prompt=False):
         if span.sampled:
             mask[pos : pos + span.length] = 1.0
             logprobs[pos : pos + span.length] = rec.logprobs[span.offset : span.offset + span.length]

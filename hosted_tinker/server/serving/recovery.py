@@ -41,14 +41,14 @@ class ModelRecovery:
         path = TinkerPath(model_id, "weights", saved[0].name)
         try:
             loaded = state_from_files(path, self.files.read(path), backend.capabilities.family)
-            backend.create_adapter(model_id, LoraSpec(**model.lora))
-            backend.load_state(model_id, loaded.state, with_optimizer=True)
+            backend.trainer.create_adapter(model_id, LoraSpec(**model.lora))
+            backend.trainer.load_state(model_id, loaded.state, with_optimizer=True)
         except WorkerDied:
             raise
         except Exception:
             log.exception("could not restore %s from %s", model_id, path)
-            if backend.has_adapter(model_id):  # created, not loaded: give its memory back
-                backend.delete_adapter(model_id)
+            if backend.trainer.has_adapter(model_id):  # created, not loaded: give its memory back
+                backend.trainer.delete_adapter(model_id)
             return self.lose(model_id, f"could not be restored from {path}")
         self.training.weights_changed(model_id)
         return (

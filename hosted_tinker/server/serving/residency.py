@@ -25,6 +25,7 @@ import shutil
 import time
 from collections.abc import Callable
 
+from hosted_tinker.core.calls import on_rank_0
 from hosted_tinker.core.checkpoints import (
     CheckpointError,
     CheckpointFiles,
@@ -33,9 +34,9 @@ from hosted_tinker.core.checkpoints import (
     state_to_files,
 )
 from hosted_tinker.core.errors import RolledBack, ServerError, UserError, WorkerCrashed, WorkerDied
-from hosted_tinker.core.types import TrainingBackend
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.scheduler import Job, Scheduler
+from hosted_tinker.server.workers.backend import ProcessBackend
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class ServerStopping(ServerError):
 class Residency:
     def __init__(
         self,
-        backend: TrainingBackend,
+        backend: ProcessBackend,
         store: Store,
         scheduler: Scheduler,
         files: CheckpointFiles,
@@ -134,9 +135,9 @@ class Residency:
             raise ServerError(
                 f"model {model_id} was parked, and its saved state cannot be read ({e}); {RECREATE}"
             ) from None
-        self.backend.create_adapter(model_id, loaded.state.lora)
+        self.backend.trainer.create_adapter(model_id, loaded.state.lora)
         try:
-            self.backend.load_state(model_id, loaded.state, with_optimizer=True)
+            self.backend.trainer.load_state(model_id, loaded.state, with_optimizer=True)
         except BaseException:
             self._free(model_id)
             raise
@@ -153,8 +154,8 @@ class Residency:
     def _free(self, model_id: str) -> None:
         """Delete the adapter if the workers hold it (a new group, after a death, does not)."""
         try:
-            if self.backend.has_adapter(model_id):
-                self.backend.delete_adapter(model_id)
+            if self.backend.trainer.has_adapter(model_id):
+                self.backend.trainer.delete_adapter(model_id)
         except Exception:
             log.exception("could not free the adapter of %s", model_id)
 
@@ -185,8 +186,8 @@ class Residency:
             return False
         notice = self.backend.take_notice(model_id)  # exporting must not use it up: it is the client's
         try:  # its gradients too: a model parked between forward_backward and optim_step loses nothing
-            state = self.backend.export_state(model_id, with_optimizer=True, with_gradients=True)
-            config, family = self.backend.peft_config(model_id), self.backend.capabilities.family
+            state = on_rank_0(self.backend.trainer.export_state(model_id, with_optimizer=True, with_gradients=True))
+            config, family = self.backend.trainer.peft_config(model_id), self.backend.capabilities.family
             files = state_to_files(state, config, model.base_model, family)
         except BaseException:
             if notice is not None:
@@ -199,7 +200,7 @@ class Residency:
             self._drop_state(model_id)
             return False
         del self._used[model_id]
-        self.backend.delete_adapter(model_id)
+        self.backend.trainer.delete_adapter(model_id)
         self.parked_total += 1
         log.info("parked model %s (optimizer step %d)", model_id, state.steps)
         return True

@@ -65,7 +65,7 @@ def prompt_tokens(
         if kind == "image":
             image = images.prompt_image(chunk, len(tokens), where, budget)
             laid.append(image)
-            tokens += [images.counter.image_token_id] * image.tokens
+            tokens += [images.image_tokens(where).image_token_id] * image.tokens  # (prompt_image checked it)
             if len(tokens) >= context:
                 raise bad_request(f"prompt has {len(tokens)} tokens or more; the context holds {context} in all")
             continue
@@ -183,22 +183,25 @@ class SamplingService:
             raise bad_request(f"{field('top_p')} must be in (0, 1], got {params.top_p}")
         if params.top_k == 0 or params.top_k < -1:
             raise bad_request(f"{field('top_k')} must be -1 (no limit) or >= 1, got {params.top_k}")
-        stop_ids, stop_strings = self.eos_token_ids, ()
+        stop_ids = self.eos_token_ids
+        stop_strings: tuple[str, ...] = ()
         if params.stop is not None:  # an explicit stop replaces EOS; [] disables stopping
-            stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
-            if any(isinstance(x, int) for x in stops):
-                if not all(isinstance(x, int) and 0 <= x < caps.vocab_size for x in stops):
+            stops: list[object] = [params.stop] if isinstance(params.stop, str) else list(params.stop)
+            ids = [x for x in stops if isinstance(x, int)]
+            strings = [x for x in stops if isinstance(x, str)]
+            if ids:
+                if len(ids) < len(stops) or not all(0 <= x < caps.vocab_size for x in ids):
                     raise bad_request(f"{field('stop')} must be all strings or all token ids in the vocabulary")
-                stop_ids = frozenset(stops)
+                stop_ids = frozenset(ids)
             else:
-                if any(s == "" for s in stops):
+                if any(s == "" for s in strings):
                     raise bad_request(f"{field('stop')} contains an empty string")
-                if len(stops) > MAX_STOP_STRINGS or max(map(len, stops), default=0) > MAX_STOP_CHARS:
+                if len(strings) > MAX_STOP_STRINGS or max(map(len, strings), default=0) > MAX_STOP_CHARS:
                     raise bad_request(
                         f"{field('stop')} takes at most {MAX_STOP_STRINGS} strings of at most "
                         f"{MAX_STOP_CHARS} characters each"
                     )
-                stop_ids, stop_strings = frozenset(), tuple(stops)
+                stop_ids, stop_strings = frozenset(), tuple(strings)
         for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
             if not 0 <= k <= MAX_TOPK:
                 raise bad_request(f"{name} must be between 0 and {MAX_TOPK}, got {k}")
@@ -295,7 +298,7 @@ class SamplingService:
             if req.base_model not in self.served_names:
                 raise bad_request(f"base_model {req.base_model!r} is not served; served: {self.served_names}")
             base_model = req.base_model
-        else:
+        elif req.model_path is not None:  # (exactly one of the two, checked above)
             try:
                 path = TinkerPath.parse(req.model_path, "model_path")
             except CheckpointError as e:
@@ -452,9 +455,15 @@ class SamplingService:
     def uses_vllm(self, spec: SampleSpec) -> bool:
         return self.vllm is not None and not needs_embedded(spec)
 
+    def _vllm(self) -> VllmEngine:
+        """The vLLM engine, for a request ``uses_vllm`` sends there (never without one)."""
+        if self.vllm is None:
+            raise RuntimeError("no vLLM engine")
+        return self.vllm
+
     def _check_vllm_ready(self) -> None:
         try:
-            self.vllm.check_ready()
+            self._vllm().check_ready()
         except EngineUnavailable as e:
             raise unavailable(str(e), e.retry_after) from None
 
@@ -468,7 +477,7 @@ class SamplingService:
         """Sample on the engine that serves ``spec`` (for the Tinker and the OpenAI routes); what it
         used counts against ``charge``."""
         if self.uses_vllm(spec):
-            output = await self.vllm.sample(weights, spec, on_token)
+            output = await self._vllm().sample(weights, spec, on_token)
         else:
             owner = charge.owner if charge is not None else None  # each key's requests take turns with the others'
             output = await self.embedded.sample(weights, spec, on_token, owner=owner)

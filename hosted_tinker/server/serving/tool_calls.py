@@ -45,11 +45,14 @@ def schemas(tools: list[dict[str, Any]]) -> Schemas:
     "function": {"name", "parameters"}}``)."""
     out: Schemas = {}
     for tool in tools:
-        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-        parameters = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
-        properties = parameters.get("properties")
-        if isinstance(function.get("name"), str):
-            out[function["name"]] = properties if isinstance(properties, dict) else {}
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            function = tool
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        name = function.get("name")
+        if isinstance(name, str):
+            out[name] = properties if isinstance(properties, dict) else {}
     return out
 
 
@@ -91,7 +94,9 @@ def _pairs(text: str, open_: str, close: str, limit: int) -> tuple[list[str], li
     """The bodies between each ``open_`` and its ``close`` in ``text`` (which starts at an
     ``open_``), and the pieces between them; None if one is never closed, or past ``limit``.
     One pass over the text: each search starts where the last ended."""
-    bodies, between, at = [], [], 0
+    bodies: list[str] = []
+    between: list[str] = []
+    at = 0
     while (start := text.find(open_, at)) >= 0:
         between.append(text[at:start])
         end = text.find(close, start + len(open_))

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from hosted_tinker.core import losses
+from hosted_tinker.core.calls import on_rank_0
 from hosted_tinker.core.custom_loss import reduce_metrics
 from hosted_tinker.core.errors import (
     ApiError,
@@ -25,7 +26,7 @@ from hosted_tinker.core.errors import (
     not_found,
 )
 from hosted_tinker.core.routing import routing_metrics
-from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend
+from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.server.persistence.records import COPY_STATUS, ModelRecord
 from hosted_tinker.server.persistence.sequences import SequenceRecords
@@ -42,6 +43,7 @@ from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
 from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, OPTIM_STEP, RunMetrics
 from hosted_tinker.server.serving.usage import UsageLedger
+from hosted_tinker.server.workers.backend import ProcessBackend
 
 JSON = "application/json"
 MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
@@ -61,7 +63,7 @@ def json_result(obj: dict) -> tuple[bytes, str]:
 class TrainingService:
     def __init__(
         self,
-        backend: TrainingBackend,
+        backend: ProcessBackend,
         scheduler: Scheduler,
         store: Store,
         served_names: list[str],
@@ -99,8 +101,8 @@ class TrainingService:
         if self.live is None:
             return
         try:
-            step, weights = self.backend.snapshot_weights(model_id)
-            self.live.publish(model_id, step, self.backend.peft_config(model_id), weights)
+            step, weights = on_rank_0(self.backend.trainer.snapshot_weights(model_id))
+            self.live.publish(model_id, step, self.backend.trainer.peft_config(model_id), weights)
         except (WorkerCrashed, RolledBack, WorkerDied):  # the weights are gone with the worker: say so
             raise
         except Exception:  # the step itself succeeded; vLLM keeps the previous version
@@ -217,15 +219,15 @@ class TrainingService:
         def job() -> tuple[bytes, str]:
             try:
                 self.residency.admit(model_id)
-                self.backend.create_adapter(model_id, lora)
+                self.backend.trainer.create_adapter(model_id, lora)
                 if after_create is not None:
                     after_create(model_id)
                 self.weights_changed(model_id)
             except BaseException:
                 self.store.set_model_status(model_id, "failed")
                 self.residency.forget(model_id)
-                if self.backend.has_adapter(model_id):
-                    self.backend.delete_adapter(model_id)
+                if self.backend.trainer.has_adapter(model_id):
+                    self.backend.trainer.delete_adapter(model_id)
                 raise
             return json_result(result)
 
@@ -256,8 +258,8 @@ class TrainingService:
             self.live.drop(model_id)
 
         def job() -> tuple[bytes, str]:
-            if self.backend.has_adapter(model_id):  # else parked: only its saved state is left
-                self.backend.delete_adapter(model_id)
+            if self.backend.trainer.has_adapter(model_id):  # else parked: only its saved state is left
+                self.backend.trainer.delete_adapter(model_id)
             self.residency.forget(model_id)
             return json_result({"model_id": model_id, "type": "unload_model"})
 
@@ -419,7 +421,8 @@ class TrainingService:
                 if "logprobs" in datum.inputs:
                     provenance.check_client_logprobs(datum.inputs["logprobs"].numpy(), resolved, where)
                 recorded = resolved.inputs()
-                datum.inputs.update({key: torch.from_numpy(recorded[key]) for key in spec.recorded_inputs})
+                wanted_inputs = spec.recorded_inputs if spec is not None else ()  # needs_records: never None
+                datum.inputs.update({key: torch.from_numpy(recorded[key]) for key in wanted_inputs})
 
     # ---- optimizer ------------------------------------------------------------------------
 
@@ -430,7 +433,7 @@ class TrainingService:
 
             def job() -> tuple[bytes, str]:
                 started = time.perf_counter()
-                metrics = self.backend.optim_step(req.model_id, params)
+                metrics = self.backend.trainer.optim_step(req.model_id, params)
                 duration_s = time.perf_counter() - started
                 self.weights_changed(req.model_id)
                 result = json_result({"metrics": metrics})

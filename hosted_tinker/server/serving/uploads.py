@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hosted_tinker.core.adapter_layout import CONFIG, WEIGHTS, Layout, check_upload
+from hosted_tinker.core.calls import on_rank_0
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath, adapter_files
 from hosted_tinker.core.errors import ApiError, bad_request, not_found, unavailable
 from hosted_tinker.core.types import LoraSpec
@@ -202,17 +203,17 @@ class UploadService:
     def _export_pair(self, lora: LoraSpec) -> concurrent.futures.Future[tuple[Layout, Layout]]:
         """Exports of adapters of ``lora``'s layers at ranks 1 and 2, made and dropped on the worker
         thread between other jobs (no model holds them: nothing to park, no seq_id)."""
-        backend, family = self.training.backend, self.training.backend.capabilities.family
+        trainer, family = self.training.backend.trainer, self.training.backend.capabilities.family
         done: concurrent.futures.Future[tuple[Layout, Layout]] = concurrent.futures.Future()
 
         def export(rank: int) -> Layout:
             model_id = f"upload-layout-{secrets.token_hex(8)}"
-            backend.create_adapter(model_id, LoraSpec(rank, 0, lora.train_mlp, lora.train_attn, lora.train_unembed))
+            trainer.create_adapter(model_id, LoraSpec(rank, 0, lora.train_mlp, lora.train_attn, lora.train_unembed))
             try:
-                config = backend.peft_config(model_id)
-                state = backend.export_state(model_id, with_optimizer=False)
+                config = trainer.peft_config(model_id)
+                state = on_rank_0(trainer.export_state(model_id, with_optimizer=False))
             finally:
-                backend.delete_adapter(model_id)
+                trainer.delete_adapter(model_id)
             return Layout.of_export(adapter_files(config, state.weights, family))
 
         def run() -> None:
@@ -236,8 +237,12 @@ class UploadService:
             raise ApiError(403, "this upload URL is invalid")
         with self._lock:
             upload = self._open.get(upload_id)
-        gone = upload is None or upload.expires < time.time() or name not in upload.layout.sizes
-        if gone or (self.may_upload is not None and not self.may_upload(upload.tenant)):  # revoked since
+        if (
+            upload is None
+            or upload.expires < time.time()
+            or name not in upload.layout.sizes
+            or (self.may_upload is not None and not self.may_upload(upload.tenant))  # revoked since
+        ):
             raise not_found("no such upload: it was finished, refused, or has expired")
         with self._lock:
             if upload.busy:

@@ -3,7 +3,8 @@
 The ranks run in a ``WorkerGroup``, one worker process each (``rank.serve``). Where a call goes
 is declared on the method that runs it (``@rank_call`` on ``rank.trainer.Trainer`` and
 ``rank.sampler.EmbeddedSampler``): to every rank, to rank 0, or split over the data-parallel
-replicas by token count (``core.sharding``). Nothing here knows which plan the ranks run.
+replicas by token count (``core.sharding``). The server calls them as ``backend.trainer.optim_step(...)``,
+typed by the method itself (``core.calls.calls_to``). Nothing here knows which plan the ranks run.
 
 When a worker dies during a call (SIGKILL, the kernel's OOM killer, a crash in native code, a
 hang past the call timeout), the group is stopped and a new one started, ``recovery`` puts the
@@ -22,22 +23,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import torch
-
-from hosted_tinker.core.calls import call_spec
-from hosted_tinker.core.errors import RolledBack, ServerError, UserError, WorkerCrashed, WorkerDied, WorkerError
-from hosted_tinker.core.messages import Listener
-from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
+from hosted_tinker.core.calls import Call, calls_to
+from hosted_tinker.core.errors import RolledBack, WorkerCrashed, WorkerDied
 from hosted_tinker.core.sharding import merge_many, merge_results, shard_batch, shard_by_tokens
-from hosted_tinker.core.types import (
-    AdamParams,
-    AdapterState,
-    Capabilities,
-    ForwardBackwardBatch,
-    ForwardBackwardResult,
-    LoraSpec,
-    RequestFailed,
-)
+from hosted_tinker.core.types import Capabilities, ForwardBackwardBatch, ForwardBackwardResult, RequestFailed
 from hosted_tinker.rank.sampler import EmbeddedSampler
 from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.cluster import Cluster
@@ -69,7 +58,9 @@ class Recovery(Protocol):
 
 
 class ProcessBackend:
-    """Implements ``TrainingBackend`` by calling the real backend in worker processes.
+    """The ranks' calls, made in worker processes: ``trainer`` (typed as ``rank.trainer.Trainer``)
+    and ``sampler`` (rank 0's ``rank.sampler.EmbeddedSampler``), each call routed by its
+    declaration (``core.calls``).
 
     ``ranks`` returns one factory per rank, afresh for every (re)start of the group; with a
     ``cluster``, the ranks past this node's run on the other nodes. Called from the scheduler's
@@ -94,6 +85,9 @@ class ProcessBackend:
         self._rolled_back: dict[str, RolledBack] = {}  # model -> what its next training call raises
         self.restarts = 0
         self.last_death: str | None = None
+        self.trainer = calls_to(Trainer, self._call)
+        # sampling is not a training call, but it shares the training group's worker (and its restarts)
+        self.sampler = calls_to(EmbeddedSampler, self._call)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -135,27 +129,35 @@ class ProcessBackend:
         if not self._group.alive and not self._restoring:
             self._replace(self._group.how_it_died())
 
-    def _call(self, component: type, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``component.method(*args, **kwargs)`` on the ranks its declaration names, with what a
-        worker's death entails; rank 0's answer (merged over replicas for a split batch)."""
+    def _call(self, call: Call) -> Any:
+        """``call`` on the ranks its declaration names, with what a worker's death entails; rank
+        0's answer (merged over replicas for a split batch). ``self.trainer``'s and
+        ``self.sampler``'s calls all come here."""
         _ = self.capabilities  # the first group's "ready" must be read before any call's answer
         self.ensure_alive()
-        spec = call_spec(component, method)
-        name = f"{component.SERVED_AS}.{method}"
-        model_id = args[0] if spec.model is not None else None
+        spec = call.spec
+        if spec.ranks == "split_many":
+            return self._joint(call)
+        # the model whose notice this call uses up (a model being created has none yet)
+        model_id = call.model_id if spec.model != "creates" else None
         if model_id is not None and not self._restoring:
             notice = self._rolled_back.pop(model_id, None)
             if notice is not None and spec.model == "uses":
                 raise notice
 
-        def call() -> Any:
+        def run() -> Any:
             if spec.ranks == "first":
-                return self._group.call(name, *args, **kwargs)
+                return self._group.call(call.method, *call.args, **call.kwargs)
             if spec.ranks == "split" and self.capabilities.replicas > 1:
-                return self._split(name, *args)
-            return self._group.call_each(name, [args] * self._group.size, **kwargs)[0]
+                return self._split(call.method, *call.args)
+            return self._group.call_each(call.method, [call.args] * self._group.size, **call.kwargs)[0]
 
-        return self._surviving([model_id] if model_id is not None else [], call)
+        answer = self._surviving([model_id] if model_id is not None else [], run)
+        if spec.model == "creates":  # what the group holds, to restore after a worker death
+            self._adapters.append(call.args[0])
+        elif spec.model == "deletes":
+            self._adapters.remove(call.args[0])
+        return answer
 
     def _surviving(self, model_ids: list[str], call: Callable[[], Any]) -> Any:
         """``call()``; if a worker dies in it, a new group with the models restored, and
@@ -182,7 +184,7 @@ class ProcessBackend:
     def _replace(self, reason: str) -> dict[str, str]:
         """Start a new group in place of the dead one and restore the models onto it; per model,
         what became of it. Each model that came back from a saved state is owed a ``RolledBack``
-        (see ``_run``). A model whose restoring kills the new group too is given up, and the
+        (see ``_call``). A model whose restoring kills the new group too is given up, and the
         others go onto yet another group."""
         log.error("%s; starting new training workers", reason)
         self.last_death = reason
@@ -213,7 +215,8 @@ class ProcessBackend:
                 todo, self._adapters = self._adapters + todo, []  # those restored died with it
             finally:
                 self._restoring = False
-        for model_id in todo:  # the workers kept dying
+        for model_id in todo:  # the workers kept dying (with a recovery: without one, returned above)
+            assert self.recovery is not None
             outcome[model_id] = self.recovery.lose(model_id, "could not be restored: new workers kept dying")
         log.info("after the restart: %s", "; ".join(f"{m} {how}" for m, how in outcome.items()) or "no models")
         for model_id, how in outcome.items():
@@ -229,44 +232,27 @@ class ProcessBackend:
     def owe_notice(self, model_id: str, notice: RolledBack) -> None:
         self._rolled_back[model_id] = notice
 
-    # ---- the training calls (``core.types.TrainingBackend``) -----------------------------------------
-
-    def create_adapter(self, model_id: str, lora: LoraSpec) -> None:
-        self._call(Trainer, "create_adapter", model_id, lora)
-        self._adapters.append(model_id)
-
-    def delete_adapter(self, model_id: str) -> None:
-        self._call(Trainer, "delete_adapter", model_id)
-        self._adapters.remove(model_id)
-
-    def has_adapter(self, model_id: str) -> bool:
-        return self._call(Trainer, "has_adapter", model_id)
-
-    def forward_backward(self, model_id: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        return self._call(Trainer, "forward_backward", model_id, batch)
-
-    def forward_backward_many(
-        self, requests: list[tuple[str, ForwardBackwardBatch]]
-    ) -> list[ForwardBackwardResult | ServerError]:
+    def _joint(self, call: Call) -> list[ForwardBackwardResult | RequestFailed]:
         """Several models' requests in one pass (``Trainer.forward_backward_many``); per request,
-        its result or its failure. A model owed a ``RolledBack`` notice gets it instead of a run."""
-        _ = self.capabilities
-        self.ensure_alive()
-        outcomes: dict[str, ForwardBackwardResult | ServerError] = {}
+        its result or its failure. A model owed a ``RolledBack`` notice gets it (as a
+        ``RequestFailed`` of kind "rolled_back") instead of a run."""
+        (requests,) = call.args
+        outcomes: dict[str, ForwardBackwardResult | RequestFailed] = {}
         for model_id, _batch in requests:
             notice = self._rolled_back.pop(model_id, None)
             if notice is not None:
-                outcomes[model_id] = notice
+                outcomes[model_id] = RequestFailed("rolled_back", str(notice))
         todo = [(model_id, batch) for model_id, batch in requests if model_id not in outcomes]
         if todo:
-            replies = self._surviving([m for m, _ in todo], lambda: self._split_many(todo))
+            replies = self._surviving([m for m, _ in todo], lambda: self._split_many(call.method, todo))
             for (model_id, _batch), reply in zip(todo, replies, strict=True):
-                outcomes[model_id] = reply if isinstance(reply, ForwardBackwardResult) else _failure(reply)
+                outcomes[model_id] = reply
         return [outcomes[model_id] for model_id, _ in requests]
 
-    def _split_many(self, requests: list[tuple[str, ForwardBackwardBatch]]) -> list:
+    def _split_many(
+        self, name: str, requests: list[tuple[str, ForwardBackwardBatch]]
+    ) -> list[ForwardBackwardResult | RequestFailed]:
         """Each replica its shard of every request; per request, the replicas' results merged."""
-        name = f"{Trainer.SERVED_AS}.forward_backward_many"
         replicas = self.capabilities.replicas
         per_replica = self._group.size // replicas
         shards = [shard_by_tokens([d.num_tokens for d in batch.data], replicas) for _, batch in requests]
@@ -277,66 +263,3 @@ class ProcessBackend:
         ]
         replies = self._group.call_each(name, per_rank)
         return [merge_many([reply[i] for reply in replies], shards[i], per_replica) for i in range(len(requests))]
-
-    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        return self._call(Trainer, "optim_step", model_id, params)
-
-    def export_state(self, model_id: str, *, with_optimizer: bool = True, with_gradients: bool = False) -> AdapterState:
-        return self._call(
-            Trainer, "export_state", model_id, with_optimizer=with_optimizer, with_gradients=with_gradients
-        )
-
-    def load_state(self, model_id: str, state: AdapterState, *, with_optimizer: bool) -> None:
-        self._call(Trainer, "load_state", model_id, state, with_optimizer=with_optimizer)
-
-    def peft_config(self, model_id: str) -> dict:
-        return self._call(Trainer, "peft_config", model_id)
-
-    def snapshot_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor]]:
-        return self._call(Trainer, "snapshot_weights", model_id)
-
-    def zero_adapter(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        return self._call(Trainer, "zero_adapter")
-
-
-def _failure(failed: RequestFailed) -> ServerError:
-    """A request's failure in a joint pass as the exception its call alone would have raised."""
-    return UserError(failed.message) if failed.kind == "user_error" else WorkerError(failed.message)
-
-
-class SamplerClient:
-    """The embedded sampler on rank 0, as the embedded engine calls it: sampling is not a
-    training call, but it shares the training group's worker (and its restarts)."""
-
-    def __init__(self, backend: ProcessBackend) -> None:
-        self.backend = backend
-
-    def has_sampler(self, key: str) -> bool:
-        return self.backend._call(EmbeddedSampler, "has_sampler", key)
-
-    def load_sampler(self, key: str, adapter_config: dict, weights: dict[str, torch.Tensor]) -> None:
-        self.backend._call(EmbeddedSampler, "load_sampler", key, adapter_config, weights)
-
-    def generate(
-        self,
-        key: str | None,
-        specs: list[SampleSpec],
-        admit: Callable[[], Admission] | None = None,
-        on_token: TokenListener | None = None,
-    ) -> list[SampleOutput]:
-        listener = Listener(on_token) if on_token is not None else None
-        return self.backend._call(EmbeddedSampler, "generate", key, specs, admit=admit, on_token=listener)
-
-    def decode_slice(
-        self,
-        run_id: str,
-        key: str | None,
-        specs: list[SampleSpec],
-        admit: Callable[[], Admission],
-        on_token: TokenListener | None = None,
-        on_finished: FinishListener | None = None,
-    ) -> bool:
-        listeners = {
-            name: Listener(fn) for name, fn in (("on_token", on_token), ("on_finished", on_finished)) if fn is not None
-        }
-        return self.backend._call(EmbeddedSampler, "decode_slice", run_id, key, specs, admit=admit, **listeners)

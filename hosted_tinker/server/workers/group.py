@@ -48,7 +48,7 @@ class WorkerGroup:
         return len(self.workers)
 
     @property
-    def pids(self) -> list[int]:
+    def pids(self) -> list[int | None]:  # None: a rank not yet connected (``WorkerProcess.pid``)
         return [w.pid for w in self.workers]
 
     def ranks(self) -> list[dict]:

@@ -6,6 +6,7 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import torch.distributed as dist
 
@@ -33,7 +34,7 @@ def rank_factories(config: ServerConfig, model_path: str) -> Callable[[], list[F
     devices = tuple(config.rank_devices())
     # How the other nodes find the model (rank.serve.model_here): they lack this data directory.
     tiny = config.model is None
-    source = "tiny" if tiny else "folder" if Path(model_path).is_dir() else "hub"
+    source: Literal["hub", "folder", "tiny"] = "tiny" if tiny else "folder" if Path(model_path).is_dir() else "hub"
     tiny_sha256 = weights_sha256(model_path) if tiny else None
     # The rendezvous is on node 0; the other nodes reach it where they reach the cluster port.
     host = config.master_addr if config.nnodes > 1 else "127.0.0.1"

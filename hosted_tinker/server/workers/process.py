@@ -188,13 +188,15 @@ class WorkerProcess(Worker):
         if self.alive:
             self.process.kill()
             self.process.join(timeout_s)
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()
 
     def kill(self) -> None:
         if self.alive:
             self.process.kill()
         self.process.join(10)
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()
 
     def how_it_died(self) -> str:
         self.process.join(5)
