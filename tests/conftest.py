@@ -22,7 +22,6 @@ import pytest
 
 from tests.support.server import ServerProcess, start_server  # first: it sets the tests' environment
 
-
 # The modules that take longest, longest first (CI's durations). CI runs the suite on two
 # processes, a module on one (``-n 2 --dist loadfile --no-loadscope-reorder``), handing out
 # modules in this order: the long ones start at once, and the many short ones fill in at the end
