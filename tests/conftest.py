@@ -15,12 +15,19 @@ fixed sleep.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.server import ServerProcess, start_server  # first: it sets the tests' environment
+
+# In a test process of xdist's (CI: two of them on two cores), torch computes on one thread, in
+# the servers and ranks it starts too (they inherit it): two threads each would be four or more on
+# two cores, and OpenMP's threads spin while they wait for a core, burning CPU that does nothing.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The modules that take longest, longest first (CI's durations). CI runs the suite on two
 # processes, a module on one (``-n 2 --dist loadfile --no-loadscope-reorder``), handing out
