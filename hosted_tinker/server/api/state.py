@@ -166,6 +166,7 @@ def build_state(config: ServerConfig) -> ServerState:
         custom_losses=custom_losses,
         residency=residency,
         joint=JointPasses(backend, scheduler, residency.is_resident, config.joint_pass_tokens),
+        quotas=quotas,
         live=vllm.live if vllm is not None else None,
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
         run_metrics=run_metrics,
@@ -214,6 +215,7 @@ def build_state(config: ServerConfig) -> ServerState:
             may_read=lambda tenant, path: keys.still_valid(tenant) and tenancy.can_read(tenant, path),
             may_trace=lambda tenant, session_id: keys.still_valid(tenant) and tenancy.owns(tenant, session_id),
         ),
+        tenancy=tenancy,
         events=events,
         mirror=mirror,
     )
@@ -233,11 +235,11 @@ def build_state(config: ServerConfig) -> ServerState:
         tenancy=tenancy,
         scheduler=scheduler,
         backend=backend,
-        sessions=SessionService(store, training, on_finish=_on_finish(checkpoints, custom_losses), audit=audit),
+        sessions=SessionService(store, training, quotas, on_finish=_on_finish(checkpoints, custom_losses), audit=audit),
         training=training,
         checkpoints=checkpoints,
         runs=RunViews(store),
-        copies=CopyService(store, files, tenancy, events),
+        copies=CopyService(store, files, tenancy, quotas, events),
         uploads=UploadService(
             training, files, _server_secret(config.data_dir), quotas, may_upload=keys.still_valid, events=events
         ),

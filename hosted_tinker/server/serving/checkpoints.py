@@ -12,7 +12,6 @@ import dataclasses
 import secrets
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,7 +30,7 @@ from hosted_tinker.core.checkpoints import (
 from hosted_tinker.core.checkpoints import describe as describe_checkpoint
 from hosted_tinker.core.checkpoints import description as describe_lora
 from hosted_tinker.core.encryption import encrypt_files, parse_recipients
-from hosted_tinker.core.errors import bad_request, not_found
+from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.core.types import AdapterState, LoraSpec, TrainingBackend
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.server.mirror import CheckpointMirror
@@ -40,15 +39,13 @@ from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
-from hosted_tinker.server.quotas import store_checkpoint
+from hosted_tinker.server.quotas import Reservation, store_checkpoint
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.events import Changed, CheckpointEvents, Deleted, Made
-from hosted_tinker.server.serving.training import Admit, TrainingService, json_result, model_optimizer
-
-if TYPE_CHECKING:
-    from hosted_tinker.server.quotas import Reservation
+from hosted_tinker.server.serving.tenancy import Tenancy
+from hosted_tinker.server.serving.training import TrainingService, json_result, model_optimizer
 
 # Ephemeral sampler snapshots kept per training model; older ones are deleted (asking for one
 # then gets a 404). Async RL samples from a policy a few steps stale, never from 8 steps back.
@@ -74,6 +71,7 @@ class CheckpointService:
         ephemeral: CheckpointFiles,
         links: DownloadLinks,
         *,
+        tenancy: Tenancy,
         events: CheckpointEvents | None = None,
         mirror: CheckpointMirror | None = None,
     ) -> None:
@@ -85,6 +83,7 @@ class CheckpointService:
         self.files = files
         self.ephemeral = ephemeral  # snapshots behind save_weights_and_get_sampling_client
         self.links = links  # signed download links of external weights
+        self.tenancy = tenancy  # who may read the checkpoint a load names
         # --checkpoint-mirror: a deletion's row goes with the mirror's tombstone (``_delete``); the
         # rest of what it is told comes by ``events``.
         self.mirror = mirror
@@ -97,23 +96,29 @@ class CheckpointService:
         model_id: str,
         seq_id: int,
         name: str,
+        owner: str,
         *,
         overwrite: bool,
         ttl_seconds: int | None,
         user_metadata: dict[str, str] | None,
         extra: dict | None = None,
         encrypt_to: list[str] | None = None,
-        held: Reservation | None = None,
+        refusal: ApiError | None = None,
     ) -> str:
-        """``held``: the key's checkpoint bytes this save reserved (``Quotas.reserve_checkpoint``),
-        settled when it is written, released if it never is."""
+        """Queue a save of ``owner``'s model. Before anything else it reserves the likely size of
+        the checkpoint from ``owner``'s checkpoint bytes (``Quotas.reserve_checkpoint``), settled
+        when it is written, released if it never is; a refusal there, or ``refusal`` (a request
+        its caller found wrong, answered after the quota's as it always was), uses up the seq_id
+        as every refusal in ``prepare`` does (``TrainingService.submit_ordered``)."""
         request_kind = {
             "weights": "save_weights",
             "sampler_weights": "save_weights_for_sampler",
             "external_weights": "save_weights_external",
         }[kind]
 
-        def prepare() -> Job:
+        def prepare(held: Reservation) -> Job:
+            if refusal is not None:
+                raise refusal
             check_ttl(ttl_seconds)
             try:
                 path = TinkerPath(model_id, kind, validate_name(name))
@@ -130,11 +135,10 @@ class CheckpointService:
                     if recipients is not None:
                         files = encrypt_files(files, recipients)
                 except BaseException:
-                    if held is not None:
-                        held.release()
+                    held.release()
                     raise
                 size = sum(len(data) for data in files.values())
-                replaced = self.store.get_checkpoint(model_id, kind, name) if held is not None else None
+                replaced = self.store.get_checkpoint(model_id, kind, name)
 
                 def record() -> None:
                     self.store.put_checkpoint(
@@ -150,8 +154,7 @@ class CheckpointService:
                 write = partial(self.files.write, path, files, overwrite=overwrite)
                 undo = None if overwrite else partial(self.files.delete, path)  # (an overwritten one is gone)
                 store_checkpoint(held, size, write, record, replaces=replaced.size_bytes if replaced else 0, undo=undo)
-                owner = self.store.session_owner(model.session_id) or ""
-                self.events.made(Made(path, owner, size, self.files))
+                self.events.made(Made(path, owner, size, self.files))  # its model's owner: the route checked
                 result = {"path": str(path), "type": request_kind, **(extra or {})}
                 if kind == "external_weights":
                     result["size_bytes"] = size
@@ -159,18 +162,23 @@ class CheckpointService:
 
             return job
 
+        held: Reservation | None = None
         queued = False
 
-        def prepare_owning() -> Job:
-            nonlocal queued
-            job = prepare()
+        def prepare_holding() -> Job:
+            nonlocal held, queued
+            reserved = self.training.quotas.reserve_checkpoint(owner, user_metadata, self.likely_size(model_id, kind))
+            if isinstance(reserved, ApiError):
+                raise reserved
+            held = reserved
+            job = prepare(held)
             queued = True  # from here the job settles or releases what is held
             return job
 
         try:
-            request_id = self.training.submit_ordered(request_kind, model_id, seq_id, prepare_owning)
+            request_id = self.training.submit_ordered(request_kind, model_id, seq_id, prepare_holding)
         finally:
-            if held is not None and not queued:  # refused, or a resend of a save already queued
+            if held is not None and not queued:  # refused after its reservation
                 held.release()
         if held is not None:  # a job dropped before it runs (its model unloaded) lets go too
             self.scheduler.when_done(request_id, held.release)
@@ -190,21 +198,22 @@ class CheckpointService:
             return state_to_files(state, config, model.base_model, self.backend.capabilities.family)
         return adapter_files(config, state.weights, self.backend.capabilities.family)
 
-    def save_weights(self, req: wire.SaveWeightsRequest, held: Reservation | None = None) -> str:
+    def save_weights(self, req: wire.SaveWeightsRequest, owner: str) -> str:
+        """``owner``: the key that owns ``req.model_id`` (the route checked), whose bytes it takes."""
         name = req.path if req.path is not None else f"seq-{req.seq_id}"
         return self._save(
             "weights",
             req.model_id,
             req.seq_id,
             name,
+            owner,
             overwrite=req.overwrite,
             ttl_seconds=req.ttl_seconds,
             user_metadata=req.user_metadata,
-            held=held,
         )
 
-    def save_weights_for_sampler(self, req: wire.SaveWeightsForSamplerRequest, held: Reservation | None = None) -> str:
-        """``held``: a named save's reservation (an unnamed one is a sampler's snapshot, not stored)."""
+    def save_weights_for_sampler(self, req: wire.SaveWeightsForSamplerRequest, owner: str) -> str:
+        """A named save is stored (``owner``'s bytes); an unnamed one is a sampler's snapshot."""
         refusal = None
         if req.kind not in ("snapshot", "inflight"):
             refusal = bad_request(f"kind must be 'snapshot' or 'inflight', got {req.kind!r}")
@@ -214,21 +223,20 @@ class CheckpointService:
             )
         elif req.path is None and req.sampling_session_seq_id is None:
             refusal = bad_request("save_weights_for_sampler needs either path (a name) or sampling_session_seq_id")
-        if refusal is not None:
-            if held is not None:
-                held.release()
-            return self.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, refusal)
         if req.path is not None:
             return self._save(
                 "sampler_weights",
                 req.model_id,
                 req.seq_id,
                 req.path,
+                owner,
                 overwrite=False,
                 ttl_seconds=req.ttl_seconds,
                 user_metadata=req.user_metadata,
-                held=held,
+                refusal=refusal,
             )
+        if refusal is not None:
+            return self.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, refusal)
         return self._save_ephemeral(req)
 
     def _save_ephemeral(self, req: wire.SaveWeightsForSamplerRequest) -> str:
@@ -279,7 +287,7 @@ class CheckpointService:
         """A finished session's ephemeral samplers can no longer be used: free their disk."""
         self._retire_snapshots(self.store.ephemeral_samplers(session_id=session_id))
 
-    def save_weights_external(self, req: wire.SaveWeightsExternalRequest, held: Reservation | None = None) -> str:
+    def save_weights_external(self, req: wire.SaveWeightsExternalRequest, owner: str) -> str:
         """A PEFT adapter to download; with ``age_encryption_recipients``, each file encrypted
         to them (``core.encryption``)."""
         return self._save(
@@ -287,11 +295,11 @@ class CheckpointService:
             req.model_id,
             req.seq_id,
             req.path,
+            owner,
             overwrite=False,
             ttl_seconds=req.ttl_seconds,
             user_metadata=None,
             encrypt_to=req.age_encryption_recipients,
-            held=held,
         )
 
     # ---- loading ----------------------------------------------------------------------------
@@ -353,11 +361,19 @@ class CheckpointService:
             )
         return optimizers.family(req.optimizer_config)
 
-    def load_weights(self, req: wire.LoadWeightsRequest, admit: Admit | None = None) -> str:
-        """Load a checkpoint into a model, or create one from it (``admit``: the caller's limits,
-        checked with the checkpoint's rank once the request is known not to be a resend)."""
+    def load_weights(self, req: wire.LoadWeightsRequest, owner: str) -> str:
+        """Load a checkpoint into ``owner``'s model, or create one from it (``owner``'s limits
+        checked with the checkpoint's rank once the request is known not to be a resend). The
+        route checked that ``owner`` owns the model or session; here, that it may read ``path``."""
+        try:
+            self.tenancy.readable(owner, req.path, purpose="load")
+        except ApiError as e:
+            if req.model_id is None or req.seq_id is None:
+                raise
+            # The caller's own model: a checkpoint it may not read still uses up the seq_id.
+            return self.training.refuse_ordered("load_weights", req.model_id, req.seq_id, e)
         if req.model_id is None:
-            return self._create_via_load(req, admit)
+            return self._create_via_load(req, owner)
         if req.seq_id is None:
             raise bad_request("load_weights on an existing model needs seq_id")
 
@@ -402,7 +418,7 @@ class CheckpointService:
 
         return self.training.submit_ordered("load_weights", req.model_id, req.seq_id, prepare)
 
-    def _create_via_load(self, req: wire.LoadWeightsRequest, admit: Admit | None) -> str:
+    def _create_via_load(self, req: wire.LoadWeightsRequest, owner: str) -> str:
         """``create_training_client_from_state*``: a new model named ``{session}:train:{seq}``,
         with the checkpoint's optimizer when its state is loaded, else ``optimizer_config``'s."""
         named = self._check_load_options(req)
@@ -432,7 +448,7 @@ class CheckpointService:
             user_metadata=req.user_metadata or {},
             after_create=load,
             result={"path": str(path), "model_id": model_id, "type": "load_weights"},
-            admit=admit,
+            owner=owner,
         )
 
     def _record(self, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, CheckpointRecord]:

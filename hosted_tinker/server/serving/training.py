@@ -33,6 +33,7 @@ from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
+from hosted_tinker.server.quotas import Quotas
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers, provenance
 from hosted_tinker.server.serving.batch_checks import check_datum
@@ -48,10 +49,6 @@ MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
 PROTOBUF = "application/x-protobuf"
 
 log = logging.getLogger(__name__)
-
-
-# The caller's limits on a new model (``server.quotas``), given its LoRA rank: raises if over one.
-Admit = Callable[[LoraSpec], None]  # the caller's limits, given the new model's LoRA
 
 
 def json_result(obj: dict) -> tuple[bytes, str]:
@@ -71,6 +68,7 @@ class TrainingService:
         residency: Residency,
         joint: JointPasses,
         *,
+        quotas: Quotas,
         live: LiveAdapters | None = None,
         max_lora_rank: int | None = None,
         run_metrics: RunMetrics | None = None,
@@ -78,6 +76,7 @@ class TrainingService:
         images: ImageLayout | None = None,
     ) -> None:
         self.usage = usage  # what each key trained and saved (``serving.usage``)
+        self.quotas = quotas  # each key's limits, checked here as a request is admitted (not in the routes)
         # images of a ModelInput laid into its tokens (None: a text-only model)
         self.images = images or ImageLayout(backend.capabilities, None)
         self.backend = backend
@@ -141,7 +140,7 @@ class TrainingService:
             raise bad_request(f"model {model_id} could not be created; its create_model future says why")
         return model
 
-    def create_model(self, req: wire.CreateModelRequest, admit: Admit | None = None) -> str:
+    def create_model(self, req: wire.CreateModelRequest, owner: str) -> str:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         if (existing := self.scheduler.find(model_id, 0)) is not None:  # a resend: admitted before
             return existing
@@ -158,7 +157,7 @@ class TrainingService:
             lora=spec,
             user_metadata=req.user_metadata or {},
             result={"model_id": model_id, "type": "create_model"},
-            admit=admit,
+            owner=owner,
         )
 
     def lora_spec(self, lc: wire.LoraConfig, optimizer: str = "adamw", field: str = "lora_config") -> LoraSpec:
@@ -191,13 +190,13 @@ class TrainingService:
         lora: LoraSpec,
         user_metadata: dict,
         result: dict,
+        owner: str,
         after_create: Callable[[str], None] | None = None,
-        admit: Admit | None = None,
     ) -> str:
         """Register a model and queue its creation as its request 0 (``after_create`` may load
-        state; ``admit`` checks the caller's limits against its LoRA first)."""
-        if admit is not None:
-            admit(lora)
+        state). ``owner``'s limits are checked against its LoRA first: a resend never gets here
+        (its caller found the original), so a model admitted once is not refused when asked again."""
+        self.quotas.new_model(owner, lora, user_metadata)
         self._check_rank(lora.rank)
         status = self.store.session_status(session_id)
         if status is None:
