@@ -116,7 +116,7 @@ class CheckpointService:
             "external_weights": "save_weights_external",
         }[kind]
 
-        def prepare(held: Reservation) -> Job:
+        def prepare(model: ModelRecord, held: Reservation) -> Job:
             if refusal is not None:
                 raise refusal
             check_ttl(ttl_seconds)
@@ -127,7 +127,6 @@ class CheckpointService:
                 raise bad_request(str(e)) from None
             if not overwrite and self.store.get_checkpoint(model_id, kind, name) is not None:
                 raise bad_request(f"{path} already exists; save under another name or pass overwrite=True")
-            model = self.training.live_model(model_id)
 
             def job() -> tuple[bytes, str]:
                 try:
@@ -165,13 +164,13 @@ class CheckpointService:
         held: Reservation | None = None
         queued = False
 
-        def prepare_holding() -> Job:
+        def prepare_holding(model: ModelRecord) -> Job:
             nonlocal held, queued
             reserved = self.training.quotas.reserve_checkpoint(owner, user_metadata, self.likely_size(model_id, kind))
             if isinstance(reserved, ApiError):
                 raise reserved
             held = reserved
-            job = prepare(held)
+            job = prepare(model, held)
             queued = True  # from here the job settles or releases what is held
             return job
 
@@ -243,8 +242,7 @@ class CheckpointService:
         """A frozen copy of the current adapter, registered as a sampling session. An inflight
         one is also the new target of every inflight session of the model (``weights_of``)."""
 
-        def prepare() -> Job:
-            model = self.training.live_model(req.model_id)
+        def prepare(model: ModelRecord) -> Job:
             sampler_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
             if self.store.get_sampler(sampler_id) is not None:
                 raise bad_request(f"sampling_session_seq_id {req.sampling_session_seq_id} is already used")
@@ -377,10 +375,9 @@ class CheckpointService:
         if req.seq_id is None:
             raise bad_request("load_weights on an existing model needs seq_id")
 
-        def prepare() -> Job:  # every refusal in here still consumes the seq_id
+        def prepare(model: ModelRecord) -> Job:  # every refusal in here still consumes the seq_id
             named = self._check_load_options(req)
             path = self._training_path(req.path, adapter=not req.optimizer)
-            model = self.training.live_model(req.model_id)
             mine = model_optimizer(model)
             if named is not None and named != mine:
                 raise bad_request(

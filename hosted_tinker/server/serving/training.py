@@ -45,6 +45,9 @@ from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, OPTIM_STE
 from hosted_tinker.server.serving.usage import UsageLedger
 
 JSON = "application/json"
+# Checks one of a model's ordered requests, given its live record, and makes its job (raises a
+# refusal, which still uses up the request's seq_id: ``TrainingService.submit_ordered``).
+Prepare = Callable[[ModelRecord], Job]
 MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
 PROTOBUF = "application/x-protobuf"
 
@@ -271,20 +274,23 @@ class TrainingService:
 
     # ---- forward / backward ---------------------------------------------------------------
 
-    def submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Callable[[], Job], size: int = 0) -> str:
-        """Validate (``prepare``) and queue one of a model's requests.
+    def submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Prepare, size: int = 0) -> str:
+        """Validate (``prepare``, given the model's record as read here, once per request) and
+        queue one of a model's requests.
 
         A rejected request still consumes its ``seq_id``, as a failed future: the SDK has
-        already numbered the requests after it, and they must not wait for it forever.
+        already numbered the requests after it, and they must not wait for it forever. This is
+        the one place that rule is kept: every refusal of an ordered request (the key's limits
+        included) is raised in its ``prepare``.
         """
         if not 1 <= seq_id <= MAX_SEQ_ID:
             raise bad_request(f"seq_id must be between 1 and {MAX_SEQ_ID}, got {seq_id}")
         if (existing := self.scheduler.find(model_id, seq_id)) is not None:  # a resend
             return existing
-        self.live_model(model_id)
+        model = self.live_model(model_id)
         self.scheduler.check_capacity(model_id, seq_id, size=size)
         try:
-            job = prepare()
+            job = prepare(model)
         except ApiError as e:
             self.scheduler.submit(kind, _failing(e.detail), model_id=model_id, seq_id=seq_id)
             raise
@@ -296,7 +302,7 @@ class TrainingService:
         validate, an option we lack) as its ``seq_id``, which it still consumes: raises ``error``,
         or ``submit_ordered``'s own refusal; a resend gets the original future."""
 
-        def prepare() -> Job:
+        def prepare(_: ModelRecord) -> Job:
             raise error
 
         return self.submit_ordered(kind, model_id, seq_id, prepare)
@@ -306,8 +312,8 @@ class TrainingService:
         # The job keeps only these and the checked batch, not the request's decoded wire form.
         model_id, seq_id, forward_only = req.model_id, req.seq_id, req.forward_only
 
-        def prepare() -> Job:
-            batch = self._validate_batch(req)
+        def prepare(model: ModelRecord) -> Job:
+            batch = self._validate_batch(req, model)
             entry = self.joint.register(model_id, seq_id, batch)
 
             def job() -> tuple[bytes, str]:
@@ -339,10 +345,10 @@ class TrainingService:
         kind = "forward" if forward_only else "forward_backward"
         return self.submit_ordered(kind, model_id, seq_id, prepare, size)
 
-    def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
+    def _validate_batch(self, req: WireForwardBackward, model: ModelRecord) -> ForwardBackwardBatch:
         caps = self.backend.capabilities
         if req.loss_fn == "custom":
-            return self._validate_custom_batch(req)
+            return self._validate_custom_batch(req, model)
         spec = losses.LOSSES.get(req.loss_fn)
         if spec is None or req.loss_fn not in caps.losses:
             supported = sorted([*caps.losses, "custom"])
@@ -359,20 +365,20 @@ class TrainingService:
             config[key] = value
         wire_data = self._wire_data(req)
         data = [check_datum(d, i, self.backend.capabilities, spec) for i, d in enumerate(wire_data)]
-        self._resolve_provenance(req.model_id, wire_data, data, spec)
+        self._resolve_provenance(model, wire_data, data, spec)
         return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
 
-    def _validate_custom_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
+    def _validate_custom_batch(self, req: WireForwardBackward, model: ModelRecord) -> ForwardBackwardBatch:
         """``loss_fn="custom"``: the session's stored loss (``serving.custom_losses``) by id."""
         if set(req.loss_fn_config) != {"loss_id"}:
             raise bad_request(
                 "loss_fn 'custom' takes loss_fn_config {'loss_id': …}, the id create_custom_loss returned; "
                 f"got keys {sorted(req.loss_fn_config)}"
             )
-        loss = self.custom_losses.get(self.live_model(req.model_id).session_id, req.loss_fn_config["loss_id"])
+        loss = self.custom_losses.get(model.session_id, req.loss_fn_config["loss_id"])
         wire_data = self._wire_data(req)
         data = [check_datum(d, i, self.backend.capabilities, None, loss) for i, d in enumerate(wire_data)]
-        self._resolve_provenance(req.model_id, wire_data, data, None)
+        self._resolve_provenance(model, wire_data, data, None)
         return ForwardBackwardBatch(data, "custom", {}, req.forward_only, custom_loss=loss)
 
     def _wire_data(self, req: WireForwardBackward) -> list[WireDatum]:
@@ -390,7 +396,7 @@ class TrainingService:
         return wire_data
 
     def _resolve_provenance(
-        self, model_id: str, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec | None
+        self, model: ModelRecord, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec | None
     ) -> None:
         """Check every datum's provenance spans against the sampler's records (restarting their
         day), and give a loss that reads the record (``recorded_inputs``) its inputs. Only such a
@@ -408,7 +414,7 @@ class TrainingService:
         wanted = set().union(*(provenance.sequence_ids(d) for d in wire_data))
         if not wanted:
             return
-        records = self.sequences.take(self.live_model(model_id).session_id, wanted)
+        records = self.sequences.take(model.session_id, wanted)
         for i, (d, datum) in enumerate(zip(wire_data, data, strict=True)):
             where = f"data[{i}]"
             if not d.model_input_spans:
@@ -423,8 +429,7 @@ class TrainingService:
     # ---- optimizer ------------------------------------------------------------------------
 
     def optim_step(self, req: wire.OptimStepRequest) -> str:
-        def prepare() -> Job:
-            model = self.live_model(req.model_id)
+        def prepare(model: ModelRecord) -> Job:
             params = optimizers.step_params(req, model_optimizer(model), req.model_id)
 
             def job() -> tuple[bytes, str]:

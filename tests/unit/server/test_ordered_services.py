@@ -1,7 +1,9 @@
-"""A key's limits are checked by the services, not the routes: a save over the key's checkpoint
-bytes is refused inside the training service's ordered submission, so it still uses up its
-seq_id (the model's later requests do not wait for it), and holds no bytes afterwards. (Through
-the SDK and raw HTTP: tests/e2e/test_quotas.py and test_ordered_routes.py.)"""
+"""The services' rules for a model's ordered requests. A key's limits are checked by the services,
+not the routes: a save over the key's checkpoint bytes is refused inside the training service's
+ordered submission, so it still uses up its seq_id (the model's later requests do not wait for
+it), and holds no bytes afterwards. A request reads its model's record once, and what checks it
+is given that record. (Through the SDK and raw HTTP: tests/e2e/test_quotas.py and
+test_ordered_routes.py.)"""
 
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ def services(tmp_path: Path) -> Iterator[SimpleNamespace]:
     store = Store(tmp_path / "db.sqlite")
     scheduler = Scheduler(store)
     quotas = Quotas(store, Limits(checkpoint_bytes=0, sessions=1), max_lora_rank=64)
+    backend = SimpleNamespace(capabilities=None, optim_step=lambda model_id, params: {"grad_norm": 1.0})
     training = TrainingService(
-        SimpleNamespace(capabilities=None),
+        backend,
         scheduler,
         store,
         ["tiny"],
@@ -55,7 +58,8 @@ def services(tmp_path: Path) -> Iterator[SimpleNamespace]:
     store.add_session(
         SESSION, owner=OWNER, tags=[], user_metadata={}, project_id=None, display_name=None, sdk_version=None
     )
-    store.add_model(MODEL, session_id=SESSION, model_seq_id=0, base_model="tiny", lora={}, user_metadata={})
+    lora = {"rank": 4, "optimizer": "adamw"}
+    store.add_model(MODEL, session_id=SESSION, model_seq_id=0, base_model="tiny", lora=lora, user_metadata={})
     scheduler.open_model(MODEL)
     yield SimpleNamespace(store=store, scheduler=scheduler, quotas=quotas, training=training, checkpoints=checkpoints)
     scheduler.shutdown()
@@ -99,3 +103,21 @@ def test_a_session_over_the_keys_limit_is_refused_by_the_session_service(service
     with pytest.raises(ApiError) as refused:  # the fixture's session is the key's one live session
         sessions.create(request, OWNER)
     assert refused.value.status == 403 and "limit sessions reached" in refused.value.detail
+
+
+def test_an_ordered_request_reads_its_models_record_once(
+    services: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``submit_ordered`` reads the live record and hands it to the request's checks and job: an
+    optim_step, a save and a refused request each read it once (a parked model's job reads it
+    again as it runs, ``Residency.bring_back``: it may have been parked since; not faked here)."""
+    reads = []
+    get_model = services.store.get_model
+    monkeypatch.setattr(services.store, "get_model", lambda model_id: reads.append(model_id) or get_model(model_id))
+    request_id = services.training.optim_step(wire.OptimStepRequest(model_id=MODEL, seq_id=1))
+    assert finished(services.store, request_id).status == "done"
+    assert reads == [MODEL]
+    reads.clear()
+    with pytest.raises(ApiError):  # over the key's bytes: refused in its prepare, which gets the record
+        services.checkpoints.save_weights(wire.SaveWeightsRequest(model_id=MODEL, seq_id=2, path="x"), OWNER)
+    assert reads == [MODEL]
