@@ -1,5 +1,5 @@
-"""Saving and loading training state, sampler/external adapter exports, and the REST views of
-runs, checkpoints, sessions and samplers.
+"""Saving and loading training state, sampler/external adapter exports (a sampler's unnamed
+snapshot: ``serving.snapshots``), and what is done to a checkpoint once it is saved.
 
 Saves and legacy loads are ordinary ordered requests of their model (they take a ``seq_id``);
 their jobs run on the backend worker, so a save sees exactly the weights that every earlier
@@ -9,7 +9,6 @@ request of the model produced. File I/O happens in those jobs, never on the even
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from functools import partial
 
@@ -32,9 +31,8 @@ from hosted_tinker.core.checkpoints import description as describe_lora
 from hosted_tinker.core.encryption import encrypt_files, parse_recipients
 from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.core.types import AdapterState, LoraSpec, TrainingBackend
-from hosted_tinker.inference.engine import WeightsRef
-from hosted_tinker.server.mirror import CheckpointMirror
-from hosted_tinker.server.persistence.records import CheckpointRecord, ModelRecord, SamplerRecord
+from hosted_tinker.server.mirror import NO_MIRROR, CheckpointMirror, NoMirror
+from hosted_tinker.server.persistence.records import CheckpointRecord, ModelRecord
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
@@ -44,12 +42,10 @@ from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.events import Changed, CheckpointEvents, Deleted, Made
+from hosted_tinker.server.serving.snapshots import SamplerSnapshots
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.serving.training import TrainingService, json_result, model_optimizer
 
-# Ephemeral sampler snapshots kept per training model; older ones are deleted (asking for one
-# then gets a 404). Async RL samples from a policy a few steps stale, never from 8 steps back.
-KEEP_SNAPSHOTS = 8
 MIN_TTL_S = 3600
 MAX_TTL_S = 10 * 365 * 86400
 
@@ -73,7 +69,7 @@ class CheckpointService:
         *,
         tenancy: Tenancy,
         events: CheckpointEvents | None = None,
-        mirror: CheckpointMirror | None = None,
+        mirror: CheckpointMirror | NoMirror = NO_MIRROR,
     ) -> None:
         self.events = events if events is not None else CheckpointEvents()  # what follows (``serving.events``)
         self.training = training
@@ -81,7 +77,8 @@ class CheckpointService:
         self.scheduler: Scheduler = training.scheduler
         self.store: Store = training.store
         self.files = files
-        self.ephemeral = ephemeral  # snapshots behind save_weights_and_get_sampling_client
+        # behind save_weights_and_get_sampling_client: saved as the model's ordered requests, as these
+        self.snapshots = SamplerSnapshots(training, ephemeral, self.events, self._export)
         self.links = links  # signed download links of external weights
         self.tenancy = tenancy  # who may read the checkpoint a load names
         # --checkpoint-mirror: a deletion's row goes with the mirror's tombstone (``_delete``); the
@@ -236,54 +233,7 @@ class CheckpointService:
             )
         if refusal is not None:
             return self.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, refusal)
-        return self._save_ephemeral(req)
-
-    def _save_ephemeral(self, req: wire.SaveWeightsForSamplerRequest) -> str:
-        """A frozen copy of the current adapter, registered as a sampling session. An inflight
-        one is also the new target of every inflight session of the model (``weights_of``)."""
-
-        def prepare(model: ModelRecord) -> Job:
-            sampler_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
-            if self.store.get_sampler(sampler_id) is not None:
-                raise bad_request(f"sampling_session_seq_id {req.sampling_session_seq_id} is already used")
-
-            def job() -> tuple[bytes, str]:
-                snapshot = TinkerPath(req.model_id, "sampler_weights", f"ephemeral-{secrets.token_hex(8)}")
-                self.ephemeral.write(snapshot, self._export("sampler_weights", model), overwrite=False)
-                self.store.add_sampler(
-                    sampler_id,
-                    session_id=model.session_id,
-                    base_model=model.base_model,
-                    model_path=None,
-                    model_id=req.model_id,
-                    snapshot=str(snapshot),
-                    kind=req.kind,
-                )
-                self._retire_old(req.model_id)
-                self.events.snapshot(WeightsRef(str(snapshot), self.ephemeral, snapshot))
-                return json_result({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
-
-            return job
-
-        return self.training.submit_ordered("save_weights_for_sampler", req.model_id, req.seq_id, prepare)
-
-    def _retire_old(self, model_id: str) -> None:
-        """Keep a model's newest snapshot sessions; an inflight session stays (it follows the
-        newest inflight weights), only its own old weights go."""
-        samplers = self.store.ephemeral_samplers(model_id=model_id)
-        self._retire_snapshots([s for s in samplers if s.kind == "snapshot"][KEEP_SNAPSHOTS:])
-        for sampler in [s for s in samplers if s.kind == "inflight"][KEEP_SNAPSHOTS:]:
-            self.ephemeral.delete(TinkerPath.parse(sampler.snapshot))
-
-    def _retire_snapshots(self, samplers: list[SamplerRecord]) -> None:
-        """Delete ephemeral snapshots (an RL loop makes one per step; each is a full adapter)."""
-        for sampler in samplers:
-            self.store.delete_sampler(sampler.sampler_id)
-            self.ephemeral.delete(TinkerPath.parse(sampler.snapshot))
-
-    def finish_session(self, session_id: str) -> None:
-        """A finished session's ephemeral samplers can no longer be used: free their disk."""
-        self._retire_snapshots(self.store.ephemeral_samplers(session_id=session_id))
+        return self.snapshots.save(req)
 
     def save_weights_external(self, req: wire.SaveWeightsExternalRequest, owner: str) -> str:
         """A PEFT adapter to download; with ``age_encryption_recipients``, each file encrypted
@@ -408,7 +358,7 @@ class CheckpointService:
 
             def job() -> tuple[bytes, str]:
                 self.backend.load_state(model.model_id, self._state(path, lora), with_optimizer=req.optimizer)
-                self.training.weights_changed(model.model_id)
+                self.training.events.weights_changed(model.model_id)
                 return json_result({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
             return job
@@ -466,7 +416,7 @@ class CheckpointService:
     def _delete(self, path: TinkerPath) -> None:
         # A mirrored checkpoint's row goes with its tombstone: never a moment in which a restart
         # would find the mirror's copy and no row, and restore what was deleted.
-        mirrored = self.mirror is not None and self.mirror.mirrors(path)
+        mirrored = self.mirror.mirrors(path)
         self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=mirrored)
         self.files.delete(path)
         if mirrored:

@@ -4,11 +4,10 @@ queue a job that runs on the backend worker and encodes its own result."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
@@ -16,17 +15,13 @@ from hosted_tinker.core import losses
 from hosted_tinker.core.custom_loss import reduce_metrics
 from hosted_tinker.core.errors import (
     ApiError,
-    RolledBack,
     UserError,
     WireError,
-    WorkerCrashed,
-    WorkerDied,
     bad_request,
     not_found,
 )
 from hosted_tinker.core.routing import routing_metrics
 from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackwardBatch, LoraSpec, TrainingBackend
-from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.server.persistence.records import COPY_STATUS, ModelRecord
 from hosted_tinker.server.persistence.sequences import SequenceRecords
 from hosted_tinker.server.persistence.store import Store
@@ -38,11 +33,11 @@ from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers, provenance
 from hosted_tinker.server.serving.batch_checks import check_datum
 from hosted_tinker.server.serving.custom_losses import CustomLossService
+from hosted_tinker.server.serving.events import Trained, TrainingEvents
 from hosted_tinker.server.serving.images import ImageLayout
 from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
-from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, OPTIM_STEP, RunMetrics
-from hosted_tinker.server.serving.usage import UsageLedger
+from hosted_tinker.server.serving.run_metrics import OPTIM_STEP
 
 JSON = "application/json"
 # Checks one of a model's ordered requests, given its live record, and makes its job (raises a
@@ -50,8 +45,6 @@ JSON = "application/json"
 Prepare = Callable[[ModelRecord], Job]
 MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
 PROTOBUF = "application/x-protobuf"
-
-log = logging.getLogger(__name__)
 
 
 def json_result(obj: dict) -> tuple[bytes, str]:
@@ -72,13 +65,12 @@ class TrainingService:
         joint: JointPasses,
         *,
         quotas: Quotas,
-        live: LiveAdapters | None = None,
+        events: TrainingEvents | None = None,
         max_lora_rank: int | None = None,
-        run_metrics: RunMetrics | None = None,
-        usage: UsageLedger | None = None,
         images: ImageLayout | None = None,
     ) -> None:
-        self.usage = usage  # what each key trained and saved (``serving.usage``)
+        # what follows a call or a change of weights: usage, metrics, vLLM's sync (``serving.events``)
+        self.events = events if events is not None else TrainingEvents()
         self.quotas = quotas  # each key's limits, checked here as a request is admitted (not in the routes)
         # images of a ModelInput laid into its tokens (None: a text-only model)
         self.images = images or ImageLayout(backend.capabilities, None)
@@ -89,36 +81,10 @@ class TrainingService:
         self.custom_losses = custom_losses  # what sessions uploaded (loss_fn "custom")
         self.served_names = served_names
         self.tokenizer_id = tokenizer_id
-        self.live = live  # with vLLM: each run's adapter synced after every change
         self.max_lora_rank = max_lora_rank  # the inference engine's limit, if it has one
         # Which models are on the workers; a parked one comes back before its next job runs.
         self.residency = residency
         self.joint = joint  # forward_backward requests of several models in one pass
-        self.run_metrics = run_metrics  # each run's finished steps, for the REST metrics route
-
-    def weights_changed(self, model_id: str) -> None:
-        """On the worker, after a job that set a model's weights (create, load, optim_step)."""
-        if self.live is None:
-            return
-        try:
-            step, weights = self.backend.snapshot_weights(model_id)
-            self.live.publish(model_id, step, self.backend.peft_config(model_id), weights)
-        except (WorkerCrashed, RolledBack, WorkerDied):  # the weights are gone with the worker: say so
-            raise
-        except Exception:  # the step itself succeeded; vLLM keeps the previous version
-            log.exception("could not queue the LoRA sync of %s", model_id)
-
-    def record_call(
-        self, model_id: str, seq_id: int, kind: str, duration_s: float, tokens: int, metrics: Mapping[str, float]
-    ) -> None:
-        """On the dispatch thread, as a training call's job succeeds: its row of the run's
-        metrics. Never fails the call: the result is the client's whether or not it is recorded."""
-        if self.run_metrics is None:
-            return
-        try:
-            self.run_metrics.record(model_id, seq_id, kind, time.time(), duration_s, tokens, metrics)
-        except Exception:
-            log.exception("could not record the metrics of %s of %s (seq_id %d)", kind, model_id, seq_id)
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -222,7 +188,7 @@ class TrainingService:
                 self.backend.create_adapter(model_id, lora)
                 if after_create is not None:
                     after_create(model_id)
-                self.weights_changed(model_id)
+                self.events.weights_changed(model_id)
             except BaseException:
                 self.store.set_model_status(model_id, "failed")
                 self.residency.forget(model_id)
@@ -254,8 +220,7 @@ class TrainingService:
         self.live_model(model_id)
         self.store.set_model_status(model_id, "unloaded")
         self.scheduler.close_model(model_id)
-        if self.live is not None:
-            self.live.drop(model_id)
+        self.events.gone(model_id)
 
         def job() -> tuple[bytes, str]:
             if self.backend.has_adapter(model_id):  # else parked: only its saved state is left
@@ -322,9 +287,6 @@ class TrainingService:
                 result = self.joint.run(entry)
                 duration_s = entry.seconds  # its share of the pass it ran in
                 tokens = sum(d.num_tokens for d in batch.data)
-                self.scheduler.metrics.tokens_trained.labels(kind).inc(tokens)
-                if self.usage is not None:
-                    self.usage.trained(model_id, tokens)
                 outputs = [
                     {"logprobs": lp} if terms is None else {"logprobs": lp, "elementwise_loss": terms}
                     for lp, terms in zip(result.logprobs, result.elementwise_loss, strict=True)
@@ -336,8 +298,7 @@ class TrainingService:
                     **(routing_metrics(result.routed) if result.routed is not None else {}),
                 }
                 encoded = encode_forward_backward_output(outputs, metrics)
-                if not forward_only:  # a forward-only call is not part of a step
-                    self.record_call(model_id, seq_id, FORWARD_BACKWARD, duration_s, tokens, metrics)
+                self.events.trained(Trained(model_id, seq_id, kind, duration_s, tokens, metrics))
                 return encoded, PROTOBUF
 
             return job
@@ -436,9 +397,9 @@ class TrainingService:
                 started = time.perf_counter()
                 metrics = self.backend.optim_step(req.model_id, params)
                 duration_s = time.perf_counter() - started
-                self.weights_changed(req.model_id)
+                self.events.weights_changed(req.model_id)
                 result = json_result({"metrics": metrics})
-                self.record_call(req.model_id, req.seq_id, OPTIM_STEP, duration_s, 0, metrics)
+                self.events.trained(Trained(req.model_id, req.seq_id, OPTIM_STEP, duration_s, 0, metrics))
                 return result
 
             return job
