@@ -58,6 +58,12 @@ class NoMirror:
     def deleted(self, path: TinkerPath) -> None:
         """Nothing was copied up: nothing to delete."""
 
+    def status(self) -> None:
+        return None  # /healthz shows no mirror
+
+    def drain(self, deadline: float) -> bool:
+        return True  # nothing is ever queued
+
 
 NO_MIRROR = NoMirror()
 
