@@ -50,6 +50,25 @@ KEYS_POLL_S = 30.0  # how often the keys are compared with what was last copied 
 ROW = ("public", "expires_at", "user_metadata")  # what of a checkpoint's row can change after its save
 
 
+class NoMirror:
+    """Without ``--checkpoint-mirror``: nothing is copied up, so a deletion leaves no tombstone."""
+
+    def mirrors(self, path: TinkerPath) -> bool:
+        return False
+
+    def deleted(self, path: TinkerPath) -> None:
+        """Nothing was copied up: nothing to delete."""
+
+    def status(self) -> None:
+        return None  # /healthz shows no mirror
+
+    def drain(self, deadline: float) -> bool:
+        return True  # nothing is ever queued
+
+
+NO_MIRROR = NoMirror()
+
+
 class CheckpointMirror:
     def __init__(self, url: str, files: CheckpointFiles, store: Store, keys_poll_s: float = KEYS_POLL_S) -> None:
         import fsspec  # a dependency; gcsfs or s3fs only for their URLs

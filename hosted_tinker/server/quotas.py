@@ -110,7 +110,8 @@ def parse_limits(items: list[str], where: str) -> dict[str, Any]:
 
 
 class Quotas:
-    """The limits of each key, checked by the routes (counts and sizes) and by ``KeyCheck``
+    """The limits of each key, checked by the services as they admit a request (counts and sizes:
+    ``serving``, where a refused ordered request still uses up its seq_id) and by ``KeyCheck``
     (rate). Runs on the event loop; its reads are single-row SQLite queries."""
 
     def __init__(
@@ -211,7 +212,7 @@ class Quotas:
             self._buckets[(tenant, bucket)] = (tokens - 1, now)
         return None
 
-    # ---- counts and sizes (routes) ----------------------------------------------------------
+    # ---- counts and sizes (services) --------------------------------------------------------
 
     def new_session(self, tenant: str, user_metadata: dict | None) -> None:
         limits = self.of(tenant)

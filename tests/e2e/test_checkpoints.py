@@ -206,10 +206,12 @@ def test_expired_checkpoints_are_deleted(tmp_path):
     from hosted_tinker.core.checkpoints import CheckpointFiles, TinkerPath
     from hosted_tinker.server.persistence.store import Store
     from hosted_tinker.server.serving.checkpoints import CheckpointService
+    from hosted_tinker.server.serving.tenancy import Tenancy
 
     store = Store(tmp_path / "db.sqlite")
     files = CheckpointFiles(tmp_path / "checkpoints")
-    service = CheckpointService(SimpleNamespace(backend=None, scheduler=None, store=store), files, files, b"k")
+    training = SimpleNamespace(backend=None, scheduler=None, store=store)
+    service = CheckpointService(training, files, files, b"k", tenancy=Tenancy(store))
     keep, expire = TinkerPath("run:train:0", "weights", "keep"), TinkerPath("run:train:0", "weights", "old")
     for path, ttl in ((keep, None), (expire, 3600)):
         files.write(path, {"a.bin": b"x"}, overwrite=False)

@@ -51,9 +51,7 @@ def create_app(state: ServerState) -> FastAPI:
         watchdog.cancel()
         parker.cancel()
         deadline = await _park_all(state)  # the next start serves the same models from where they are now
-        if state.checkpoints.mirror is not None and not await asyncio.to_thread(
-            state.checkpoints.mirror.drain, deadline
-        ):
+        if not await asyncio.to_thread(state.checkpoints.mirror.drain, deadline):
             log.warning("shutdown: checkpoint copies still queued for the mirror are made at the next start")
         state.scheduler.shutdown()  # first: a step finishing now may still publish to vLLM
         state.backend.close()

@@ -11,12 +11,11 @@ from typing import Any, Literal
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse
 
-from hosted_tinker.core.errors import ApiError, bad_request
+from hosted_tinker.core.errors import bad_request
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.state import ServerState, server_state
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
-from hosted_tinker.server.quotas import Reservation
 from hosted_tinker.server.serving.traces import session_trace
 
 MAX_OFFSET = 2**62  # SQLite integers are 64-bit: a larger offset is a 422, not an overflow
@@ -245,15 +244,8 @@ async def copy_weights(
     request: Request,
     idempotency_key: str | None = Header(None, alias="X-Idempotency-Key"),
 ) -> rsp.CopyWeightsResponse:
-    state, tenant = server_state(request), tenant_of(request)
-
-    def admit(size: int) -> Reservation:  # a new copy: not a retry of one already made
-        held = state.quotas.reserve_checkpoint(tenant, None, size)
-        if isinstance(held, ApiError):
-            raise held
-        return held
-
-    return await asyncio.to_thread(state.copies.copy, req, tenant, idempotency_key, admit)
+    state = server_state(request)
+    return await asyncio.to_thread(state.copies.copy, req, tenant_of(request), idempotency_key)
 
 
 @router.post("/sessions/search", response_model=rsp.SessionSearchResponse)

@@ -26,7 +26,7 @@ from hosted_tinker.server.api.inflight import BodyBytes
 from hosted_tinker.server.console.signin import ConsoleSignIn
 from hosted_tinker.server.keys import KeyRing, env_keys, read_keys_file
 from hosted_tinker.server.metrics import ServerMetrics
-from hosted_tinker.server.mirror import CheckpointMirror
+from hosted_tinker.server.mirror import NO_MIRROR, CheckpointMirror
 from hosted_tinker.server.persistence.schema import DATABASE, DatabaseDamaged
 from hosted_tinker.server.persistence.schema import check as check_database
 from hosted_tinker.server.persistence.sequences import SequenceRecords
@@ -39,7 +39,6 @@ from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.custom_losses import CustomLossService
 from hosted_tinker.server.serving.downloads import DownloadLinks
-from hosted_tinker.server.serving.events import Changed, CheckpointEvents, Deleted, Made
 from hosted_tinker.server.serving.futures import FuturesService
 from hosted_tinker.server.serving.images import ImageLayout, ImageTokens
 from hosted_tinker.server.serving.joint_passes import JointPasses
@@ -52,6 +51,7 @@ from hosted_tinker.server.serving.runs import RunViews
 from hosted_tinker.server.serving.sample_budget import SampleBudget
 from hosted_tinker.server.serving.sampling import SamplingService
 from hosted_tinker.server.serving.sessions import SessionService
+from hosted_tinker.server.serving.subscribers import checkpoint_events, training_events
 from hosted_tinker.server.serving.tenancy import Tenancy
 from hosted_tinker.server.serving.training import TrainingService
 from hosted_tinker.server.serving.uploads import UploadService
@@ -166,10 +166,9 @@ def build_state(config: ServerConfig) -> ServerState:
         custom_losses=custom_losses,
         residency=residency,
         joint=JointPasses(backend.trainer, scheduler, residency.is_resident, config.joint_pass_tokens),
-        live=vllm.live if vllm is not None else None,
+        quotas=quotas,
+        events=training_events(backend, scheduler.metrics, usage, run_metrics, vllm),
         max_lora_rank=config.max_lora_rank if vllm is not None else None,
-        run_metrics=run_metrics,
-        usage=usage,
         images=images,
     )
     sampling = SamplingService(
@@ -201,7 +200,7 @@ def build_state(config: ServerConfig) -> ServerState:
         restored, queued = mirror.sync()
         log.info("checkpoint mirror %s: %d checkpoints restored, %d to copy up", mirror.url, restored, queued)
     tenancy = Tenancy(store, audit)
-    events = _checkpoint_events(scheduler.metrics, usage, audit, mirror, vllm)
+    events = checkpoint_events(scheduler.metrics, usage, audit, mirror, vllm)
     checkpoints = CheckpointService(
         training,
         files,
@@ -214,8 +213,9 @@ def build_state(config: ServerConfig) -> ServerState:
             may_read=lambda tenant, path: keys.still_valid(tenant) and tenancy.can_read(tenant, path),
             may_trace=lambda tenant, session_id: keys.still_valid(tenant) and tenancy.owns(tenant, session_id),
         ),
+        tenancy=tenancy,
         events=events,
-        mirror=mirror,
+        mirror=mirror if mirror is not None else NO_MIRROR,
     )
     # The one link made after construction: the backend restores models through the training
     # service, which itself calls the backend.
@@ -233,11 +233,11 @@ def build_state(config: ServerConfig) -> ServerState:
         tenancy=tenancy,
         scheduler=scheduler,
         backend=backend,
-        sessions=SessionService(store, training, on_finish=_on_finish(checkpoints, custom_losses), audit=audit),
+        sessions=SessionService(store, training, quotas, on_finish=_on_finish(checkpoints, custom_losses), audit=audit),
         training=training,
         checkpoints=checkpoints,
         runs=RunViews(store),
-        copies=CopyService(store, files, tenancy, events),
+        copies=CopyService(store, files, tenancy, quotas, events),
         uploads=UploadService(
             training, files, _server_secret(config.data_dir), quotas, may_upload=keys.still_valid, events=events
         ),
@@ -259,53 +259,11 @@ def build_state(config: ServerConfig) -> ServerState:
     return state
 
 
-def _checkpoint_events(
-    metrics: ServerMetrics,
-    usage: UsageLedger,
-    audit: AuditLog,
-    mirror: CheckpointMirror | None,
-    vllm: VllmEngine | None,
-) -> CheckpointEvents:
-    """Who hears of a checkpoint made, changed or deleted (``serving.events``), subscribed once."""
-    events = CheckpointEvents()
-
-    def made(e: Made) -> None:
-        if e.how == "save":  # a training model's save (copies and uploads are not saves)
-            metrics.checkpoint_bytes.labels(e.path.kind).inc(e.size)
-            usage.checkpoint_saved(e.path.run_id)
-        audit.record(
-            e.owner, "checkpoint_create", e.owner, model_id=e.path.run_id, tinker_path=str(e.path), **e.details
-        )
-
-    def changed(e: Changed) -> None:
-        if e.event is not None:
-            audit.checkpoint(e.event, e.path, e.actor)
-
-    def deleted(e: Deleted) -> None:
-        audit.checkpoint("checkpoint_delete", e.path, e.actor, **({"reason": e.reason} if e.reason else {}))
-
-    events.made.subscribe(made)
-    events.changed.subscribe(changed)
-    events.deleted.subscribe(deleted)
-    if mirror is not None:
-        mirror.subscribe(events)
-    if vllm is not None:  # a sampler's adapter loaded before it is asked for
-        prefetch = vllm.prefetch_threadsafe
-
-        def sampler_made(e: Made) -> None:
-            if e.how == "save" and e.path.kind == "sampler_weights":  # a copy is not loaded ahead
-                prefetch(WeightsRef(str(e.path), e.files, e.path))
-
-        events.made.subscribe(sampler_made)
-        events.snapshot.subscribe(prefetch)
-    return events
-
-
 def _on_finish(checkpoints: CheckpointService, custom_losses: CustomLossService) -> Callable[[str], None]:
     """What a finished session leaves: its sampler snapshots and its custom losses go."""
 
     def finished(session_id: str) -> None:
-        checkpoints.finish_session(session_id)
+        checkpoints.snapshots.finish_session(session_id)
         custom_losses.finish_session(session_id)
 
     return finished

@@ -1,5 +1,6 @@
 """``/api/v1`` routes of the Tinker protocol. HTTP only: parse, check that the caller's key owns
-the ids it names (``state.tenancy``), call a service, answer."""
+the ids it names (``state.tenancy``), call a service, answer. The key's limits are the services'
+to check (``server.quotas``), where a refused ordered request still uses up its seq_id."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from hosted_tinker.core.errors import ApiError, UserError, not_found
-from hosted_tinker.core.types import LoraSpec
 from hosted_tinker.server.api.auth import tenant_of
 from hosted_tinker.server.api.errors import large_body, ordered, refuse_unparsed
 from hosted_tinker.server.api.json_body import OffLoopJson
@@ -22,7 +22,6 @@ from hosted_tinker.server.protocol.ordering import head_limit
 from hosted_tinker.server.protocol.proto_codec import WireForwardBackward, decode_forward_backward, decompress
 from hosted_tinker.server.protocol.proto_scan import check_prefix
 from hosted_tinker.server.serving.futures import check_cancellable
-from hosted_tinker.server.serving.training import Admit
 
 router = APIRouter(prefix="/api/v1", responses=rsp.TINKER_ERRORS, route_class=OffLoopJson)
 
@@ -37,16 +36,6 @@ def _owner_of_model(request: Request, model_id: str) -> ServerState:
 def _future(request: Request, request_id: str, model_id: str | None = None) -> wire.UntypedFuture:
     note(request, request_id=request_id)
     return wire.UntypedFuture(request_id=request_id, model_id=model_id)
-
-
-def _new_model(state: ServerState, tenant: str, user_metadata: dict | None) -> Admit:
-    """The caller's limits on a model it creates, for the service to check with its LoRA
-    once the request is known not to be a resend (``server.quotas``)."""
-
-    def admit(lora: LoraSpec) -> None:
-        state.quotas.new_model(tenant, lora, user_metadata)
-
-    return admit
 
 
 def _optimizer_sent(req: wire.OptimStepRequest) -> str | None:
@@ -77,9 +66,7 @@ async def client_dynamic_config(req: wire.ClientConfigRequest) -> rsp.ClientDyna
 
 @router.post("/create_session")
 async def create_session(req: wire.CreateSessionRequest, request: Request) -> wire.CreateSessionResponse:
-    state, tenant = server_state(request), tenant_of(request)
-    state.quotas.new_session(tenant, req.user_metadata)
-    return state.sessions.create(req, owner=tenant)
+    return server_state(request).sessions.create(req, owner=tenant_of(request))
 
 
 @router.post("/session_heartbeat", response_model=rsp.SessionHeartbeatResponse)
@@ -142,7 +129,7 @@ async def create_model(req: wire.CreateModelRequest, request: Request) -> wire.U
     )
     tenant = tenant_of(request)
     state.tenancy.session(tenant, req.session_id)
-    return _future(request, state.training.create_model(req, admit=_new_model(state, tenant, req.user_metadata)))
+    return _future(request, state.training.create_model(req, tenant))
 
 
 @router.post("/get_info", response_model=rsp.GetInfoResponse)
@@ -206,41 +193,21 @@ async def unload_model(req: wire.UnloadModelRequest, request: Request) -> wire.U
 async def save_weights(req: wire.SaveWeightsRequest, request: Request) -> wire.UntypedFuture:
     note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
-    held = state.quotas.reserve_checkpoint(
-        tenant_of(request), req.user_metadata, state.checkpoints.likely_size(req.model_id, "weights")
-    )
-    if isinstance(held, ApiError):
-        return _future(request, state.training.refuse_ordered("save_weights", req.model_id, req.seq_id, held))
-    return _future(request, state.checkpoints.save_weights(req, held), req.model_id)
+    return _future(request, state.checkpoints.save_weights(req, tenant_of(request)), req.model_id)
 
 
 @router.post("/save_weights_for_sampler", **ordered("save_weights_for_sampler"))
 async def save_weights_for_sampler(req: wire.SaveWeightsForSamplerRequest, request: Request) -> wire.UntypedFuture:
     note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
-    held = None
-    if req.path is not None:  # a named save is stored; an unnamed one is a sampler's snapshot
-        reserved = state.quotas.reserve_checkpoint(
-            tenant_of(request), req.user_metadata, state.checkpoints.likely_size(req.model_id, "sampler_weights")
-        )
-        if isinstance(reserved, ApiError):
-            refused = state.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, reserved)
-            return _future(request, refused)
-        held = reserved
-    return _future(request, state.checkpoints.save_weights_for_sampler(req, held), req.model_id)
+    return _future(request, state.checkpoints.save_weights_for_sampler(req, tenant_of(request)), req.model_id)
 
 
 @router.post("/save_weights_external", **ordered("save_weights_external"))
 async def save_weights_external(req: wire.SaveWeightsExternalRequest, request: Request) -> wire.UntypedFuture:
     note(request, model_id=req.model_id, seq_id=req.seq_id)
     state = _owner_of_model(request, req.model_id)
-    held = state.quotas.reserve_checkpoint(
-        tenant_of(request), None, state.checkpoints.likely_size(req.model_id, "external_weights")
-    )
-    if isinstance(held, ApiError):
-        refused = state.training.refuse_ordered("save_weights_external", req.model_id, req.seq_id, held)
-        return _future(request, refused)
-    return _future(request, state.checkpoints.save_weights_external(req, held), req.model_id)
+    return _future(request, state.checkpoints.save_weights_external(req, tenant_of(request)), req.model_id)
 
 
 @router.post("/load_weights", **ordered("load_weights"))
@@ -251,15 +218,7 @@ async def load_weights(req: wire.LoadWeightsRequest, request: Request) -> wire.U
         state.tenancy.model(tenant, req.model_id)
     elif req.session_id is not None:  # creates a model in this session
         state.tenancy.session(tenant, req.session_id)
-    try:
-        state.tenancy.readable(tenant, req.path, purpose="load")
-    except ApiError as e:
-        if req.model_id is None or req.seq_id is None:
-            raise
-        # The caller's own model: a checkpoint it may not read still uses up the seq_id.
-        state.training.refuse_ordered("load_weights", req.model_id, req.seq_id, e)
-    admit = _new_model(state, tenant, req.user_metadata)  # if it creates one: with the checkpoint's rank
-    return _future(request, state.checkpoints.load_weights(req, admit=admit), req.model_id)
+    return _future(request, state.checkpoints.load_weights(req, tenant), req.model_id)
 
 
 @router.post("/create_sampling_session", response_model=rsp.CreateSamplingSessionResponse)

@@ -1,5 +1,5 @@
-"""Saving and loading training state, sampler/external adapter exports, and the REST views of
-runs, checkpoints, sessions and samplers.
+"""Saving and loading training state, sampler/external adapter exports (a sampler's unnamed
+snapshot: ``serving.snapshots``), and what is done to a checkpoint once it is saved.
 
 Saves and legacy loads are ordinary ordered requests of their model (they take a ``seq_id``);
 their jobs run on the backend worker, so a save sees exactly the weights that every earlier
@@ -9,10 +9,8 @@ request of the model produced. File I/O happens in those jobs, never on the even
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,29 +30,24 @@ from hosted_tinker.core.checkpoints import (
 from hosted_tinker.core.checkpoints import describe as describe_checkpoint
 from hosted_tinker.core.checkpoints import description as describe_lora
 from hosted_tinker.core.encryption import encrypt_files, parse_recipients
-from hosted_tinker.core.errors import bad_request, not_found
+from hosted_tinker.core.errors import ApiError, bad_request, not_found
 from hosted_tinker.core.types import AdapterState, LoraSpec
-from hosted_tinker.inference.engine import WeightsRef
-from hosted_tinker.server.mirror import CheckpointMirror
-from hosted_tinker.server.persistence.records import CheckpointRecord, ModelRecord, SamplerRecord
+from hosted_tinker.server.mirror import NO_MIRROR, CheckpointMirror, NoMirror
+from hosted_tinker.server.persistence.records import CheckpointRecord, ModelRecord
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
-from hosted_tinker.server.quotas import store_checkpoint
+from hosted_tinker.server.quotas import Reservation, store_checkpoint
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers
 from hosted_tinker.server.serving.downloads import DownloadLinks
 from hosted_tinker.server.serving.events import Changed, CheckpointEvents, Deleted, Made
-from hosted_tinker.server.serving.training import Admit, TrainingService, json_result, model_optimizer
+from hosted_tinker.server.serving.snapshots import SamplerSnapshots
+from hosted_tinker.server.serving.tenancy import Tenancy
+from hosted_tinker.server.serving.training import TrainingService, json_result, model_optimizer
 from hosted_tinker.server.workers.backend import ProcessBackend
 
-if TYPE_CHECKING:
-    from hosted_tinker.server.quotas import Reservation
-
-# Ephemeral sampler snapshots kept per training model; older ones are deleted (asking for one
-# then gets a 404). Async RL samples from a policy a few steps stale, never from 8 steps back.
-KEEP_SNAPSHOTS = 8
 MIN_TTL_S = 3600
 MAX_TTL_S = 10 * 365 * 86400
 
@@ -76,8 +69,9 @@ class CheckpointService:
         ephemeral: CheckpointFiles,
         links: DownloadLinks,
         *,
+        tenancy: Tenancy,
         events: CheckpointEvents | None = None,
-        mirror: CheckpointMirror | None = None,
+        mirror: CheckpointMirror | NoMirror = NO_MIRROR,
     ) -> None:
         self.events = events if events is not None else CheckpointEvents()  # what follows (``serving.events``)
         self.training = training
@@ -85,8 +79,10 @@ class CheckpointService:
         self.scheduler: Scheduler = training.scheduler
         self.store: Store = training.store
         self.files = files
-        self.ephemeral = ephemeral  # snapshots behind save_weights_and_get_sampling_client
+        # behind save_weights_and_get_sampling_client: saved as the model's ordered requests, as these
+        self.snapshots = SamplerSnapshots(training, ephemeral, self.events, self._export)
         self.links = links  # signed download links of external weights
+        self.tenancy = tenancy  # who may read the checkpoint a load names
         # --checkpoint-mirror: a deletion's row goes with the mirror's tombstone (``_delete``); the
         # rest of what it is told comes by ``events``.
         self.mirror = mirror
@@ -99,23 +95,29 @@ class CheckpointService:
         model_id: str,
         seq_id: int,
         name: str,
+        owner: str,
         *,
         overwrite: bool,
         ttl_seconds: int | None,
         user_metadata: dict[str, str] | None,
         extra: dict | None = None,
         encrypt_to: list[str] | None = None,
-        held: Reservation | None = None,
+        refusal: ApiError | None = None,
     ) -> str:
-        """``held``: the key's checkpoint bytes this save reserved (``Quotas.reserve_checkpoint``),
-        settled when it is written, released if it never is."""
+        """Queue a save of ``owner``'s model. Before anything else it reserves the likely size of
+        the checkpoint from ``owner``'s checkpoint bytes (``Quotas.reserve_checkpoint``), settled
+        when it is written, released if it never is; a refusal there, or ``refusal`` (a request
+        its caller found wrong, answered after the quota's as it always was), uses up the seq_id
+        as every refusal in ``prepare`` does (``TrainingService.submit_ordered``)."""
         request_kind = {
             "weights": "save_weights",
             "sampler_weights": "save_weights_for_sampler",
             "external_weights": "save_weights_external",
         }[kind]
 
-        def prepare() -> Job:
+        def prepare(model: ModelRecord, held: Reservation) -> Job:
+            if refusal is not None:
+                raise refusal
             check_ttl(ttl_seconds)
             try:
                 path = TinkerPath(model_id, kind, validate_name(name))
@@ -124,7 +126,6 @@ class CheckpointService:
                 raise bad_request(str(e)) from None
             if not overwrite and self.store.get_checkpoint(model_id, kind, name) is not None:
                 raise bad_request(f"{path} already exists; save under another name or pass overwrite=True")
-            model = self.training.live_model(model_id)
 
             def job() -> tuple[bytes, str]:
                 try:
@@ -132,11 +133,10 @@ class CheckpointService:
                     if recipients is not None:
                         files = encrypt_files(files, recipients)
                 except BaseException:
-                    if held is not None:
-                        held.release()
+                    held.release()
                     raise
                 size = sum(len(data) for data in files.values())
-                replaced = self.store.get_checkpoint(model_id, kind, name) if held is not None else None
+                replaced = self.store.get_checkpoint(model_id, kind, name)
 
                 def record() -> None:
                     self.store.put_checkpoint(
@@ -152,8 +152,7 @@ class CheckpointService:
                 write = partial(self.files.write, path, files, overwrite=overwrite)
                 undo = None if overwrite else partial(self.files.delete, path)  # (an overwritten one is gone)
                 store_checkpoint(held, size, write, record, replaces=replaced.size_bytes if replaced else 0, undo=undo)
-                owner = self.store.session_owner(model.session_id) or ""
-                self.events.made(Made(path, owner, size, self.files))
+                self.events.made(Made(path, owner, size, self.files))  # its model's owner: the route checked
                 result = {"path": str(path), "type": request_kind, **(extra or {})}
                 if kind == "external_weights":
                     result["size_bytes"] = size
@@ -161,18 +160,23 @@ class CheckpointService:
 
             return job
 
+        held: Reservation | None = None
         queued = False
 
-        def prepare_owning() -> Job:
-            nonlocal queued
-            job = prepare()
+        def prepare_holding(model: ModelRecord) -> Job:
+            nonlocal held, queued
+            reserved = self.training.quotas.reserve_checkpoint(owner, user_metadata, self.likely_size(model_id, kind))
+            if isinstance(reserved, ApiError):
+                raise reserved
+            held = reserved
+            job = prepare(model, held)
             queued = True  # from here the job settles or releases what is held
             return job
 
         try:
-            request_id = self.training.submit_ordered(request_kind, model_id, seq_id, prepare_owning)
+            request_id = self.training.submit_ordered(request_kind, model_id, seq_id, prepare_holding)
         finally:
-            if held is not None and not queued:  # refused, or a resend of a save already queued
+            if held is not None and not queued:  # refused after its reservation
                 held.release()
         if held is not None:  # a job dropped before it runs (its model unloaded) lets go too
             self.scheduler.when_done(request_id, held.release)
@@ -192,21 +196,22 @@ class CheckpointService:
             return state_to_files(state, config, model.base_model, self.backend.capabilities.family)
         return adapter_files(config, state.weights, self.backend.capabilities.family)
 
-    def save_weights(self, req: wire.SaveWeightsRequest, held: Reservation | None = None) -> str:
+    def save_weights(self, req: wire.SaveWeightsRequest, owner: str) -> str:
+        """``owner``: the key that owns ``req.model_id`` (the route checked), whose bytes it takes."""
         name = req.path if req.path is not None else f"seq-{req.seq_id}"
         return self._save(
             "weights",
             req.model_id,
             req.seq_id,
             name,
+            owner,
             overwrite=req.overwrite,
             ttl_seconds=req.ttl_seconds,
             user_metadata=req.user_metadata,
-            held=held,
         )
 
-    def save_weights_for_sampler(self, req: wire.SaveWeightsForSamplerRequest, held: Reservation | None = None) -> str:
-        """``held``: a named save's reservation (an unnamed one is a sampler's snapshot, not stored)."""
+    def save_weights_for_sampler(self, req: wire.SaveWeightsForSamplerRequest, owner: str) -> str:
+        """A named save is stored (``owner``'s bytes); an unnamed one is a sampler's snapshot."""
         refusal = None
         if req.kind not in ("snapshot", "inflight"):
             refusal = bad_request(f"kind must be 'snapshot' or 'inflight', got {req.kind!r}")
@@ -216,72 +221,23 @@ class CheckpointService:
             )
         elif req.path is None and req.sampling_session_seq_id is None:
             refusal = bad_request("save_weights_for_sampler needs either path (a name) or sampling_session_seq_id")
-        if refusal is not None:
-            if held is not None:
-                held.release()
-            return self.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, refusal)
         if req.path is not None:
             return self._save(
                 "sampler_weights",
                 req.model_id,
                 req.seq_id,
                 req.path,
+                owner,
                 overwrite=False,
                 ttl_seconds=req.ttl_seconds,
                 user_metadata=req.user_metadata,
-                held=held,
+                refusal=refusal,
             )
-        return self._save_ephemeral(req)
+        if refusal is not None:
+            return self.training.refuse_ordered("save_weights_for_sampler", req.model_id, req.seq_id, refusal)
+        return self.snapshots.save(req)
 
-    def _save_ephemeral(self, req: wire.SaveWeightsForSamplerRequest) -> str:
-        """A frozen copy of the current adapter, registered as a sampling session. An inflight
-        one is also the new target of every inflight session of the model (``weights_of``)."""
-
-        def prepare() -> Job:
-            model = self.training.live_model(req.model_id)
-            sampler_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
-            if self.store.get_sampler(sampler_id) is not None:
-                raise bad_request(f"sampling_session_seq_id {req.sampling_session_seq_id} is already used")
-
-            def job() -> tuple[bytes, str]:
-                snapshot = TinkerPath(req.model_id, "sampler_weights", f"ephemeral-{secrets.token_hex(8)}")
-                self.ephemeral.write(snapshot, self._export("sampler_weights", model), overwrite=False)
-                self.store.add_sampler(
-                    sampler_id,
-                    session_id=model.session_id,
-                    base_model=model.base_model,
-                    model_path=None,
-                    model_id=req.model_id,
-                    snapshot=str(snapshot),
-                    kind=req.kind,
-                )
-                self._retire_old(req.model_id)
-                self.events.snapshot(WeightsRef(str(snapshot), self.ephemeral, snapshot))
-                return json_result({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
-
-            return job
-
-        return self.training.submit_ordered("save_weights_for_sampler", req.model_id, req.seq_id, prepare)
-
-    def _retire_old(self, model_id: str) -> None:
-        """Keep a model's newest snapshot sessions; an inflight session stays (it follows the
-        newest inflight weights), only its own old weights go."""
-        samplers = self.store.ephemeral_samplers(model_id=model_id)
-        self._retire_snapshots([s for s in samplers if s.kind == "snapshot"][KEEP_SNAPSHOTS:])
-        for sampler in [s for s in samplers if s.kind == "inflight"][KEEP_SNAPSHOTS:]:
-            self.ephemeral.delete(_snapshot(sampler))
-
-    def _retire_snapshots(self, samplers: list[SamplerRecord]) -> None:
-        """Delete ephemeral snapshots (an RL loop makes one per step; each is a full adapter)."""
-        for sampler in samplers:
-            self.store.delete_sampler(sampler.sampler_id)
-            self.ephemeral.delete(_snapshot(sampler))
-
-    def finish_session(self, session_id: str) -> None:
-        """A finished session's ephemeral samplers can no longer be used: free their disk."""
-        self._retire_snapshots(self.store.ephemeral_samplers(session_id=session_id))
-
-    def save_weights_external(self, req: wire.SaveWeightsExternalRequest, held: Reservation | None = None) -> str:
+    def save_weights_external(self, req: wire.SaveWeightsExternalRequest, owner: str) -> str:
         """A PEFT adapter to download; with ``age_encryption_recipients``, each file encrypted
         to them (``core.encryption``)."""
         return self._save(
@@ -289,11 +245,11 @@ class CheckpointService:
             req.model_id,
             req.seq_id,
             req.path,
+            owner,
             overwrite=False,
             ttl_seconds=req.ttl_seconds,
             user_metadata=None,
             encrypt_to=req.age_encryption_recipients,
-            held=held,
         )
 
     # ---- loading ----------------------------------------------------------------------------
@@ -355,19 +311,25 @@ class CheckpointService:
             )
         return optimizers.family(req.optimizer_config)
 
-    def load_weights(self, req: wire.LoadWeightsRequest, admit: Admit | None = None) -> str:
-        """Load a checkpoint into a model, or create one from it (``admit``: the caller's limits,
-        checked with the checkpoint's rank once the request is known not to be a resend)."""
+    def load_weights(self, req: wire.LoadWeightsRequest, owner: str) -> str:
+        """Load a checkpoint into ``owner``'s model, or create one from it (``owner``'s limits
+        checked with the checkpoint's rank once the request is known not to be a resend). The
+        route checked that ``owner`` owns the model or session; here, that it may read ``path``."""
+        try:
+            self.tenancy.readable(owner, req.path, purpose="load")
+        except ApiError as e:
+            if req.model_id is None or req.seq_id is None:
+                raise
+            # The caller's own model: a checkpoint it may not read still uses up the seq_id.
+            return self.training.refuse_ordered("load_weights", req.model_id, req.seq_id, e)
         if req.model_id is None:
-            return self._create_via_load(req, admit)
+            return self._create_via_load(req, owner)
         if req.seq_id is None:
             raise bad_request("load_weights on an existing model needs seq_id")
-        model_id = req.model_id
 
-        def prepare() -> Job:  # every refusal in here still consumes the seq_id
+        def prepare(model: ModelRecord) -> Job:  # every refusal in here still consumes the seq_id
             named = self._check_load_options(req)
             path = self._training_path(req.path, adapter=not req.optimizer)
-            model = self.training.live_model(model_id)
             mine = model_optimizer(model)
             if named is not None and named != mine:
                 raise bad_request(
@@ -398,14 +360,14 @@ class CheckpointService:
 
             def job() -> tuple[bytes, str]:
                 self.backend.trainer.load_state(model.model_id, self._state(path, lora), with_optimizer=req.optimizer)
-                self.training.weights_changed(model.model_id)
+                self.training.events.weights_changed(model.model_id)
                 return json_result({"path": str(path), "model_id": model.model_id, "type": "load_weights"})
 
             return job
 
         return self.training.submit_ordered("load_weights", req.model_id, req.seq_id, prepare)
 
-    def _create_via_load(self, req: wire.LoadWeightsRequest, admit: Admit | None) -> str:
+    def _create_via_load(self, req: wire.LoadWeightsRequest, owner: str) -> str:
         """``create_training_client_from_state*``: a new model named ``{session}:train:{seq}``,
         with the checkpoint's optimizer when its state is loaded, else ``optimizer_config``'s."""
         named = self._check_load_options(req)
@@ -435,7 +397,7 @@ class CheckpointService:
             user_metadata=req.user_metadata or {},
             after_create=load,
             result={"path": str(path), "model_id": model_id, "type": "load_weights"},
-            admit=admit,
+            owner=owner,
         )
 
     def _record(self, run_id: str, checkpoint_id: str) -> tuple[TinkerPath, CheckpointRecord]:
@@ -456,11 +418,11 @@ class CheckpointService:
     def _delete(self, path: TinkerPath) -> None:
         # A mirrored checkpoint's row goes with its tombstone: never a moment in which a restart
         # would find the mirror's copy and no row, and restore what was deleted.
-        mirror = self.mirror if self.mirror is not None and self.mirror.mirrors(path) else None
-        self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=mirror is not None)
+        mirrored = self.mirror.mirrors(path)
+        self.store.delete_checkpoint(path.run_id, path.kind, path.name, mirrored=mirrored)
         self.files.delete(path)
-        if mirror is not None:
-            mirror.deleted(path)
+        if mirrored:
+            self.mirror.deleted(path)
 
     def set_public(self, run_id: str, checkpoint_id: str, public: bool, actor: str) -> None:
         path, _ = self._record(run_id, checkpoint_id)
@@ -515,10 +477,3 @@ class CheckpointService:
             self._delete(path)
             self.events.deleted(Deleted(path, None, reason="ttl"))
         return len(expired)
-
-
-def _snapshot(sampler: SamplerRecord) -> TinkerPath:
-    """Where an ephemeral sampler's snapshot is (``ephemeral_samplers`` lists only those with one)."""
-    if sampler.snapshot is None:
-        raise ValueError(f"sampler {sampler.sampler_id} has no snapshot")
-    return TinkerPath.parse(sampler.snapshot)

@@ -16,9 +16,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
-from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
 
 from hosted_tinker.core.checkpoints import CheckpointError, CheckpointFiles, TinkerPath
 from hosted_tinker.core.errors import ApiError, bad_request, not_found
@@ -26,23 +24,26 @@ from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
-from hosted_tinker.server.quotas import store_checkpoint
+from hosted_tinker.server.quotas import Quotas, store_checkpoint
 from hosted_tinker.server.serving.checkpoints import check_ttl
 from hosted_tinker.server.serving.events import CheckpointEvents, Made
 from hosted_tinker.server.serving.sessions import check_project_id
 from hosted_tinker.server.serving.tenancy import Tenancy
 
-if TYPE_CHECKING:
-    from hosted_tinker.server.quotas import Reservation
-
 
 class CopyService:
     def __init__(
-        self, store: Store, files: CheckpointFiles, tenancy: Tenancy, events: CheckpointEvents | None = None
+        self,
+        store: Store,
+        files: CheckpointFiles,
+        tenancy: Tenancy,
+        quotas: Quotas,
+        events: CheckpointEvents | None = None,
     ) -> None:
         self.store = store
         self.files = files
         self.tenancy = tenancy
+        self.quotas = quotas  # a new copy takes its owner's checkpoint bytes
         self.events = events if events is not None else CheckpointEvents()  # a copy is a checkpoint like any other
         self._lock = threading.Lock()  # one copy at a time: a retry racing its original finds it
 
@@ -51,20 +52,18 @@ class CopyService:
         req: wire.CopyWeightsRequest,
         owner: str,
         idempotency_key: str | None,
-        admit: Callable[[int], Reservation] | None = None,
     ) -> rsp.CopyWeightsResponse:
-        """The copy's ``tinker_path`` (made now, or found: a retry of the same request; ``admit``
-        reserves the owner's checkpoint bytes for a new one, of the source's size). Reads and
-        links files: call it off the event loop."""
+        """The copy's ``tinker_path`` (made now, or found: a retry of the same request; a new one
+        reserves the source's size from ``owner``'s checkpoint bytes). Reads and links files:
+        call it off the event loop."""
         with self._lock:
-            return self._copy(req, owner, idempotency_key, admit)
+            return self._copy(req, owner, idempotency_key)
 
     def _copy(
         self,
         req: wire.CopyWeightsRequest,
         owner: str,
         idempotency_key: str | None,
-        admit: Callable[[int], Reservation] | None,
     ) -> rsp.CopyWeightsResponse:
         if req.weights_access_token is not None:
             raise bad_request("weights_access_token is not supported: checkpoints here have no access tokens")
@@ -88,7 +87,9 @@ class CopyService:
             if existing.status == COPY_STATUS and self.store.get_checkpoint(run_id, source.kind, source.name):
                 return rsp.CopyWeightsResponse(tinker_path=str(target))  # the same copy, asked for again
             raise ApiError(409, f"training run {run_id} already exists; copy into another model_seq_id")
-        held = admit(record.size_bytes) if admit is not None else None
+        held = self.quotas.reserve_checkpoint(owner, None, record.size_bytes)  # a new copy: not a retry
+        if isinstance(held, ApiError):
+            raise held
 
         def put() -> None:
             self.store.add_model(

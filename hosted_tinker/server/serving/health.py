@@ -27,6 +27,6 @@ def health(state: ServerState) -> rsp.ServerHealthResponse:
         active=state.store.count_active(),
         residency=state.training.residency.status(),
         joint_passes=state.training.joint.status(),
-        checkpoint_mirror=state.checkpoints.mirror.status() if state.checkpoints.mirror is not None else None,
+        checkpoint_mirror=state.checkpoints.mirror.status(),
         auth=state.keys.describe(),
     )

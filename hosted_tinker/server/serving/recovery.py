@@ -50,7 +50,7 @@ class ModelRecovery:
             if backend.trainer.has_adapter(model_id):  # created, not loaded: give its memory back
                 backend.trainer.delete_adapter(model_id)
             return self.lose(model_id, f"could not be restored from {path}")
-        self.training.weights_changed(model_id)
+        self.training.events.weights_changed(model_id)
         return (
             f"was restored from {path} (optimizer step {loaded.state.steps}); training after that checkpoint was lost"
         )
@@ -60,6 +60,5 @@ class ModelRecovery:
         self.training.store.set_model_status(model_id, "lost")
         self.training.residency.forget(model_id)
         self.training.scheduler.close_model_threadsafe(model_id, "was lost when its worker died", "server")
-        if self.training.live is not None:
-            self.training.live.drop(model_id)
+        self.training.events.gone(model_id)
         return f"{why} and is lost; {RECREATE}"

@@ -12,6 +12,7 @@ from hosted_tinker.server.persistence.store_rows import DEFAULT_PROJECT
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.responses import iso_time
+from hosted_tinker.server.quotas import Quotas
 from hosted_tinker.server.serving.audit import AuditLog
 from hosted_tinker.server.serving.training import TrainingService
 
@@ -21,15 +22,18 @@ class SessionService:
         self,
         store: Store,
         training: TrainingService,
+        quotas: Quotas,
         on_finish: Callable[[str], None] | None = None,
         audit: AuditLog | None = None,
     ) -> None:
         self.store = store
         self.training = training
+        self.quotas = quotas  # a key's live sessions and the size of their metadata
         self.on_finish = on_finish  # more clean-up for a finished session (its sampler snapshots)
         self.audit = audit  # sessions moved between projects (``serving.audit``)
 
     def create(self, req: wire.CreateSessionRequest, owner: str) -> wire.CreateSessionResponse:
+        self.quotas.new_session(owner, req.user_metadata)
         if req.project_id is not None:
             check_project_id(req.project_id)
         session_id = f"sess-{secrets.token_urlsafe(12)}"

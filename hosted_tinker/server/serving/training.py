@@ -4,56 +4,48 @@ queue a job that runs on the backend worker and encodes its own result."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
 from hosted_tinker.core import losses
-from hosted_tinker.core.calls import on_rank_0
 from hosted_tinker.core.custom_loss import reduce_metrics
 from hosted_tinker.core.errors import (
     ApiError,
-    RolledBack,
     UserError,
     WireError,
-    WorkerCrashed,
-    WorkerDied,
     bad_request,
     not_found,
 )
 from hosted_tinker.core.routing import routing_metrics
 from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackwardBatch, LoraSpec
-from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.server.persistence.records import COPY_STATUS, ModelRecord
 from hosted_tinker.server.persistence.sequences import SequenceRecords
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
 from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
+from hosted_tinker.server.quotas import Quotas
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers, provenance
 from hosted_tinker.server.serving.batch_checks import check_datum
 from hosted_tinker.server.serving.custom_losses import CustomLossService
+from hosted_tinker.server.serving.events import Trained, TrainingEvents
 from hosted_tinker.server.serving.images import ImageLayout
 from hosted_tinker.server.serving.joint_passes import JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
-from hosted_tinker.server.serving.run_metrics import FORWARD_BACKWARD, OPTIM_STEP, RunMetrics
-from hosted_tinker.server.serving.usage import UsageLedger
+from hosted_tinker.server.serving.run_metrics import OPTIM_STEP
 from hosted_tinker.server.workers.backend import ProcessBackend
 
 JSON = "application/json"
+# Checks one of a model's ordered requests, given its live record, and makes its job (raises a
+# refusal, which still uses up the request's seq_id: ``TrainingService.submit_ordered``).
+Prepare = Callable[[ModelRecord], Job]
 MAX_SEQ_ID = 2**31 - 1  # the protobuf field is int32
 PROTOBUF = "application/x-protobuf"
-
-log = logging.getLogger(__name__)
-
-
-# The caller's limits on a new model (``server.quotas``), given its LoRA rank: raises if over one.
-Admit = Callable[[LoraSpec], None]  # the caller's limits, given the new model's LoRA
 
 
 def json_result(obj: dict) -> tuple[bytes, str]:
@@ -73,13 +65,14 @@ class TrainingService:
         residency: Residency,
         joint: JointPasses,
         *,
-        live: LiveAdapters | None = None,
+        quotas: Quotas,
+        events: TrainingEvents | None = None,
         max_lora_rank: int | None = None,
-        run_metrics: RunMetrics | None = None,
-        usage: UsageLedger | None = None,
         images: ImageLayout | None = None,
     ) -> None:
-        self.usage = usage  # what each key trained and saved (``serving.usage``)
+        # what follows a call or a change of weights: usage, metrics, vLLM's sync (``serving.events``)
+        self.events = events if events is not None else TrainingEvents()
+        self.quotas = quotas  # each key's limits, checked here as a request is admitted (not in the routes)
         # images of a ModelInput laid into its tokens (None: a text-only model)
         self.images = images or ImageLayout(backend.capabilities, None)
         self.backend = backend
@@ -89,36 +82,10 @@ class TrainingService:
         self.custom_losses = custom_losses  # what sessions uploaded (loss_fn "custom")
         self.served_names = served_names
         self.tokenizer_id = tokenizer_id
-        self.live = live  # with vLLM: each run's adapter synced after every change
         self.max_lora_rank = max_lora_rank  # the inference engine's limit, if it has one
         # Which models are on the workers; a parked one comes back before its next job runs.
         self.residency = residency
         self.joint = joint  # forward_backward requests of several models in one pass
-        self.run_metrics = run_metrics  # each run's finished steps, for the REST metrics route
-
-    def weights_changed(self, model_id: str) -> None:
-        """On the worker, after a job that set a model's weights (create, load, optim_step)."""
-        if self.live is None:
-            return
-        try:
-            step, weights = on_rank_0(self.backend.trainer.snapshot_weights(model_id))
-            self.live.publish(model_id, step, self.backend.trainer.peft_config(model_id), weights)
-        except (WorkerCrashed, RolledBack, WorkerDied):  # the weights are gone with the worker: say so
-            raise
-        except Exception:  # the step itself succeeded; vLLM keeps the previous version
-            log.exception("could not queue the LoRA sync of %s", model_id)
-
-    def record_call(
-        self, model_id: str, seq_id: int, kind: str, duration_s: float, tokens: int, metrics: Mapping[str, float]
-    ) -> None:
-        """On the dispatch thread, as a training call's job succeeds: its row of the run's
-        metrics. Never fails the call: the result is the client's whether or not it is recorded."""
-        if self.run_metrics is None:
-            return
-        try:
-            self.run_metrics.record(model_id, seq_id, kind, time.time(), duration_s, tokens, metrics)
-        except Exception:
-            log.exception("could not record the metrics of %s of %s (seq_id %d)", kind, model_id, seq_id)
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -143,7 +110,7 @@ class TrainingService:
             raise bad_request(f"model {model_id} could not be created; its create_model future says why")
         return model
 
-    def create_model(self, req: wire.CreateModelRequest, admit: Admit | None = None) -> str:
+    def create_model(self, req: wire.CreateModelRequest, owner: str) -> str:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         if (existing := self.scheduler.find(model_id, 0)) is not None:  # a resend: admitted before
             return existing
@@ -160,7 +127,7 @@ class TrainingService:
             lora=spec,
             user_metadata=req.user_metadata or {},
             result={"model_id": model_id, "type": "create_model"},
-            admit=admit,
+            owner=owner,
         )
 
     def lora_spec(self, lc: wire.LoraConfig, optimizer: str = "adamw", field: str = "lora_config") -> LoraSpec:
@@ -193,13 +160,13 @@ class TrainingService:
         lora: LoraSpec,
         user_metadata: dict,
         result: dict,
+        owner: str,
         after_create: Callable[[str], None] | None = None,
-        admit: Admit | None = None,
     ) -> str:
         """Register a model and queue its creation as its request 0 (``after_create`` may load
-        state; ``admit`` checks the caller's limits against its LoRA first)."""
-        if admit is not None:
-            admit(lora)
+        state). ``owner``'s limits are checked against its LoRA first: a resend never gets here
+        (its caller found the original), so a model admitted once is not refused when asked again."""
+        self.quotas.new_model(owner, lora, user_metadata)
         self._check_rank(lora.rank)
         status = self.store.session_status(session_id)
         if status is None:
@@ -222,7 +189,7 @@ class TrainingService:
                 self.backend.trainer.create_adapter(model_id, lora)
                 if after_create is not None:
                     after_create(model_id)
-                self.weights_changed(model_id)
+                self.events.weights_changed(model_id)
             except BaseException:
                 self.store.set_model_status(model_id, "failed")
                 self.residency.forget(model_id)
@@ -254,8 +221,7 @@ class TrainingService:
         self.live_model(model_id)
         self.store.set_model_status(model_id, "unloaded")
         self.scheduler.close_model(model_id)
-        if self.live is not None:
-            self.live.drop(model_id)
+        self.events.gone(model_id)
 
         def job() -> tuple[bytes, str]:
             if self.backend.trainer.has_adapter(model_id):  # else parked: only its saved state is left
@@ -274,20 +240,23 @@ class TrainingService:
 
     # ---- forward / backward ---------------------------------------------------------------
 
-    def submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Callable[[], Job], size: int = 0) -> str:
-        """Validate (``prepare``) and queue one of a model's requests.
+    def submit_ordered(self, kind: str, model_id: str, seq_id: int, prepare: Prepare, size: int = 0) -> str:
+        """Validate (``prepare``, given the model's record as read here, once per request) and
+        queue one of a model's requests.
 
         A rejected request still consumes its ``seq_id``, as a failed future: the SDK has
-        already numbered the requests after it, and they must not wait for it forever.
+        already numbered the requests after it, and they must not wait for it forever. This is
+        the one place that rule is kept: every refusal of an ordered request (the key's limits
+        included) is raised in its ``prepare``.
         """
         if not 1 <= seq_id <= MAX_SEQ_ID:
             raise bad_request(f"seq_id must be between 1 and {MAX_SEQ_ID}, got {seq_id}")
         if (existing := self.scheduler.find(model_id, seq_id)) is not None:  # a resend
             return existing
-        self.live_model(model_id)
+        model = self.live_model(model_id)
         self.scheduler.check_capacity(model_id, seq_id, size=size)
         try:
-            job = prepare()
+            job = prepare(model)
         except ApiError as e:
             self.scheduler.submit(kind, _failing(e.detail), model_id=model_id, seq_id=seq_id)
             raise
@@ -299,7 +268,7 @@ class TrainingService:
         validate, an option we lack) as its ``seq_id``, which it still consumes: raises ``error``,
         or ``submit_ordered``'s own refusal; a resend gets the original future."""
 
-        def prepare() -> Job:
+        def prepare(_: ModelRecord) -> Job:
             raise error
 
         return self.submit_ordered(kind, model_id, seq_id, prepare)
@@ -309,8 +278,8 @@ class TrainingService:
         # The job keeps only these and the checked batch, not the request's decoded wire form.
         model_id, seq_id, forward_only = req.model_id, req.seq_id, req.forward_only
 
-        def prepare() -> Job:
-            batch = self._validate_batch(req)
+        def prepare(model: ModelRecord) -> Job:
+            batch = self._validate_batch(req, model)
             entry = self.joint.register(model_id, seq_id, batch)
 
             def job() -> tuple[bytes, str]:
@@ -319,9 +288,6 @@ class TrainingService:
                 result = self.joint.run(entry)
                 duration_s = entry.seconds  # its share of the pass it ran in
                 tokens = sum(d.num_tokens for d in batch.data)
-                self.scheduler.metrics.tokens_trained.labels(kind).inc(tokens)
-                if self.usage is not None:
-                    self.usage.trained(model_id, tokens)
                 outputs = [
                     {"logprobs": lp} if terms is None else {"logprobs": lp, "elementwise_loss": terms}
                     for lp, terms in zip(result.logprobs, result.elementwise_loss, strict=True)
@@ -333,8 +299,7 @@ class TrainingService:
                     **(routing_metrics(result.routed) if result.routed is not None else {}),
                 }
                 encoded = encode_forward_backward_output(outputs, metrics)
-                if not forward_only:  # a forward-only call is not part of a step
-                    self.record_call(model_id, seq_id, FORWARD_BACKWARD, duration_s, tokens, metrics)
+                self.events.trained(Trained(model_id, seq_id, kind, duration_s, tokens, metrics))
                 return encoded, PROTOBUF
 
             return job
@@ -342,10 +307,10 @@ class TrainingService:
         kind = "forward" if forward_only else "forward_backward"
         return self.submit_ordered(kind, model_id, seq_id, prepare, size)
 
-    def _validate_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
+    def _validate_batch(self, req: WireForwardBackward, model: ModelRecord) -> ForwardBackwardBatch:
         caps = self.backend.capabilities
         if req.loss_fn == "custom":
-            return self._validate_custom_batch(req)
+            return self._validate_custom_batch(req, model)
         spec = losses.LOSSES.get(req.loss_fn)
         if spec is None or req.loss_fn not in caps.losses:
             supported = sorted([*caps.losses, "custom"])
@@ -362,20 +327,20 @@ class TrainingService:
             config[key] = value
         wire_data = self._wire_data(req)
         data = [check_datum(d, i, self.backend.capabilities, spec) for i, d in enumerate(wire_data)]
-        self._resolve_provenance(req.model_id, wire_data, data, spec)
+        self._resolve_provenance(model, wire_data, data, spec)
         return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
 
-    def _validate_custom_batch(self, req: WireForwardBackward) -> ForwardBackwardBatch:
+    def _validate_custom_batch(self, req: WireForwardBackward, model: ModelRecord) -> ForwardBackwardBatch:
         """``loss_fn="custom"``: the session's stored loss (``serving.custom_losses``) by id."""
         if set(req.loss_fn_config) != {"loss_id"}:
             raise bad_request(
                 "loss_fn 'custom' takes loss_fn_config {'loss_id': …}, the id create_custom_loss returned; "
                 f"got keys {sorted(req.loss_fn_config)}"
             )
-        loss = self.custom_losses.get(self.live_model(req.model_id).session_id, req.loss_fn_config["loss_id"])
+        loss = self.custom_losses.get(model.session_id, req.loss_fn_config["loss_id"])
         wire_data = self._wire_data(req)
         data = [check_datum(d, i, self.backend.capabilities, None, loss) for i, d in enumerate(wire_data)]
-        self._resolve_provenance(req.model_id, wire_data, data, None)
+        self._resolve_provenance(model, wire_data, data, None)
         return ForwardBackwardBatch(data, "custom", {}, req.forward_only, custom_loss=loss)
 
     def _wire_data(self, req: WireForwardBackward) -> list[WireDatum]:
@@ -393,7 +358,7 @@ class TrainingService:
         return wire_data
 
     def _resolve_provenance(
-        self, model_id: str, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec | None
+        self, model: ModelRecord, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec | None
     ) -> None:
         """Check every datum's provenance spans against the sampler's records (restarting their
         day), and give a loss that reads the record (``recorded_inputs``) its inputs. Only such a
@@ -411,7 +376,7 @@ class TrainingService:
         wanted = set().union(*(provenance.sequence_ids(d) for d in wire_data))
         if not wanted:
             return
-        records = self.sequences.take(self.live_model(model_id).session_id, wanted)
+        records = self.sequences.take(model.session_id, wanted)
         for i, (d, datum) in enumerate(zip(wire_data, data, strict=True)):
             where = f"data[{i}]"
             if not d.model_input_spans:
@@ -427,17 +392,16 @@ class TrainingService:
     # ---- optimizer ------------------------------------------------------------------------
 
     def optim_step(self, req: wire.OptimStepRequest) -> str:
-        def prepare() -> Job:
-            model = self.live_model(req.model_id)
+        def prepare(model: ModelRecord) -> Job:
             params = optimizers.step_params(req, model_optimizer(model), req.model_id)
 
             def job() -> tuple[bytes, str]:
                 started = time.perf_counter()
                 metrics = self.backend.trainer.optim_step(req.model_id, params)
                 duration_s = time.perf_counter() - started
-                self.weights_changed(req.model_id)
+                self.events.weights_changed(req.model_id)
                 result = json_result({"metrics": metrics})
-                self.record_call(req.model_id, req.seq_id, OPTIM_STEP, duration_s, 0, metrics)
+                self.events.trained(Trained(req.model_id, req.seq_id, OPTIM_STEP, duration_s, 0, metrics))
                 return result
 
             return job

@@ -19,6 +19,7 @@ from hosted_tinker.server.mirror import RECORD, CheckpointMirror
 from hosted_tinker.server.persistence.records import COPY_STATUS
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
+from hosted_tinker.server.quotas import Limits, Quotas
 from hosted_tinker.server.serving.checkpoints import CheckpointService
 from hosted_tinker.server.serving.copies import CopyService
 from hosted_tinker.server.serving.events import CheckpointEvents
@@ -43,7 +44,13 @@ class Disk:
         self.events = CheckpointEvents()
         self.mirror.subscribe(self.events)
         self.service = CheckpointService(
-            training, self.files, self.files, links=None, events=self.events, mirror=self.mirror
+            training,
+            self.files,
+            self.files,
+            links=None,
+            tenancy=Tenancy(self.store),
+            events=self.events,
+            mirror=self.mirror,
         )
 
     def save(self, path: TinkerPath = STATE, data: bytes = b"adapter", ttl_seconds: int | None = None) -> None:
@@ -183,7 +190,7 @@ def test_a_copy_whose_ttl_passed_is_not_restored_and_goes(tmp_path: Path, bucket
 def test_copy_weights_is_mirrored_and_restored_as_a_copy(tmp_path: Path, bucket: Path):
     a = Disk(tmp_path / "a", bucket)
     a.save()
-    copies = CopyService(a.store, a.files, Tenancy(a.store), a.events)
+    copies = CopyService(a.store, a.files, Tenancy(a.store), Quotas(a.store, Limits(), max_lora_rank=64), a.events)
     request = wire.CopyWeightsRequest(session_id=SESSION, model_seq_id=1, source_path=str(STATE))
     target = TinkerPath.parse(copies.copy(request, OWNER, None).tinker_path)
     a.settle()
