@@ -93,7 +93,8 @@ def test_a_training_call_is_counted_and_recorded_as_it_was_inline(caplog: pytest
 def test_a_runs_adapter_goes_to_vllm_after_each_change_unless_its_worker_died() -> None:
     published, dropped = [], []
     live = SimpleNamespace(publish=lambda *args: published.append(args), drop=dropped.append)
-    backend = SimpleNamespace(snapshot_weights=lambda model_id: (3, {"w": 1}), peft_config=lambda model_id: {"r": 4})
+    trainer = SimpleNamespace(snapshot_weights=lambda model_id: (3, {"w": 1}), peft_config=lambda model_id: {"r": 4})
+    backend = SimpleNamespace(trainer=trainer)  # ProcessBackend's calls to the ranks' Trainer
     events = training_events(backend, ServerMetrics(), SimpleNamespace(), SimpleNamespace(), SimpleNamespace(live=live))
     events.weights_changed("m")
     events.gone("m")
@@ -102,6 +103,6 @@ def test_a_runs_adapter_goes_to_vllm_after_each_change_unless_its_worker_died() 
     def died(model_id: str) -> tuple:
         raise WorkerDied("rank 0 exited")
 
-    backend.snapshot_weights = died
+    trainer.snapshot_weights = died
     with pytest.raises(WorkerDied):  # the weights are gone with the worker: the step fails
         events.weights_changed("m")

@@ -39,7 +39,8 @@ def services(tmp_path: Path) -> Iterator[SimpleNamespace]:
     store = Store(tmp_path / "db.sqlite")
     scheduler = Scheduler(store)
     quotas = Quotas(store, Limits(checkpoint_bytes=0, sessions=1), max_lora_rank=64)
-    backend = SimpleNamespace(capabilities=None, optim_step=lambda model_id, params: {"grad_norm": 1.0})
+    trainer = SimpleNamespace(optim_step=lambda model_id, params: {"grad_norm": 1.0})
+    backend = SimpleNamespace(capabilities=None, trainer=trainer)  # ProcessBackend: the ranks' Trainer calls
     training = TrainingService(
         backend,
         scheduler,
