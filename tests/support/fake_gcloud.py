@@ -1,4 +1,4 @@
-"""A stand-in ``gcloud`` for tests/unit/test_launch.py (put first on PATH as ``gcloud``): it appends its
+"""A stand-in ``gcloud`` for tests/e2e/test_launch.py (put first on PATH as ``gcloud``): it appends its
 argv as one JSON line to $FAKE_GCLOUD_LOG and answers as gcloud would, as the FAKE_GCLOUD_*
 variables say (instances, metadata, zones, stockouts, serial output, errors)."""
 

@@ -14,6 +14,7 @@ Every import counts, also one inside a function (a deferred import is still a de
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,13 @@ def folder_of(module: str) -> str:
     return module.split(".")[1]
 
 
+@cache
+def tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for all the checks below."""
+    return ast.parse(path.read_text())
+
+
+@cache
 def edges() -> dict[str, set[str]]:
     """Top-level folder (or module) -> the folders its modules import."""
     graph: dict[str, set[str]] = {}
@@ -44,7 +52,7 @@ def edges() -> dict[str, set[str]]:
             continue
         source = folder_of(module) if module.count(".") >= 1 else module
         targets = graph.setdefault(source, set())
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree(path)):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
@@ -84,6 +92,7 @@ def test_the_folder_graph_has_no_cycle():
         visit(node, [])
 
 
+@cache
 def module_edges() -> dict[str, set[str]]:
     """Module -> the modules of ours it imports (an import of a package counts as its
     ``__init__``; a name imported from a module, as that module)."""
@@ -94,7 +103,7 @@ def module_edges() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
         targets = graph.setdefault(module, set())
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree(path)):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
@@ -151,7 +160,7 @@ def test_no_test_module_imports_another():
     found = set()
     for path in [*TESTS.rglob("*.py"), *(PACKAGE.parent / "benchmarks").glob("*.py")]:
         importer = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree(path)):
             if isinstance(node, ast.ImportFrom) and node.module:
                 if node.module.split(".")[-1].startswith(("test_", "conftest")):
                     found.add((importer, node.module))
