@@ -85,6 +85,8 @@ class _Calls:
         self._send = send
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("__"):  # what hasattr, copy and pickle ask of any object: not a call
+            raise AttributeError(method)
         component = self._component
         spec = call_spec(component, method)
         signature = inspect.signature(getattr(component, method))

@@ -104,11 +104,12 @@ class CheckpointService:
         encrypt_to: list[str] | None = None,
         refusal: ApiError | None = None,
     ) -> str:
-        """Queue a save of ``owner``'s model. Before anything else it reserves the likely size of
-        the checkpoint from ``owner``'s checkpoint bytes (``Quotas.reserve_checkpoint``), settled
-        when it is written, released if it never is; a refusal there, or ``refusal`` (a request
-        its caller found wrong, answered after the quota's as it always was), uses up the seq_id
-        as every refusal in ``prepare`` does (``TrainingService.submit_ordered``)."""
+        """Queue a save of ``owner``'s model. Once the request is known to be new and to fit the
+        queue, its ``prepare`` first reserves the likely size of the checkpoint from ``owner``'s
+        checkpoint bytes (``Quotas.reserve_checkpoint``), settled when it is written, released
+        if it never is; a refusal there, or ``refusal`` (a request its caller found wrong,
+        answered after the quota's as it always was), uses up the seq_id as every refusal in
+        ``prepare`` does (``TrainingService.submit_ordered``)."""
         request_kind = {
             "weights": "save_weights",
             "sampler_weights": "save_weights_for_sampler",

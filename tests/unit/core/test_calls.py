@@ -65,6 +65,7 @@ def test_what_is_not_a_worker_call_is_refused():
         proxy.step("m")  # a call that does not fit the signature never leaves
     with pytest.raises(TypeError):
         proxy.missing()
+    assert not hasattr(proxy, "__deepcopy__")  # asked of any object by copy and pickle: no call
 
 
 def test_every_call_of_the_ranks_is_declared_once_on_its_method():
