@@ -15,7 +15,7 @@ from tinker import types
 
 from hosted_tinker.core.tiny_model import build_tiny_model
 from tests.support.sdk import datum, download, forward_logprobs
-from tests.support.server import start_server
+from tests.support.server import ServerExited, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -128,7 +128,7 @@ def test_the_server_says_what_it_trains(hybrid):
 
 
 def test_vllm_is_refused_in_one_line_for_linear_attention_lora(hybrid):
-    with pytest.raises(RuntimeError) as failed:
+    with pytest.raises(ServerExited) as failed:
         start_server(hybrid["root"] / "vllm", "--model", str(hybrid["model_dir"]), "--inference", "vllm", timeout=120)
     log = str(failed.value)
     assert "Qwen3_5ForCausalLM's Gated-DeltaNet attention has no kernels in vLLM's CPU build" in log
@@ -162,7 +162,7 @@ def test_a_model_whose_recurrent_layers_cannot_be_packed_is_refused_in_one_line(
     )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
     build_tokenizer().save_pretrained(tmp_path / "model")
-    with pytest.raises(RuntimeError) as failed:
+    with pytest.raises(ServerExited) as failed:
         start_server(tmp_path / "data", "--model", str(tmp_path / "model"), timeout=120)
     log = str(failed.value)
     assert "Qwen3NextForCausalLM is not supported: its Qwen3NextGatedDeltaNet layers carry state" in log

@@ -16,7 +16,7 @@ from tinker import types
 
 from hosted_tinker.core.tiny_model import build_tiny_model
 from tests.support.sdk import datum, download, forward_logprobs
-from tests.support.server import start_server
+from tests.support.server import ServerExited, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -177,7 +177,7 @@ def test_vllm_is_refused_in_one_line_for_expert_lora(family, tmp_path):
     sample adapters without what they trained. Every family's reason is
     ``tests/unit/inference/test_vllm_layout.py``'s; here, that ``serve`` says it in one line."""
     model_dir = build_tiny_model(tmp_path / "model", family=family, hidden_size=64)
-    with pytest.raises(RuntimeError) as failed:
+    with pytest.raises(ServerExited) as failed:
         start_server(tmp_path / "data", "--model", str(model_dir), "--inference", "vllm", timeout=120)
     log, arch = str(failed.value), ARCHS[family]
     why = " has multi-head latent attention" if family == "deepseek_v3" else "'s LoRA on routed experts has no kernels"

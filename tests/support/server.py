@@ -68,7 +68,11 @@ def start_server(
     raise AssertionError("unreachable")
 
 
-class PortTaken(RuntimeError):
+class ServerExited(RuntimeError):
+    """The server process ended before it was healthy (a refusal at start); its log's end says why."""
+
+
+class PortTaken(ServerExited):
     pass
 
 
@@ -108,7 +112,7 @@ def _start_server(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             log_text = log_path.read_text()
-            failure = PortTaken if "address already in use" in log_text else RuntimeError
+            failure = PortTaken if "address already in use" in log_text else ServerExited
             raise failure(f"server exited with {proc.returncode}:\n{log_text[-4000:]}")
         try:
             if httpx.get(f"{base_url}/healthz", timeout=1.0).status_code == 200:

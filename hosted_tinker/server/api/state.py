@@ -6,6 +6,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,128 +136,135 @@ def build_state(config: ServerConfig) -> ServerState:
     failed, lost = store.recover_after_restart()
     if failed or lost:
         log.warning("restart: failed %d in-flight futures, %d models need recreating", failed, lost)
-    backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s, _cluster(config))
-    limits = QueueLimits(config.max_pending, config.max_pending_per_model, config.max_pending_bytes)
-    quotas = Quotas(
-        store,
-        Limits(**config.key_limits),
-        config.max_lora_rank,
-        limits,
-        inflight_body_bytes=config.max_inflight_body_bytes,
-        lora_params_per_rank=backend.capabilities.lora_params_per_rank,
-    )
-    scheduler = Scheduler(store, limits, ServerMetrics(), keys=quotas)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    caps = backend.capabilities
-    pids = backend.status()["pids"]
-    log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))
-    vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
-    images = ImageLayout(caps, ImageTokens(model_path, caps.image_token_id) if caps.images else None)
-    custom_losses = CustomLossService(store, scheduler, quotas)
-    residency = Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models)
-    usage = UsageLedger(store)
-    audit = AuditLog(store)
-    training = TrainingService(
-        backend,
-        scheduler,
-        store,
-        config.served_names(),
-        tokenizer_id=config.tokenizer_id or model_path,
-        sequences=sequences,
-        custom_losses=custom_losses,
-        residency=residency,
-        joint=JointPasses(backend.trainer, scheduler, residency.is_resident, config.joint_pass_tokens),
-        quotas=quotas,
-        events=training_events(backend, scheduler.metrics, usage, run_metrics, vllm),
-        max_lora_rank=config.max_lora_rank if vllm is not None else None,
-        images=images,
-    )
-    sampling = SamplingService(
-        backend,
-        scheduler,
-        store,
-        files,
-        ephemeral,
-        tokenizer,
-        _eos_ids(model_path, tokenizer),
-        EmbeddedEngine(
-            backend.sampler,
-            scheduler.run_on_worker,
-            config.sample_batch_window_s,
-            config.sample_slice_s,
-            family=caps.family,
-        ),
-        sequences,
-        vllm,
-        served_names=config.served_names(),
-        usage=usage,
-        images=images,
-        budget=SampleBudget(
-            config.max_sample_tokens, lambda key: None if (lim := quotas.of(key)) is None else lim.sample_tokens
-        ),
-    )
-    mirror = CheckpointMirror(config.checkpoint_mirror, files, store) if config.checkpoint_mirror else None
-    if mirror is not None:
-        restored, queued = mirror.sync()
-        log.info("checkpoint mirror %s: %d checkpoints restored, %d to copy up", mirror.url, restored, queued)
-    tenancy = Tenancy(store, audit)
-    events = checkpoint_events(scheduler.metrics, usage, audit, mirror, vllm)
-    checkpoints = CheckpointService(
-        training,
-        files,
-        ephemeral,
-        links=DownloadLinks(
+    # A refusal after the ranks have started (a model --inference vllm cannot serve, an unreadable
+    # mirror) must stop them: the exit would otherwise wait on worker processes that wait for calls.
+    with ExitStack() as on_failure:
+        backend = ProcessBackend(rank_factories(config, model_path), config.worker_timeout_s, _cluster(config))
+        on_failure.callback(backend.close)
+        limits = QueueLimits(config.max_pending, config.max_pending_per_model, config.max_pending_bytes)
+        quotas = Quotas(
+            store,
+            Limits(**config.key_limits),
+            config.max_lora_rank,
+            limits,
+            inflight_body_bytes=config.max_inflight_body_bytes,
+            lora_params_per_rank=backend.capabilities.lora_params_per_rank,
+        )
+        scheduler = Scheduler(store, limits, ServerMetrics(), keys=quotas)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        caps = backend.capabilities
+        pids = backend.status()["pids"]
+        log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))
+        vllm = _build_vllm(config, model_path, backend) if config.uses_vllm else None
+        images = ImageLayout(caps, ImageTokens(model_path, caps.image_token_id) if caps.images else None)
+        custom_losses = CustomLossService(store, scheduler, quotas)
+        residency = Residency(backend, store, scheduler, parked, max_resident=config.max_resident_models)
+        usage = UsageLedger(store)
+        audit = AuditLog(store)
+        training = TrainingService(
+            backend,
+            scheduler,
+            store,
+            config.served_names(),
+            tokenizer_id=config.tokenizer_id or model_path,
+            sequences=sequences,
+            custom_losses=custom_losses,
+            residency=residency,
+            joint=JointPasses(backend.trainer, scheduler, residency.is_resident, config.joint_pass_tokens),
+            quotas=quotas,
+            events=training_events(backend, scheduler.metrics, usage, run_metrics, vllm),
+            max_lora_rank=config.max_lora_rank if vllm is not None else None,
+            images=images,
+        )
+        sampling = SamplingService(
+            backend,
+            scheduler,
+            store,
             files,
-            _server_secret(config.data_dir),
-            version=store.checkpoint_created_at,
-            # A link is checked again at each fetch, as a request of the key it was made for.
-            may_read=lambda tenant, path: keys.still_valid(tenant) and tenancy.can_read(tenant, path),
-            may_trace=lambda tenant, session_id: keys.still_valid(tenant) and tenancy.owns(tenant, session_id),
-        ),
-        tenancy=tenancy,
-        events=events,
-        mirror=mirror if mirror is not None else NO_MIRROR,
-    )
-    # The one link made after construction: the backend restores models through the training
-    # service, which itself calls the backend.
-    backend.recovery = ModelRecovery(training, files)
-    if orphans := training.residency.clear_orphans():
-        log.info("removed %d saved states of models that were not parked", orphans)
-    for model_id, next_seq in store.parked_models():  # saved whole when the server last stopped
-        scheduler.open_model(model_id, first_seq=next_seq)
-    openai = OpenAIService(sampling, store, tenancy, config.served_names(), live_runs=vllm is not None)
-    state = ServerState(
-        config=config,
-        store=store,
-        sequences=sequences,
-        keys=keys,
-        tenancy=tenancy,
-        scheduler=scheduler,
-        backend=backend,
-        sessions=SessionService(store, training, quotas, on_finish=_on_finish(checkpoints, custom_losses), audit=audit),
-        training=training,
-        checkpoints=checkpoints,
-        runs=RunViews(store),
-        copies=CopyService(store, files, tenancy, quotas, events),
-        uploads=UploadService(
-            training, files, _server_secret(config.data_dir), quotas, may_upload=keys.still_valid, events=events
-        ),
-        custom_losses=custom_losses,
-        futures=FuturesService(store, scheduler, config.poll_timeout_s),
-        sampling=sampling,
-        openai=openai,
-        anthropic=AnthropicService(openai),
-        quotas=quotas,
-        body_bytes=BodyBytes(config.max_inflight_body_bytes, quotas.body_bytes),
-        run_metrics=run_metrics,
-        usage=usage,
-        audit=audit,
-        console=ConsoleSignIn(_server_secret(config.data_dir)),
-        vllm=vllm,
-        openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,
-    )
-    scheduler.metrics.watch(lambda: _metrics_state(state))
-    return state
+            ephemeral,
+            tokenizer,
+            _eos_ids(model_path, tokenizer),
+            EmbeddedEngine(
+                backend.sampler,
+                scheduler.run_on_worker,
+                config.sample_batch_window_s,
+                config.sample_slice_s,
+                family=caps.family,
+            ),
+            sequences,
+            vllm,
+            served_names=config.served_names(),
+            usage=usage,
+            images=images,
+            budget=SampleBudget(
+                config.max_sample_tokens, lambda key: None if (lim := quotas.of(key)) is None else lim.sample_tokens
+            ),
+        )
+        mirror = CheckpointMirror(config.checkpoint_mirror, files, store) if config.checkpoint_mirror else None
+        if mirror is not None:
+            restored, queued = mirror.sync()
+            log.info("checkpoint mirror %s: %d checkpoints restored, %d to copy up", mirror.url, restored, queued)
+        tenancy = Tenancy(store, audit)
+        events = checkpoint_events(scheduler.metrics, usage, audit, mirror, vllm)
+        checkpoints = CheckpointService(
+            training,
+            files,
+            ephemeral,
+            links=DownloadLinks(
+                files,
+                _server_secret(config.data_dir),
+                version=store.checkpoint_created_at,
+                # A link is checked again at each fetch, as a request of the key it was made for.
+                may_read=lambda tenant, path: keys.still_valid(tenant) and tenancy.can_read(tenant, path),
+                may_trace=lambda tenant, session_id: keys.still_valid(tenant) and tenancy.owns(tenant, session_id),
+            ),
+            tenancy=tenancy,
+            events=events,
+            mirror=mirror if mirror is not None else NO_MIRROR,
+        )
+        # The one link made after construction: the backend restores models through the training
+        # service, which itself calls the backend.
+        backend.recovery = ModelRecovery(training, files)
+        if orphans := training.residency.clear_orphans():
+            log.info("removed %d saved states of models that were not parked", orphans)
+        for model_id, next_seq in store.parked_models():  # saved whole when the server last stopped
+            scheduler.open_model(model_id, first_seq=next_seq)
+        openai = OpenAIService(sampling, store, tenancy, config.served_names(), live_runs=vllm is not None)
+        state = ServerState(
+            config=config,
+            store=store,
+            sequences=sequences,
+            keys=keys,
+            tenancy=tenancy,
+            scheduler=scheduler,
+            backend=backend,
+            sessions=SessionService(
+                store, training, quotas, on_finish=_on_finish(checkpoints, custom_losses), audit=audit
+            ),
+            training=training,
+            checkpoints=checkpoints,
+            runs=RunViews(store),
+            copies=CopyService(store, files, tenancy, quotas, events),
+            uploads=UploadService(
+                training, files, _server_secret(config.data_dir), quotas, may_upload=keys.still_valid, events=events
+            ),
+            custom_losses=custom_losses,
+            futures=FuturesService(store, scheduler, config.poll_timeout_s),
+            sampling=sampling,
+            openai=openai,
+            anthropic=AnthropicService(openai),
+            quotas=quotas,
+            body_bytes=BodyBytes(config.max_inflight_body_bytes, quotas.body_bytes),
+            run_metrics=run_metrics,
+            usage=usage,
+            audit=audit,
+            console=ConsoleSignIn(_server_secret(config.data_dir)),
+            vllm=vllm,
+            openai_proxy=OpenAIProxy(openai, vllm) if vllm is not None else None,
+        )
+        scheduler.metrics.watch(lambda: _metrics_state(state))
+        on_failure.pop_all()  # the server owns the ranks now
+        return state
 
 
 def _on_finish(checkpoints: CheckpointService, custom_losses: CustomLossService) -> Callable[[str], None]:
