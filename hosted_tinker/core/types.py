@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from hosted_tinker.core.custom_loss import CustomLossDef
 from hosted_tinker.core.errors import RolledBack, ServerError, UserError, WorkerError
 from hosted_tinker.core.images import ImageInput
+
+if TYPE_CHECKING:  # annotations only: the CLI (``keys``, ``--help``) need not load torch
+    import numpy as np
+    import torch
+
+    from hosted_tinker.core.custom_loss import CustomLossDef
 
 # The optimizer families a model can be created with, as the SDK's ``optimizer_config`` names
 # them (and as get_info / weights_info report them).

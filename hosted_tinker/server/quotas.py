@@ -48,7 +48,7 @@ from hosted_tinker.core.errors import ApiError
 from hosted_tinker.core.types import LoraSpec, adapter_bytes, lora_params
 from hosted_tinker.server.keys import OPEN
 from hosted_tinker.server.persistence.store import Store
-from hosted_tinker.server.protocol.ordering import is_text
+from hosted_tinker.server.protocol.strict import is_text
 from hosted_tinker.server.scheduler import QueueLimits
 
 LIVE_S = 120.0  # the SDK heartbeats every 10 s and warns after 2 min without one

@@ -20,7 +20,8 @@ from hosted_tinker.server.api.auth import presented_key
 from hosted_tinker.server.api.doors import is_anthropic, is_openai
 from hosted_tinker.server.api.state import server_state
 from hosted_tinker.server.protocol.anthropic_types import error_type
-from hosted_tinker.server.protocol.ordering import is_text, order_of
+from hosted_tinker.server.protocol.ordering import order_of
+from hosted_tinker.server.protocol.strict import is_text
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, model_validator
 
-from hosted_tinker.server.protocol.ordering import is_text
-from hosted_tinker.server.protocol.strict import ListOf, StrictRequest, TextMap
+from hosted_tinker.server.protocol.strict import ListOf, StrictRequest, TextMap, is_text
 
 # What a session stores for good, bounded (each is kept with it, and read by every search).
 Name = Annotated[str, Field(max_length=256)]  # a display name, a tag, a version

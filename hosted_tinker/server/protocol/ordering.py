@@ -18,6 +18,8 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
+from hosted_tinker.server.protocol.strict import is_text
+
 HEAD_BYTES = 64 << 10  # of the body as sent, and of its inflated form
 # A zstd frame inflates block by block (up to 128 KiB each), so the compressed head must hold a
 # whole first block before any byte of the request comes out of it.
@@ -44,15 +46,6 @@ def order_of(head: bytes, content_type: str, content_encoding: str | None = None
     if order is not None and not is_text(order[0]):
         return None  # a lone surrogate escaped in JSON names no model, and no query may carry it
     return order
-
-
-def is_text(s: str) -> bool:
-    """Whether ``s`` is Unicode text (JSON can escape a lone surrogate, which no id holds)."""
-    try:
-        s.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _is_zstd(content_encoding: str | None) -> bool:

@@ -23,6 +23,15 @@ T = TypeVar("T")
 ListOf = Annotated[list[T], Field(fail_fast=True)]
 
 
+def is_text(s: str) -> bool:
+    """Whether ``s`` is Unicode text (JSON can escape a lone surrogate, which no id holds)."""
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _first_non_text(value: Any) -> Any:
     if isinstance(value, dict):
         for key, item in value.items():

@@ -17,7 +17,7 @@ from hosted_tinker.core.checkpoints import CheckpointError, TinkerPath
 from hosted_tinker.core.errors import not_found
 from hosted_tinker.server.persistence.records import ModelRecord, SamplerRecord
 from hosted_tinker.server.persistence.store import Store
-from hosted_tinker.server.protocol.ordering import is_text
+from hosted_tinker.server.protocol.strict import is_text
 from hosted_tinker.server.serving.audit import AuditLog
 
 
