@@ -165,3 +165,15 @@ def test_no_test_module_imports_another():
                 if node.module.split(".")[-1].startswith(("test_", "conftest")):
                     found.add((importer, node.module))
     assert found == RECOLLECTED
+
+
+def test_the_clis_own_commands_load_no_engine():
+    """``keys ...``, ``--help`` and a wrong flag answer without torch, transformers or the tinker
+    SDK (which loads torch): 0.5 s a call rather than 2.5 s. ``serve`` loads them once it starts."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "transformers", "tinker", "numpy")
+    probe = f"import sys, hosted_tinker.cli; print([m for m in {heavy!r} if m in sys.modules])"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
