@@ -27,9 +27,6 @@ from tests.support.tenants import cli
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# ---- the cookie, CSRF tokens, redirects, the error log (no server) ---------------------------
-
-
 # ---- a keyed server, two tenants, one of them an operator ------------------------------------
 
 

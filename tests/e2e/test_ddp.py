@@ -35,12 +35,9 @@ from hosted_tinker.server.workers.group import PEER_GRACE_S
 from hosted_tinker.server.workers.launch import rank_factories, rendezvous
 from tests.support.batches import random_batch
 
-pytestmark = pytest.mark.timeout(300)  # the pure tests are fast; those that start ranks, slow
+pytestmark = pytest.mark.timeout(300)
 
 ADAM = AdamParams(learning_rate=2e-3, beta1=0.85, beta2=0.98, eps=1e-8, weight_decay=0.05, grad_clip_norm=400.0)
-
-
-# ---- splitting and merging (pure) ------------------------------------------------------------
 
 
 # ---- two ranks against one process -----------------------------------------------------------

@@ -1,97 +1,76 @@
-"""Each run's per-step metrics (``serving.run_metrics``) and ``GET /api/v1/training_runs/{id}/metrics``:
-the merge of a step's calls by metric suffix, which step a call belongs to, the bound per run and
-paging on a SQLite file; then an SDK run on a keyed server, read back over HTTP by its owner only."""
+"""Each run's per-step metrics through the front door: an SDK run read back over
+``GET /api/v1/training_runs/{id}/metrics`` by its owner only, and a joint pass's calls recorded
+in their own runs (the merge, steps, bounds and paging: ``tests/unit/server/test_run_metrics.py``)."""
 
 from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.server import ALIAS, start_server
-from tests.support.tenants import cli
-
-fast = pytest.mark.fast
-
-
-# ---- merging a step's calls -----------------------------------------------------------------
-
-
-# ---- steps ----------------------------------------------------------------------------------
-
-
-# ---- bounds and paging ----------------------------------------------------------------------
-
-
-# ---- through the SDK, on a keyed server -----------------------------------------------------
+from tests.support.server import ALIAS, ServerProcess
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_sdk_run_reads_back_step_by_step_to_its_owner_only(tmp_path: Path, tiny_model_dir: Path):
+def test_an_sdk_run_reads_back_step_by_step_to_its_owner_only(keyed: tuple[ServerProcess, str, str]):
     import tinker
     from tinker import types
 
-    key_a = cli("keys", "create", "--data-dir", str(tmp_path), "--name", "alice")
-    key_b = cli("keys", "create", "--data-dir", str(tmp_path), "--name", "bob")
-    server = start_server(tmp_path, "--model", str(tiny_model_dir))
+    server, key_a, key_b = keyed
     tokens = list(range(10, 22))
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(tokens),
         loss_fn_inputs={"target_tokens": [t + 1 for t in tokens], "weights": [1.0] * len(tokens)},
     )
     rates = [1e-3, 2e-3, 5e-3]
-    try:
-        with tinker.ServiceClient(base_url=server.base_url, api_key=key_a) as sc:
-            tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
-            run_id = tc.get_info().model_id
-            losses, grad_norms = [], []
-            for lr in rates:
-                losses.append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
-                tc.forward([datum], "cross_entropy").result()  # forward-only: not part of a step
-                grad_norms.append(tc.optim_step(types.AdamParams(learning_rate=lr)).result().metrics["grad_norm"])
-            open_loss = tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+    with tinker.ServiceClient(base_url=server.base_url, api_key=key_a) as sc:
+        tc = sc.create_lora_training_client(base_model=ALIAS, rank=4).result()
+        run_id = tc.get_info().model_id
+        losses, grad_norms = [], []
+        for lr in rates:
+            losses.append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+            tc.forward([datum], "cross_entropy").result()  # forward-only: not part of a step
+            grad_norms.append(tc.optim_step(types.AdamParams(learning_rate=lr)).result().metrics["grad_norm"])
+        open_loss = tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
 
-        url = f"{server.base_url}/api/v1/training_runs/{run_id}/metrics"
-        with httpx.Client(headers={"X-API-Key": key_a}, timeout=30) as a:
-            r = a.get(url)
-            assert r.status_code == 200, r.text
-            body = r.json()
-            assert body["run_id"] == run_id and body["next_after"] is None
-            steps = body["steps"]
-            assert [s["step"] for s in steps] == [0, 1, 2]
-            for step, loss, lr, grad_norm in zip(steps, losses, rates, grad_norms, strict=True):
-                assert math.isclose(step["metrics"]["loss:sum"], loss, rel_tol=1e-6), (step, loss)
-                assert step["optim"]["learning_rate"] == pytest.approx(lr, rel=1e-12)
-                assert math.isclose(step["optim"]["grad_norm"], grad_norm, rel_tol=1e-6)
-                assert step["tokens"] == len(tokens) and step["calls"] == 1
-                assert step["duration_s"] > 0
-            assert [s["optim"]["optimizer_step"] for s in steps] == [1.0, 2.0, 3.0]
-            assert steps[0]["time"] < steps[1]["time"] < steps[2]["time"]
-            open_step = body["open_step"]
-            assert open_step["step"] == 3 and open_step["calls"] == 1 and "optim" not in open_step
-            assert math.isclose(open_step["metrics"]["loss:sum"], open_loss, rel_tol=1e-6)
+    url = f"{server.base_url}/api/v1/training_runs/{run_id}/metrics"
+    with httpx.Client(headers={"X-API-Key": key_a}, timeout=30) as a:
+        r = a.get(url)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["run_id"] == run_id and body["next_after"] is None
+        steps = body["steps"]
+        assert [s["step"] for s in steps] == [0, 1, 2]
+        for step, loss, lr, grad_norm in zip(steps, losses, rates, grad_norms, strict=True):
+            assert math.isclose(step["metrics"]["loss:sum"], loss, rel_tol=1e-6), (step, loss)
+            assert step["optim"]["learning_rate"] == pytest.approx(lr, rel=1e-12)
+            assert math.isclose(step["optim"]["grad_norm"], grad_norm, rel_tol=1e-6)
+            assert step["tokens"] == len(tokens) and step["calls"] == 1
+            assert step["duration_s"] > 0
+        assert [s["optim"]["optimizer_step"] for s in steps] == [1.0, 2.0, 3.0]
+        assert steps[0]["time"] < steps[1]["time"] < steps[2]["time"]
+        open_step = body["open_step"]
+        assert open_step["step"] == 3 and open_step["calls"] == 1 and "optim" not in open_step
+        assert math.isclose(open_step["metrics"]["loss:sum"], open_loss, rel_tol=1e-6)
 
-            first = a.get(url, params={"limit": 2}).json()
-            assert [s["step"] for s in first["steps"]] == [0, 1] and first["next_after"] == 1
-            rest = a.get(url, params={"after": first["next_after"], "limit": 2}).json()
-            assert [s["step"] for s in rest["steps"]] == [2] and rest["next_after"] is None
+        first = a.get(url, params={"limit": 2}).json()
+        assert [s["step"] for s in first["steps"]] == [0, 1] and first["next_after"] == 1
+        rest = a.get(url, params={"after": first["next_after"], "limit": 2}).json()
+        assert [s["step"] for s in rest["steps"]] == [2] and rest["next_after"] is None
 
-            for params, field in [({"limit": 0}, "limit"), ({"limit": 5001}, "limit"), ({"after": -2}, "after")]:
-                r = a.get(url, params=params)
-                assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", field], r.text
-            missing = f"{server.base_url}/api/v1/training_runs/{run_id.rpartition(':')[0]}:99/metrics"
-            assert a.get(missing).status_code == 404
+        for params, field in [({"limit": 0}, "limit"), ({"limit": 5001}, "limit"), ({"after": -2}, "after")]:
+            r = a.get(url, params=params)
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", field], r.text
+        missing = f"{server.base_url}/api/v1/training_runs/{run_id.rpartition(':')[0]}:99/metrics"
+        assert a.get(missing).status_code == 404
 
-        with httpx.Client(headers={"X-API-Key": key_b}, timeout=30) as b:
-            r = b.get(url)
-            assert r.status_code == 404 and run_id in r.json()["detail"]
-        assert httpx.get(url, timeout=30).status_code == 401
-    finally:
-        server.stop()
+    with httpx.Client(headers={"X-API-Key": key_b}, timeout=30) as b:
+        r = b.get(url)
+        assert r.status_code == 404 and run_id in r.json()["detail"]
+    assert httpx.get(url, timeout=30).status_code == 401
 
 
 @pytest.mark.slow

@@ -86,6 +86,7 @@ def vllm_server(tmp_path_factory, tiny_model_dir) -> ServerProcess:
     srv = start_vllm_server(data_dir)
     yield srv
     srv.stop()
+    assert _no_vllm_left(srv)  # stopping the server stops vLLM (and its engine processes) too
 
 
 @pytest.fixture(scope="module")
@@ -354,66 +355,62 @@ def test_a_multi_rank_server_syncs_its_adapter_to_vllm(vllm_server, tmp_path, ti
 
 
 @pytest.mark.timeout(900)
-def test_killing_vllm_fails_calls_cleanly_and_it_comes_back(tmp_path, tiny_model_dir):
+def test_killing_vllm_fails_calls_cleanly_and_it_comes_back(vllm_server):
     """SIGKILL vLLM mid-run: in-flight sampling fails with a clear error, new calls get 503 while
-    it restarts, then sampling works again; training never stops."""
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
-    srv = start_vllm_server(tmp_path)
-    try:
-        sc = tinker.ServiceClient(base_url=srv.base_url)
-        tc = sc.create_lora_training_client(base_model=ALIAS, rank=8).result()
-        sampler = tc.save_weights_and_get_sampling_client().result()
-        prompt = types.ModelInput.from_ints([5, 6, 7])
-        assert sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, stop=[])).result().sequences
+    it restarts, then sampling works again; training never stops. Last in the module: the
+    module's vLLM is the one killed (the tests above borrowed it by its first address)."""
+    srv = vllm_server
+    assert inference(srv.base_url)["restarts"] == 0
+    sc = tinker.ServiceClient(base_url=srv.base_url)
+    tc = sc.create_lora_training_client(base_model=ALIAS, rank=8).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    assert sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, stop=[])).result().sequences
 
-        losses, train_errors, stop = [], [], threading.Event()
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints([5, 6, 7]),
-            loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3},
-        )
+    losses, train_errors, stop = [], [], threading.Event()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3},
+    )
 
-        def train() -> None:
-            try:
-                while not stop.is_set():
-                    losses.append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
-                    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-            except Exception as e:  # reported below
-                train_errors.append(e)
+    def train() -> None:
+        try:
+            while not stop.is_set():
+                losses.append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+                tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        except Exception as e:  # reported below
+            train_errors.append(e)
 
-        trainer = threading.Thread(target=train, daemon=True)
-        trainer.start()
-        vllm = inference(srv.base_url)
-        # 32 x 4000 tokens keeps vLLM busy for tens of seconds: with 4 it finished on this machine
-        # before its gauges ever showed it held, and the kill came too late.
-        long = sampler.sample(prompt, 32, types.SamplingParams(max_tokens=4000, stop=[]))
-        # Killed once vLLM holds it: killed before it arrives, the SDK would resend it after the
-        # restart. vLLM is asked directly: our /healthz answers slowly while vLLM has the cores.
-        deadline = time.monotonic() + 60
-        while vllm_requests_held(vllm["url"]) == 0:
-            assert time.monotonic() < deadline, "the sample never reached vLLM"
-            time.sleep(0.02)
-        os.kill(vllm["pid"], signal.SIGKILL)
-        with pytest.raises(Exception, match="vLLM"):
-            long.result(timeout=120)
-        deadline = time.monotonic() + 10  # the supervisor notices within half a second
-        while inference(srv.base_url)["state"] == "ready" and time.monotonic() < deadline:
-            time.sleep(0.1)
-        during = httpx.post(
-            f"{srv.base_url}/v1/completions", json={"model": ALIAS, "prompt": "hi", "max_tokens": 2}, timeout=30
-        )
-        assert during.status_code == 503 and "restarting" in during.json()["error"]["message"]
-        assert during.headers["retry-after"]
-        status = wait_ready(srv.base_url)
-        assert status["restarts"] == 1 and "killed by signal 9" in status["last_error"]
-        again = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, stop=[])).result()
-        assert len(again.sequences[0].tokens) == 4
-        stop.set()
-        trainer.join(timeout=120)
-        assert not train_errors and len(losses) >= 3
-    finally:
-        srv.stop()
-    assert _no_vllm_left(srv)
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    vllm = inference(srv.base_url)
+    # 32 x 4000 tokens keeps vLLM busy for tens of seconds: with 4 it finished on this machine
+    # before its gauges ever showed it held, and the kill came too late.
+    long = sampler.sample(prompt, 32, types.SamplingParams(max_tokens=4000, stop=[]))
+    # Killed once vLLM holds it: killed before it arrives, the SDK would resend it after the
+    # restart. vLLM is asked directly: our /healthz answers slowly while vLLM has the cores.
+    deadline = time.monotonic() + 60
+    while vllm_requests_held(vllm["url"]) == 0:
+        assert time.monotonic() < deadline, "the sample never reached vLLM"
+        time.sleep(0.02)
+    os.kill(vllm["pid"], signal.SIGKILL)
+    with pytest.raises(Exception, match="vLLM"):
+        long.result(timeout=120)
+    deadline = time.monotonic() + 10  # the supervisor notices within half a second
+    while inference(srv.base_url)["state"] == "ready" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    during = httpx.post(
+        f"{srv.base_url}/v1/completions", json={"model": ALIAS, "prompt": "hi", "max_tokens": 2}, timeout=30
+    )
+    assert during.status_code == 503 and "restarting" in during.json()["error"]["message"]
+    assert during.headers["retry-after"]
+    status = wait_ready(srv.base_url)
+    assert status["restarts"] == 1 and "killed by signal 9" in status["last_error"]
+    again = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, stop=[])).result()
+    assert len(again.sequences[0].tokens) == 4
+    stop.set()
+    trainer.join(timeout=120)
+    assert not train_errors and len(losses) >= 3
 
 
 def _no_vllm_left(srv: ServerProcess, timeout: float = 10.0) -> bool:
