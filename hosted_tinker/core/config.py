@@ -11,6 +11,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 TINY_MODEL_NAME = "hosted-tinker/tiny-qwen3"
+
+
+def built_in_model_dir(data_dir: Path) -> Path:
+    """Where a server with no --model builds the tiny model (once: it is kept there)."""
+    return data_dir / "models" / "tiny-qwen3"
 VLLM_LORA_RANKS = {1, 8, 16, 32, 64, 128, 256, 320, 512}  # the --max-lora-rank values vLLM accepts
 CLUSTER_KEY_ENV = "HOSTED_TINKER_CLUSTER_KEY"
 
@@ -418,7 +423,7 @@ class ServerConfig(BaseModel):
             return str(local.resolve()) if local.is_dir() else self.model
         from hosted_tinker.core.tiny_model import build_tiny_model
 
-        return str(build_tiny_model(self.data_dir / "models" / "tiny-qwen3").resolve())
+        return str(build_tiny_model(built_in_model_dir(self.data_dir)).resolve())
 
     def served_names(self) -> list[str]:
         primary = self.model if self.model is not None else TINY_MODEL_NAME

@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.support import extras
-from tests.support.server import ServerProcess, start_server
+from tests.support.server import ServerProcess, start_server, use_built_in_model
 from tests.support.tenants import new_keys
+
+
+@pytest.fixture(scope="session", autouse=True)
+def built_in_model_once(tiny_model_dir: Path) -> None:
+    """Servers started with no --model link the session's tiny model rather than build their own."""
+    use_built_in_model(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -112,7 +112,6 @@ def build_state(config: ServerConfig) -> ServerState:
     # intra-op threads here would spin after each of them, on the cores the worker computes on.
     torch.set_num_threads(1)
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    model_path = config.model_path()
     try:
         check_database(config.data_dir / DATABASE)
     except DatabaseDamaged as e:
@@ -125,6 +124,7 @@ def build_state(config: ServerConfig) -> ServerState:
     except (ValueError, OSError) as e:
         raise SystemExit(f"API keys: {e}") from None
     keys = KeyRing(store, static_keys, allow_any=config.dev_any_key)
+    model_path = config.model_path()  # builds the tiny model on first use: after the refusals above
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     parked = CheckpointFiles(config.data_dir / "parked")  # models saved whole off the workers (Residency)
