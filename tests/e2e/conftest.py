@@ -4,9 +4,10 @@ alice's and bob's), and the modules left out when the test extra is not installe
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,19 @@ from tests.support.tenants import new_keys
 def built_in_model_once(tiny_model_dir: Path) -> None:
     """Servers started with no --model link the session's tiny model rather than build their own."""
     use_built_in_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_family(shared_data_dir: Path) -> Callable[[str], Path]:
+    """``tiny_family("qwen3_moe")``: that family's tiny random model (hidden size 64), built once
+    per test process (~3 s a build) and shared by every module that reads it; nothing writes to it."""
+    from hosted_tinker.core.tiny_model import build_tiny_model
+
+    @functools.cache
+    def build(family: str) -> Path:
+        return build_tiny_model(shared_data_dir / "families" / family, family=family, hidden_size=64)
+
+    return build
 
 
 @pytest.fixture(scope="session")

@@ -280,14 +280,12 @@ def test_adapters_are_made_on_every_rank_or_none_and_ranks_that_disagree_are_rep
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "gpt_oss"])
-def test_two_ranks_train_a_mixture_of_experts_exactly_like_one_process(family: str, tmp_path_factory):
+def test_two_ranks_train_a_mixture_of_experts_exactly_like_one_process(family: str, tiny_family):
     """The same for mixture-of-experts models, with a LoRA on every routed expert: each rank's
     shard routes its tokens to its own experts, the summed gradients give one process's update,
     and the routed token counts behind the MoE metrics add up to one process's. Qwen3.5-MoE's
     linear attention and gpt-oss's attention sinks and sliding windows run packed on each rank."""
-    from hosted_tinker.core.tiny_model import build_tiny_model
-
-    model = str(build_tiny_model(tmp_path_factory.mktemp("moe") / family, family=family, hidden_size=64))
+    model = str(tiny_family(family))
     config = ServerConfig(model=model, backend="ddp", train_devices="cpu:2")
     ddp = ProcessBackend(rank_factories(config, model))
     reference = local_rank(model).trainer
@@ -312,13 +310,12 @@ def test_two_ranks_train_a_mixture_of_experts_exactly_like_one_process(family: s
 
 
 @pytest.mark.slow
-def test_two_ranks_train_on_images_exactly_like_one_process(tmp_path_factory):
+def test_two_ranks_train_on_images_exactly_like_one_process(tiny_family):
     """Qwen3.5 with its vision tower: datums with images split over two ranks, each embedding
     its own shard's images, give one process's log-probs and update."""
-    from hosted_tinker.core.tiny_model import build_tiny_model
     from tests.support.images import image_datum, png
 
-    model = str(build_tiny_model(tmp_path_factory.mktemp("vl") / "qwen3_5", family="qwen3_5", hidden_size=64))
+    model = str(tiny_family("qwen3_5"))
     config = ServerConfig(model=model, backend="ddp", train_devices="cpu:2")
     ddp = ProcessBackend(rank_factories(config, model))
     reference = local_rank(model)

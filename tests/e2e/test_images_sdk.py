@@ -16,7 +16,6 @@ import tinker
 import torch
 from tinker import types
 
-from hosted_tinker.core.tiny_model import build_tiny_model
 from tests.support.server import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -34,13 +33,13 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl_moe"])
-def vl(request, tmp_path_factory):
+def vl(request, tmp_path_factory, tiny_family):
     """A server on a tiny Qwen3.5 (the tower feeds the input embeddings) or Qwen3-VL-MoE (also
     the first decoder layers: deepstack)."""
     from transformers import AutoConfig, AutoImageProcessor
 
     root = tmp_path_factory.mktemp(request.param)
-    model_dir = build_tiny_model(root / "model", family=request.param, hidden_size=64)
+    model_dir = tiny_family(request.param)
     server = start_server(root / "data", "--model", str(model_dir), alias=ALIAS)
     sc = tinker.ServiceClient(base_url=server.base_url)
     config = AutoConfig.from_pretrained(model_dir)

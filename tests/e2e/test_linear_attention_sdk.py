@@ -13,7 +13,6 @@ import tinker
 import torch
 from tinker import types
 
-from hosted_tinker.core.tiny_model import build_tiny_model
 from tests.support.sdk import datum, download, forward_logprobs
 from tests.support.server import ServerExited, start_server
 
@@ -24,9 +23,9 @@ SEQUENCES = [list(range(5, 45)), [7, 300, 12, 9, 60, 61], list(range(100, 171, 3
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+def hybrid(tmp_path_factory, tiny_family):
     root = tmp_path_factory.mktemp("qwen3_5")
-    model_dir = build_tiny_model(root / "model", family="qwen3_5", hidden_size=64)
+    model_dir = tiny_family("qwen3_5")
     server = start_server(root / "data", "--model", str(model_dir), alias=ALIAS)
     sc = tinker.ServiceClient(base_url=server.base_url)
     tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()

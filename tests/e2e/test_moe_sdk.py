@@ -14,7 +14,6 @@ import tinker
 import torch
 from tinker import types
 
-from hosted_tinker.core.tiny_model import build_tiny_model
 from tests.support.sdk import datum, download, forward_logprobs
 from tests.support.server import ServerExited, start_server
 
@@ -44,10 +43,10 @@ def hf_model(path):
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
-def moe(request, tmp_path_factory):
+def moe(request, tmp_path_factory, tiny_family):
     """The server, a model trained a few steps on it, and the model's folder."""
     root = tmp_path_factory.mktemp(request.param)
-    model_dir = build_tiny_model(root / "model", family=request.param, hidden_size=64)
+    model_dir = tiny_family(request.param)
     server = start_server(root / "data", "--model", str(model_dir), alias=ALIAS)
     sc = tinker.ServiceClient(base_url=server.base_url)
     tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
@@ -171,12 +170,12 @@ def test_the_server_says_it_trains_the_experts(moe):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_vllm_is_refused_in_one_line_for_expert_lora(family, tmp_path):
+def test_vllm_is_refused_in_one_line_for_expert_lora(family, tmp_path, tiny_family):
     """vLLM's CPU build has no kernels for LoRA on experts, and no vLLM decodes DeepSeek's latent
     attention with its kv_b_proj LoRA: the server says so at start, naming the model, rather than
     sample adapters without what they trained. Every family's reason is
     ``tests/unit/inference/test_vllm_layout.py``'s; here, that ``serve`` says it in one line."""
-    model_dir = build_tiny_model(tmp_path / "model", family=family, hidden_size=64)
+    model_dir = tiny_family(family)
     with pytest.raises(ServerExited) as failed:
         start_server(tmp_path / "data", "--model", str(model_dir), "--inference", "vllm", timeout=120)
     log, arch = str(failed.value), ARCHS[family]

@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hosted_tinker.core.tiny_model import build_tiny_model
 from hosted_tinker.core.types import LoraSpec
 from hosted_tinker.inference.vllm_layout import VllmLayout, read_hf_config
 from hosted_tinker.rank.serve import local_rank
@@ -98,10 +97,10 @@ def products(weights: dict[str, torch.Tensor], scale: float, layout: VllmLayout,
     return out
 
 
-def test_vllm_reads_every_expert_and_linear_attention_lora_as_trained(tmp_path: Path):
+def test_vllm_reads_every_expert_and_linear_attention_lora_as_trained(tmp_path: Path, tiny_family):
     jobs, expected = [], {}
     for family in SUPPORTED:
-        model_dir = build_tiny_model(tmp_path / family, family=family, hidden_size=64)
+        model_dir = tiny_family(family)
         rank = local_rank(str(model_dir))
         handle = trained_looking(rank.trainer.model, LoraSpec(rank=4, seed=3))
         weights = {k: p.detach().clone() for k, p in zip(handle.keys, handle.params, strict=True)}
