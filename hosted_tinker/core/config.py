@@ -12,12 +12,13 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 TINY_MODEL_NAME = "hosted-tinker/tiny-qwen3"
 
+VLLM_LORA_RANKS = {1, 8, 16, 32, 64, 128, 256, 320, 512}  # the --max-lora-rank values vLLM accepts
+CLUSTER_KEY_ENV = "HOSTED_TINKER_CLUSTER_KEY"
+
 
 def built_in_model_dir(data_dir: Path) -> Path:
     """Where a server with no --model builds the tiny model (once: it is kept there)."""
     return data_dir / "models" / "tiny-qwen3"
-VLLM_LORA_RANKS = {1, 8, 16, 32, 64, 128, 256, 320, 512}  # the --max-lora-rank values vLLM accepts
-CLUSTER_KEY_ENV = "HOSTED_TINKER_CLUSTER_KEY"
 
 
 def read_cluster_key(path: Path | None) -> bytes:
