@@ -79,9 +79,10 @@ def shared_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(shared_data_dir: Path) -> Path:
+    from hosted_tinker.core.config import built_in_model_dir
     from hosted_tinker.core.tiny_model import build_tiny_model
 
-    return build_tiny_model(shared_data_dir / "models" / "tiny-qwen3")
+    return build_tiny_model(built_in_model_dir(shared_data_dir))  # where the session's server looks for it
 
 
 @pytest.fixture(scope="session")

@@ -79,10 +79,8 @@ def start_vllm_server(data_dir: Path) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory, tiny_model_dir) -> ServerProcess:
+def vllm_server(tmp_path_factory) -> ServerProcess:
     data_dir = tmp_path_factory.mktemp("vllm")
-    (data_dir / "models").mkdir()
-    (data_dir / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
     srv = start_vllm_server(data_dir)
     yield srv
     vllm = inference(srv.base_url)["pid"]  # the leader of vLLM's process group (its engine processes too)
@@ -285,11 +283,9 @@ def test_the_proxy_gives_n_greedy_choices(base_url):
     assert usage.completion_tokens == 2 * whole.usage.completion_tokens
 
 
-def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, tiny_model_dir, trained):
+def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, trained):
     """A second server borrows the first one's vLLM: base and adapter sampling both work. It
     requires keys (--dev-any-key), so the proxied /v1 is checked for 401s and tenants too."""
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
     url = inference(vllm_server.base_url)["url"]
     srv = start_server(tmp_path, "--inference-url", url, "--dev-any-key")
     try:
@@ -327,12 +323,10 @@ def test_a_running_vllm_is_used_through_inference_url(vllm_server, tmp_path, tin
     ],
     ids=["ddp", "megatron-tp2"],
 )
-def test_a_multi_rank_server_syncs_its_adapter_to_vllm(vllm_server, tmp_path, tiny_model_dir, layout):
+def test_a_multi_rank_server_syncs_its_adapter_to_vllm(vllm_server, tmp_path, layout):
     """Issues #7 and #16: ddp (two replicas) and megatron (two tensor-parallel ranks, no embedded
     sampler) with vLLM for inference, here a borrowed one: after each step vLLM samples the live
     adapter (gathered whole, in PEFT's keys) exactly as the ranks score it."""
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "tiny-qwen3").symlink_to(tiny_model_dir)
     url = inference(vllm_server.base_url)["url"]
     srv = start_server(tmp_path, "--inference-url", url, *layout, "--train-devices", "cpu:2")
     try:
