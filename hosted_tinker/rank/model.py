@@ -38,19 +38,32 @@ _ATTN_HINTS = ("attn", "attention")
 _MLP_HINTS = ("mlp", "feed_forward", "ffn")
 
 
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Sharded over the expert-parallel group: each rank holds its own experts' slices of ``dim``
+    (a routed-experts LoRA factor that is each expert's own, ``rank.mcore.experts``)."""
+
+    dim: int = 0
+
+
+# Where a parameter is sharded: along an int dimension over the tensor-parallel group, along an
+# ``ExpertSplit`` over the expert-parallel group, or not at all (None).
+SplitDim = int | ExpertSplit | None
+
+
 @dataclass
 class AdapterHandle:
     """One adapter's trainable tensors, as this rank holds them.
 
     keys        PEFT state-dict key of each parameter, in ``params`` order
-    split_dims  per parameter, the dimension along which it is sharded over a model-parallel
-                group (None: every rank holds all of it; always None for ``HfLoraModel``)
+    split_dims  per parameter, how it is sharded over a model-parallel group (``SplitDim``;
+                None: every rank holds all of it; always None for ``HfLoraModel``)
     """
 
     name: str
     keys: list[str]
     params: list[nn.Parameter]
-    split_dims: list[int | None]
+    split_dims: list[SplitDim]
 
 
 class LoraModel(Protocol):
@@ -90,6 +103,13 @@ class LoraModel(Protocol):
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
         """A PEFT adapter on this base model whose update is zero (``zero_adapter``)."""
+        ...
+
+    def lock_step(self) -> Tensor | None:
+        """Where ranks must run their backward passes together (expert parallelism: each MoE
+        layer's backward is a collective): a zero that depends on the last training pass through
+        every layer, to run a backward where no loss has a gradient; None where a rank's passes
+        are its own."""
         ...
 
 
@@ -319,6 +339,9 @@ class HfLoraModel:
             yield
         finally:
             self.adapters.routing.active = False
+
+    def lock_step(self) -> None:
+        return None  # a rank's passes are its own
 
     def take_routed(self) -> dict[str, np.ndarray]:
         taken = self.adapters.routing.take(list(self.adapters.experts))

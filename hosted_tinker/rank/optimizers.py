@@ -9,13 +9,16 @@ parameter without a gradient is left alone, state included, as ``torch.optim`` d
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from hosted_tinker.core import dimuon
 from hosted_tinker.core.types import AdamParams, DimuonParams, OptimParams
+
+if TYPE_CHECKING:
+    from hosted_tinker.rank.model import SplitDim
 
 
 class Optimizer(Protocol):
@@ -31,9 +34,9 @@ class Optimizer(Protocol):
 class WholeTensors(Protocol):
     """What Dimuon needs of the parallel plan: matrices whole wherever they are sharded."""
 
-    def whole(self, t: Tensor, split_dim: int | None) -> Tensor: ...
+    def whole(self, t: Tensor, split_dim: SplitDim) -> Tensor: ...
 
-    def shard(self, full: Tensor, split_dim: int | None) -> Tensor: ...
+    def shard(self, full: Tensor, split_dim: SplitDim) -> Tensor: ...
 
 
 class AdamW:
@@ -70,7 +73,7 @@ class Dimuon:
     family = "dimuon"
     STATE_FIELDS: tuple[str, ...] = ("momentum",)
 
-    def __init__(self, params: list[nn.Parameter], split_dims: list[int | None], rank: int, plan: WholeTensors) -> None:
+    def __init__(self, params: list[nn.Parameter], split_dims: list[SplitDim], rank: int, plan: WholeTensors) -> None:
         self.params, self.split_dims, self.rank, self.plan = params, split_dims, rank, plan
         self.state: dict[Tensor, dict[str, Tensor]] = {}
 
@@ -91,7 +94,7 @@ class Dimuon:
 
 
 def create(
-    family: str, params: list[nn.Parameter], split_dims: list[int | None], rank: int, plan: WholeTensors
+    family: str, params: list[nn.Parameter], split_dims: list[SplitDim], rank: int, plan: WholeTensors
 ) -> Optimizer:
     if family == "dimuon":
         return Dimuon(params, split_dims, rank, plan)

@@ -50,7 +50,7 @@ from hosted_tinker.core.types import (
 )
 from hosted_tinker.rank import optimizers
 from hosted_tinker.rank.activations import SavedBytes, free_device_bytes, layers_to_store
-from hosted_tinker.rank.model import AdapterHandle, LoraModel
+from hosted_tinker.rank.model import AdapterHandle, LoraModel, SplitDim
 from hosted_tinker.rank.plans import ParallelPlan
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,8 @@ class Trainer:
             if failure is None:  # made here, not elsewhere
                 self.delete_adapter(model_id)
             raise error
-        self.plan.broadcast_initial(self.adapters[model_id].handle.params)
+        handle = self.adapters[model_id].handle
+        self.plan.broadcast_initial(handle.params, handle.split_dims)
 
     @rank_call("every", model="deletes")
     def delete_adapter(self, model_id: str) -> None:
@@ -272,32 +273,54 @@ class Trainer:
     def _run(self, requests: list[tuple[AdapterHandle, ForwardBackwardBatch]]) -> list[ForwardBackwardResult]:
         """The requests' data, laid end to end, in micro-batches of packed tokens: each
         micro-batch one pass over the base, one backward of the sum of its models' losses (a
-        model's loss reaches only its own adapter)."""
+        model's loss reaches only its own adapter).
+
+        Ranks whose passes meet inside the layers (expert parallelism, where each holds its own
+        shard) run as many passes as the one with the most, the same layers recomputed, and a
+        backward in every training pass (``LoraModel.lock_step``); a rank whose loss fails goes
+        on with empty passes and raises at the end, so that none is left waiting in a layer."""
         owner = [r for r, (_, batch) in enumerate(requests) for _ in batch.data]
         data = [d for _, batch in requests for d in batch.data]
         handles = [requests[r][0] for r in owner]
         first = [sum(len(b.data) for _, b in requests[:r]) for r in range(len(requests))]
         outs = [_Outcome(batch) for _, batch in requests]
         forward_only = requests[0][1].forward_only
-        for indices in microbatches(data, self.microbatch_tokens):
+        batches = microbatches(data, self.microbatch_tokens)
+        batches += [[] for _ in range(self.plan.passes(len(batches)) - len(batches))]
+        failure: Exception | None = None
+        for indices in batches:
+            if failure is not None:
+                indices = []  # the others' passes still need this rank's
             tokens = sum(data[i].num_tokens for i in indices)
-            recompute = 0 if forward_only else self.layers_to_recompute(tokens)
+            # the most any rank of a lock-stepped group asks for (a rank's own where ranks run alone)
+            recompute = 0 if forward_only else -int(self.plan.least(-self.layers_to_recompute(tokens)))
             with torch.set_grad_enabled(not forward_only):
                 chosen = [handles[i] for i in indices], [data[i] for i in indices]
                 with self._measuring(recompute, tokens, forward_only):
                     lps = self.model.logprobs(*chosen, recompute=recompute)
-                routed = self.model.take_routed()  # by adapter: a joint pass has one request per model
-                for r, (handle, _) in enumerate(requests):
-                    if handle.name in routed:
-                        outs[r].add_routed(routed[handle.name])
                 total: torch.Tensor | None = None
-                shared = pass_allowance()
-                for r in sorted({owner[i] for i in indices}):
-                    mine = [(i - first[r], lp) for i, lp in zip(indices, lps, strict=True) if owner[i] == r]
-                    loss = outs[r].add(mine, shared)
-                    total = loss if total is None else total + loss
-                if not forward_only and total is not None and total.requires_grad:  # a loss free of lp has no gradient
+                try:
+                    routed = self.model.take_routed()  # by adapter: a joint pass has one request per model
+                    for r, (handle, _) in enumerate(requests):
+                        if handle.name in routed:
+                            outs[r].add_routed(routed[handle.name])
+                    shared = pass_allowance()
+                    for r in sorted({owner[i] for i in indices}):
+                        mine = [(i - first[r], lp) for i, lp in zip(indices, lps, strict=True) if owner[i] == r]
+                        loss = outs[r].add(mine, shared)
+                        total = loss if total is None else total + loss
+                except Exception as e:
+                    if self.model.lock_step() is None:
+                        raise
+                    failure, total = e, None
+                if forward_only:
+                    continue
+                if total is None or not total.requires_grad:  # a loss free of lp has no gradient
+                    total = self.model.lock_step()  # but the others' backward may need this rank's
+                if total is not None:
                     total.backward()
+        if failure is not None:
+            raise failure
         return [out.result() for out in outs]
 
     # ---- activation memory --------------------------------------------------------------------
@@ -364,7 +387,7 @@ class Trainer:
                 f"this step sent {optimizer_family(params)} parameters"
             )
         handle = adapter.handle
-        self.plan.reduce_gradients(handle.params)
+        self.plan.reduce_gradients(handle.params, handle.split_dims)
         present = [(p.grad, dim) for p, dim in zip(handle.params, handle.split_dims, strict=True) if p.grad is not None]
         grads = [g for g, _ in present]
         grad_norm = float(self.plan.grad_norm(grads, [dim for _, dim in present])) if grads else 0.0
@@ -392,17 +415,17 @@ class Trainer:
         replicas (each replica keeps 1/replicas of the sum, so that a later step sums it back)."""
         adapter = self._adapter(model_id)
         handle = adapter.handle
-        tensors: dict[str, tuple[torch.Tensor, int | None]] = {}
-        grads: dict[str, tuple[torch.Tensor, int | None]] = {}
+        tensors: dict[str, tuple[torch.Tensor, SplitDim]] = {}
+        grads: dict[str, tuple[torch.Tensor, SplitDim]] = {}
         if with_gradients:
-            self.plan.reduce_gradients(handle.params)
+            self.plan.reduce_gradients(handle.params, handle.split_dims)
         for key, p, dim in zip(handle.keys, handle.params, handle.split_dims, strict=True):
             tensors[key] = (p, dim)
             for field, value in adapter.optimizer.state.get(p, {}).items() if with_optimizer else ():
                 tensors[f"{key}.{field}"] = (value, dim if value.shape == p.shape else None)
             if with_gradients and p.grad is not None:
                 grads[key] = (p.grad.clone(), dim)
-                p.grad.div_(self.plan.replicas)
+                p.grad.div_(self.plan.replicas_of(dim))
         full = self.plan.gather(tensors)
         gathered = self.plan.gather(grads) if grads else {}
         if full is None:
@@ -461,7 +484,8 @@ class Trainer:
         with torch.no_grad():  # a parked model's unapplied gradients: 1/replicas of them on each replica
             for key, p, dim in zip(handle.keys, handle.params, handle.split_dims, strict=True):
                 if key in state.gradients:
-                    p.grad = (self.plan.shard(state.gradients[key], dim).to(p.device, p.dtype)) / self.plan.replicas
+                    grad = self.plan.shard(state.gradients[key], dim).to(p.device, p.dtype)
+                    p.grad = grad / self.plan.replicas_of(dim)
 
     def _new_optimizer(self, lora: LoraSpec, handle: AdapterHandle) -> optimizers.Optimizer:
         # Hyperparameters come with each step.

@@ -3,7 +3,8 @@
 layer, shared experts: Kimi-K2's architecture), Qwen3.5-MoE (Qwen3.6-35B-A3B's: hybrid
 linear attention, a gated shared expert), gpt-oss or Qwen3-VL-MoE (its language model), trained
 with the real tinker SDK; its export downloaded through the SDK's signed URLs and read by the
-cookbook's own ``weights`` tools, as a user of the service would read what the service wrote."""
+cookbook's own ``weights`` tools, as a user of the service would read what the service wrote. The
+same on the megatron backend with the Qwen3-MoE's experts split over two ranks (``ep=2``)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ ARCHS = {
     "qwen3_vl_moe": "Qwen3VLMoeForCausalLM",  # Qwen3-VL-30B-A3B's language model (``rank.vision``)
 }
 
+# each server: the family's model, and the serve flags beyond it (the peft backend's HF path, or
+# megatron-core's expert parallelism)
+SERVERS = {family: (family, ()) for family in ARCHS} | {
+    "qwen3_moe-megatron-ep2": (
+        "qwen3_moe",
+        ("--backend", "megatron", "--train-devices", "cpu:2", "--backend-option", "ep=2"),
+    ),
+}
+
 
 def hf_model(path):
     """transformers' model of a checkpoint, as its users load it: a vision-language one whole."""
@@ -42,19 +52,20 @@ def hf_model(path):
     )
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(scope="module", params=list(SERVERS))
 def moe(request, tmp_path_factory, tiny_family):
     """The server, a model trained a few steps on it, and the model's folder."""
     root = tmp_path_factory.mktemp(request.param)
-    model_dir = tiny_family(request.param)
-    server = start_server(root / "data", "--model", str(model_dir), alias=ALIAS)
+    family, flags = SERVERS[request.param]
+    model_dir = tiny_family(family)
+    server = start_server(root / "data", "--model", str(model_dir), *flags, alias=ALIAS)
     sc = tinker.ServiceClient(base_url=server.base_url)
     tc = sc.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
     losses = []
     for _ in range(4):
         losses.append(tc.forward_backward([datum(TOKENS)], "cross_entropy").result().metrics["loss:sum"])
         tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-    arch = ARCHS[request.param]
+    arch = ARCHS[family]
     yield {"server": server, "sc": sc, "tc": tc, "model_dir": model_dir, "losses": losses, "root": root, "arch": arch}
     sc.close("success").result()
     server.stop()

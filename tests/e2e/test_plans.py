@@ -6,16 +6,18 @@ process on the padded path, started from the plan's own initial weights. Every l
 gradients accumulated over two calls before each step, full AdamParams: per-datum logprobs,
 ``loss:sum``, ``grad_norm`` and the weights after the steps agree to float32 precision; and
 three Dimuon steps, whose update needs whole matrices where a plan shards them; a custom loss;
-and two models' requests in one pass.
+and two models' requests in one pass. The layouts a plan names for mixture-of-experts models
+(``CHECKED_MOE_LAYOUTS``) run the same on the tiny Qwen3-MoE, routed-expert LoRA included.
 
 A new plan is checked by registering it: nothing here names one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,14 @@ import pytest
 from hosted_tinker.core import losses
 from hosted_tinker.core.config import ServerConfig
 from hosted_tinker.core.custom_loss import CustomLossDef
-from hosted_tinker.core.types import AdamParams, AdapterState, DimuonParams, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.core.types import (
+    AdamParams,
+    AdapterState,
+    DatumInput,
+    DimuonParams,
+    ForwardBackwardBatch,
+    LoraSpec,
+)
 from hosted_tinker.rank.plans import PLANS, backend_options, plan_module
 from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.rank.trainer import Trainer
@@ -40,14 +49,17 @@ RTOL = 2e-4  # float32 against float64, over a few steps
 
 
 def layouts() -> list:
-    """(plan, devices, options) to check: a plan's own ``CHECKED_LAYOUTS`` where it names them,
-    else two CPU ranks where it takes them (``devices`` None: found at run time), else one."""
+    """(plan, devices, options, family) to check: a plan's own ``CHECKED_LAYOUTS`` where it names
+    them, else two CPU ranks where it takes them (``devices`` None: found at run time), else one,
+    on the tiny dense model (``family`` None); and its ``CHECKED_MOE_LAYOUTS`` on the tiny Qwen3-MoE."""
     out = []
     for backend in sorted(PLANS):
-        named = getattr(plan_module(backend), "CHECKED_LAYOUTS", None)
-        for devices, options in named or [(None, {})]:
-            label = "-".join([backend, devices or "auto", *(f"{k}={v}" for k, v in options.items())])
-            out.append(pytest.param(backend, devices, options, id=label))
+        module = plan_module(backend)
+        named = [(*layout, None) for layout in getattr(module, "CHECKED_LAYOUTS", None) or [(None, {})]]
+        named += [(*layout, "qwen3_moe") for layout in getattr(module, "CHECKED_MOE_LAYOUTS", [])]
+        for devices, options, family in named:
+            label = "-".join([backend, devices or "auto", *(f"{k}={v}" for k, v in options.items()), family or "dense"])
+            out.append(pytest.param(backend, devices, options, family, id=label))
     return out
 
 
@@ -76,21 +88,36 @@ def as_float64(state: AdapterState) -> AdapterState:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> Iterator[Trainer]:
+def references() -> Iterator[Callable[[Path], Trainer]]:
     """The single plan in float64 on the padded, stored-activation path (what packing and
-    recomputation replaced): a plan that packs, recomputes or shards must still agree with it."""
-    trainer = local_rank(str(tiny_model_dir), dtype="float64").trainer
-    with padded_path(trainer):
-        yield trainer
+    recomputation replaced), one per model: a plan that packs, recomputes or shards must still
+    agree with it."""
+    with contextlib.ExitStack() as stack:
+
+        @functools.cache
+        def reference(model: Path) -> Trainer:
+            trainer = local_rank(str(model), dtype="float64").trainer
+            stack.enter_context(padded_path(trainer))
+            return trainer
+
+        yield reference
 
 
-@pytest.mark.parametrize("backend, devices, options", layouts())
+@pytest.mark.parametrize("backend, devices, options, family", layouts())
 def test_plan_trains_like_the_float64_reference(
-    backend: str, devices: str | None, options: dict[str, str], tiny_model_dir: Path, reference: Trainer
+    backend: str,
+    devices: str | None,
+    options: dict[str, str],
+    family: str | None,
+    tiny_model_dir: Path,
+    tiny_family: Callable[[str], Path],
+    references: Callable[[Path], Trainer],
 ):
-    devices = devices or devices_for(backend, tiny_model_dir)
-    config = ServerConfig(model=str(tiny_model_dir), backend=backend, train_devices=devices, backend_options=options)
-    plan = ProcessBackend(rank_factories(config, str(tiny_model_dir)))
+    model = tiny_family(family) if family else tiny_model_dir
+    reference = references(model)
+    devices = devices or devices_for(backend, model)
+    config = ServerConfig(model=str(model), backend=backend, train_devices=devices, backend_options=options)
+    plan = ProcessBackend(rank_factories(config, str(model)))
     model_id = f"plan-{backend}"
     try:
         assert plan.capabilities.backend == backend
@@ -115,6 +142,7 @@ def test_plan_trains_like_the_float64_reference(
         check_dimuon(plan, reference, f"{model_id}-dimuon", rng)
         check_custom_loss(plan, reference, model_id, rng)
         check_joint_pass(plan, reference, [model_id, f"{model_id}-dimuon"], rng)
+        check_a_failing_shard(plan, reference, model_id, rng)
     finally:
         for name in (model_id, f"{model_id}-dimuon"):
             if reference.has_adapter(name):
@@ -167,6 +195,25 @@ def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[s
     for model_id, params in zip(model_ids, (ADAM, DIMUON(0.02)), strict=True):
         got_step, want_step = plan.trainer.optim_step(model_id, params), reference.optim_step(model_id, params)
         assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), model_id
+
+
+def check_a_failing_shard(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
+    """A request whose loss fails on one datum (one rank's shard, where there are several) fails
+    at once on every rank, not at a collective's timeout (expert-parallel ranks meet inside each
+    layer, the failed rank too), and leaves no gradient anywhere: the plan serves on as before."""
+    import time
+
+    good = batch(rng, 4, "cross_entropy")
+    bad = good.data[-1]
+    broken = DatumInput(bad.tokens, bad.target_tokens, {"weights": bad.inputs["weights"][:-1]})  # one short
+    started = time.monotonic()
+    with pytest.raises(Exception, match="size of tensor|another rank failed"):
+        plan.trainer.forward_backward(model_id, dataclasses.replace(good, data=[*good.data[:-1], broken]))
+    assert time.monotonic() - started < 60
+    got, want = plan.trainer.forward_backward(model_id, good), reference.forward_backward(model_id, good)
+    assert got.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4)
+    got_step, want_step = plan.trainer.optim_step(model_id, ADAM), reference.optim_step(model_id, ADAM)
+    assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4)
 
 
 def check_dimuon(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:

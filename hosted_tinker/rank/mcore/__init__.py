@@ -18,3 +18,13 @@ def quiet() -> None:
     transformer-engine) are absent and which FSDP it found are not a rank's news."""
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
     logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
+
+
+def without_transformer_engine() -> None:
+    """megatron-core 0.16.1's MoE router reads ``te_general_gemm``, which ``moe_utils`` defines
+    only when transformer-engine imports (a ``NameError`` otherwise, in every router's forward):
+    without it, None, whose branch is the ``torch.mm`` the module falls back to."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -9,6 +9,10 @@ Megatron's fused layouts, for tensor-parallel rank ``r`` of ``tp``:
 - ``linear_fc1``: ``[gate rows of rank r; up rows of rank r]`` (its SwiGLU splits the output in two).
 - ``linear_proj`` / ``linear_fc2`` (row-parallel): columns ``[r·in/tp, (r+1)·in/tp)``.
 - ``word_embeddings`` / ``output_layer`` (vocab-parallel): rows ``[r·V/tp, (r+1)·V/tp)``.
+
+A mixture-of-experts layer (Qwen3-MoE) is megatron's ``MoELayer``: its router is HF's ``gate``,
+and of the ``E`` routed experts expert-parallel rank ``q`` of ``ep`` holds ``[q·E/ep, (q+1)·E/ep)``,
+each a megatron ``MLP`` (``SequentialMLP``) whose ``linear_fc1`` is ``[gate; up]`` as above.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-ARCHS = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,10 @@ class HfShape:
     rms_eps: float
     rope_theta: float
     max_positions: int
+    experts: int = 0  # routed experts per layer (0: a dense model)
+    moe_ffn: int = 0  # each expert's intermediate size
+    top_k: int = 0  # experts per token
+    norm_topk: bool = False  # the top-k routing weights renormalised to sum to 1
 
     @classmethod
     def read(cls, model_path: str) -> HfShape:
@@ -56,6 +64,12 @@ class HfShape:
             raise ValueError(f"the megatron backend does not convert rope_scaling {config['rope_scaling']}")
         rope = config.get("rope_parameters") or {}
         heads = config["num_attention_heads"]
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        if experts and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+            raise ValueError(
+                f"the megatron backend converts mixture-of-experts models whose every layer is one; {model_path} "
+                f"has dense layers (mlp_only_layers, decoder_sparse_step)"
+            )
         return cls(
             arch=arch,
             family=config.get("model_type", ""),
@@ -67,11 +81,15 @@ class HfShape:
             ffn=config["intermediate_size"],
             vocab=config["vocab_size"],
             tied=bool(config.get("tie_word_embeddings", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             qkv_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
             rms_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
             max_positions=config.get("max_position_embeddings") or 32768,
+            experts=experts,
+            moe_ffn=config.get("moe_intermediate_size") or 0,
+            top_k=config.get("num_experts_per_tok") or 0,
+            norm_topk=bool(config.get("norm_topk_prob", False)),
         )
 
     def check_tp(self, tp: int) -> None:
@@ -82,13 +100,21 @@ class HfShape:
         if self.ffn % tp:
             raise ValueError(f"--backend-option tp={tp} does not divide the model's intermediate_size ({self.ffn})")
 
+    def check_ep(self, ep: int) -> None:
+        """``ep`` must divide the routed experts, and there must be some."""
+        if ep > 1 and not self.experts:
+            raise ValueError(f"--backend-option ep={ep} needs a mixture-of-experts model; {self.arch} has no experts")
+        if self.experts % ep:
+            raise ValueError(f"--backend-option ep={ep} does not divide the model's {self.experts} routed experts")
 
-def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_parallel: bool = False):
+
+def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_parallel: bool = False, ep: int = 1):
     """megatron-core's ``TransformerConfig`` for ``shape``: the plain-PyTorch (local) path, no
     fusions, no dropout, so that it computes what the HF model computes."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
+        **(moe_config(shape, ep) if shape.experts else {}),
         num_layers=shape.layers,
         hidden_size=shape.hidden,
         num_attention_heads=shape.heads,
@@ -121,11 +147,37 @@ def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_par
     )
 
 
+def moe_config(shape: HfShape, ep: int) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of a mixture-of-experts layer that routes as HF's does:
+    softmax over the experts, the top k, renormalised (``norm_topk_prob``: megatron's softmax over
+    the top k's logits is the same) or not (``pre_softmax``: the top k of the softmax over all);
+    no load-balancing loss (Tinker's loss is the user's); the router's logits and softmax in
+    float32 as HF's (``F.softmax(..., dtype=float)``). Tokens reach the experts by all-gather
+    over the tensor×expert-parallel group (``allgather``: plain collectives, gloo's too; megatron's
+    ``alltoall`` makes a CUDA stream when built), and each expert is its own ``MLP``
+    (``SequentialMLP``: no grouped-GEMM kernel to install)."""
+    return dict(
+        num_moe_experts=shape.experts,
+        moe_ffn_hidden_size=shape.moe_ffn,
+        moe_router_topk=shape.top_k,
+        moe_router_pre_softmax=not shape.norm_topk,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+    )
+
+
 class HfWeights:
     """Reads this rank's shards of the HF weights, by slice, from every safetensors file."""
 
-    def __init__(self, model_path: str, shape: HfShape, tp: int, tp_rank: int) -> None:
+    def __init__(self, model_path: str, shape: HfShape, tp: int, tp_rank: int, ep: int = 1, ep_rank: int = 0) -> None:
         self.shape, self.tp, self.r = shape, tp, tp_rank
+        self.local_experts = range(ep_rank * shape.experts // ep, (ep_rank + 1) * shape.experts // ep)
         self._files: dict[str, Any] = {}
         for path in sorted(Path(model_path).glob("*.safetensors")):
             handle = safe_open(str(path), framework="pt")
@@ -187,13 +239,24 @@ class HfWeights:
                 out[f"{mc}.self_attention.k_layernorm.weight"] = self.full(f"{hf}.self_attn.k_norm.weight")
             out[f"{mc}.self_attention.linear_proj.weight"] = self.col_part(f"{hf}.self_attn.o_proj.weight")
             out[f"{mc}.pre_mlp_layernorm.weight"] = self.full(f"{hf}.post_attention_layernorm.weight")
-            gate, up = self.row_part(f"{hf}.mlp.gate_proj.weight"), self.row_part(f"{hf}.mlp.up_proj.weight")
-            out[f"{mc}.mlp.linear_fc1.weight"] = torch.cat([gate, up])
-            out[f"{mc}.mlp.linear_fc2.weight"] = self.col_part(f"{hf}.mlp.down_proj.weight")
+            if s.experts:
+                out[f"{mc}.mlp.router.weight"] = self.full(f"{hf}.mlp.gate.weight")
+                for j, e in enumerate(self.local_experts):
+                    out.update(self.mlp(f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{j}"))
+            else:
+                out.update(self.mlp(f"{hf}.mlp", f"{mc}.mlp"))
         out["decoder.final_layernorm.weight"] = self.full("model.norm.weight")
         if not s.tied:
             out["output_layer.weight"] = self.row_part("lm_head.weight")
         return out
+
+    def mlp(self, hf: str, mc: str) -> dict[str, Tensor]:
+        """One gated MLP (a dense layer's, or one expert's): ``linear_fc1`` ``[gate; up]``."""
+        gate, up = self.row_part(f"{hf}.gate_proj.weight"), self.row_part(f"{hf}.up_proj.weight")
+        return {
+            f"{mc}.linear_fc1.weight": torch.cat([gate, up]),
+            f"{mc}.linear_fc2.weight": self.col_part(f"{hf}.down_proj.weight"),
+        }
 
 
 class FrozenNorm:
@@ -228,9 +291,10 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
 
     from hosted_tinker.rank.mcore.attention import PackedDotProductAttention
 
-    layer = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(
+        num_experts=shape.experts or None, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm, normalization="RMSNorm"
+    )
     attention = layer.submodules.self_attention.submodules
-    mlp = layer.submodules.mlp.submodules
     attention.core_attention = PackedDotProductAttention  # packed sequences (thd) on PyTorch's kernels
     norm: Any = FrozenNorm
     if te:  # CUDA only: importing it needs transformer_engine
@@ -242,9 +306,11 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
         )
 
         norm = TENorm  # frozen too; under sequence parallelism it only marks its weight, which has no gradient
-        attention.linear_qkv = mlp.linear_fc1 = TEColumnParallelLinear
-        attention.linear_proj = mlp.linear_fc2 = TERowParallelLinear
+        attention.linear_qkv, attention.linear_proj = TEColumnParallelLinear, TERowParallelLinear
         attention.core_attention = TEDotProductAttention
+        if not shape.experts:  # a MoE layer's experts keep megatron's PyTorch linear layers (SequentialMLP)
+            mlp = layer.submodules.mlp.submodules
+            mlp.linear_fc1, mlp.linear_fc2 = TEColumnParallelLinear, TERowParallelLinear
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
     if shape.qk_norm:
         attention.q_layernorm = attention.k_layernorm = norm

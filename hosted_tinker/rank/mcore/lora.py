@@ -18,7 +18,8 @@ span of tokens under its own adapter (several models in one pass); the base modu
 replaced. The output layer is the exception: it runs as ``TpLora.head``, chunk by chunk of
 positions, its LoRA update added there.
 
-Tensors are ``[sequence, batch, features]``, as megatron-core passes them.
+Tensors are ``[sequence, batch, features]``, as megatron-core passes them. A mixture-of-experts
+layer's routed experts take Tinker's 3-D layout instead of ``gate``/``up``/``down`` (``experts``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hosted_tinker.rank.adapters import Routes, checked_compute, draw_lora
+from hosted_tinker.rank.adapters import Routes, checked_compute, draw_expert_lora, draw_lora
+from hosted_tinker.rank.experts import ExpertsShape
 from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype, scaled
 from hosted_tinker.rank.mcore.convert import HfShape
+from hosted_tinker.rank.mcore.experts import (
+    NO_ADAPTER,
+    ExpertProjection,
+    ExpertsSite,
+    MoeLora,
+    draw_expert_projections,
+    experts_sites,
+)
 
 COLUMN, ROW = "column", "row"
 
@@ -65,13 +75,16 @@ class Site:
 
 @dataclass
 class Adapter:
-    projections: dict[str, list[Projection]]  # site name -> its projections, fused order
+    projections: dict[str, list[Any]]  # site name -> its Projections (ExpertProjections), fused order
     scale: float
+    number: int  # the same on every rank (adapters are added everywhere in one order): routes tokens by it
 
 
-def sites(gpt: Any, shape: HfShape, tp: int) -> dict[str, Site]:  # gpt: megatron's GPTModel (untyped)
-    """Every layer LoRA may wrap, by Tinker's groups: ``attn``, ``mlp``, ``unembed``."""
-    out: dict[str, Site] = {}
+def sites(gpt: Any, shape: HfShape, tp: int, ep: int = 1, ep_rank: int = 0) -> dict[str, Site | ExpertsSite]:
+    """Every layer LoRA may wrap, by Tinker's groups: ``attn``, ``mlp``, ``unembed``; in the HF
+    model's module order (PEFT's, in which adapters are drawn)."""
+    out: dict[str, Site | ExpertsSite] = {}
+    moe = experts_sites(gpt, ExpertsShape(shape.experts, shape.hidden, shape.moe_ffn), ep, ep_rank)
     groups = shape.kv_heads // tp  # query groups on this rank
 
     def qkv(deltas: list[Tensor]) -> Tensor:  # [s, b, local q | k | v] -> per group [q; k; v]
@@ -93,6 +106,9 @@ def sites(gpt: Any, shape: HfShape, tp: int) -> dict[str, Site]:  # gpt: megatro
         out[f"{i}.proj"] = Site(
             attn.linear_proj, ROW, [f"{hf}.self_attn.o_proj"], shape.heads * shape.head_dim, [shape.hidden]
         )
+        if shape.experts:
+            out[f"{i}.experts"] = moe[f"{i}.experts"]
+            continue
         out[f"{i}.fc1"] = Site(
             mlp.linear_fc1,
             COLUMN,
@@ -110,16 +126,21 @@ def group_of(site_name: str) -> str:
     return "unembed" if site_name == "unembed" else ("attn" if site_name.split(".")[1] in ("qkv", "proj") else "mlp")
 
 
-def init_adapter(chosen: dict[str, Site], rank: int, tp: int, tp_rank: int, seed: int) -> dict[str, list[Projection]]:
+def init_adapter(
+    chosen: dict[str, Site | ExpertsSite], rank: int, tp: int, tp_rank: int, seed: int
+) -> dict[str, list[Any]]:
     """New LoRA weights for the chosen sites, drawn as PEFT draws them for the same modules in
     the same order (``rank.adapters.draw_lora``), so that a seed starts a model exactly where
     the ``peft`` backend starts it; this rank keeps its shards."""
-    projections: dict[str, list[Projection]] = {}
+    projections: dict[str, list[Any]] = {}
     with torch.random.fork_rng(devices=[]):
         # the CPU generator only (it draws on the CPU): torch.manual_seed would also reseed CUDA's
         # for good, which fork_rng(devices=[]) does not restore
         torch.random.default_generator.manual_seed(seed)
         for name, site in chosen.items():
+            if isinstance(site, ExpertsSite):
+                projections[name] = draw_expert_projections(site, rank, draw_expert_lora)
+                continue
             projections[name] = []
             for module, out_features in zip(site.hf_modules, site.out_features, strict=True):
                 a, b = draw_lora(site.in_features, out_features, rank)
@@ -173,16 +194,40 @@ class TpLora:
     ``routes`` names for it (tokens are the first dimension of megatron's ``[s, b, h]``)."""
 
     def __init__(
-        self, gpt: nn.Module, shape: HfShape, tp: int, sequence_parallel: bool = False, compute: str = "float32"
+        self,
+        gpt: nn.Module,
+        shape: HfShape,
+        tp: int,
+        sequence_parallel: bool = False,
+        compute: str = "float32",
+        ep: int = 1,
+        ep_rank: int = 0,
+        token_group: Any = None,
     ) -> None:
+        """``ep``, ``ep_rank``: this rank's routed experts (``convert``); ``token_group``: the
+        tensor×expert-parallel group the MoE layers gather tokens over (None: this rank alone)."""
         self.compute = checked_compute(compute)  # LoRA's products in the adapters' float32 or the base's dtype
-        self.sites = sites(gpt, shape, tp)
+        self.sites = sites(gpt, shape, tp, ep, ep_rank)
         self.adapters: dict[str, Adapter] = {}
         self.routes = Routes()
         self.sequence_parallel = sequence_parallel
         for name, site in self.sites.items():
-            if name != "unembed":  # the output layer runs as ``head``, chunk by chunk
+            if isinstance(site, Site) and name != "unembed":  # the output layer runs as ``head``, chunk by chunk
                 site.layer.register_forward_hook(self._hook(name, site))
+        moe = {name: site for name, site in self.sites.items() if isinstance(site, ExpertsSite)}
+        self.experts = MoeLora(moe, self._expert_adapters, self.compute, token_group) if moe else None
+
+    def _expert_adapters(self, site: str) -> list[tuple[int, list[ExpertProjection], float]]:
+        return [(a.number, a.projections[site], a.scale) for a in self.adapters.values() if site in a.projections]
+
+    def token_adapters(self, total: int) -> Tensor:
+        """The adapter number of each of ``total`` tokens as ``routes`` has them (``NO_ADAPTER``
+        where none)."""
+        numbers = torch.full((total,), NO_ADAPTER, dtype=torch.long)
+        for start, end, name in self.routes.segments:
+            if (adapter := self.adapters.get(name)) is not None:
+                numbers[start:end] = adapter.number
+        return numbers
 
     def head(self, name: str, weight: Tensor) -> Callable[[Tensor], Tensor]:
         """The output layer under adapter ``name`` alone: whole-sequence hidden states ``(C, H)``

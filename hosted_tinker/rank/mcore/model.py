@@ -5,6 +5,12 @@ its parallel layers (``lora``), and per-token log-probs from vocab-parallel logi
 Every rank of a tensor-parallel group runs the same batch; each holds ``1/tp`` of the base and of
 each adapter's sharded tensors. The process group and megatron's parallel state are the plan's
 (``rank.plans.megatron``); this module only builds on them.
+
+A mixture-of-experts model's expert-parallel ranks run different shards of a batch, and meet in
+every MoE layer, whose dispatcher gathers the tokens of the whole tensor×expert-parallel group
+(``token_group``) and needs as many from each rank: a pass is padded to the group's longest
+with a filler sequence under no adapter, and every pass joins a backward (``lock_step``), so
+that the ranks' collectives pair up whatever each rank's shard holds.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
+import torch.distributed as dist
+from torch import Tensor, nn
 
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.logprobs import chunk_tokens_for, packed_targets, target_logprobs, unpacked
@@ -23,7 +30,9 @@ from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import lora_config, segments
+from hosted_tinker.rank.experts import RoutingCounter
 from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, block_spec, transformer_config
+from hosted_tinker.rank.mcore.experts import ExpertsSite
 from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter, whole_sequence
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
 from hosted_tinker.rank.model import AdapterHandle, load_base, zero_adapter
@@ -43,26 +52,38 @@ class McoreLoraModel:
         sampler_base: bool = False,
         sequence_parallel: bool = False,
         te: bool = False,
+        ep: int = 1,
+        ep_rank: int = 0,
+        token_group: dist.ProcessGroup | None = None,
     ) -> None:
         """``sampler_base``: also load the whole HF base model, for an embedded sampler on this
         rank (``rank.sampler``; it gets adapter tensors gathered whole, in PEFT's keys).
         ``sequence_parallel``: activations between the parallel layers split by sequence.
-        ``te``: transformer-engine layers (CUDA only) rather than megatron-core's PyTorch ones."""
+        ``te``: transformer-engine layers (CUDA only) rather than megatron-core's PyTorch ones.
+        ``ep``, ``ep_rank``: the expert-parallel group's size and this rank's place in it;
+        ``token_group``: the tensor×expert-parallel group (where ``ep`` > 1)."""
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt import GPTModel
 
-        from hosted_tinker.rank.mcore import cpu
+        from hosted_tinker.rank.mcore import cpu, without_transformer_engine
 
+        without_transformer_engine()
         self.device = torch.device(device)
         if self.device.type == "cpu":
             cpu.use_cpu()
         shape = HfShape.read(model_path)
         shape.check_tp(tp)
+        shape.check_ep(ep)
+        if shape.experts and tp > 1:
+            raise ValueError(
+                "--backend-option tp > 1 on a mixture-of-experts model is not built yet: shard its experts with ep"
+            )
         self.shape, self.tp, self.tp_rank = shape, tp, tp_rank
         self.model_path = model_path
+        self.token_group = token_group if ep > 1 else None
         tensor_parallel.model_parallel_cuda_manual_seed(0)  # megatron's RNG tracker; no dropout draws from it
         self.gpt = GPTModel(
-            transformer_config(shape, tp, getattr(torch, dtype), sequence_parallel),
+            transformer_config(shape, tp, getattr(torch, dtype), sequence_parallel, ep),
             block_spec(shape, shape.layers, te),
             vocab_size=shape.vocab,
             max_sequence_length=shape.max_positions,
@@ -71,27 +92,46 @@ class McoreLoraModel:
             rotary_base=int(shape.rope_theta),
             parallel_output=True,  # each rank keeps its vocabulary slice of the logits
         )
-        self.gpt.load_state_dict(HfWeights(model_path, shape, tp, tp_rank).state_dict(), strict=False)
+        weights = HfWeights(model_path, shape, tp, tp_rank, ep, ep_rank).state_dict()
+        if unloaded := sorted({name for name, _ in self.gpt.named_parameters()} - weights.keys()):
+            # strict=False only for megatron's own buffers (_extra_state): a parameter left at
+            # its random initial value would be a different model, silently
+            raise ValueError(f"no HF weight converts to megatron's {', '.join(unloaded[:5])}")
+        self.gpt.load_state_dict(weights, strict=False)
         self.gpt.to(self.device).eval()
         self.gpt.requires_grad_(False)
         self.layers = list(self.gpt.decoder.layers)
         self.arch = shape.arch
         self.family = shape.family
-        self.routed_experts = 0  # dense models only (mixture-of-experts is the HF path's)
-        self.linear_attention_layers = 0  # so is linear attention
+        self.routed_experts = shape.experts
+        self.linear_attention_layers = 0  # dense attention only (linear attention is the HF path's)
         self.vocab_size = shape.vocab
         self.max_positions = shape.max_positions
         self.pad_id = 0  # fills a sequence-parallel stream to a multiple of tp, as its own sequence
         self.lora_alpha = lora_alpha
-        self.lora = TpLora(self.gpt, shape, tp, sequence_parallel, lora_compute)
+        self.lora = TpLora(self.gpt, shape, tp, sequence_parallel, lora_compute, ep, ep_rank, self.token_group)
         self.lora_groups = tuple(
             sorted({group_of(name) for name in self.lora.sites}, key=("attn", "mlp", "unembed").index)
         )
         self.lora_params_per_rank: dict[str, int] = {}  # each HF projection's A (r, in) and B (out, r)
         for name, site in self.lora.sites.items():
             group = group_of(name)
-            count = len(site.out_features) * site.in_features + sum(site.out_features)
+            if isinstance(site, ExpertsSite):
+                count = site.params_per_rank()
+            else:
+                count = len(site.out_features) * site.in_features + sum(site.out_features)
             self.lora_params_per_rank[group] = self.lora_params_per_rank.get(group, 0) + count
+        self.routing = RoutingCounter(lambda: self.lora.routes.segments)
+        if self.lora.experts is not None:
+            self.lora.experts.routing = self.routing
+        # Under expert parallelism every pass must reach a backward through every MoE layer, also
+        # one whose tokens touch no adapter (a filler pass): a zero added to the embedding's output
+        # that requires a gradient puts every layer in every pass's graph (``lock_step``).
+        self._anchor: nn.Parameter | None = None
+        self._tie: Tensor | None = None
+        if self.token_group is not None:
+            self._anchor = nn.Parameter(torch.zeros((), dtype=getattr(torch, dtype), device=self.device))
+            self.gpt.embedding.register_forward_hook(lambda module, args, out: out + self._anchor)
         self.sequence_parallel = sequence_parallel
         self.te = te
         self._next = 0
@@ -100,19 +140,25 @@ class McoreLoraModel:
     # ---- adapters ------------------------------------------------------------------------------
 
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle:
+        # Numbered before anything can fail: the trainer adds on every rank, and a rank that failed
+        # here must still count it, or the ranks' numbers would part and a token gathered from
+        # another rank (``experts``) would run under the adapter its number names here.
+        number = self._next
+        self._next += 1
         wanted = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}
         chosen = {name: site for name, site in self.lora.sites.items() if wanted[group_of(name)]}
         if not chosen:
             raise UserError("lora_config enables no trainable module (train_attn/train_mlp/train_unembed)")
         projections = init_adapter(chosen, spec.rank, self.tp, self.tp_rank, spec.seed)
-        name = f"a{self._next}"
-        self._next += 1
-        self.lora.adapters[name] = Adapter(projections, self.lora_alpha / spec.rank)
+        for projection in _in_peft_order(projections):
+            for param in (projection.A, projection.B):
+                param.data = param.data.to(self.device)
+                param.requires_grad_(True)
+        name = f"a{number}"
+        self.lora.adapters[name] = Adapter(projections, self.lora_alpha / spec.rank, number)
         keys, params, split_dims = [], [], []
         for projection in _in_peft_order(projections):
             for matrix, param, dim in zip("AB", (projection.A, projection.B), projection.split_dims, strict=True):
-                param.data = param.data.to(self.device)
-                param.requires_grad_(True)
                 keys.append(f"base_model.model.{projection.module}.lora_{matrix}.weight")
                 params.append(param)
                 split_dims.append(dim)
@@ -129,7 +175,14 @@ class McoreLoraModel:
         return lora_config(rank, self.lora_alpha, modules, self.model_path)
 
     def take_routed(self) -> dict:
-        return {}  # dense models only: no routing
+        taken = self.routing.take([site.module for site in self.lora.sites.values() if isinstance(site, ExpertsSite)])
+        return {name: counts.cpu().numpy() for name, counts in taken.items()}
+
+    def lock_step(self) -> Tensor | None:
+        """Where ranks must run backward passes together (expert parallelism): a zero that depends
+        on the last pass through every layer, for a backward where no loss has a gradient; else
+        None (a rank runs its passes alone)."""
+        return self._tie
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
         s = self.shape
@@ -143,13 +196,15 @@ class McoreLoraModel:
         packed = pack(data)
         tokens, positions, cu_seqlens = packed.tokens, packed.positions, packed.cu_seqlens
         total = tokens.shape[0]
-        short = -total % self.tp if self.sequence_parallel else 0  # the stream is split over the ranks
-        if short:  # a whole share each: a last sequence of pad tokens, seen by nothing else
+        short = self._filler(total)
+        if short:  # a last sequence of pad tokens, seen by nothing else
             tokens = torch.cat([tokens, torch.full((short,), self.pad_id, dtype=torch.long)])
             positions = torch.cat([positions, torch.arange(short)])
             cu_seqlens = torch.cat([cu_seqlens, torch.tensor([total + short], dtype=torch.int32)])
         names = [h.name for h in handles] + ([""] if short else [])  # "": no adapter on the filler
         self.lora.routes.segments = segments(names, [d.num_tokens for d in data] + ([short] if short else []))
+        if self.lora.experts is not None:
+            self.lora.experts.gather_routes(self.lora.token_adapters(total + short))
         on: dict[str, Any] = {"device": self.device}
         # transformer-engine reads the bounds on the device. Megatron's own layers (its unfused
         # RoPE, our attention) read them in Python in every layer: on the host they make no layer
@@ -159,13 +214,17 @@ class McoreLoraModel:
             qkv_format="thd",
             cu_seqlens_q=bounds,
             cu_seqlens_kv=bounds,
-            max_seqlen_q=packed.max_len,
-            max_seqlen_kv=packed.max_len,
+            max_seqlen_q=max(packed.max_len, short),
+            max_seqlen_kv=max(packed.max_len, short),
         )
-        with recomputed(self.layers, recompute), self._decoder_only():
+        with recomputed(self.layers, recompute), self._decoder_only(), self._counting_routes():
             hidden = self.gpt(tokens[None].to(**on), positions[None].to(**on), None, packed_seq_params=params)
         if self.sequence_parallel:  # (S/tp, 1, H): whole on every rank, as a column layer's LoRA sees it
             hidden = whole_sequence(hidden)
+        if self._anchor is not None and torch.is_grad_enabled():
+            self._tie = hidden.sum() * 0
+        if not data:  # a filler pass: this rank's shard had fewer micro-batches than another's
+            return []
         hidden = hidden[:total, 0]  # (ΣN, H), datum order, the final norm applied
         targets = packed_targets(data).to(self.device)
         tied = self.gpt.share_embeddings_and_output_weights  # then the embedding's rows are the output's
@@ -178,6 +237,28 @@ class McoreLoraModel:
             if s < total  # not the sequence-parallel filler
         ]
         return unpacked(torch.cat(parts), data)
+
+    def _filler(self, total: int) -> int:
+        """How many filler tokens a pass of ``total`` tokens gets: to as many as the token
+        group's longest (its MoE layers gather the same count from each rank), and to a multiple
+        of ``tp`` under sequence parallelism (the stream is split over the ranks)."""
+        want = total
+        if self.token_group is not None:
+            most = torch.tensor([total], dtype=torch.long, device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.token_group)
+            want = int(most.item())
+        if self.sequence_parallel:
+            want += -want % self.tp
+        return want - total
+
+    @contextlib.contextmanager
+    def _counting_routes(self) -> Iterator[None]:
+        """Routing is counted in the forward pass only (a recomputed layer routes again)."""
+        self.routing.active = self.lora.experts is not None
+        try:
+            yield
+        finally:
+            self.routing.active = False
 
     @contextlib.contextmanager
     def _decoder_only(self) -> Iterator[None]:

@@ -27,7 +27,7 @@ from hosted_tinker.core.config import ServerConfig
 if TYPE_CHECKING:  # the CLI imports this module for BACKENDS: no torch for `hosted-tinker keys`
     from torch import Tensor, nn
 
-    from hosted_tinker.rank.model import LoraModel
+    from hosted_tinker.rank.model import LoraModel, SplitDim
 
 # --backend NAME -> the module that defines its plan (imported only when that backend is used).
 PLANS: dict[str, str] = {
@@ -107,32 +107,42 @@ class ParallelPlan(Protocol):
         """Whether a call succeeded on every rank (a collective, where there are several)."""
         ...
 
+    def passes(self, count: int) -> int:
+        """How many passes a rank runs for its shard of ``count`` micro-batches: the most over the
+        ranks whose passes meet inside the layers (expert parallelism: a collective), else its own."""
+        ...
+
     def least(self, value: float) -> float:
         """The least of ``value`` over the ranks whose passes must run the same layers the same
         way (a tensor-parallel group: a collective there; the identity where ranks run alone)."""
         ...
 
-    def broadcast_initial(self, params: list[nn.Parameter]) -> None:
+    def broadcast_initial(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
         """Make a new adapter's initial weights the same wherever they are replicated."""
         ...
 
-    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+    def reduce_gradients(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
         """Turn each rank's accumulated ``.grad`` into the whole batch's (a sum: losses are sums)."""
         ...
 
-    def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
+    def replicas_of(self, split_dim: SplitDim) -> int:
+        """How many ranks hold the same part of a parameter split so (its gradient is summed over
+        them by ``reduce_gradients``)."""
+        ...
+
+    def grad_norm(self, grads: list[Tensor], split_dims: list[SplitDim]) -> Tensor:
         """The global L2 norm of the reduced gradients (a 0-d tensor)."""
         ...
 
-    def gather(self, tensors: dict[str, tuple[Tensor, int | None]]) -> dict[str, Tensor] | None:
+    def gather(self, tensors: dict[str, tuple[Tensor, SplitDim]]) -> dict[str, Tensor] | None:
         """Full copies (on CPU) of ``key -> (local tensor, split dim)`` on rank 0; None elsewhere."""
         ...
 
-    def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
+    def shard(self, full: Tensor, split_dim: SplitDim) -> Tensor:
         """This rank's part of a full tensor (the inverse of ``gather``)."""
         ...
 
-    def whole(self, t: Tensor, split_dim: int | None) -> Tensor:
+    def whole(self, t: Tensor, split_dim: SplitDim) -> Tensor:
         """The whole tensor of which ``t`` is this rank's part, on every rank of its model-parallel
         group (a collective where it is sharded; ``t`` itself where it is not)."""
         ...

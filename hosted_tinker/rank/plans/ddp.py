@@ -31,7 +31,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from hosted_tinker.core.errors import GroupBroken
-from hosted_tinker.rank.model import HfLoraModel
+from hosted_tinker.rank.model import HfLoraModel, SplitDim
 from hosted_tinker.rank.plans import PlanOptions
 from hosted_tinker.rank.plans.single import local_norm
 
@@ -103,32 +103,42 @@ class Plan:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             return bool(flag.item())
 
+    def passes(self, count: int) -> int:
+        return count  # replicas run their own shards' passes
+
     def least(self, value: float) -> float:
         return value  # replicas run their own shards' passes: theirs need not match
 
-    def broadcast_initial(self, params: list[nn.Parameter]) -> None:
-        if self.replicas == 1:
+    def broadcast_initial(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
+        self.broadcast(params, self.replica_group)
+
+    def broadcast(self, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        """``params`` made the same on every rank of ``group`` (its first rank's), in one broadcast."""
+        if not params or dist.get_world_size(group) == 1:
             return
         with _collective("create_adapter's broadcast of rank 0's weights"):
             flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-            dist.broadcast(flat, group=self.replica_group, group_src=0)
+            dist.broadcast(flat, group=group, group_src=0)
             offset = 0
             with torch.no_grad():
                 for p in params:
                     p.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
 
-    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
-        """Every rank's gradients summed, on every rank, in one all-reduce. A parameter no rank
-        has a gradient for keeps none (AdamW then leaves it alone, as in a single process); one
-        that only some ranks have is zero on the others."""
-        if self.replicas == 1:
+    def reduce_gradients(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
+        self.sum_gradients(params, self.replica_group)
+
+    def sum_gradients(self, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        """Every rank's gradients of ``params`` summed over ``group``, on each of its ranks, in one
+        all-reduce. A parameter no rank has a gradient for keeps none (AdamW then leaves it alone,
+        as in a single process); one that only some ranks have is zero on the others."""
+        if not params or dist.get_world_size(group) == 1:
             return
         with _collective("optim_step's gradient all-reduce"):
             has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
             flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
             buffer = torch.cat([has, *flat])
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.replica_group)
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
             present = buffer[: len(params)].tolist()  # one device-to-host copy, not one per parameter
         offset = len(params)
         for p, has_grad in zip(params, present, strict=True):
@@ -136,18 +146,21 @@ class Plan:
             p.grad = buffer[offset : offset + n].view_as(p).to(p.dtype) if has_grad > 0 else None
             offset += n
 
-    def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
+    def replicas_of(self, split_dim: SplitDim) -> int:
+        return self.replicas
+
+    def grad_norm(self, grads: list[Tensor], split_dims: list[SplitDim]) -> Tensor:
         return local_norm(grads)  # after reduce_gradients every rank holds the whole gradient
 
-    def gather(self, tensors: dict[str, tuple[Tensor, int | None]]) -> dict[str, Tensor] | None:
+    def gather(self, tensors: dict[str, tuple[Tensor, SplitDim]]) -> dict[str, Tensor] | None:
         if self.rank != 0:  # replicas: rank 0 already holds every tensor whole
             return None
         return {key: t.detach().cpu().clone() for key, (t, _) in tensors.items()}
 
-    def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
+    def shard(self, full: Tensor, split_dim: SplitDim) -> Tensor:
         return full
 
-    def whole(self, t: Tensor, split_dim: int | None) -> Tensor:
+    def whole(self, t: Tensor, split_dim: SplitDim) -> Tensor:
         return t
 
 

@@ -12,6 +12,14 @@ collectives are ``ddp``'s, over the replica group of this rank's tensor-parallel
 - export and load: sharded tensors gathered over the tensor-parallel group into whole PEFT
   tensors on rank 0, and split again on load, so checkpoints are the ``peft`` backend's.
 
+With ``ep`` > 1 a mixture-of-experts model's routed experts are split over ``ep`` ranks
+(megatron's expert parallelism: ``ep`` consecutive tensor-parallel groups), each running its own
+shard of a batch, as data-parallel replicas do, and meeting in every MoE layer. Their passes run
+in lock step (``passes``, ``least``: the same count, the same layers recomputed); the experts'
+own LoRA factors (``ExpertSplit``) are gathered over the expert-parallel group on export, and
+their gradients summed over the ranks that hold the same experts (megatron's expert-data-parallel
+group); the factors shared by all experts, like attention's, over every replica.
+
 megatron-core is an optional extra (``pip install hosted-tinker[megatron]``), imported only here.
 """
 
@@ -25,8 +33,9 @@ import torch
 import torch.distributed as dist
 from packaging.specifiers import SpecifierSet
 from pydantic import Field
-from torch import Tensor
+from torch import Tensor, nn
 
+from hosted_tinker.rank.model import ExpertSplit, SplitDim
 from hosted_tinker.rank.plans import ddp
 
 DEVICES = "tp x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=N"
@@ -41,10 +50,23 @@ CHECKED_LAYOUTS = [
     ("cpu:4", {"tp": "2", "recompute_above_tokens": "0"}),
     ("cpu:2", {"tp": "2", "activation_memory_gib": "0.0005", "microbatch_tokens": "48"}),
 ]
+# The same, on the tiny Qwen3-MoE model: its experts split over two ranks, and over two ranks
+# twice (two copies of each expert, whose gradients are summed), with small micro-batches so
+# that the ranks' shards hold unequal numbers of them.
+CHECKED_MOE_LAYOUTS = [
+    ("cpu:2", {"ep": "2"}),
+    ("cpu:4", {"ep": "2", "microbatch_tokens": "48"}),
+]
 
 
 class Options(ddp.Options):
     tp: int = Field(1, ge=1, description="tensor-parallel size: ranks that share one copy of the model")
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert-parallel size: ranks over which a mixture-of-experts model's routed experts are "
+        "split, each running its own shard of a batch (tp x ep x replicas = ranks)",
+    )
     sequence_parallel: bool = Field(
         False, description="split the activations between the parallel layers by sequence (needs tp > 1)"
     )
@@ -63,9 +85,16 @@ class Options(ddp.Options):
         super().check(devices, worker_timeout_s)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--backend-option sequence_parallel=true needs tp > 1")
-        if len(devices) % self.tp:
+        if len(devices) % (self.tp * self.ep):
             raise ValueError(
-                f"--backend-option tp={self.tp} does not divide the {len(devices)} ranks of --train-devices"
+                f"--backend-option tp={self.tp} x ep={self.ep} does not divide the {len(devices)} ranks of "
+                f"--train-devices"
+            )
+        if self.ep > 1 and self.activation_memory_gib is not None:
+            # what a stored layer keeps is measured per rank, on passes of unequal length: the
+            # lock-stepped ranks would choose apart
+            raise ValueError(
+                "--backend-option activation_memory_gib is not built for ep > 1: give recompute_above_tokens"
             )
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             # Found, not imported: the server process never loads megatron-core, only its ranks.
@@ -88,6 +117,13 @@ class Options(ddp.Options):
             if not has_transformer_engine():
                 raise ValueError("--backend-option layers=te needs transformer-engine: pip install transformer-engine")
 
+    def activation_budget(
+        self, devices: list[str] | tuple[str, ...], shares_gpu: bool = False
+    ) -> float | Literal["auto"] | None:
+        """As every plan's, except under expert parallelism: the token threshold decides there
+        (``check`` refuses a budget)."""
+        return None if self.ep > 1 else super().activation_budget(devices, shares_gpu)
+
     def uses_te(self, device: str, dtype: str) -> bool:
         """Whether a rank on ``device`` builds transformer-engine layers for a ``dtype`` base.
         ``auto`` leaves a float32 base on the local layers: TE's fused and flash attention take
@@ -109,7 +145,7 @@ class Plan(ddp.Plan):
         mcore.quiet()
         from megatron.core import parallel_state
 
-        self.tp = options.tp
+        self.tp, self.ep = options.tp, options.ep
         self.embedded_sampler = options.embedded_sampler and rank == 0
         self.sequence_parallel = options.sequence_parallel
         self.uses_te = options.uses_te  # decided per model: it depends on the base's dtype
@@ -117,11 +153,17 @@ class Plan(ddp.Plan):
         self.replicas = self.world_size // self.tp
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tp,
+            expert_model_parallel_size=self.ep,
             # its groups time out as the world group does (a timedelta of these minutes), not in 30 min
             distributed_timeout_minutes=options.collective_timeout_s / 60,
         )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.replica_group = parallel_state.get_data_parallel_group()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.expert_replica_group = parallel_state.get_expert_data_parallel_group()  # the same experts
+        # the ranks whose passes meet inside the layers: tp x ep (the tensor-parallel group where ep = 1)
+        self.lock_group = parallel_state.get_expert_tensor_and_model_parallel_group()
 
     def build_model(self, model_path: str, *, dtype: str, lora_alpha: float, lora_compute: str):
         from hosted_tinker.rank.mcore.model import McoreLoraModel
@@ -137,42 +179,77 @@ class Plan(ddp.Plan):
             sampler_base=self.embedded_sampler,
             sequence_parallel=self.sequence_parallel,
             te=self.uses_te(self.device, dtype),
+            ep=self.ep,
+            ep_rank=self.ep_rank,
+            token_group=self.lock_group,
         )
 
+    def passes(self, count: int) -> int:
+        if self.ep == 1:
+            return count  # a tensor-parallel group's ranks run the same shard: the same passes
+        return int(self._over_lock_group(count, dist.ReduceOp.MAX, "the expert-parallel group's count of passes"))
+
     def least(self, value: float) -> float:
-        if self.tp == 1:
+        if self.tp * self.ep == 1:
             return value
-        with ddp._collective("the tensor-parallel group's agreement on which layers to recompute"):
+        return self._over_lock_group(value, dist.ReduceOp.MIN, "the group's agreement on which layers to recompute")
+
+    def _over_lock_group(self, value: float, op: dist.ReduceOp.RedOpType, what: str) -> float:
+        with ddp._collective(what):
             t = torch.tensor([value], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
+            dist.all_reduce(t, op=op, group=self.lock_group)
             return float(t.item())
 
-    def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
-        squares = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sharded, replicated]
+    def broadcast_initial(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
+        experts = [isinstance(dim, ExpertSplit) for dim in split_dims]
+        self.broadcast([p for p, e in zip(params, experts, strict=True) if not e], self.replica_group)
+        self.broadcast([p for p, e in zip(params, experts, strict=True) if e], self.expert_replica_group)
+
+    def reduce_gradients(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
+        experts = [isinstance(dim, ExpertSplit) for dim in split_dims]
+        self.sum_gradients([p for p, e in zip(params, experts, strict=True) if not e], self.replica_group)
+        self.sum_gradients([p for p, e in zip(params, experts, strict=True) if e], self.expert_replica_group)
+
+    def replicas_of(self, split_dim: SplitDim) -> int:
+        return dist.get_world_size(self.expert_replica_group) if isinstance(split_dim, ExpertSplit) else self.replicas
+
+    def grad_norm(self, grads: list[Tensor], split_dims: list[SplitDim]) -> Tensor:
+        # [split over tp, split over ep, on every rank]: each part's squares summed over its group
+        squares = torch.zeros(3, dtype=torch.float64, device=self.device)
         for g, dim in zip(grads, split_dims, strict=True):
-            squares[0 if dim is not None else 1] += g.double().pow(2).sum()
-        if self.tp > 1:
-            with ddp._collective("the gradient norm's all-reduce"):
-                sharded = squares[:1].clone()
-                dist.all_reduce(sharded, group=self.tp_group)
-                squares = torch.cat([sharded, squares[1:]])
+            squares[2 if dim is None else 1 if isinstance(dim, ExpertSplit) else 0] += g.double().pow(2).sum()
+        with ddp._collective("the gradient norm's all-reduce"):
+            for part, size, group in ((0, self.tp, self.tp_group), (1, self.ep, self.ep_group)):
+                if size > 1:
+                    sharded = squares[part : part + 1].clone()
+                    dist.all_reduce(sharded, group=group)
+                    squares[part] = sharded[0]
         return squares.sum().sqrt().float().cpu()
 
-    def gather(self, tensors: dict[str, tuple[Tensor, int | None]]) -> dict[str, Tensor] | None:
+    def gather(self, tensors: dict[str, tuple[Tensor, SplitDim]]) -> dict[str, Tensor] | None:
         with ddp._collective("export's gather over the tensor-parallel group"):
             whole = {key: self._all_gather(t, dim).detach().cpu().clone() for key, (t, dim) in tensors.items()}
         return whole if self.rank == 0 else None
 
-    def whole(self, t: Tensor, split_dim: int | None) -> Tensor:
+    def whole(self, t: Tensor, split_dim: SplitDim) -> Tensor:
         with ddp._collective("a whole matrix's gather over the tensor-parallel group"):
             return self._all_gather(t, split_dim)
 
-    def _all_gather(self, t: Tensor, split_dim: int | None) -> Tensor:
-        if split_dim is None or self.tp == 1:
+    def _all_gather(self, t: Tensor, split_dim: SplitDim) -> Tensor:
+        size, group, dim = self._split(split_dim)
+        if dim is None or size == 1:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.tp)]
-        dist.all_gather(parts, t.detach().contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=split_dim)
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.detach().contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
 
-    def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
-        return full if split_dim is None else full.chunk(self.tp, dim=split_dim)[self.tp_rank]
+    def shard(self, full: Tensor, split_dim: SplitDim) -> Tensor:
+        size, _, dim = self._split(split_dim)
+        rank = self.ep_rank if isinstance(split_dim, ExpertSplit) else self.tp_rank
+        return full if dim is None else full.chunk(size, dim=dim)[rank]
+
+    def _split(self, split_dim: SplitDim) -> tuple[int, dist.ProcessGroup | None, int | None]:
+        """(group size, group, dimension) of a parameter's split."""
+        if isinstance(split_dim, ExpertSplit):
+            return self.ep, self.ep_group, split_dim.dim
+        return self.tp, self.tp_group, split_dim

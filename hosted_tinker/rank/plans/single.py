@@ -6,7 +6,7 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from hosted_tinker.rank.model import HfLoraModel, SyntheticLoraModel
+from hosted_tinker.rank.model import HfLoraModel, SplitDim, SyntheticLoraModel
 from hosted_tinker.rank.plans import PlanOptions
 
 DEVICES = "one: --device cpu | cuda:N"  # what `hosted-tinker backends` says of where it trains
@@ -44,25 +44,31 @@ class Plan:
     def all_succeeded(self, succeeded: bool) -> bool:
         return succeeded
 
+    def passes(self, count: int) -> int:
+        return count
+
     def least(self, value: float) -> float:
         return value
 
-    def broadcast_initial(self, params: list[nn.Parameter]) -> None:
+    def broadcast_initial(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
         pass
 
-    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+    def reduce_gradients(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
         pass
 
-    def grad_norm(self, grads: list[Tensor], split_dims: list[int | None]) -> Tensor:
+    def replicas_of(self, split_dim: SplitDim) -> int:
+        return 1
+
+    def grad_norm(self, grads: list[Tensor], split_dims: list[SplitDim]) -> Tensor:
         return local_norm(grads)
 
-    def gather(self, tensors: dict[str, tuple[Tensor, int | None]]) -> dict[str, Tensor] | None:
+    def gather(self, tensors: dict[str, tuple[Tensor, SplitDim]]) -> dict[str, Tensor] | None:
         return {key: t.detach().cpu().clone() for key, (t, _) in tensors.items()}
 
-    def shard(self, full: Tensor, split_dim: int | None) -> Tensor:
+    def shard(self, full: Tensor, split_dim: SplitDim) -> Tensor:
         return full
 
-    def whole(self, t: Tensor, split_dim: int | None) -> Tensor:
+    def whole(self, t: Tensor, split_dim: SplitDim) -> Tensor:
         return t
 
 

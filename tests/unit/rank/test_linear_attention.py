@@ -123,7 +123,9 @@ def test_logprobs_and_gradients_equal_the_float64_reference(rank: Rank):
             scale = model.adapters.adapters[handle.name].scale
             logprobs, per_key = reference_logprobs(model, weights, scale, d)
             _, per_key_in_float32 = reference_logprobs(model, weights, scale, d, torch.float32)
-            torch.testing.assert_close(ours[i].double(), logprobs, rtol=0, atol=2e-5)
+            # float32 against float64: log-probs near -13 carry ~1e-6 of rounding, whose last bits
+            # depend on the CPU's vector kernels (2.2e-5 on one 2-core machine, under 2e-5 on another)
+            torch.testing.assert_close(ours[i].double(), logprobs, rtol=4e-6, atol=2e-5)
             for key, grad in per_key.items():
                 sums = expected.setdefault((handle.name, key), [0, 0])
                 sums[0], sums[1] = sums[0] + grad, sums[1] + per_key_in_float32[key]

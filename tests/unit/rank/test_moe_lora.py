@@ -19,7 +19,13 @@ from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.adapters import KEY_PREFIX
 from hosted_tinker.rank.model import HfLoraModel
 from hosted_tinker.rank.serve import Rank, local_rank
-from tests.support.lora_reference import assert_close_in_float32, datum, reference_logprobs, trained_looking
+from tests.support.lora_reference import (
+    assert_as_close_as_float32_goes,
+    assert_close_in_float32,
+    datum,
+    reference_logprobs,
+    trained_looking,
+)
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(300)]
 
@@ -66,10 +72,14 @@ def test_logprobs_and_every_experts_gradients_equal_the_float64_reference(rank: 
         ours = model.logprobs([handle], [data])[0]
         grads = torch.autograd.grad(ours.sum(), handle.params)
         weights = dict(zip(handle.keys, handle.params, strict=True))
-        expected, expected_grads = reference_logprobs(model, weights, model.adapters.adapters[handle.name].scale, data)
+        scale = model.adapters.adapters[handle.name].scale
+        expected, expected_grads = reference_logprobs(model, weights, scale, data)
+        _, in_float32 = reference_logprobs(model, weights, scale, data, torch.float32)
         torch.testing.assert_close(ours.double(), expected, rtol=0, atol=2e-5)
         for key, grad in zip(handle.keys, grads, strict=True):
-            assert_close_in_float32(grad.double(), expected_grads[key])
+            # a gradient through the routing weights' softmax keeps fewer digits in float32 (the
+            # float32 reference's own distance, on some CPUs above assert_close_in_float32's bound)
+            assert_as_close_as_float32_goes(grad, expected_grads[key], in_float32[key])
         assert any(".experts." in k and g.abs().sum() > 0 for k, g in zip(handle.keys, grads, strict=True))
     finally:
         model.remove_adapter(handle)
