@@ -194,6 +194,7 @@ def _backends(args: argparse.Namespace) -> int:
             "topk_targets": True,
             "sampling": True,  # the embedded sampler on rank 0
             "devices": plan.DEVICES,
+            "models": plan.MODELS,
             "options": options,
         }
     print(json.dumps(info, indent=2))

@@ -132,10 +132,13 @@ def test_backends_command_lists_the_backends_and_their_options():
     ).stdout
     assert '"ddp"' in out and "collective_timeout_s" in out and "--train-devices" in out
     assert '"megatron"' in out and "tensor-parallel size" in out and "embedded_sampler" in out
+    assert "expert-parallel size" in out
     info = json.loads(out)  # every backend runs the shared trainer: the same losses and optimizers
     for backend in ("peft", "ddp", "megatron"):
         assert "stable_reinforce" in info[backend]["losses"] and info[backend]["custom_losses"]
         assert info[backend]["optimizers"] == ["adamw", "dimuon"]
+    assert "Qwen3MoeForCausalLM" in info["megatron"]["models"] and "ep > 1" in info["megatron"]["models"]
+    assert "mixture of experts" in info["peft"]["models"] and info["ddp"]["models"] == info["peft"]["models"]
 
 
 def test_health_shows_the_ranks_and_options(server):

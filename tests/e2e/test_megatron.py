@@ -1,7 +1,8 @@
 """Checkpoints are interchangeable between the megatron (tp=2) and peft backends (issue #16): a
 training state written by one, as files, loads on the other, and the next steps agree (log-probs,
 ``loss:sum``, ``grad_norm``) to 1e-4; the adapter config each writes is the same PEFT config; and
-the sampler weights megatron exports load into PEFT itself."""
+the sampler weights megatron exports load into PEFT itself. The same for a mixture-of-experts
+model whose experts megatron splits over two ranks (``ep=2``, issue #42)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,16 @@ def peft(tiny_model_dir: Path) -> Trainer:
     return local_rank(str(tiny_model_dir)).trainer
 
 
+@pytest.fixture(scope="module")
+def moe(tiny_family) -> Iterator[tuple[ProcessBackend, Trainer]]:
+    """megatron with the tiny Qwen3-MoE's experts split over two ranks, and peft on the same model."""
+    model = str(tiny_family("qwen3_moe"))
+    config = ServerConfig(model=model, backend="megatron", train_devices="cpu:2", backend_options={"ep": "2"})
+    backend = ProcessBackend(rank_factories(config, model))
+    yield backend, local_rank(model).trainer
+    backend.close()
+
+
 def through_files(state, config: dict):
     """A training state as the server writes it to disk and reads it back."""
     path = TinkerPath("m", "weights", "x")
@@ -64,6 +76,32 @@ def assert_agree(got: list, want: list) -> None:
 
 @pytest.mark.parametrize("direction", ["megatron->peft", "peft->megatron"])
 def test_a_training_state_moves_between_backends(direction: str, megatron: ProcessBackend, peft: Trainer):
+    moves_between(direction, megatron, peft)
+
+
+@pytest.mark.parametrize("direction", ["megatron->peft", "peft->megatron"])
+def test_a_mixture_of_experts_state_moves_between_backends(direction: str, moe: tuple[ProcessBackend, Trainer]):
+    moves_between(direction, *moe)
+
+
+def test_the_same_seed_starts_the_experts_at_the_same_weights(moe: tuple[ProcessBackend, Trainer]):
+    megatron, peft = moe
+    for backend in (megatron.trainer, peft):
+        backend.create_adapter("seeded", LORA)
+    got, want = megatron.trainer.export_state("seeded"), peft.export_state("seeded")
+    assert list(got.weights) == list(want.weights)
+    assert any(".experts.w2.lora_A." in k for k in want.weights)
+    assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
+    assert megatron.capabilities.routed_experts == 8
+    # what the quotas size an adapter by: all experts', though each rank holds half of them
+    assert megatron.capabilities.lora_params_per_rank == peft.model.lora_params_per_rank
+    assert sum(v.numel() for v in got.weights.values()) == LORA.rank * sum(peft.model.lora_params_per_rank.values())
+    for backend in (megatron.trainer, peft):
+        backend.delete_adapter("seeded")
+
+
+def moves_between(direction: str, megatron: ProcessBackend, peft: Trainer) -> None:
+    """A state written by one backend, as files, loads on the other; the next steps agree."""
     source, target = (megatron.trainer, peft) if direction == "megatron->peft" else (peft, megatron.trainer)
     name = direction.replace("->", "-to-")
     source.create_adapter(name, LORA)

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+MOE_ARCHS = ("Qwen3MoeForCausalLM",)  # of ARCHS, the mixture-of-experts ones
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class HfShape:
             ffn=config["intermediate_size"],
             vocab=config["vocab_size"],
             tied=bool(config.get("tie_word_embeddings", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", *MOE_ARCHS),
             qkv_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
             rms_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),

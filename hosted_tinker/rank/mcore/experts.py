@@ -46,9 +46,9 @@ class ExpertsSite:
     local: int  # experts on this rank
 
     def params_per_rank(self) -> int:
-        """LoRA parameters per unit of rank on this rank: w1 and w3 each ``H + local·I``, w2
-        ``local·I + H``."""
-        return 3 * (self.shape.hidden + self.local * self.shape.intermediate)
+        """LoRA parameters per unit of LoRA rank, all experts' (unsharded, as the quotas size an
+        adapter): w1 and w3 each ``H + E·I``, w2 ``E·I + H``."""
+        return 3 * (self.shape.hidden + self.shape.experts * self.shape.intermediate)
 
 
 def experts_sites(gpt: nn.Module, shape: ExpertsShape, ep: int, ep_rank: int) -> dict[str, ExpertsSite]:

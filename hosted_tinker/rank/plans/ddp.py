@@ -32,10 +32,11 @@ from torch import Tensor, nn
 
 from hosted_tinker.core.errors import GroupBroken
 from hosted_tinker.rank.model import HfLoraModel, SplitDim
-from hosted_tinker.rank.plans import PlanOptions
+from hosted_tinker.rank.plans import PlanOptions, single
 from hosted_tinker.rank.plans.single import local_norm
 
 DEVICES = "one per rank: --train-devices cpu:N | cuda:0,1,..."  # what `hosted-tinker backends` says of where it trains
+MODELS = single.MODELS  # each rank is the peft backend's model
 # tests/e2e/test_plans.py: two CPU ranks as they come, and recomputing every layer over small micro-batches.
 CHECKED_LAYOUTS = [
     (None, {}),

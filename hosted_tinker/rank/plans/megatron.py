@@ -35,10 +35,12 @@ from packaging.specifiers import SpecifierSet
 from pydantic import Field
 from torch import Tensor, nn
 
+from hosted_tinker.rank.mcore.convert import ARCHS, MOE_ARCHS
 from hosted_tinker.rank.model import ExpertSplit, SplitDim
 from hosted_tinker.rank.plans import ddp
 
-DEVICES = "tp x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=N"
+DEVICES = "tp x ep x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=T ep=E"
+MODELS = f"{', '.join(ARCHS)} (rank.mcore.convert); ep > 1 for {', '.join(MOE_ARCHS)}, with tp = 1"
 # The releases rank.mcore is built on and tested with (as pyproject's extra pins): 0.17 changed the
 # layer specs it reads, and pip gives Python 3.12 the newest unless told.
 MCORE_SUPPORTED = SpecifierSet(">=0.16.1,<0.17")

@@ -10,6 +10,11 @@ from hosted_tinker.rank.model import HfLoraModel, SplitDim, SyntheticLoraModel
 from hosted_tinker.rank.plans import PlanOptions
 
 DEVICES = "one: --device cpu | cuda:N"  # what `hosted-tinker backends` says of where it trains
+# ... and of which models it trains (docs/compatibility.md, "models", says each family's LoRA)
+MODELS = (
+    "any transformers causal LM whose linear layers take LoRA, and the lineup's families: mixture of experts, "
+    "hybrid linear attention, vision-language"
+)
 
 
 class Options(PlanOptions):
