@@ -5,6 +5,8 @@ tp=N, in one run, alternating rounds:
     peft         the peft backend in its worker process (the baseline)
     tp1          megatron-core with one rank (its own overhead over peft)
     tpN          megatron-core with N tensor-parallel ranks
+    epE          (``--ep E``, a mixture-of-experts model, in place of tpN) its routed experts
+                 split over E ranks, each running its own shard of the batch
 
     python benchmarks/megatron_tp.py [--tp 2 --batch 8 --seq-len 256 --model DIR]
     python benchmarks/megatron_tp.py --device cuda --tp 2 --model DIR --peak-tflops 989
@@ -12,6 +14,8 @@ tp=N, in one run, alternating rounds:
     # path at a time (two 8B copies and their activations do not share one 80 GB GPU)
     python benchmarks/megatron_tp.py --device cuda --shape qwen3-8b --dtype bfloat16 --tp 1 \
         --batch 1 --seq-len 4096 --min-len 4096 --one-at-a-time
+    # issue #42: Qwen3-30B-A3B's experts (its first two layers, whole width) over two ranks
+    python benchmarks/megatron_tp.py --shape qwen3-30b-a3b-l2 --ep 2 --batch 4 --seq-len 256
 
 Every path trains the same adapter (LoRA draws the same initial weights everywhere) on the same
 batch, so their losses must agree (checked to a relative 1e-4 in float32, 2e-2 in bfloat16).
@@ -52,6 +56,9 @@ from hosted_tinker.server.workers.backend import ProcessBackend  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2, help="N of the tpN path")
+    parser.add_argument(
+        "--ep", type=int, default=None, help="E of an epE path in place of tpN (a mixture-of-experts model)"
+    )
     parser.add_argument("--steps", type=int, default=4, help="steps per round and path")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
@@ -81,13 +88,15 @@ def main() -> None:
     flops = flops_per_token(model, mean_context, LORA.rank)
     adam = AdamParams(learning_rate=args.lr)
     one = "cuda:0" if args.device.startswith("cuda") else "cpu"
-    tp_n = f"tp{args.tp}"
+    # the parallel path: N tensor-parallel ranks, or E expert-parallel ones
+    kind, size = ("ep", args.ep) if args.ep else ("tp", args.tp)
+    tp_n = f"{kind}{size}"
     no_sampler = {"embedded_sampler": "false"}  # not measured; it would hold a second copy of the base
     makers: dict[str, Callable[[], ProcessBackend]] = {  # with --tp 1, tpN is tp1
         "peft": lambda: worker_backend(model, "peft", one, dtype=args.dtype),
         "tp1": lambda: worker_backend(model, "megatron", one, {"tp": "1", **no_sampler}, args.dtype),
         tp_n: lambda: worker_backend(
-            model, "megatron", devices_for(args.device, args.tp), {"tp": str(args.tp), **no_sampler}, args.dtype
+            model, "megatron", devices_for(args.device, size), {kind: str(size), **no_sampler}, args.dtype
         ),
     }
     failed: dict[str, str] = {}
@@ -112,7 +121,7 @@ def main() -> None:
     step_flops = {k: v * tokens for k, v in flops.items() if k.endswith("flops") or k.endswith("_6p")}
     results = {
         **result_header("megatron_tp", args.device),
-        "workload": {**workload(args, tokens, model), "tp": args.tp},
+        "workload": {**workload(args, tokens, model), kind: size},
         "flops_per_token": flops,
         "flops_per_step": step_flops,
         "step_ms_median": {name: 1000 * s for name, s in median_s.items()},
@@ -132,9 +141,13 @@ def main() -> None:
     if {"tp1", "peft"} <= median_s.keys():
         results["ratio_tp1_over_peft_step_time"] = median_s["tp1"] / median_s["peft"]
         rows += [("tp1 / peft step time", f"{results['ratio_tp1_over_peft_step_time']:8.3f}")]
-    if args.tp > 1 and {"tp1", tp_n} <= median_s.keys():
+    if size > 1 and {"tp1", tp_n} <= median_s.keys():
         results[f"speedup_{tp_n}_over_tp1"] = median_s["tp1"] / median_s[tp_n]
         rows += [(f"{tp_n} speed-up over tp1", f"{results[f'speedup_{tp_n}_over_tp1']:8.3f}")]
+    if "active_params" in flops:
+        rows += [
+            ("active / total parameters", f"{flops['active_params']:10.3e} / {flops['total_params']:.3e}"),
+        ]
     rows += [
         ("model FLOPs / token (6P + attn)", f"{flops['model_flops_6p']:10.3e}"),
         ("LoRA step FLOPs / token (4P + 6P_lora + attn)", f"{flops['lora_step_flops']:10.3e}"),
@@ -148,7 +161,7 @@ def main() -> None:
         results["mfu_6p"] = mfu
         rows += [(f"{name}: MFU (6P + attn)", f"{100 * m:8.2f} %") for name, m in mfu.items()]
     print_table(
-        f"megatron tp on {results['device']}: {args.batch} sequences, {tokens} tokens a step, "
+        f"megatron {kind} on {results['device']}: {args.batch} sequences, {tokens} tokens a step, "
         f"{args.rounds} x {args.steps} steps per path",
         rows,
     )

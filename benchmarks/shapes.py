@@ -10,7 +10,8 @@ the output layer included; embedding lookups are free):
 
 with attention_fwd = 4 · layers · (heads · head_dim) · context: scores and values over a causal
 context of ``context`` positions on average (N/2 for one sequence of N, Σ N²/2 / Σ N for many).
-Hybrid models (Qwen3.5): ``hybrid_flops_per_token``.
+Hybrid models (Qwen3.5): ``hybrid_flops_per_token``; mixture of experts: ``moe_flops_per_token``
+(P counts the parameters a token meets: its top-k experts, not all of them).
 Recomputed activations are not counted: MFU is of the model's FLOPs, not of the work done.
 """
 
@@ -93,6 +94,43 @@ SHAPES = {
         "tie_word_embeddings": True,
     },
     "qwen3.5-9b": {"model_type": "qwen3_5_text", "vocab_size": 248320, "max_position_embeddings": 40960},
+    # Qwen3-30B-A3B (issue #42): 48 layers of 128 routed experts, 8 per token; its first two layers
+    # (the whole width: 1.2 B parameters a layer) for a CPU run or a GPU that holds no more; and a
+    # CPU-sized one of the same make
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-moe-h512-l4": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "moe_intermediate_size": 256,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 8192,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": False,
+    },
     # 8 of its 32 layers (6 linear, 2 full), for a GPU check that writes and loads it within a section
     "qwen3.5-9b-l8": {
         "model_type": "qwen3_5_text",
@@ -101,6 +139,7 @@ SHAPES = {
         "max_position_embeddings": 40960,
     },
 }
+SHAPES["qwen3-30b-a3b-l2"] = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 2}
 
 
 MODEL_CACHE = Path.home() / ".cache" / "hosted-tinker" / "bench-models"
@@ -153,6 +192,8 @@ def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str
     c = json.loads((Path(model) / "config.json").read_text())
     if "linear_attention" in (c.get("layer_types") or []):
         return hybrid_flops_per_token(c, mean_context, lora_rank)
+    if c.get("num_experts"):
+        return moe_flops_per_token(c, mean_context, lora_rank)
     hidden, layers, ffn, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
@@ -165,6 +206,35 @@ def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str
     attention_fwd = 4 * layers * q * mean_context  # scores and values, a causal context of mean_context
     return {
         "matmul_params": params,
+        "lora_params": lora,
+        "model_flops_6p": 6 * params + 3 * attention_fwd,
+        "lora_step_flops": 4 * params + 6 * lora + 3 * attention_fwd,
+    }
+
+
+def moe_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: int) -> dict[str, float]:
+    """``flops_per_token`` of a Qwen3-MoE model (every layer a MoE layer): the parameters a token
+    meets are attention's, the router's and its top-k experts' (``active_params``); all experts'
+    are ``total_params``. LoRA in Tinker's expert layout: a routed row meets the shared ``A`` of
+    gate and up, its expert's ``B`` of each and ``A`` of down, and the shared ``B`` of down
+    (``r·3(H + I)`` a row, top-k rows a token), attention's as a dense model's."""
+    hidden, layers, vocab, r = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], lora_rank
+    experts, top_k, inner = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    heads = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or hidden // heads
+    q, kv_out = heads * head_dim, kv * head_dim
+    attention = hidden * (q + 2 * kv_out) + q * hidden
+    expert = 3 * hidden * inner
+    params = layers * (attention + hidden * experts + top_k * expert) + vocab * hidden
+    total = layers * (attention + hidden * experts + experts * expert) + vocab * hidden
+    lora_attention = r * (3 * hidden + q + 2 * kv_out + q + hidden)
+    lora = layers * (lora_attention + top_k * r * 3 * (hidden + inner))
+    attention_fwd = 4 * layers * q * mean_context
+    return {
+        "matmul_params": params,
+        "active_params": params,
+        "total_params": total,
         "lora_params": lora,
         "model_flops_6p": 6 * params + 3 * attention_fwd,
         "lora_step_flops": 4 * params + 6 * lora + 3 * attention_fwd,

@@ -192,3 +192,32 @@ def test_vllm_is_refused_in_one_line_for_expert_lora(family, tmp_path, tiny_fami
     log, arch = str(failed.value), ARCHS[family]
     why = " has multi-head latent attention" if family == "deepseek_v3" else "'s LoRA on routed experts has no kernels"
     assert arch + why in log and "Traceback" not in log
+
+
+@pytest.mark.parametrize("moe", ["qwen3_moe-megatron-ep2"], indirect=True)
+def test_a_rank_killed_mid_step_fails_that_request_and_the_expert_group_comes_back(moe):
+    """A dead rank of an expert-parallel group (whose peer waits for it inside a MoE layer) fails
+    the request it was running, naming it; the group is replaced and the model comes back from its
+    checkpoint on both ranks, each with its own experts. Last of the module: it restarts the ranks."""
+    import os
+    import signal
+
+    from tests.support.faults import HEAVY, wait_until_computing
+
+    tc, base_url = moe["tc"], moe["server"].base_url
+    path = tc.save_state("before-the-kill").result().path
+    at_save = forward_logprobs(tc, TOKENS)
+    old = httpx.get(f"{base_url}/healthz", timeout=10).raise_for_status().json()["worker"]["pids"]
+    doomed = tc.forward_backward(HEAVY, "cross_entropy")
+    wait_until_computing(base_url, old[1])
+    os.kill(old[1], signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError) as failure:
+        doomed.result()
+    assert failure.value.category == types.RequestErrorCategory.Server
+    assert f"training rank 1 (pid {old[1]}) was killed by SIGKILL" in str(failure.value)
+    assert f"was restored from {path}" in str(failure.value)
+    worker = httpx.get(f"{base_url}/healthz", timeout=10).raise_for_status().json()["worker"]
+    assert worker["alive"] and worker["restarts"] == 1 and not set(worker["pids"]) & set(old)
+    np.testing.assert_array_equal(forward_logprobs(tc, TOKENS), at_save)
+    tc.forward_backward([datum(TOKENS)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()

@@ -88,10 +88,8 @@ class Options(ddp.Options):
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--backend-option sequence_parallel=true needs tp > 1")
         if len(devices) % (self.tp * self.ep):
-            raise ValueError(
-                f"--backend-option tp={self.tp} x ep={self.ep} does not divide the {len(devices)} ranks of "
-                f"--train-devices"
-            )
+            sizes = " x ".join(f"{k}={v}" for k, v in (("tp", self.tp), ("ep", self.ep)) if v > 1 or k == "tp")
+            raise ValueError(f"--backend-option {sizes} does not divide the {len(devices)} ranks of --train-devices")
         if self.ep > 1 and self.activation_memory_gib is not None:
             # what a stored layer keeps is measured per rank, on passes of unequal length: the
             # lock-stepped ranks would choose apart
