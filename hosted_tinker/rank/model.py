@@ -79,6 +79,7 @@ class LoraModel(Protocol):
     vocab_size: int
     max_positions: int
     layers: Sequence[nn.Module]  # the decoder layers, first to last (``rank.activations``)
+    lock_stepped: bool  # its ranks' passes meet inside the layers (``finish_pass``)
 
     def add_adapter(self, spec: LoraSpec) -> AdapterHandle: ...
 
@@ -105,11 +106,10 @@ class LoraModel(Protocol):
         """A PEFT adapter on this base model whose update is zero (``zero_adapter``)."""
         ...
 
-    def lock_step(self) -> Tensor | None:
-        """Where ranks must run their backward passes together (expert parallelism: each MoE
-        layer's backward is a collective): a zero that depends on the last training pass through
-        every layer, to run a backward where no loss has a gradient; None where a rank's passes
-        are its own."""
+    def finish_pass(self, failed: bool) -> None:
+        """After a training pass's losses ran their backward (or ``failed``): where the model is
+        ``lock_stepped``, the rest of the pass's backward, which every rank of its group must run
+        (expert parallelism: each MoE layer's backward is a collective); nothing elsewhere."""
         ...
 
 
@@ -340,8 +340,10 @@ class HfLoraModel:
         finally:
             self.adapters.routing.active = False
 
-    def lock_step(self) -> None:
-        return None  # a rank's passes are its own
+    lock_stepped = False  # a rank's passes are its own
+
+    def finish_pass(self, failed: bool) -> None:
+        pass  # the losses' backward was the whole of it
 
     def take_routed(self) -> dict[str, np.ndarray]:
         taken = self.adapters.routing.take(list(self.adapters.experts))

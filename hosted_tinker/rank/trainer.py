@@ -275,10 +275,12 @@ class Trainer:
         micro-batch one pass over the base, one backward of the sum of its models' losses (a
         model's loss reaches only its own adapter).
 
-        Ranks whose passes meet inside the layers (expert parallelism, where each holds its own
-        shard) run as many passes as the one with the most, the same layers recomputed, and a
-        backward in every training pass (``LoraModel.lock_step``); a rank whose loss fails goes
-        on with empty passes and raises at the end, so that none is left waiting in a layer."""
+        Ranks whose passes meet inside the layers (``LoraModel.lock_stepped``: expert parallelism,
+        where each holds its own shard) run as many passes as the one with the most, the same
+        layers recomputed, and every training pass's backward through the layers
+        (``finish_pass``); a rank whose pass fails after its layers (the output layer, a loss, their
+        backward) goes on with empty passes and raises at the end, so that none is left waiting
+        in a layer."""
         owner = [r for r, (_, batch) in enumerate(requests) for _ in batch.data]
         data = [d for _, batch in requests for d in batch.data]
         handles = [requests[r][0] for r in owner]
@@ -295,30 +297,29 @@ class Trainer:
             # the most any rank of a lock-stepped group asks for (a rank's own where ranks run alone)
             recompute = 0 if forward_only else -int(self.plan.least(-self.layers_to_recompute(tokens)))
             with torch.set_grad_enabled(not forward_only):
-                chosen = [handles[i] for i in indices], [data[i] for i in indices]
-                with self._measuring(recompute, tokens, forward_only):
-                    lps = self.model.logprobs(*chosen, recompute=recompute)
-                total: torch.Tensor | None = None
                 try:
+                    chosen = [handles[i] for i in indices], [data[i] for i in indices]
+                    with self._measuring(recompute, tokens, forward_only):
+                        lps = self.model.logprobs(*chosen, recompute=recompute)
                     routed = self.model.take_routed()  # by adapter: a joint pass has one request per model
                     for r, (handle, _) in enumerate(requests):
                         if handle.name in routed:
                             outs[r].add_routed(routed[handle.name])
+                    total: torch.Tensor | None = None
                     shared = pass_allowance()
                     for r in sorted({owner[i] for i in indices}):
                         mine = [(i - first[r], lp) for i, lp in zip(indices, lps, strict=True) if owner[i] == r]
                         loss = outs[r].add(mine, shared)
                         total = loss if total is None else total + loss
+                    # a loss free of lp has no gradient
+                    if not forward_only and total is not None and total.requires_grad:
+                        total.backward()
                 except Exception as e:
-                    if self.model.lock_step() is None:
+                    if not self.model.lock_stepped:
                         raise
-                    failure, total = e, None
-                if forward_only:
-                    continue
-                if total is None or not total.requires_grad:  # a loss free of lp has no gradient
-                    total = self.model.lock_step()  # but the others' backward may need this rank's
-                if total is not None:
-                    total.backward()
+                    failure = e
+                if not forward_only:
+                    self.model.finish_pass(failed=failure is not None)
         if failure is not None:
             raise failure
         return [out.result() for out in outs]

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from hosted_tinker.core.checkpoints import TinkerPath, peft_adapter_files, state_from_files, state_to_files
 from hosted_tinker.core.config import ServerConfig
-from hosted_tinker.core.types import DatumInput, ForwardBackwardBatch, LoraSpec
+from hosted_tinker.core.types import DatumInput, DimuonParams, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.rank.serve import local_rank
 from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.workers.backend import ProcessBackend
@@ -98,6 +98,57 @@ def test_the_same_seed_starts_the_experts_at_the_same_weights(moe: tuple[Process
     assert sum(v.numel() for v in got.weights.values()) == LORA.rank * sum(peft.model.lora_params_per_rank.values())
     for backend in (megatron.trainer, peft):
         backend.delete_adapter("seeded")
+
+
+def test_tokens_that_miss_a_ranks_experts_step_as_on_peft(moe: tuple[ProcessBackend, Trainer], tiny_family):
+    """A datum whose tokens all go to rank 0's experts (0-3) in some layer: rank 1's slices of the
+    experts' own factors get no gradient from it. They get a zero one, as on peft (whose 3-D
+    tensor has one gradient), so both ranks export and step the same tensors: the gradients
+    exported mid-accumulation, a Dimuon step (which gathers whole matrices over the ranks) and
+    the weights after it are peft's."""
+    megatron, peft = moe
+    tokens = rank0_only_tokens(tiny_family("qwen3_moe"))
+    datum = DatumInput(torch.tensor(tokens[:-1]), torch.tensor(tokens[1:]), {"weights": torch.ones(len(tokens) - 1)})
+    batch = ForwardBackwardBatch([datum], "cross_entropy", {}, False)
+    spec = LoraSpec(rank=4, seed=7, optimizer="dimuon")
+    for backend in (megatron.trainer, peft):
+        backend.create_adapter("missed", spec)
+        backend.forward_backward("missed", batch)
+    got, want = (
+        megatron.trainer.export_state("missed", with_gradients=True),
+        peft.export_state("missed", with_gradients=True),
+    )
+    assert got.gradients.keys() == want.gradients.keys()
+    for key, grad in want.gradients.items():
+        np.testing.assert_allclose(got.gradients[key], grad, rtol=TOL, atol=TOL, err_msg=key)
+    params = DimuonParams(learning_rate=0.02, grad_clip_norm=3.0, beta1=0.8, damping=0.05)
+    assert megatron.trainer.optim_step("missed", params)["grad_norm"] == pytest.approx(
+        peft.optim_step("missed", params)["grad_norm"], rel=TOL
+    )
+    got, want = megatron.trainer.export_state("missed"), peft.export_state("missed")
+    for key, tensor in want.weights.items():
+        np.testing.assert_allclose(got.weights[key], tensor, rtol=1e-3, atol=1e-5, err_msg=key)
+    for backend in (megatron.trainer, peft):
+        backend.delete_adapter("missed")
+
+
+def rank0_only_tokens(model: Path) -> list[int]:
+    """Three tokens whose two positions route only to experts 0-3 in layer 0 of ``model``."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    routed: list[torch.Tensor] = []
+    experts = hf.model.layers[0].mlp.experts
+    experts.register_forward_pre_hook(lambda m, args: routed.append(args[1]))
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        tokens = [int(t) for t in rng.integers(10, 500, 3)]
+        routed.clear()
+        with torch.no_grad():
+            hf(input_ids=torch.tensor([tokens[:-1]]))
+        if int(routed[0].max()) < 4:
+            return tokens
+    raise AssertionError("no such tokens among 2000 draws")
 
 
 def moves_between(direction: str, megatron: ProcessBackend, peft: Trainer) -> None:

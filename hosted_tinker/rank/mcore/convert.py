@@ -152,8 +152,11 @@ def moe_config(shape: HfShape, ep: int) -> dict[str, Any]:
     """The ``TransformerConfig`` fields of a mixture-of-experts layer that routes as HF's does:
     softmax over the experts, the top k, renormalised (``norm_topk_prob``: megatron's softmax over
     the top k's logits is the same) or not (``pre_softmax``: the top k of the softmax over all);
-    no load-balancing loss (Tinker's loss is the user's); the router's logits and softmax in
-    float32 as HF's (``F.softmax(..., dtype=float)``). Tokens reach the experts by all-gather
+    no load-balancing loss (Tinker's loss is the user's); the router's logits in the model's dtype,
+    as HF's ``F.linear`` (its softmax is float32 in both). With ``norm_topk_prob`` the experts
+    chosen are then HF's exactly (the top k of the logits); without, megatron takes the top k of
+    the softmax rounded to the model's dtype, HF of the float32 one: a 16-bit base may part from HF
+    at a near tie. Tokens reach the experts by all-gather
     over the tensor×expert-parallel group (``allgather``: plain collectives, gloo's too; megatron's
     ``alltoall`` makes a CUDA stream when built), and each expert is its own ``MLP``
     (``SequentialMLP``: no grouped-GEMM kernel to install)."""
@@ -165,7 +168,7 @@ def moe_config(shape: HfShape, ep: int) -> dict[str, Any]:
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_router_dtype="fp32",
+        moe_router_dtype=None,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
         moe_permute_fusion=False,

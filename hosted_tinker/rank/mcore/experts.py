@@ -101,6 +101,7 @@ class MoeLora:
         self.sites, self.compute, self.group = sites, compute, group
         self.adapters = adapters
         self.token_adapters = torch.empty(0, dtype=torch.long)  # the group's tokens, as gathered
+        self.in_pass: set[int] = set()  # the adapters those tokens run under
         self.routing: RoutingCounter | None = None
         for name, site in sites.items():
             self._hook(name, site)
@@ -110,10 +111,13 @@ class MoeLora:
         dispatcher's order (rank by rank of its group; every rank holds as many tokens)."""
         if self.group is None or dist.get_world_size(self.group) == 1:
             self.token_adapters = local
-            return
-        out = local.new_empty(local.shape[0] * dist.get_world_size(self.group))
-        dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
-        self.token_adapters = out
+        else:
+            out = local.new_empty(local.shape[0] * dist.get_world_size(self.group))
+            dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
+            self.token_adapters = out
+        # the hooks look only at these (not every resident adapter: one key's many must not slow
+        # every pass), once per pass
+        self.in_pass = set(torch.unique(self.token_adapters).tolist()) - {NO_ADAPTER}
 
     def _hook(self, name: str, site: ExpertsSite) -> None:
         experts, dispatcher = site.moe.experts, site.moe.token_dispatcher
@@ -139,7 +143,7 @@ class MoeLora:
         def add(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor | None]):
             out, bias = output
             ids = rows[j]
-            spans = self.adapters(name)
+            spans = [span for span in self.adapters(name) if span[0] in self.in_pass]
             if not spans or ids.numel() == 0:
                 return output
             x, dtype = args[0], products_dtype(self.compute, out.dtype)

@@ -9,8 +9,11 @@ each adapter's sharded tensors. The process group and megatron's parallel state 
 A mixture-of-experts model's expert-parallel ranks run different shards of a batch, and meet in
 every MoE layer, whose dispatcher gathers the tokens of the whole tensor×expert-parallel group
 (``token_group``) and needs as many from each rank: a pass is padded to the group's longest
-with a filler sequence under no adapter, and every pass joins a backward (``lock_step``), so
-that the ranks' collectives pair up whatever each rank's shard holds.
+with filler sequences under no adapter, and every training pass runs the decoder's backward
+(``finish_pass``), so that the ranks' collectives pair up whatever each rank's shard holds. The
+decoder's backward is held back from the loss's: the loss backpropagates to the decoder's output
+alone (the output layer and the losses meet no other rank), and ``finish_pass`` takes it through
+the layers, with a zero gradient where this rank's losses failed.
 """
 
 from __future__ import annotations
@@ -126,10 +129,11 @@ class McoreLoraModel:
             self.lora.experts.routing = self.routing
         # Under expert parallelism every pass must reach a backward through every MoE layer, also
         # one whose tokens touch no adapter (a filler pass): a zero added to the embedding's output
-        # that requires a gradient puts every layer in every pass's graph (``lock_step``).
+        # that requires a gradient puts every layer in every pass's graph (``finish_pass``).
         self._anchor: nn.Parameter | None = None
-        self._tie: Tensor | None = None
-        if self.token_group is not None:
+        self._held: tuple[Tensor, Tensor] | None = None  # (the decoder's output, its detached copy)
+        self.lock_stepped = self.token_group is not None
+        if self.lock_stepped:
             self._anchor = nn.Parameter(torch.zeros((), dtype=getattr(torch, dtype), device=self.device))
             self.gpt.embedding.register_forward_hook(lambda module, args, out: out + self._anchor)
         self.sequence_parallel = sequence_parallel
@@ -178,11 +182,16 @@ class McoreLoraModel:
         taken = self.routing.take([site.module for site in self.lora.sites.values() if isinstance(site, ExpertsSite)])
         return {name: counts.cpu().numpy() for name, counts in taken.items()}
 
-    def lock_step(self) -> Tensor | None:
-        """Where ranks must run backward passes together (expert parallelism): a zero that depends
-        on the last pass through every layer, for a backward where no loss has a gradient; else
-        None (a rank runs its passes alone)."""
-        return self._tie
+    def finish_pass(self, failed: bool) -> None:
+        """Lock-stepped: the last training pass's backward through the decoder, from the gradient
+        its losses left on the decoder's output (zero if ``failed``, or if no loss reached it)."""
+        if self._held is None:
+            return
+        (hidden, detached), self._held = self._held, None
+        grad = detached.grad if detached.grad is not None and not failed else torch.zeros_like(hidden)
+        hidden.backward(grad)
+        if self._anchor is not None:
+            self._anchor.grad = None  # a zero: nothing to keep
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
         s = self.shape
@@ -193,18 +202,23 @@ class McoreLoraModel:
     def logprobs(self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: int = 0) -> list[Tensor]:
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        self._held = None
         packed = pack(data)
         tokens, positions, cu_seqlens = packed.tokens, packed.positions, packed.cu_seqlens
         total = tokens.shape[0]
-        short = self._filler(total)
-        if short:  # a last sequence of pad tokens, seen by nothing else
+        short, longest = self._filler(total, packed.max_len)
+        if total + short == 0:  # no rank of the group has a token: no pass
+            return []
+        if short:  # sequences of pad tokens, seen by nothing else, none longer than the group's longest
+            pieces = [min(longest, short - start) for start in range(0, short, longest)]
             tokens = torch.cat([tokens, torch.full((short,), self.pad_id, dtype=torch.long)])
-            positions = torch.cat([positions, torch.arange(short)])
-            cu_seqlens = torch.cat([cu_seqlens, torch.tensor([total + short], dtype=torch.int32)])
+            positions = torch.cat([positions, *(torch.arange(n) for n in pieces)])
+            ends = total + torch.tensor(pieces, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            cu_seqlens = torch.cat([cu_seqlens, ends])
         names = [h.name for h in handles] + ([""] if short else [])  # "": no adapter on the filler
         self.lora.routes.segments = segments(names, [d.num_tokens for d in data] + ([short] if short else []))
         if self.lora.experts is not None:
-            self.lora.experts.gather_routes(self.lora.token_adapters(total + short))
+            self.lora.experts.gather_routes(self.lora.token_adapters(total + short).to(self.device))
         on: dict[str, Any] = {"device": self.device}
         # transformer-engine reads the bounds on the device. Megatron's own layers (its unfused
         # RoPE, our attention) read them in Python in every layer: on the host they make no layer
@@ -214,15 +228,16 @@ class McoreLoraModel:
             qkv_format="thd",
             cu_seqlens_q=bounds,
             cu_seqlens_kv=bounds,
-            max_seqlen_q=max(packed.max_len, short),
-            max_seqlen_kv=max(packed.max_len, short),
+            max_seqlen_q=max(packed.max_len, min(short, longest)),
+            max_seqlen_kv=max(packed.max_len, min(short, longest)),
         )
         with recomputed(self.layers, recompute), self._decoder_only(), self._counting_routes():
             hidden = self.gpt(tokens[None].to(**on), positions[None].to(**on), None, packed_seq_params=params)
         if self.sequence_parallel:  # (S/tp, 1, H): whole on every rank, as a column layer's LoRA sees it
             hidden = whole_sequence(hidden)
-        if self._anchor is not None and torch.is_grad_enabled():
-            self._tie = hidden.sum() * 0
+        if self.lock_stepped and torch.is_grad_enabled():  # the decoder's backward waits for finish_pass
+            detached = hidden.detach().requires_grad_()
+            self._held, hidden = (hidden, detached), detached
         if not data:  # a filler pass: this rank's shard had fewer micro-batches than another's
             return []
         hidden = hidden[:total, 0]  # (ΣN, H), datum order, the final norm applied
@@ -238,18 +253,21 @@ class McoreLoraModel:
         ]
         return unpacked(torch.cat(parts), data)
 
-    def _filler(self, total: int) -> int:
-        """How many filler tokens a pass of ``total`` tokens gets: to as many as the token
-        group's longest (its MoE layers gather the same count from each rank), and to a multiple
-        of ``tp`` under sequence parallelism (the stream is split over the ranks)."""
+    def _filler(self, total: int, longest: int) -> tuple[int, int]:
+        """How many filler tokens a pass of ``total`` tokens whose longest sequence has
+        ``longest`` gets: to as many as the token group's most (its MoE layers gather the same
+        count from each rank), and to a multiple of ``tp`` under sequence parallelism (the stream
+        is split over the ranks); and the length no filler sequence may pass, the group's longest
+        sequence (attention's cost grows with the square of a sequence's length: one long filler
+        would cost the group more than any rank's own data)."""
         want = total
         if self.token_group is not None:
-            most = torch.tensor([total], dtype=torch.long, device=self.device)
+            most = torch.tensor([total, longest], dtype=torch.long, device=self.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.token_group)
-            want = int(most.item())
+            want, longest = (int(x) for x in most.tolist())
         if self.sequence_parallel:
             want += -want % self.tp
-        return want - total
+        return want - total, max(longest, self.tp)
 
     @contextlib.contextmanager
     def _counting_routes(self) -> Iterator[None]:

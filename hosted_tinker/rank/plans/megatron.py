@@ -208,7 +208,24 @@ class Plan(ddp.Plan):
     def reduce_gradients(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
         experts = [isinstance(dim, ExpertSplit) for dim in split_dims]
         self.sum_gradients([p for p, e in zip(params, experts, strict=True) if not e], self.replica_group)
-        self.sum_gradients([p for p, e in zip(params, experts, strict=True) if e], self.expert_replica_group)
+        own = [p for p, e in zip(params, experts, strict=True) if e]
+        self.sum_gradients(own, self.expert_replica_group)
+        self._gradient_everywhere(own)
+
+    def _gradient_everywhere(self, params: list[nn.Parameter]) -> None:
+        """An expert-split factor whose slice has a gradient on some rank of the expert-parallel
+        group gets a zero one on the others (no token of the adapter reached their experts): as
+        on peft, where the 3-D tensor has one gradient or none, and so that every rank steps,
+        exports and gathers the same tensors."""
+        if not params or self.ep == 1:
+            return
+        with ddp._collective("the expert-parallel group's agreement on which gradients exist"):
+            has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
+            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.ep_group)
+            anywhere = has.tolist()
+        for p, present in zip(params, anywhere, strict=True):
+            if present and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def replicas_of(self, split_dim: SplitDim) -> int:
         return dist.get_world_size(self.expert_replica_group) if isinstance(split_dim, ExpertSplit) else self.replicas
