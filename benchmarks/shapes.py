@@ -192,7 +192,7 @@ def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str
     c = json.loads((Path(model) / "config.json").read_text())
     if "linear_attention" in (c.get("layer_types") or []):
         return hybrid_flops_per_token(c, mean_context, lora_rank)
-    if c.get("num_experts"):
+    if c.get("num_experts") or c.get("num_local_experts"):  # transformers 5 writes the latter
         return moe_flops_per_token(c, mean_context, lora_rank)
     hidden, layers, ffn, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
     heads = c["num_attention_heads"]
@@ -219,7 +219,8 @@ def moe_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: int) 
     gate and up, its expert's ``B`` of each and ``A`` of down, and the shared ``B`` of down
     (``r·3(H + I)`` a row, top-k rows a token), attention's as a dense model's."""
     hidden, layers, vocab, r = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], lora_rank
-    experts, top_k, inner = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    experts = c.get("num_experts") or c["num_local_experts"]
+    top_k, inner = c["num_experts_per_tok"], c["moe_intermediate_size"]
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
     head_dim = c.get("head_dim") or hidden // heads
