@@ -3,7 +3,9 @@
 #  1. tests/unit, the fast loop (no server, no network), within its time budget: it is the loop
 #     run after every change, so a slow unit test fails CI rather than slowing every change;
 #  2. tests/e2e on two processes, a module on one, the longest modules first
-#     (tests/conftest.py's LONGEST_FIRST: xdist hands out modules in collection order).
+#     (tests/conftest.py's LONGEST_FIRST: xdist hands out modules in collection order), and beside
+#     them the static checks (scripts/check.sh: docs, style, types; ~30 s of one core, which the
+#     two test processes leave idle much of the time, waiting on the servers they start).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 budget_s=${HOSTED_TINKER_UNIT_BUDGET_S:-60}
@@ -15,4 +17,14 @@ if ((took > budget_s)); then
   exit 1
 fi
 echo "tests/unit took ${took} s (budget ${budget_s} s)"
-.venv/bin/python -m pytest tests/e2e -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder "$@"
+checks_log=$(mktemp)
+bash scripts/check.sh > "$checks_log" 2>&1 &
+checks=$!
+failed=0
+.venv/bin/python -m pytest tests/e2e -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder "$@" || failed=1
+if ! wait "$checks"; then
+  cat "$checks_log" >&2
+  echo "scripts/check.sh failed: its output is above" >&2
+  failed=1
+fi
+exit "$failed"

@@ -142,7 +142,8 @@ def test_plan_trains_like_the_float64_reference(
         check_dimuon(plan, reference, f"{model_id}-dimuon", rng)
         check_custom_loss(plan, reference, model_id, rng)
         check_joint_pass(plan, reference, [model_id, f"{model_id}-dimuon"], rng)
-        check_a_failing_shard(plan, reference, model_id, rng)
+        if family:  # expert-parallel ranks run in lock step (a failure on one ddp rank: test_ddp.py)
+            check_a_failing_shard(plan, reference, model_id, rng)
     finally:
         for name in (model_id, f"{model_id}-dimuon"):
             if reference.has_adapter(name):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hosted_tinker.core.errors import UserError
+from hosted_tinker.core.errors import GroupBroken, UserError
 from hosted_tinker.core.logprobs import chunk_tokens_for, packed_targets, target_logprobs, unpacked
 from hosted_tinker.core.packing import pack
 from hosted_tinker.core.types import DatumInput, LoraSpec
@@ -149,6 +149,8 @@ class McoreLoraModel:
         # another rank (``experts``) would run under the adapter its number names here.
         number = self._next
         self._next += 1
+        if self.lock_stepped:
+            self._check_numbering(number)
         wanted = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}
         chosen = {name: site for name, site in self.lora.sites.items() if wanted[group_of(name)]}
         if not chosen:
@@ -167,6 +169,17 @@ class McoreLoraModel:
                 params.append(param)
                 split_dims.append(dim)
         return AdapterHandle(name, keys, params, split_dims)
+
+    def _check_numbering(self, number: int) -> None:
+        """That every rank of the token group gives a new adapter the same number (their tokens
+        are routed to expert LoRA by it): one all-reduce, before anything here can fail. A rank
+        out of step breaks the group (it is replaced) rather than train one tenant's tokens under
+        another's adapter."""
+        both = torch.tensor([number, -number], dtype=torch.long, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.token_group)
+        most, least = int(both[0]), -int(both[1])
+        if most != least:
+            raise GroupBroken(f"the ranks numbered a new adapter {least}..{most}: their adapters are out of step")
 
     def remove_adapter(self, handle: AdapterHandle) -> None:
         self.lora.adapters.pop(handle.name, None)

@@ -58,3 +58,21 @@ def test_the_pins_are_the_ones_pyproject_installs() -> None:
     extras = extras["optional-dependencies"]
     assert Requirement(extras["megatron"][0]).specifier == MCORE_SUPPORTED
     assert Requirement(extras["vllm"][0]) == Requirement(VLLM_CUDA_SPEC)
+
+
+def test_expert_parallelism_is_checked_before_a_rank_starts_or_as_the_model_loads(monkeypatch, tiny_model_dir) -> None:
+    """ep must divide the ranks with tp, takes the token threshold (a memory budget is measured
+    per rank, on passes of unequal length), and needs a model with routed experts: said in one
+    line (what `serve` prints), as the rest of the megatron options."""
+    from hosted_tinker.rank.mcore.convert import HfShape
+    from hosted_tinker.rank.plans import megatron, plan_options
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
+    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.16.1")
+    with pytest.raises(ValueError, match=r"tp=2 x ep=4 does not divide the 4 ranks of --train-devices"):
+        plan_options("megatron", {"tp": "2", "ep": "4"}, ["cpu"] * 4, 3600.0)
+    with pytest.raises(ValueError, match=r"activation_memory_gib is not built for ep > 1"):
+        plan_options("megatron", {"ep": "2", "activation_memory_gib": "1"}, ["cpu"] * 2, 3600.0)
+    assert plan_options("megatron", {"ep": "2"}, ["cuda:0", "cuda:1"], 3600.0).activation_budget(["cuda:0"]) is None
+    with pytest.raises(ValueError, match=r"ep=2 needs a mixture-of-experts model; Qwen3ForCausalLM has no experts"):
+        HfShape.read(str(tiny_model_dir)).check_ep(2)
