@@ -168,12 +168,23 @@ def test_no_test_module_imports_another():
 
 
 def test_the_clis_own_commands_load_no_engine():
-    """``keys ...``, ``--help`` and a wrong flag answer without torch, transformers or the tinker
-    SDK (which loads torch): 0.5 s a call rather than 2.5 s. ``serve`` loads them once it starts."""
+    """``keys ...``, ``--help``, a wrong flag and a wrong ``--backend-option`` answer without
+    torch, transformers or the tinker SDK (which loads torch): 0.3 s a call rather than 2.5 s.
+    ``serve`` loads them once its options are checked and it starts."""
     import subprocess
     import sys
 
     heavy = ("torch", "transformers", "tinker", "numpy")
     probe = f"import sys, hosted_tinker.cli; print([m for m in {heavy!r} if m in sys.modules])"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+    check = (
+        "import sys; from hosted_tinker.rank.plans import plan_options\n"
+        "for backend, values, devices in [('peft', {}, ['cpu']), ('ddp', {'bucket_mb': '1'}, ['cpu'] * 2),"
+        " ('megatron', {'tp': '3'}, ['cpu'] * 2)]:\n"
+        "    try: plan_options(backend, values, devices, 3600.0)\n"
+        "    except ValueError: pass\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
+    loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"

@@ -7,9 +7,10 @@ a model-parallel group are gathered for export (and split again on load), or mad
 every rank for an optimizer that needs whole matrices. It also picks the
 model it runs on. The Tinker step itself is ``rank.trainer``, written once over any plan.
 
-A plan is one module here that defines ``Plan`` (see ``ParallelPlan``), ``Options`` (its
-typed ``--backend-option``s) and ``DEVICES`` (where it trains, in words), plus one line in
-``PLANS``; ``tests/e2e/test_plans.py`` checks every registered plan against a float64
+A plan is one module here that defines ``Plan`` (see ``ParallelPlan``), ``DEVICES`` and
+``MODELS`` (where it trains and what, in words), its typed ``--backend-option``s in ``options``
+(no torch there: ``serve`` checks them first) named ``Options`` in the plan module, plus one line
+in ``PLANS``; ``tests/e2e/test_plans.py`` checks every registered plan against a float64
 single-process reference, on the layouts its ``CHECKED_LAYOUTS`` names (``(devices, options)``
 pairs; by default two CPU ranks, or one).
 """
@@ -18,79 +19,26 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import TYPE_CHECKING, Annotated, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
 from hosted_tinker.core.config import ServerConfig
+from hosted_tinker.rank.plans.options import DdpOptions, MegatronOptions, PlanOptions, SingleOptions
 
 if TYPE_CHECKING:  # the CLI imports this module for BACKENDS: no torch for `hosted-tinker keys`
     from torch import Tensor, nn
 
     from hosted_tinker.rank.model import LoraModel, SplitDim
 
-# --backend NAME -> the module that defines its plan (imported only when that backend is used).
-PLANS: dict[str, str] = {
-    "peft": "hosted_tinker.rank.plans.single",
-    "ddp": "hosted_tinker.rank.plans.ddp",
-    "megatron": "hosted_tinker.rank.plans.megatron",
+# --backend NAME -> the module that defines its plan (imported only when that backend is used), and
+# its typed --backend-options (``options``: no torch there, so that a wrong option is refused at once)
+PLANS: dict[str, tuple[str, type[PlanOptions]]] = {
+    "peft": ("hosted_tinker.rank.plans.single", SingleOptions),
+    "ddp": ("hosted_tinker.rank.plans.ddp", DdpOptions),
+    "megatron": ("hosted_tinker.rank.plans.megatron", MegatronOptions),
 }
 BACKENDS = tuple(PLANS)
-
-
-class PlanOptions(BaseModel):
-    """Options every plan has; a plan's ``Options`` adds its own."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    microbatch_tokens: int = Field(16384, ge=1, description="tokens per forward/backward micro-batch (packed)")
-    recompute_above_tokens: int = Field(
-        8192,
-        ge=0,
-        description="recompute each decoder layer's activations in the backward pass when a micro-batch holds more "
-        "tokens than this (0: always; at least microbatch_tokens: only for a longer single sequence); the rule "
-        "on CPU ranks, and on GPU ranks when given (else activation_memory_gib=auto)",
-    )
-    activation_memory_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] | None = Field(
-        None,
-        description="instead of recompute_above_tokens: the memory a micro-batch's stored activations may take; "
-        "it recomputes as few of the first decoder layers as keep the others within it (auto: what the GPU has "
-        "free at that moment, less a margin, the least over a tensor-parallel group; GPU ranks only, and their "
-        "default unless recompute_above_tokens is given or a vLLM launched by the server shares their GPU)",
-    )
-
-    @model_validator(mode="after")
-    def _one_recompute_rule(self) -> PlanOptions:
-        if self.activation_memory_gib is not None and "recompute_above_tokens" in self.model_fields_set:
-            raise ValueError("give activation_memory_gib or recompute_above_tokens, not both: each decides alone")
-        return self
-
-    def activation_budget(
-        self, devices: list[str] | tuple[str, ...], shares_gpu: bool = False
-    ) -> float | Literal["auto"] | None:
-        """The memory budget of a micro-batch's stored activations, in bytes, ``"auto"`` or None
-        (None: the token threshold, ``recompute_above_tokens``, decides). GPU ranks given neither
-        option budget ``auto``: the threshold is blind to the model and the card (Qwen3-8B's shape
-        stores ~7.5 MB per token: an 8,192-token micro-batch, under the threshold, needs ~62 GB
-        beside the weights, more than an H100 has), and on an H200 at 4 x 4,096 tokens ``auto``
-        stored 32 of 36 layers where the threshold recomputes all, 1.30x the tokens per second.
-        Not where a GPU ``shares_gpu`` with a vLLM this server launches: what ``auto`` takes, the
-        allocator keeps, and a vLLM (re)starting beside it would not find its share."""
-        if isinstance(self.activation_memory_gib, float):
-            return self.activation_memory_gib * 2**30
-        if self.activation_memory_gib is None and "recompute_above_tokens" not in self.model_fields_set:
-            on_gpus = bool(devices) and all(d.startswith("cuda") for d in devices)
-            return "auto" if on_gpus and not shares_gpu else None
-        return self.activation_memory_gib
-
-    def check(self, devices: list[str], worker_timeout_s: float) -> None:
-        """Raise ``ValueError`` if these options cannot run on ``devices`` (checked at start-up);
-        a plan's ``Options`` that adds checks calls this first."""
-        if self.activation_memory_gib == "auto" and not all(d.startswith("cuda") for d in devices):
-            raise ValueError(
-                "--backend-option activation_memory_gib=auto needs GPU ranks (it reads the GPU's free memory); "
-                "give a number of GiB on CPU ranks"
-            )
 
 
 class ParallelPlan(Protocol):
@@ -149,7 +97,7 @@ class ParallelPlan(Protocol):
 
 
 def plan_module(backend: str) -> ModuleType:
-    return importlib.import_module(PLANS[backend])
+    return importlib.import_module(PLANS[backend][0])
 
 
 def backend_options(config: ServerConfig) -> PlanOptions:
@@ -162,7 +110,7 @@ def plan_options(backend: str, values: dict[str, str], devices: list[str], worke
     is wrong and what the plan accepts."""
     if backend not in PLANS:
         raise ValueError(f"--backend {backend!r} is not one of {', '.join(PLANS)}")
-    model: type[PlanOptions] = plan_module(backend).Options
+    model = PLANS[backend][1]
     try:
         options = model.model_validate(values)
     except ValidationError as e:

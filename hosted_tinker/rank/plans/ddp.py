@@ -27,12 +27,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
 from torch import Tensor, nn
 
 from hosted_tinker.core.errors import GroupBroken
 from hosted_tinker.rank.model import HfLoraModel, SplitDim
-from hosted_tinker.rank.plans import PlanOptions, single
+from hosted_tinker.rank.plans import single
+from hosted_tinker.rank.plans.options import DdpOptions as Options
 from hosted_tinker.rank.plans.single import local_norm
 
 DEVICES = "one per rank: --train-devices cpu:N | cuda:0,1,..."  # what `hosted-tinker backends` says of where it trains
@@ -43,23 +43,6 @@ CHECKED_LAYOUTS = [
     (None, {"recompute_above_tokens": "0", "microbatch_tokens": "48"}),
     (None, {"activation_memory_gib": "0.001", "microbatch_tokens": "48"}),  # some micro-batches store, some not
 ]
-
-
-class Options(PlanOptions):
-    collective_timeout_s: float = Field(
-        1800.0,
-        gt=0,
-        description="how long a rank waits for the others (to join, or in a collective) before the group is replaced",
-    )
-
-    def check(self, devices: list[str], worker_timeout_s: float) -> None:
-        super().check(devices, worker_timeout_s)
-        if self.collective_timeout_s >= worker_timeout_s:
-            # A hung rank must be caught by the collective that waits for it, which names it.
-            raise ValueError(
-                f"--backend-option collective_timeout_s={self.collective_timeout_s:g} must be below "
-                f"--worker-timeout ({worker_timeout_s:g} s)"
-            )
 
 
 class Plan:

@@ -25,25 +25,17 @@ megatron-core is an optional extra (``pip install hosted-tinker[megatron]``), im
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-from typing import Literal
-
 import torch
 import torch.distributed as dist
-from packaging.specifiers import SpecifierSet
-from pydantic import Field
 from torch import Tensor, nn
 
 from hosted_tinker.rank.mcore.convert import ARCHS, MOE_ARCHS
 from hosted_tinker.rank.model import ExpertSplit, SplitDim
 from hosted_tinker.rank.plans import ddp
+from hosted_tinker.rank.plans.options import MegatronOptions as Options
 
 DEVICES = "tp x ep x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=T ep=E"
 MODELS = f"{', '.join(ARCHS)} (rank.mcore.convert); ep > 1 for {', '.join(MOE_ARCHS)}, with tp = 1"
-# The releases rank.mcore is built on and tested with (as pyproject's extra pins): 0.17 changed the
-# layer specs it reads, and pip gives Python 3.12 the newest unless told.
-MCORE_SUPPORTED = SpecifierSet(">=0.16.1,<0.17")
 # tests/e2e/test_plans.py: tensor-parallel alone, with sequence parallelism, with two data-parallel
 # replicas that recompute every layer's activations, and with a memory budget that stores some.
 CHECKED_LAYOUTS = [
@@ -59,82 +51,6 @@ CHECKED_MOE_LAYOUTS = [
     ("cpu:2", {"ep": "2"}),
     ("cpu:4", {"ep": "2", "microbatch_tokens": "48"}),
 ]
-
-
-class Options(ddp.Options):
-    tp: int = Field(1, ge=1, description="tensor-parallel size: ranks that share one copy of the model")
-    ep: int = Field(
-        1,
-        ge=1,
-        description="expert-parallel size: ranks over which a mixture-of-experts model's routed experts are "
-        "split, each running its own shard of a batch (tp x ep x replicas = ranks)",
-    )
-    sequence_parallel: bool = Field(
-        False, description="split the activations between the parallel layers by sequence (needs tp > 1)"
-    )
-    layers: Literal["auto", "te", "local"] = Field(
-        "auto",
-        description="transformer-engine layers (te, CUDA only) or megatron-core's PyTorch ones (local); "
-        "auto: te when transformer_engine is installed, the ranks are on GPUs and --dtype is 16-bit",
-    )
-    embedded_sampler: bool = Field(
-        True,
-        description="rank 0 also loads the whole HF base model for the embedded sampler (off: sample with "
-        "--inference vllm, where prompt logprobs are then refused)",
-    )
-
-    def check(self, devices: list[str], worker_timeout_s: float) -> None:
-        super().check(devices, worker_timeout_s)
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("--backend-option sequence_parallel=true needs tp > 1")
-        if len(devices) % (self.tp * self.ep):
-            sizes = " x ".join(f"{k}={v}" for k, v in (("tp", self.tp), ("ep", self.ep)) if v > 1 or k == "tp")
-            raise ValueError(f"--backend-option {sizes} does not divide the {len(devices)} ranks of --train-devices")
-        if self.ep > 1 and self.activation_memory_gib is not None:
-            # what a stored layer keeps is measured per rank, on passes of unequal length: the
-            # lock-stepped ranks would choose apart
-            raise ValueError(
-                "--backend-option activation_memory_gib is not built for ep > 1: give recompute_above_tokens"
-            )
-        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-            # Found, not imported: the server process never loads megatron-core, only its ranks.
-            raise ValueError("the megatron backend needs megatron-core: pip install 'hosted-tinker[megatron]'")
-        try:
-            found = importlib.metadata.version("megatron-core")
-        except importlib.metadata.PackageNotFoundError:  # importable, but not installed by pip (a checkout)
-            raise ValueError(
-                f"megatron.core is importable but no megatron-core package is installed: "
-                f"pip install 'megatron-core{MCORE_SUPPORTED}'"
-            ) from None
-        if found not in MCORE_SUPPORTED:
-            raise ValueError(
-                f"the megatron backend runs on megatron-core {MCORE_SUPPORTED}, not the installed {found}: "
-                f"pip install 'megatron-core{MCORE_SUPPORTED}'"
-            )
-        if self.layers == "te":
-            if not all(d.startswith("cuda") for d in devices):
-                raise ValueError("--backend-option layers=te needs GPU ranks (transformer-engine runs on CUDA only)")
-            if not has_transformer_engine():
-                raise ValueError("--backend-option layers=te needs transformer-engine: pip install transformer-engine")
-
-    def activation_budget(
-        self, devices: list[str] | tuple[str, ...], shares_gpu: bool = False
-    ) -> float | Literal["auto"] | None:
-        """As every plan's, except under expert parallelism: the token threshold decides there
-        (``check`` refuses a budget)."""
-        return None if self.ep > 1 else super().activation_budget(devices, shares_gpu)
-
-    def uses_te(self, device: str, dtype: str) -> bool:
-        """Whether a rank on ``device`` builds transformer-engine layers for a ``dtype`` base.
-        ``auto`` leaves a float32 base on the local layers: TE's fused and flash attention take
-        16-bit inputs only, and its speed is in those kernels."""
-        if self.layers == "auto":
-            return device.startswith("cuda") and dtype in ("bfloat16", "float16") and has_transformer_engine()
-        return self.layers == "te"
-
-
-def has_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 class Plan(ddp.Plan):

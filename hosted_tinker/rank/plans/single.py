@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
 from hosted_tinker.rank.model import HfLoraModel, SplitDim, SyntheticLoraModel
-from hosted_tinker.rank.plans import PlanOptions
+from hosted_tinker.rank.plans.options import SingleOptions as Options
 
 DEVICES = "one: --device cpu | cuda:N"  # what `hosted-tinker backends` says of where it trains
 # ... and of which models it trains (docs/compatibility.md, "models", says each family's LoRA)
@@ -15,19 +14,6 @@ MODELS = (
     "any transformers causal LM whose linear layers take LoRA, and the lineup's families: mixture of experts, "
     "hybrid linear attention, vision-language"
 )
-
-
-class Options(PlanOptions):
-    synthetic: bool = Field(
-        False,
-        description="benchmarks only (benchmarks/gateway_scale.py): forward_backward answers log-probs of the "
-        "right shapes at once, without running the model; the results are not training",
-    )
-
-    def check(self, devices: list[str], worker_timeout_s: float) -> None:
-        super().check(devices, worker_timeout_s)
-        if len(devices) != 1:
-            raise ValueError(f"the peft backend trains on one device, not {len(devices)}; use --backend ddp")
 
 
 class Plan:

@@ -12,34 +12,34 @@ pytestmark = pytest.mark.fast
 
 
 def test_layers_auto_picks_transformer_engine_for_16_bit_gpu_ranks_only(monkeypatch) -> None:
-    from hosted_tinker.rank.plans import megatron
+    from hosted_tinker.rank.plans import options
 
-    monkeypatch.setattr(megatron, "has_transformer_engine", lambda: True)
-    auto = megatron.Options(tp=1)
+    monkeypatch.setattr(options, "has_transformer_engine", lambda: True)
+    auto = options.MegatronOptions(tp=1)
     assert auto.uses_te("cuda:0", "bfloat16") and auto.uses_te("cuda:1", "float16")
     assert not auto.uses_te("cuda:0", "float32") and not auto.uses_te("cpu", "bfloat16")
-    assert megatron.Options(tp=1, layers="te").uses_te("cuda:0", "float32")  # asked for: as asked
-    assert not megatron.Options(tp=1, layers="local").uses_te("cuda:0", "bfloat16")
-    monkeypatch.setattr(megatron, "has_transformer_engine", lambda: False)
+    assert options.MegatronOptions(tp=1, layers="te").uses_te("cuda:0", "float32")  # asked for: as asked
+    assert not options.MegatronOptions(tp=1, layers="local").uses_te("cuda:0", "bfloat16")
+    monkeypatch.setattr(options, "has_transformer_engine", lambda: False)
     assert not auto.uses_te("cuda:0", "bfloat16")
 
 
 def test_a_megatron_core_it_was_not_built_on_is_refused_at_start_up(monkeypatch) -> None:
     """pip gives Python 3.12 the newest megatron-core, whose layer specs rank.mcore cannot read:
     the start is refused, naming the installed release and the pip command, not a rank's traceback."""
-    from hosted_tinker.rank.plans import megatron, plan_options
+    from hosted_tinker.rank.plans import options, plan_options
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
-    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.19.2")
+    monkeypatch.setattr(options.importlib.metadata, "version", lambda dist: "0.19.2")
     with pytest.raises(ValueError, match=r"not the installed 0\.19\.2: pip install 'megatron-core<0\.17,>=0\.16\.1'"):
         plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0)
-    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.16.1")
+    monkeypatch.setattr(options.importlib.metadata, "version", lambda dist: "0.16.1")
     assert plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0).tp == 2
 
     def not_installed(dist: str) -> str:
         raise importlib.metadata.PackageNotFoundError(dist)
 
-    monkeypatch.setattr(megatron.importlib.metadata, "version", not_installed)  # a Megatron-LM checkout
+    monkeypatch.setattr(options.importlib.metadata, "version", not_installed)  # a Megatron-LM checkout
     with pytest.raises(ValueError, match="importable but no megatron-core package is installed"):
         plan_options("megatron", {"tp": "2"}, ["cpu", "cpu"], 3600.0)
 
@@ -52,7 +52,7 @@ def test_the_pins_are_the_ones_pyproject_installs() -> None:
     from packaging.requirements import Requirement
 
     from hosted_tinker.inference.vllm_setup import VLLM_CUDA_SPEC
-    from hosted_tinker.rank.plans.megatron import MCORE_SUPPORTED
+    from hosted_tinker.rank.plans.options import MCORE_SUPPORTED
 
     extras = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]
     extras = extras["optional-dependencies"]
@@ -65,10 +65,10 @@ def test_expert_parallelism_is_checked_before_a_rank_starts_or_as_the_model_load
     per rank, on passes of unequal length), and needs a model with routed experts: said in one
     line (what `serve` prints), as the rest of the megatron options."""
     from hosted_tinker.rank.mcore.convert import HfShape
-    from hosted_tinker.rank.plans import megatron, plan_options
+    from hosted_tinker.rank.plans import options, plan_options
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
-    monkeypatch.setattr(megatron.importlib.metadata, "version", lambda dist: "0.16.1")
+    monkeypatch.setattr(options.importlib.metadata, "version", lambda dist: "0.16.1")
     with pytest.raises(ValueError, match=r"tp=2 x ep=4 does not divide the 4 ranks of --train-devices"):
         plan_options("megatron", {"tp": "2", "ep": "4"}, ["cpu"] * 4, 3600.0)
     with pytest.raises(ValueError, match=r"activation_memory_gib is not built for ep > 1"):
