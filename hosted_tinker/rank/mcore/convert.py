@@ -101,12 +101,18 @@ class HfShape:
         if self.ffn % tp:
             raise ValueError(f"--backend-option tp={tp} does not divide the model's intermediate_size ({self.ffn})")
 
-    def check_ep(self, ep: int) -> None:
-        """``ep`` must divide the routed experts, and there must be some."""
+    def check_ep(self, ep: int, tp: int = 1) -> None:
+        """``ep`` must divide the routed experts, and there must be some; and a mixture-of-experts
+        model takes no ``tp`` > 1 yet (megatron wants sequence parallelism there, and the experts'
+        LoRA is not split over a tensor-parallel group)."""
         if ep > 1 and not self.experts:
             raise ValueError(f"--backend-option ep={ep} needs a mixture-of-experts model; {self.arch} has no experts")
         if self.experts % ep:
             raise ValueError(f"--backend-option ep={ep} does not divide the model's {self.experts} routed experts")
+        if self.experts and tp > 1:
+            raise ValueError(
+                "--backend-option tp > 1 on a mixture-of-experts model is not built yet: shard its experts with ep"
+            )
 
 
 def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_parallel: bool = False, ep: int = 1):

@@ -76,11 +76,7 @@ class McoreLoraModel:
             cpu.use_cpu()
         shape = HfShape.read(model_path)
         shape.check_tp(tp)
-        shape.check_ep(ep)
-        if shape.experts and tp > 1:
-            raise ValueError(
-                "--backend-option tp > 1 on a mixture-of-experts model is not built yet: shard its experts with ep"
-            )
+        shape.check_ep(ep, tp)
         self.shape, self.tp, self.tp_rank = shape, tp, tp_rank
         self.model_path = model_path
         self.token_group = token_group if ep > 1 else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 from pathlib import Path
@@ -76,3 +77,9 @@ def test_expert_parallelism_is_checked_before_a_rank_starts_or_as_the_model_load
     assert plan_options("megatron", {"ep": "2"}, ["cuda:0", "cuda:1"], 3600.0).activation_budget(["cuda:0"]) is None
     with pytest.raises(ValueError, match=r"ep=2 needs a mixture-of-experts model; Qwen3ForCausalLM has no experts"):
         HfShape.read(str(tiny_model_dir)).check_ep(2)
+    moe = dataclasses.replace(HfShape.read(str(tiny_model_dir)), arch="Qwen3MoeForCausalLM", experts=8)
+    moe.check_ep(4)  # two experts a rank
+    with pytest.raises(ValueError, match=r"ep=3 does not divide the model's 8 routed experts"):
+        moe.check_ep(3)
+    with pytest.raises(ValueError, match=r"tp > 1 on a mixture-of-experts model is not built yet"):
+        moe.check_ep(2, tp=2)
