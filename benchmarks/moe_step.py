@@ -17,7 +17,6 @@ Writes benchmarks/results/moe_step-<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -26,56 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import add_common_args, print_table, result_header, write_results  # noqa: E402
-from benchmarks.shapes import MODEL_CACHE, peak_tflops, write_random_model  # noqa: E402
+from benchmarks.shapes import SHAPES, flops_per_token, peak_tflops, random_model  # noqa: E402
 from benchmarks.train_efficiency import efficiency, make_batch, timed, trainer_on  # noqa: E402
 
 LORA_RANK = 32
-QWEN3_30B_A3B = {
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1_000_000.0,
-    "tie_word_embeddings": False,
-    "norm_topk_prob": True,
-}
-
-
-def random_moe_model(layers: int, dtype: str, root: Path = MODEL_CACHE) -> str:
-    """Qwen3-30B-A3B's shape cut to ``layers``, random weights in ``dtype``, written once."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(**QWEN3_30B_A3B, num_hidden_layers=layers, dtype=dtype)
-    return write_random_model(Qwen3MoeForCausalLM, config, root / f"qwen3-30b-a3b-l{layers}-random-{dtype}")
-
-
-def moe_flops_per_token(model: str, context: float, rank: int) -> dict[str, float]:
-    """FLOPs of a trained token over the parameters it meets: attention, the router, its
-    ``num_experts_per_tok`` experts and the output layer (``benchmarks.shapes`` for the rule);
-    LoRA on attention, on each of its experts' three projections, and on the output layer."""
-    c = json.loads((Path(model) / "config.json").read_text())
-    hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    width, k = c["moe_intermediate_size"], c["num_experts_per_tok"]
-    experts = c.get("num_experts") or c["num_local_experts"]  # transformers 5 writes the latter
-    attention = hidden * (q + 2 * kv) + q * hidden
-    active = layers * (attention + hidden * experts + k * 3 * hidden * width) + vocab * hidden
-    lora_attention = rank * (3 * hidden + q + 2 * kv + q + hidden)
-    lora_experts = k * rank * (2 * (hidden + width) + (width + hidden))
-    lora = layers * (lora_attention + lora_experts) + rank * (hidden + vocab)
-    attention_fwd = 4 * layers * q * context
-    return {
-        "active_matmul_params": active,
-        "active_lora_params": lora,
-        "model_flops_6p": 6 * active + 3 * attention_fwd,
-        "lora_step_flops": 4 * active + 6 * lora + 3 * attention_fwd,
-    }
+SHAPE = "qwen3-30b-a3b"  # benchmarks.shapes: cut to --layers
 
 
 def main() -> None:
@@ -90,11 +44,11 @@ def main() -> None:
 
     from hosted_tinker.core.types import LoraSpec
 
-    model = random_moe_model(args.layers, args.dtype)
+    model = random_model(SHAPE, args.dtype, layers=args.layers)
     trainer = trainer_on(model, args.device, args.dtype)
     trainer.create_adapter("experts", LoraSpec(rank=LORA_RANK, seed=1))
     trainer.create_adapter("attention", LoraSpec(rank=LORA_RANK, seed=1, train_mlp=False))
-    batch = make_batch([args.tokens], QWEN3_30B_A3B["vocab_size"])
+    batch = make_batch([args.tokens], SHAPES[SHAPE]["vocab_size"])
     seconds: dict[str, list[float]] = {"experts": [], "attention": []}
     for round_ in range(args.rounds + 1):  # the first round warms up
         for name in seconds:
@@ -102,7 +56,7 @@ def main() -> None:
             if round_:
                 seconds[name].append(t)
             print(f"  round {round_} {name}: {t:.2f} s", flush=True)
-    flops = moe_flops_per_token(model, args.tokens / 2, LORA_RANK)
+    flops = flops_per_token(model, args.tokens / 2, LORA_RANK)
     peak = peak_tflops(args)
     median = {name: statistics.median(s) for name, s in seconds.items()}
     results = {
@@ -117,7 +71,7 @@ def main() -> None:
         "step_ratio_expert_lora_over_attention_only": median["experts"] / median["attention"],
     }
     rows = [
-        ("active params / token", f"{flops['active_matmul_params'] / 1e6:,.0f} M"),
+        ("active params / token", f"{flops['active_params'] / 1e6:,.0f} M"),
         ("model FLOPs / token (6P + attention)", f"{flops['model_flops_6p'] / 1e9:.2f} GFLOP"),
     ]
     for name, e in results["paths"].items():

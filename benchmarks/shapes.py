@@ -114,23 +114,6 @@ SHAPES = {
         "rope_theta": 1_000_000.0,
         "tie_word_embeddings": False,
     },
-    "qwen3-moe-h512-l4": {
-        "model_type": "qwen3_moe",
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "moe_intermediate_size": 256,
-        "num_experts": 16,
-        "num_experts_per_tok": 4,
-        "norm_topk_prob": True,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "vocab_size": 8192,
-        "max_position_embeddings": 40960,
-        "rope_theta": 1_000_000.0,
-        "tie_word_embeddings": False,
-    },
     # 8 of its 32 layers (6 linear, 2 full), for a GPU check that writes and loads it within a section
     "qwen3.5-9b-l8": {
         "model_type": "qwen3_5_text",
@@ -140,19 +123,32 @@ SHAPES = {
     },
 }
 SHAPES["qwen3-30b-a3b-l2"] = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 2}
+SHAPES["qwen3-moe-h512-l4"] = {  # the small Qwen3 with 16 experts of 256, 4 a token, in place of its MLP
+    **SHAPES["qwen3-h512-l4"],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 256,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+}
 
 
 MODEL_CACHE = Path.home() / ".cache" / "hosted-tinker" / "bench-models"
 
 
-def random_model(shape: str, dtype: str, root: Path = MODEL_CACHE) -> str:
-    """A model folder of ``SHAPES[shape]`` with random weights in ``dtype`` (and the tiny
-    tokenizer: the benchmark feeds token ids), written once and reused."""
+def random_model(shape: str, dtype: str, root: Path = MODEL_CACHE, layers: int | None = None) -> str:
+    """A model folder of ``SHAPES[shape]`` (cut to ``layers`` decoder layers if given) with
+    random weights in ``dtype`` (and the tiny tokenizer: the benchmark feeds token ids), written
+    once and reused."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(SHAPES[shape])
+    name = shape
+    if layers is not None:
+        fields["num_hidden_layers"], name = layers, f"{shape}-l{layers}"
     config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields, dtype=dtype)
-    return write_random_model(AutoModelForCausalLM.from_config, config, root / f"{shape}-random-{dtype}")
+    return write_random_model(AutoModelForCausalLM.from_config, config, root / f"{name}-random-{dtype}")
 
 
 def write_random_model(model_class: Callable[[Any], Any], config: Any, out: Path) -> str:
@@ -214,12 +210,12 @@ def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str
 
 def moe_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: int) -> dict[str, float]:
     """``flops_per_token`` of a Qwen3-MoE model (every layer a MoE layer): the parameters a token
-    meets are attention's, the router's and its top-k experts' (``active_params``); all experts'
-    are ``total_params``. LoRA in Tinker's expert layout: a routed row meets the shared ``A`` of
-    gate and up, its expert's ``B`` of each and ``A`` of down, and the shared ``B`` of down
-    (``r·3(H + I)`` a row, top-k rows a token), attention's as a dense model's."""
+    meets are attention's, the router's, its top-k experts' and the output layer's
+    (``active_params``; all experts': ``total_params``). LoRA on attention, on each of its
+    experts' three projections (Tinker's layout: ``r·3(H + I)`` an expert a token), and on the
+    output layer."""
     hidden, layers, vocab, r = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], lora_rank
-    experts = c.get("num_experts") or c["num_local_experts"]
+    experts = c.get("num_experts") or c["num_local_experts"]  # transformers 5 writes the latter
     top_k, inner = c["num_experts_per_tok"], c["moe_intermediate_size"]
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
@@ -230,7 +226,7 @@ def moe_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: int) 
     params = layers * (attention + hidden * experts + top_k * expert) + vocab * hidden
     total = layers * (attention + hidden * experts + experts * expert) + vocab * hidden
     lora_attention = r * (3 * hidden + q + 2 * kv_out + q + hidden)
-    lora = layers * (lora_attention + top_k * r * 3 * (hidden + inner))
+    lora = layers * (lora_attention + top_k * r * 3 * (hidden + inner)) + r * (hidden + vocab)
     attention_fwd = 4 * layers * q * mean_context
     return {
         "matmul_params": params,

@@ -9,8 +9,6 @@ pinned in ``test_plans.py`` and ``test_ddp.py``.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
@@ -20,11 +18,10 @@ import tinker
 from tinker import types
 
 from tests.support.faults import (
-    HEAVY,
     SMALL,
     forward_logprobs,
+    kill_a_rank_mid_step,
     serve_fails,  # noqa: F401
-    wait_until_computing,
 )
 from tests.support.server import ALIAS, start_server
 from tests.support.training import assert_identical, train
@@ -185,15 +182,10 @@ def test_a_rank_killed_mid_step_fails_that_request_and_the_group_comes_back(serv
     path = tc.save_state("before-the-kill").result().path
     at_save = forward_logprobs(tc)
 
-    old = health(server.base_url)["worker"]["pids"]
-    doomed = tc.forward_backward(HEAVY, "cross_entropy")
-    wait_until_computing(server.base_url, old[1])  # rank 1 is inside the step
-    os.kill(old[1], signal.SIGKILL)
-    with pytest.raises(tinker.RequestFailedError) as failure:
-        doomed.result()
-    assert failure.value.category == types.RequestErrorCategory.Server
-    assert f"training rank 1 (pid {old[1]}) was killed by SIGKILL" in str(failure.value)
-    assert f"was restored from {path}" in str(failure.value)
+    failure, old = kill_a_rank_mid_step(tc, server.base_url, rank=1)
+    assert failure.category == types.RequestErrorCategory.Server
+    assert f"training rank 1 (pid {old[1]}) was killed by SIGKILL" in str(failure)
+    assert f"was restored from {path}" in str(failure)
 
     worker = health(server.base_url)["worker"]
     assert worker["alive"] and worker["restarts"] == 1 and not set(worker["pids"]) & set(old)

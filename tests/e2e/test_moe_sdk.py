@@ -199,23 +199,15 @@ def test_a_rank_killed_mid_step_fails_that_request_and_the_expert_group_comes_ba
     """A dead rank of an expert-parallel group (whose peer waits for it inside a MoE layer) fails
     the request it was running, naming it; the group is replaced and the model comes back from its
     checkpoint on both ranks, each with its own experts. Last of the module: it restarts the ranks."""
-    import os
-    import signal
-
-    from tests.support.faults import HEAVY, wait_until_computing
+    from tests.support.faults import kill_a_rank_mid_step
 
     tc, base_url = moe["tc"], moe["server"].base_url
     path = tc.save_state("before-the-kill").result().path
     at_save = forward_logprobs(tc, TOKENS)
-    old = httpx.get(f"{base_url}/healthz", timeout=10).raise_for_status().json()["worker"]["pids"]
-    doomed = tc.forward_backward(HEAVY, "cross_entropy")
-    wait_until_computing(base_url, old[1])
-    os.kill(old[1], signal.SIGKILL)
-    with pytest.raises(tinker.RequestFailedError) as failure:
-        doomed.result()
-    assert failure.value.category == types.RequestErrorCategory.Server
-    assert f"training rank 1 (pid {old[1]}) was killed by SIGKILL" in str(failure.value)
-    assert f"was restored from {path}" in str(failure.value)
+    failure, old = kill_a_rank_mid_step(tc, base_url, rank=1)
+    assert failure.category == types.RequestErrorCategory.Server
+    assert f"training rank 1 (pid {old[1]}) was killed by SIGKILL" in str(failure)
+    assert f"was restored from {path}" in str(failure)
     worker = httpx.get(f"{base_url}/healthz", timeout=10).raise_for_status().json()["worker"]
     assert worker["alive"] and worker["restarts"] == 1 and not set(worker["pids"]) & set(old)
     np.testing.assert_array_equal(forward_logprobs(tc, TOKENS), at_save)

@@ -4,12 +4,15 @@ that must fail to start."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import httpx
 import numpy as np
+import pytest
+import tinker
 from tinker import types
 
 
@@ -38,6 +41,18 @@ def wait_until_computing(base_url: str, pid: int, cpu_s: float = 0.3, timeout: f
     while cpu_seconds(pid) - start < cpu_s:
         assert time.monotonic() < deadline, f"worker {pid} never started computing the request"
         time.sleep(0.02)
+
+
+def kill_a_rank_mid_step(tc, base_url: str, rank: int = 1) -> tuple[tinker.RequestFailedError, list[int]]:
+    """Send a heavy ``forward_backward`` on ``tc``, SIGKILL training rank ``rank`` once it is inside
+    the step, and return how the request failed and the ranks' pids before the kill."""
+    old = health(base_url)["worker"]["pids"]
+    doomed = tc.forward_backward(HEAVY, "cross_entropy")
+    wait_until_computing(base_url, old[rank])
+    os.kill(old[rank], signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError) as failure:
+        doomed.result()
+    return failure.value, old
 
 
 def forward_logprobs(tc) -> np.ndarray:
