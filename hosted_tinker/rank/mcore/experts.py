@@ -70,7 +70,8 @@ class ExpertProjection:
 
     @property
     def split_dims(self) -> tuple[ExpertSplit | None, ExpertSplit | None]:
-        return (ExpertSplit(), None) if self.A.shape[0] > 1 or self.module.endswith(".w2") else (None, ExpertSplit())
+        """Down's ``A`` is each expert's (split), gate's and up's ``B`` (``ExpertsShape.lora_shapes``)."""
+        return (ExpertSplit(), None) if self.module.endswith(".w2") else (None, ExpertSplit())
 
 
 def draw_expert_projections(site: ExpertsSite, rank: int, draw: Callable) -> list[ExpertProjection]:
@@ -98,7 +99,7 @@ class MoeLora:
     ) -> None:
         """``adapters(site)``: (number, projections, scale) of each resident adapter with LoRA on
         that site. ``group``: where the dispatcher gathers tokens (None: this rank alone)."""
-        self.sites, self.compute, self.group = sites, compute, group
+        self.compute, self.group = compute, group
         self.adapters = adapters
         self.token_adapters = torch.empty(0, dtype=torch.long)  # the group's tokens, as gathered
         self.in_pass: set[int] = set()  # the adapters those tokens run under
