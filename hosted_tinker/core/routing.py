@@ -7,11 +7,47 @@ Per layer, with ``c_e`` the token-expert assignments of expert ``e`` and ``p = Î
 perfect balance: the fraction of experts with a token, the fraction with more than ``p``,
 ``(max c - p) / p`` and ``(min c - p) / p``; averaged over the layers (``:mean``) or their
 largest (``e_max_violation:max``).
+
+With routing replay (``rank.routing_replay``), two more once the request named recorded
+sequences: the fraction of its (token, layer) routings taken from the sampler's record
+(``routing_replayed:mean``), and of those, the fraction the learner's router would have chosen
+otherwise (``routing_replay_changed:mean``: how much of the sampler-learner gap was routing).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A request's routing on a mixture-of-experts model, summed over its micro-batches and
+    replicas: tokens each expert of each layer received, int64 ``(layers, experts)``, and of
+    its (token, layer) routings, how many there were, how many were replayed from the sampler's
+    record and how many of those differ from the learner's own choice."""
+
+    counts: np.ndarray
+    routings: int = 0
+    replayed: int = 0
+    changed: int = 0
+
+    def __add__(self, other: Routed) -> Routed:
+        return Routed(
+            self.counts + other.counts,
+            self.routings + other.routings,
+            self.replayed + other.replayed,
+            self.changed + other.changed,
+        )
+
+
+def replay_metrics(routed: Routed) -> dict[str, float]:
+    """The replay's two fractions (the module's docstring)."""
+    return {
+        "routing_replayed:mean": routed.replayed / routed.routings if routed.routings else 0.0,
+        "routing_replay_changed:mean": routed.changed / routed.replayed if routed.replayed else 0.0,
+    }
 
 
 def routing_metrics(counts: np.ndarray) -> dict[str, float]:

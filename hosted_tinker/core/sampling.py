@@ -47,6 +47,9 @@ class SampleSpec:
     stream: bool = False
     # the prompt's images, each over a run of the model's image token in ``prompt`` (``core.images``)
     images: tuple[ImageInput, ...] = ()
+    # Record which experts each token was routed to, for routing replay (``rank.routing_replay``):
+    # a mixture-of-experts model's ``SampleOutput.prompt_routing`` and ``SampledSequence.routing``.
+    record_routing: bool = False
 
     @property
     def scores_prompt(self) -> bool:
@@ -68,6 +71,9 @@ class SampledSequence:
     # (L, k), MASK_LOGPROB in a cell no token fills. Arrays: as Python lists, many long samples'
     # (millions of numbers) held the GIL, and the event loop, while they crossed the worker pipe.
     topk: tuple[np.ndarray, np.ndarray] | None = None
+    # With ``record_routing``, on a mixture-of-experts model: int16 ``(len(tokens), layers, top_k)``,
+    # the experts each sampled token went to when it was fed back; the last token never is (-1).
+    routing: np.ndarray | None = None
 
 
 @dataclass
@@ -77,6 +83,7 @@ class SampleOutput:
     topk_prompt: tuple[Tensor, Tensor] | None = None  # ids int32 (L, k), logprobs float32 (L, k)
     target_prompt: Tensor | None = None  # float32 (L - 1, K): log-probs of target_prompt_ids, 0.0 at -1
     prompt_alt: tuple[Tensor, Tensor] | None = None  # tokens int64 (L - 1, k), their log-probs float32
+    prompt_routing: np.ndarray | None = None  # with record_routing: int16 (len(prompt), layers, top_k)
 
 
 @dataclass

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # annotations only: the CLI (``keys``, ``--help``) need not l
     import torch
 
     from hosted_tinker.core.custom_loss import CustomLossDef
+    from hosted_tinker.core.routing import Routed
 
 # The optimizer families a model can be created with, as the SDK's ``optimizer_config`` names
 # them (and as get_info / weights_info report them).
@@ -55,6 +56,10 @@ class DatumInput:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     # its images, each over a run of the model's image token in ``tokens`` (``core.images``)
     images: tuple[ImageInput, ...] = ()
+    # routing replay (``rank.routing_replay``): int16 ``(N, layers, top_k)``, the experts the
+    # sampler chose for each input position in each mixture-of-experts layer, -1 where it
+    # recorded none (there the learner's router chooses)
+    routing: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +73,9 @@ class ForwardBackwardBatch:
     loss_config: Mapping[str, float]
     forward_only: bool
     custom_loss: CustomLossDef | None = None  # loss_fn "custom": the session's stored loss
+    # its data name sequences the sampler recorded (provenance): on a mixture-of-experts model the
+    # response says how much of their routing was replayed (``core.routing.replay_metrics``)
+    recorded: bool = False
 
 
 @dataclass
@@ -80,9 +88,8 @@ class ForwardBackwardResult:
     loss_sum: float
     elementwise_loss: list[np.ndarray | None] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
-    # a mixture-of-experts model's routing: tokens each expert of each layer received, int64
-    # ``(layers, experts)`` over the request's tokens (``core.routing``); None for a dense model
-    routed: np.ndarray | None = None
+    # a mixture-of-experts model's routing over the request's tokens (``core.routing``); None for a dense model
+    routed: Routed | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,9 @@ class Capabilities:
     family: str = ""  # its config's model_type, e.g. qwen3_5_moe
     # routed experts per mixture-of-experts layer (0: a dense model); train_mlp puts a LoRA on each
     routed_experts: int = 0
+    # routing replay (``rank.routing_replay``): (MoE layers, experts per token) of each token's
+    # recorded routing; (0, 0) where nothing is recorded or replayed (a dense model)
+    replay_routing: tuple[int, int] = (0, 0)
     # Gated-DeltaNet (linear attention) layers, trained over packed sequences (0: none)
     linear_attention_layers: int = 0
     images: bool = False  # whether a ModelInput may hold images (ImageChunk) for this model

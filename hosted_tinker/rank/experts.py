@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hosted_tinker.core.routing import Routed
 from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype
 
 _SEPARATE_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
@@ -101,27 +102,48 @@ class ExpertsHook:
 class RoutingCounter:
     """How many tokens each routed expert of each layer receives, per adapter, while ``active``
     (a training pass's forward, not its recomputation in the backward pass): what the service's
-    MoE metrics are computed from (``core.routing``). ``segments`` says which tokens run under
-    which adapter (``adapters.Routes``)."""
+    MoE metrics are computed from (``core.routing``); and, with routing replay
+    (``rank.routing_replay``), how many of each layer's tokens were replayed and how many of
+    those the router would have sent elsewhere. ``segments`` says which tokens run under which
+    adapter (``adapters.Routes``)."""
 
     def __init__(self, segments: Callable[[], list[tuple[int, int | None, str]]]) -> None:
         self.segments = segments
         self.active = False
         self.counts: dict[str, dict[str, Tensor]] = {}  # adapter -> experts module -> (E,) counts
+        self.top_k = 1  # experts per token (every layer's the same)
+        # adapter -> (replayed, changed) token-layer routings, left on the device
+        self.replays: dict[str, Tensor] = {}
 
     def record(self, module: str, top_k_index: Tensor, experts: int) -> None:
         if not self.active:
             return
+        self.top_k = top_k_index.shape[-1]
         for start, end, name in self.segments():
             routed = top_k_index[start:end].reshape(-1)
             counts = torch.bincount(routed, minlength=experts)[:experts]  # stays on the device
             layers = self.counts.setdefault(name, {})
             layers[module] = counts if module not in layers else layers[module] + counts
 
-    def take(self, order: list[str]) -> dict[str, Tensor]:
-        """Each adapter's counts, ``(layers, experts)`` in ``order``, since the last call."""
+    def record_replay(self, replayed: Tensor, changed: Tensor) -> None:
+        """One layer's replay: per token whether its experts came from the record, and whether
+        the router would have chosen others (bool ``(T,)`` each)."""
+        if not self.active:
+            return
+        for start, end, name in self.segments():
+            sums = torch.stack([replayed[start:end].sum(), changed[start:end].sum()])
+            self.replays[name] = sums if name not in self.replays else self.replays[name] + sums
+
+    def take(self, order: list[str]) -> dict[str, Routed]:
+        """Each adapter's routing since the last call: counts ``(layers, experts)`` in ``order``."""
         taken, self.counts = self.counts, {}
-        return {name: torch.stack([layers[m] for m in order if m in layers]) for name, layers in taken.items()}
+        replays, self.replays = self.replays, {}
+        out = {}
+        for name, layers in taken.items():
+            counts = torch.stack([layers[m] for m in order if m in layers]).cpu().numpy()
+            replayed, changed = replays[name].tolist() if name in replays else (0, 0)
+            out[name] = Routed(counts, int(counts.sum()) // self.top_k, int(replayed), int(changed))
+        return out
 
 
 def fused_experts(module: nn.Module) -> ExpertsShape | None:

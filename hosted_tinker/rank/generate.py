@@ -10,9 +10,10 @@ computes for the same tokens; temperature, top-k and top-p only shape the sampli
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from hosted_tinker.core.sampling import (
     TokenListener,
 )
 from hosted_tinker.rank.hf import CausalLM
+from hosted_tinker.rank.routing_replay import NONE, RouterReplay
 from hosted_tinker.rank.vision import VisionTower
 
 
@@ -234,9 +236,14 @@ class Decode:
         decode: Callable[[list[int]], str],
         default_seed: Callable[[], int],
         vision: VisionTower | None = None,
+        replay: RouterReplay | None = None,
     ) -> None:
         self.device = next(lm.parameters()).device
         self.vision = vision  # a vision-language model's tower, for prompts with images (``rank.vision``)
+        # a mixture-of-experts model's routers, which record each token's experts for the
+        # requests that ask (``SampleSpec.record_routing``): per (request, sample), per fed token
+        self.replay = replay if replay is not None and replay.layers else None
+        self.routed: dict[tuple[int, int], list[np.ndarray]] = {}
         self.decoder = getattr(lm, lm.base_model_prefix)
         # transformers 5 names the decoder's cache ``cache`` (``past_key_values`` goes in 5.40); 4.x the latter
         self.cache_kwarg = (
@@ -284,8 +291,15 @@ class Decode:
             # the rows decode on from past their prompt's largest M-RoPE position (an image's
             # positions advance less than its tokens do); text alone: the same as its count
             positions = inputs["position_ids"][1]
-        out = self.decoder(attention_mask=mask, use_cache=True, **inputs)
+        with self._recording([specs[i] for i, _ in rows]) as taken:
+            out = self.decoder(attention_mask=mask, use_cache=True, **inputs)
+            routed = taken()  # (layers, rows * longest, top_k), or None
         hidden = out.last_hidden_state  # (rows, longest, H)
+        if routed is not None:  # each recording request's prompt, once
+            by_row = routed.view(routed.shape[0], len(rows), longest, -1).permute(1, 2, 0, 3)
+            for r, (i, s) in enumerate(rows):
+                if s == 0 and specs[i].record_routing:
+                    self.outputs[i].prompt_routing = _int16(by_row[r, longest - len(specs[i].prompt) :])
         for r, (i, s) in enumerate(rows):
             spec, output = specs[i], self.outputs[i]
             if s == 0 and spec.scores_prompt:
@@ -359,14 +373,31 @@ class Decode:
         if live.rows:
             live.mask = torch.cat([live.mask, live.mask.new_ones((len(live.rows), 1))], dim=1)
             live.positions = live.positions + 1
-            out = self.decoder(
-                input_ids=picked[:, None],
-                attention_mask=live.mask,
-                position_ids=live.positions,
-                use_cache=True,
-                **{self.cache_kwarg: live.cache},
-            )
+            with self._recording([specs[i] for i, _ in live.rows]) as taken:
+                out = self.decoder(
+                    input_ids=picked[:, None],
+                    attention_mask=live.mask,
+                    position_ids=live.positions,
+                    use_cache=True,
+                    **{self.cache_kwarg: live.cache},
+                )
+                routed = taken()  # (layers, rows, top_k): the tokens just sampled, fed back
             live.cache, live.last = _cache(out), out.last_hidden_state[:, -1]
+            if routed is not None:
+                by_row = _int16(routed.permute(1, 0, 2))
+                for r, (i, s) in enumerate(live.rows):
+                    if specs[i].record_routing:
+                        self.routed.setdefault((i, s), []).append(by_row[r])
+
+    @contextlib.contextmanager
+    def _recording(self, specs: list[SampleSpec]) -> Iterator[Callable[[], Tensor | None]]:
+        """Around one decoder call: if a request among ``specs`` records its routing, what its
+        routers chose, ``(layers, tokens, top_k)``; else a function giving None."""
+        if self.replay is None or not any(spec.record_routing for spec in specs):
+            yield lambda: None
+            return
+        with self.replay.recording() as taken:
+            yield taken
 
     def _report(self, on_finished: FinishListener | None) -> None:
         """Each request none of whose rows is left is finished: its top-k rows are put together
@@ -380,6 +411,11 @@ class Decode:
             for s, seq in enumerate(self.outputs[i].sequences):
                 if rows := self.best.pop((i, s), None):
                     seq.topk = (np.stack([ids for ids, _ in rows]), np.stack([lps for _, lps in rows]))
+                if self.replay is not None and self.specs[i].record_routing:
+                    fed = self.routed.pop((i, s), [])
+                    routing = np.full((len(seq.tokens), self.replay.layers, self.replay.top_k), NONE, np.int16)
+                    routing[: len(fed)] = np.stack(fed) if fed else routing[:0]
+                    seq.routing = routing
             if on_finished is not None:
                 on_finished(i, self.outputs[i])
 
@@ -394,13 +430,19 @@ def generate(
     admit: Callable[[], Admission] | None = None,
     on_token: TokenListener | None = None,
     vision: VisionTower | None = None,
+    replay: RouterReplay | None = None,
 ) -> list[SampleOutput]:
     """Sample every request of ``specs`` in one ``Decode`` run to its end (``lm``: a causal LM
     with its adapter set); one output per request, ``specs`` first, then admitted ones."""
-    run = Decode(lm, specs, pad_id=pad_id, decode=decode, default_seed=default_seed, vision=vision)
+    run = Decode(lm, specs, pad_id=pad_id, decode=decode, default_seed=default_seed, vision=vision, replay=replay)
     while not run.run(admit, on_token):
         pass  # a pause asked for here has no one to give the worker to
     return run.outputs
+
+
+def _int16(routed: Tensor) -> np.ndarray:
+    """Recorded experts as they are stored: int16 (every family has fewer than 32,768 experts)."""
+    return routed.to(torch.int16).cpu().numpy()
 
 
 def _top_k_rows(logp: Tensor, ks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:

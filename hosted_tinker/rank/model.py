@@ -17,13 +17,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.logprobs import chunk_tokens_for, packed_targets, target_logprobs, unpacked
 from hosted_tinker.core.packing import pack
+from hosted_tinker.core.routing import Routed
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank import attention, linear_attention
 from hosted_tinker.rank import vision as vision_tower
@@ -74,6 +74,7 @@ class LoraModel(Protocol):
     family: str  # its config's model_type, e.g. qwen3_5_moe
     linear_attention_layers: int  # Gated-DeltaNet layers (``rank.linear_attention``)
     routed_experts: int  # per mixture-of-experts layer, each with its own LoRA under train_mlp (0: dense)
+    replay_routing: tuple[int, int]  # (MoE layers, experts per token) it replays (``rank.routing_replay``)
     lora_groups: tuple[str, ...]  # the LoRA flags (attn, mlp, unembed) that find layers on this model
     lora_params_per_rank: dict[str, int]  # per flag, LoRA parameters per unit of rank, unsharded
     vocab_size: int
@@ -96,10 +97,10 @@ class LoraModel(Protocol):
         """The adapter's ``adapter_config.json``, as PEFT writes it."""
         ...
 
-    def take_routed(self) -> dict[str, np.ndarray]:
+    def take_routed(self) -> dict[str, Routed]:
         """A mixture-of-experts model's routing in the ``logprobs`` calls since the last call:
         per adapter (``AdapterHandle.name``), the tokens each expert of each layer received,
-        ``(layers, experts)``; empty for a dense model."""
+        ``(layers, experts)``, and what was replayed (``core.routing.Routed``); empty for a dense model."""
         ...
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
@@ -261,6 +262,7 @@ class HfLoraModel:
         self.layers = [m for m in self.base.modules() if isinstance(m, GradientCheckpointingLayer)]
         self.adapters = LoraAdapters(self.base, lora_compute)
         self.routed_experts = max((shape.experts for shape in self.adapters.experts.values()), default=0)
+        self.replay_routing = (self.adapters.replay.layers, self.adapters.replay.top_k)
         self.lora_groups = tuple(group for group, targets in self.targets.items() if targets)
         self.lora_params_per_rank = {
             group: sum(math.prod(shape) for target in targets for shape in self.adapters.lora_shapes(target, 1))
@@ -302,6 +304,7 @@ class HfLoraModel:
         packed = pack(data)
         routes = self.adapters.routes
         routes.segments = segments([h.name for h in handles], [d.num_tokens for d in data])
+        self.adapters.replay.replay([d.routing for d in data], [d.num_tokens for d in data], self.device)
         decoder = getattr(lm, lm.base_model_prefix)
         input_ids = packed.tokens[None].to(self.device)
         inputs: dict[str, Tensor | list[Tensor]] = {
@@ -345,9 +348,8 @@ class HfLoraModel:
     def finish_pass(self, failed: bool) -> None:
         pass  # the losses' backward was the whole of it
 
-    def take_routed(self) -> dict[str, np.ndarray]:
-        taken = self.adapters.routing.take(list(self.adapters.experts))
-        return {name: counts.cpu().numpy() for name, counts in taken.items()}
+    def take_routed(self) -> dict[str, Routed]:
+        return self.adapters.routing.take(list(self.adapters.experts))
 
 
 class SyntheticLoraModel(HfLoraModel):

@@ -165,7 +165,13 @@ class EmbeddedSampler:
 
     def _decoding(self) -> dict:
         """What every decode run here is given besides its model and requests."""
-        return {"vision": self.vision, "pad_id": self.pad_id, "decode": self._decode, "default_seed": _seed}
+        return {
+            "vision": self.vision,
+            "replay": self.adapters.replay,
+            "pad_id": self.pad_id,
+            "decode": self._decode,
+            "default_seed": _seed,
+        }
 
     def _decode(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=False))  # one sequence: one string

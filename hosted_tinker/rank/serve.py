@@ -130,6 +130,7 @@ def build_rank(spec: RankSpec) -> Rank:
         activation_memory_gib=activation_memory / 2**30 if isinstance(activation_memory, float) else activation_memory,
         family=model.family,
         routed_experts=model.routed_experts,
+        replay_routing=model.replay_routing,
         linear_attention_layers=model.linear_attention_layers,
         images=vision is not None,
         image_token_id=vision.image_token_id if vision is not None else -1,

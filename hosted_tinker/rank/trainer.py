@@ -38,6 +38,7 @@ from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.custom_loss import Allowance, allowance_for, pass_allowance
 from hosted_tinker.core.errors import GroupBroken, PeerFailed, UserError
 from hosted_tinker.core.packing import microbatches
+from hosted_tinker.core.routing import Routed
 from hosted_tinker.core.sharding import every
 from hosted_tinker.core.types import (
     AdapterState,
@@ -74,10 +75,10 @@ class _Outcome:
         self.elementwise: list[np.ndarray | None] = [None] * len(batch.data)
         self.metrics: dict[str, float] = {}
         self.loss_sum = 0.0
-        self.routed: np.ndarray | None = None  # a mixture-of-experts model's routing (``core.routing``)
+        self.routed: Routed | None = None  # a mixture-of-experts model's routing (``core.routing``)
 
-    def add_routed(self, counts: np.ndarray) -> None:
-        self.routed = counts if self.routed is None else self.routed + counts
+    def add_routed(self, routed: Routed) -> None:
+        self.routed = routed if self.routed is None else self.routed + routed
 
     def add(self, scored: list[tuple[int, torch.Tensor]], shared: Allowance) -> torch.Tensor:
         """The loss of some of the request's datums (``(index, log-probs)``), as a 0-d tensor in

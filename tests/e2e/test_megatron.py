@@ -132,6 +132,41 @@ def test_tokens_that_miss_a_ranks_experts_step_as_on_peft(moe: tuple[ProcessBack
         backend.delete_adapter("missed")
 
 
+def test_a_replayed_routing_trains_as_on_peft(moe: tuple[ProcessBackend, Trainer]):
+    """Routing replay on megatron's router (``rank.mcore.experts._Replayer``): two datums of
+    forced experts (the first positions left to the router), one on each expert-parallel rank,
+    give peft's log-probs, loss, gradients and replay counts."""
+    megatron, peft = moe
+    layers, top_k = megatron.capabilities.replay_routing
+    assert (layers, top_k) == peft.model.replay_routing == (2, 2)
+    g = torch.Generator().manual_seed(5)
+    data = []
+    for n in (11, 6):
+        tokens = torch.randint(10, 500, (n + 1,), generator=g)
+        forced = torch.stack([torch.randperm(8, generator=g)[:top_k] for _ in range(n * layers)])
+        forced = forced.view(n, layers, top_k).to(torch.int16)
+        forced[:2] = -1
+        data.append(DatumInput(tokens[:-1], tokens[1:], {"weights": torch.ones(n)}, routing=forced))
+    batch = ForwardBackwardBatch(data, "cross_entropy", {}, False)
+    results = []
+    for backend in (megatron.trainer, peft):
+        backend.create_adapter("replayed", LoraSpec(rank=4, seed=3))
+        results.append(backend.forward_backward("replayed", batch))
+    got, want = results
+    for g_lp, w_lp in zip(got.logprobs, want.logprobs, strict=True):
+        np.testing.assert_allclose(g_lp, w_lp, rtol=TOL, atol=TOL)
+    assert got.loss_sum == pytest.approx(want.loss_sum, rel=TOL)
+    assert (got.routed.replayed, got.routed.routings) == (want.routed.replayed, want.routed.routings) == (26, 34)
+    assert got.routed.changed == want.routed.changed > 0
+    np.testing.assert_array_equal(got.routed.counts, want.routed.counts)
+    got_g = megatron.trainer.export_state("replayed", with_gradients=True).gradients
+    want_g = peft.export_state("replayed", with_gradients=True).gradients
+    for key, grad in want_g.items():
+        np.testing.assert_allclose(got_g[key], grad, rtol=TOL, atol=TOL, err_msg=key)
+    for backend in (megatron.trainer, peft):
+        backend.delete_adapter("replayed")
+
+
 def rank0_only_tokens(model: Path) -> list[int]:
     """Three tokens whose two positions route only to experts 0-3 in layer 0 of ``model``."""
     from transformers import AutoModelForCausalLM

@@ -15,7 +15,7 @@ import tinker
 import torch
 from tinker import types
 
-from tests.support.sdk import datum, download, forward_logprobs
+from tests.support.sdk import datum, download, forward_logprobs, rl_datum
 from tests.support.server import ServerExited, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -133,6 +133,36 @@ def test_sampling_the_trained_experts_scores_as_the_trainer(moe):
     for seq in sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences:
         trainer = forward_logprobs(moe["tc"], prompt + seq.tokens)
         np.testing.assert_allclose(seq.logprobs, trainer[len(prompt) - 1 :], atol=1e-4)
+
+
+def test_the_sampled_routing_is_replayed_when_the_samples_train(moe):
+    """Routing replay: a sampler made with record_stability_info records each token's experts, and
+    a forward on those tokens with provenance runs them: every input position's routing is the
+    sampler's (its prompt and sampled[:-1]); on the weights that sampled, they are the learner's
+    own choices too. After a step the learner's routers would choose otherwise for some tokens,
+    and the record still decides; the same data without provenance has nothing to replay."""
+    fresh = moe["sc"].create_lora_training_client(base_model=ALIAS, rank=4, seed=11).result()
+    sampler = fresh.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = TOKENS[:10]
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop=[])
+    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences
+    data = [rl_datum(s, 1.0, prompt) for s in seqs]
+    plain = [types.Datum(model_input=d.model_input, loss_fn_inputs=d.loss_fn_inputs) for d in data]
+    on_policy = fresh.forward(data, "importance_sampling").result().metrics
+    assert on_policy["routing_replayed:mean"] == 1.0 and on_policy["routing_replay_changed:mean"] == 0.0
+    assert on_policy["sampler_logprob_gap:max"] < 1e-4
+
+    fresh.forward_backward([datum(TOKENS)], "cross_entropy").result()
+    fresh.optim_step(types.AdamParams(learning_rate=0.5)).result()
+    replayed, unreplayed = (fresh.forward(d, "importance_sampling").result() for d in (data, plain))
+    assert replayed.metrics["routing_replayed:mean"] == 1.0
+    assert replayed.metrics["routing_replay_changed:mean"] > 0
+    assert "routing_replayed:mean" not in unreplayed.metrics
+    differ = [
+        np.abs(r["logprobs"].to_numpy() - u["logprobs"].to_numpy()).max()
+        for r, u in zip(replayed.loss_fn_outputs, unreplayed.loss_fn_outputs, strict=True)
+    ]
+    assert max(differ) > 1e-4
 
 
 def test_resume_continues_exactly(moe):

@@ -17,6 +17,7 @@ import pytest
 import tinker
 from tinker import types
 
+from tests.support import sdk
 from tests.support.loss_reference import ref_stable_reinforce
 from tests.support.server import ALIAS, ServerProcess, start_server
 
@@ -28,27 +29,7 @@ ADVANTAGES = [1.0, -0.5, 0.75, -1.0]
 
 
 def rl_datum(seq: types.SampledSequence, advantage: float, prompt=PROMPT, logprobs=None) -> types.Datum:
-    """rl_loop's datum for one sampled sequence, with rl_loop's provenance."""
-    ob_len, sampled = len(prompt) - 1, list(seq.tokens)
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(prompt + sampled[:-1]),
-        loss_fn_inputs={
-            "target_tokens": [0] * ob_len + sampled,
-            "logprobs": [0.0] * ob_len + list(logprobs if logprobs is not None else seq.logprobs),
-            "advantages": [0.0] * ob_len + [advantage] * len(sampled),
-        },
-    )
-    sid = seq.sequence_id
-    return datum.with_provenance(
-        model_input=[
-            types.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
-            types.SampledProvenanceSpan(sequence_id=sid, length=len(sampled) - 1),
-        ],
-        loss_fn_inputs=[
-            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=len(prompt) - 1),
-            types.SampledProvenanceSpan(sequence_id=sid, length=len(sampled)),
-        ],
-    )
+    return sdk.rl_datum(seq, advantage, prompt, logprobs)
 
 
 def reference_loss(seqs, advantages, learner, c=2.0, beta=0.0) -> tuple[float, list[np.ndarray]]:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from hosted_tinker.rank.experts import PROJECTIONS, ExpertsShape, RoutingCounter
 from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype, scaled
 from hosted_tinker.rank.model import ExpertSplit
+from hosted_tinker.rank.routing_replay import replay_target, replayed
 
 NO_ADAPTER = -1  # a token's adapter number when it runs under none (filler, an adapter-less span)
 
@@ -104,8 +105,21 @@ class MoeLora:
         self.token_adapters = torch.empty(0, dtype=torch.long)  # the group's tokens, as gathered
         self.in_pass: set[int] = set()  # the adapters those tokens run under
         self.routing: RoutingCounter | None = None
-        for name, site in sites.items():
+        # routing replay (``rank.routing_replay``): this pass's recorded experts of this rank's
+        # tokens, ``(T, layers, top_k)``, or None; set by ``replay`` for the pass and its recomputation
+        self.target: Tensor | None = None
+        self.layers = len(sites)
+        self.experts = min((site.shape.experts for site in sites.values()), default=0)
+        self.top_k = 0
+        for layer, (name, site) in enumerate(sites.items()):
             self._hook(name, site)
+            if site.moe.router is not None:
+                self.top_k = site.moe.router.topk
+                site.moe.router.router_replay = _Replayer(self, layer)
+
+    def replay(self, routing: list[Tensor | None], lengths: list[int], device: torch.device) -> None:
+        """Replay ``routing`` in the next pass (``routing_replay.replay_target``)."""
+        self.target = replay_target(routing, lengths, self.layers, self.top_k, self.experts, device)
 
     def gather_routes(self, local: Tensor) -> None:
         """Before a pass: the adapter number of each of this rank's tokens, gathered in the
@@ -176,3 +190,33 @@ class MoeLora:
                 self.routing.record(site.module, top_k, site.shape.experts)
 
         return record
+
+
+class _Replayer:
+    """megatron-core's seam for routing replay (``TopKRouter.router_replay``, which its
+    ``topk_routing_with_score_function`` asks for each layer's top-k): the recorded experts where
+    this pass has a record, the router's own choice elsewhere, their scores gathered as the
+    router's own top-k values would be (then megatron weights them as it weights its own).
+    megatron's ``RouterReplay`` replays every token or none, from a process-wide list."""
+
+    def __init__(self, owner: MoeLora, layer: int) -> None:
+        self.owner, self.layer = owner, layer
+
+    def get_replay_topk(
+        self,
+        scores: Tensor,
+        topk: int,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: Callable[..., tuple[Tensor, Tensor]] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        if default_compute_topk is None:
+            raise TypeError("megatron-core passes its top-k function")
+        values, indices = default_compute_topk(scores, topk, num_groups, group_topk)
+        target = self.owner.target
+        if target is None:
+            return values, indices
+        chosen, on, changed = replayed(target[:, self.layer].to(indices.device), indices)
+        if self.owner.routing is not None:
+            self.owner.routing.record_replay(on, changed)
+        return torch.where(on[:, None], scores.gather(1, chosen), values), chosen

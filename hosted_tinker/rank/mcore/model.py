@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from hosted_tinker.core.errors import GroupBroken, UserError
 from hosted_tinker.core.logprobs import chunk_tokens_for, packed_targets, target_logprobs, unpacked
 from hosted_tinker.core.packing import pack
+from hosted_tinker.core.routing import Routed
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import lora_config, segments
@@ -109,6 +110,8 @@ class McoreLoraModel:
         self.pad_id = 0  # fills a sequence-parallel stream to a multiple of tp, as its own sequence
         self.lora_alpha = lora_alpha
         self.lora = TpLora(self.gpt, shape, tp, sequence_parallel, lora_compute, ep, ep_rank, self.token_group)
+        moe = self.lora.experts
+        self.replay_routing = (moe.layers, moe.top_k) if moe is not None else (0, 0)
         self.lora_groups = tuple(
             sorted({group_of(name) for name in self.lora.sites}, key=("attn", "mlp", "unembed").index)
         )
@@ -187,9 +190,8 @@ class McoreLoraModel:
         rank = next(iter(adapter.projections.values()))[0].A.shape[0]
         return lora_config(rank, self.lora_alpha, modules, self.model_path)
 
-    def take_routed(self) -> dict:
-        taken = self.routing.take([site.module for site in self.lora.sites.values() if isinstance(site, ExpertsSite)])
-        return {name: counts.cpu().numpy() for name, counts in taken.items()}
+    def take_routed(self) -> dict[str, Routed]:
+        return self.routing.take([site.module for site in self.lora.sites.values() if isinstance(site, ExpertsSite)])
 
     def finish_pass(self, failed: bool) -> None:
         """Lock-stepped: the last training pass's backward through the decoder, from the gradient
@@ -228,6 +230,11 @@ class McoreLoraModel:
         self.lora.routes.segments = segments(names, [d.num_tokens for d in data] + ([short] if short else []))
         if self.lora.experts is not None:
             self.lora.experts.gather_routes(self.lora.token_adapters(total + short).to(self.device))
+            self.lora.experts.replay(
+                [d.routing for d in data] + [None] * bool(short),
+                [d.num_tokens for d in data] + [short] * bool(short),
+                self.device,
+            )
         on: dict[str, Any] = {"device": self.device}
         # transformer-engine reads the bounds on the device. Megatron's own layers (its unfused
         # RoPE, our attention) read them in Python in every layer: on the host they make no layer

@@ -4,7 +4,10 @@ A sampling request that asks for it records its prompt once and, per returned se
 sampled tokens and the sampler's log-prob of each, under the ``sequence_id`` the client got
 (``SampledSequence.sequence_id``). Training requests name them in provenance spans
 (``Datum.with_provenance``), and ``stable_reinforce`` reads the recorded log-probs instead of
-trusting the client's copy.
+trusting the client's copy. On a mixture-of-experts model the record also holds which experts
+each token was routed to (the prompt's once, each sequence's sampled tokens), which training
+replays (``rank.routing_replay``): int16 ``(tokens, layers, top_k)``, stored as ``.npy`` bytes
+(Qwen3-30B-A3B: 768 bytes a token, against 8 for the token and its log-prob).
 
 As the official service documents: records belong to the session that sampled them, live one
 day, and each training request that uses a sequence restarts its day. They are rows in the
@@ -14,11 +17,13 @@ they survive a restart.
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,7 +37,8 @@ _IDS_PER_QUERY = 500
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sampled_prompts (
     request_key TEXT PRIMARY KEY,
-    prompt BLOB NOT NULL
+    prompt BLOB NOT NULL,
+    routing BLOB
 );
 CREATE TABLE IF NOT EXISTS sampled_sequences (
     sequence_id TEXT PRIMARY KEY,
@@ -40,26 +46,47 @@ CREATE TABLE IF NOT EXISTS sampled_sequences (
     session_id TEXT NOT NULL,
     tokens BLOB NOT NULL,
     logprobs BLOB NOT NULL,
-    expires_at REAL NOT NULL
+    expires_at REAL NOT NULL,
+    routing BLOB
 );
 CREATE INDEX IF NOT EXISTS sampled_sequences_by_request ON sampled_sequences(request_key);
 CREATE INDEX IF NOT EXISTS sampled_sequences_by_expiry ON sampled_sequences(expires_at);
 """
 
 
+# Columns added since the tables were first made (a data directory of an earlier version).
+_ADDED = [("sampled_prompts", "routing"), ("sampled_sequences", "routing")]
+
+
 @dataclass(frozen=True)
 class RecordedSequence:
     """prompt int32 ``(P,)``, tokens int32 ``(T,)``, logprobs float32 ``(T,)``: the sampler's
-    log-prob of each sampled token, exactly as returned to the client."""
+    log-prob of each sampled token, exactly as returned to the client; on a mixture-of-experts
+    model, the experts of each prompt position ``(P, layers, top_k)`` and of each sampled token
+    ``(T, layers, top_k)`` (-1 where none was recorded), else None."""
 
     prompt: np.ndarray
     tokens: np.ndarray
     logprobs: np.ndarray
+    prompt_routing: np.ndarray | None = None
+    routing: np.ndarray | None = None
+
+
+class Sampled(NamedTuple):
+    """One sampled sequence as ``record`` takes it."""
+
+    sequence_id: str
+    tokens: Iterable[int]
+    logprobs: Iterable[float]
+    routing: np.ndarray | None = None
 
 
 class SequenceRecords:
     def __init__(self, path: str | Path, ttl_s: float = TTL_S, clock: Callable[[], float] = time.time) -> None:
         self._db = connect(path, _SCHEMA)
+        for table, column in _ADDED:
+            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} BLOB")
         self._lock = threading.Lock()
         self.ttl_s = ttl_s
         self._clock = clock
@@ -73,21 +100,34 @@ class SequenceRecords:
         session_id: str,
         request_key: str,
         prompt: Iterable[int],
-        sequences: Iterable[tuple[str, Iterable[int], Iterable[float]]],
+        sequences: Iterable[Sampled | tuple],
+        prompt_routing: np.ndarray | None = None,
     ) -> None:
-        """One sampling request: its prompt, and ``(sequence_id, tokens, logprobs)`` per sequence."""
+        """One sampling request: its prompt (and its routing), and each sequence (``Sampled``)."""
         expires = self._clock() + self.ttl_s
         rows = [
-            (sid, request_key, session_id, _int32(tokens), np.asarray(list(lps), dtype="<f4").tobytes(), expires)
-            for sid, tokens, lps in sequences
+            (
+                seq.sequence_id,
+                request_key,
+                session_id,
+                _int32(seq.tokens),
+                np.asarray(list(seq.logprobs), dtype="<f4").tobytes(),
+                expires,
+                _npy(seq.routing),
+            )
+            for seq in (Sampled(*s) for s in sequences)
         ]
         with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.execute(
-                "INSERT OR REPLACE INTO sampled_prompts(request_key, prompt) VALUES (?,?)",
-                (request_key, _int32(prompt)),
+                "INSERT OR REPLACE INTO sampled_prompts(request_key, prompt, routing) VALUES (?,?,?)",
+                (request_key, _int32(prompt), _npy(prompt_routing)),
             )
-            self._db.executemany("INSERT OR REPLACE INTO sampled_sequences VALUES (?,?,?,?,?,?)", rows)
+            self._db.executemany(
+                "INSERT OR REPLACE INTO sampled_sequences"
+                "(sequence_id, request_key, session_id, tokens, logprobs, expires_at, routing) VALUES (?,?,?,?,?,?,?)",
+                rows,
+            )
 
     def take(self, session_id: str, sequence_ids: Iterable[str]) -> dict[str, RecordedSequence]:
         """The live records of ``session_id`` among ``sequence_ids`` (others are simply absent),
@@ -101,7 +141,8 @@ class SequenceRecords:
                 chunk = ids[start : start + _IDS_PER_QUERY]
                 marks = ",".join("?" * len(chunk))
                 found = self._db.execute(
-                    "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs FROM sampled_sequences s "
+                    "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs, p.routing, s.routing "
+                    "FROM sampled_sequences s "
                     "JOIN sampled_prompts p ON p.request_key = s.request_key "
                     f"WHERE s.session_id=? AND s.expires_at>? AND s.sequence_id IN ({marks})",
                     (session_id, now, *chunk),
@@ -114,9 +155,13 @@ class SequenceRecords:
                 rows += found
         return {
             sid: RecordedSequence(
-                np.frombuffer(prompt, dtype="<i4"), np.frombuffer(tokens, dtype="<i4"), np.frombuffer(lps, dtype="<f4")
+                np.frombuffer(prompt, dtype="<i4"),
+                np.frombuffer(tokens, dtype="<i4"),
+                np.frombuffer(lps, dtype="<f4"),
+                _from_npy(prompt_routing),
+                _from_npy(routing),
             )
-            for sid, prompt, tokens, lps in rows
+            for sid, prompt, tokens, lps, prompt_routing, routing in rows
         }
 
     def delete_expired(self) -> int:
@@ -134,3 +179,15 @@ class SequenceRecords:
 
 def _int32(tokens: Iterable[int]) -> bytes:
     return np.asarray(list(tokens), dtype="<i4").tobytes()
+
+
+def _npy(array: np.ndarray | None) -> bytes | None:
+    if array is None:
+        return None
+    out = io.BytesIO()
+    np.save(out, np.ascontiguousarray(array, dtype="<i2"), allow_pickle=False)
+    return out.getvalue()
+
+
+def _from_npy(blob: bytes | None) -> np.ndarray | None:
+    return None if blob is None else np.load(io.BytesIO(blob), allow_pickle=False)

@@ -12,7 +12,9 @@ record (``stable_reinforce``) uses it for exactly the tokens the sampler chose:
   prompt are not compared: a recipe may put placeholders there (they carry no loss).
 
 What comes out, per target position: whether it is a sampled token (``sampled_mask``) and
-the sampler's recorded log-prob of it (0 elsewhere).
+the sampler's recorded log-prob of it (0 elsewhere); and per input position, on a
+mixture-of-experts model, the experts the sampler routed that token to, for training to replay
+(``routing``; -1 where nothing was recorded, as for the last sampled token, never fed back).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hosted_tinker.core.errors import ApiError, bad_request
+from hosted_tinker.core.types import Capabilities
 from hosted_tinker.server.persistence.sequences import RecordedSequence
 from hosted_tinker.server.protocol.proto_codec import Span, WireDatum
 
@@ -38,6 +41,7 @@ class Resolved:
 
     sampled_mask: np.ndarray
     logprobs: np.ndarray
+    routing: np.ndarray | None = None  # int16 (N, layers, top_k) per input position, or None: nothing recorded
 
     def inputs(self) -> dict[str, np.ndarray]:
         return {"sampled_mask": self.sampled_mask, "logprobs": self.logprobs}
@@ -75,14 +79,31 @@ def resolve(
     targets = datum.loss_fn_inputs["target_tokens"]
     n = len(datum.tokens)
     walk = functools.partial(_walk, records=records, require_records=require_records)
-    walk(datum.model_input_spans, f"{where}.model_input_spans", datum.tokens, check_prompt=True)
+    inputs = walk(datum.model_input_spans, f"{where}.model_input_spans", datum.tokens, check_prompt=True)
+    routing = _routing(inputs, n, f"{where}.model_input_spans")
     mask = np.zeros(n, dtype=np.float32)
     logprobs = np.zeros(n, dtype=np.float32)
     for pos, span, rec in walk(datum.loss_fn_input_spans, f"{where}.loss_fn_input_spans", targets, check_prompt=False):
         if span.sampled:
             mask[pos : pos + span.length] = 1.0
             logprobs[pos : pos + span.length] = rec.logprobs[span.offset : span.offset + span.length]
-    return Resolved(mask, logprobs)
+    return Resolved(mask, logprobs, routing)
+
+
+def _routing(spans: list[tuple[int, Span, RecordedSequence]], n: int, where: str) -> np.ndarray | None:
+    """The recorded experts of each of ``n`` input positions (-1 where none), or None if none of
+    the records holds routing (a dense model, or a sampler that does not record it)."""
+    routing: np.ndarray | None = None
+    for pos, span, rec in spans:
+        source = rec.routing if span.sampled else rec.prompt_routing
+        if source is None:
+            continue
+        if routing is None:
+            routing = np.full((n, *source.shape[1:]), -1, dtype=np.int16)
+        elif source.shape[1:] != routing.shape[1:]:
+            raise bad_request(f"{where}: the sequences it names were sampled from different models")
+        routing[pos : pos + span.length] = source[span.offset : span.offset + span.length]
+    return routing
 
 
 def _walk(
@@ -137,4 +158,16 @@ def check_client_logprobs(client: np.ndarray, resolved: Resolved, where: str) ->
             f"{where}.loss_fn_inputs.logprobs[{i}] = {float(client[i]):.6g}, but the sampler recorded "
             f"{float(resolved.logprobs[i]):.6g} for that token; stable_reinforce uses the record (send the "
             "sampler's log-probs, or none)"
+        )
+
+
+def check_routing(routing: np.ndarray, caps: Capabilities, where: str) -> None:
+    """Recorded routing is replayed only on the model that recorded it: records outlive a restart
+    of the server, which may load another checkpoint."""
+    layers, top_k = caps.replay_routing
+    if routing.shape[1:] != (layers, top_k) or int(routing.max()) >= caps.routed_experts:
+        raise bad_request(
+            f"{where}.model_input_spans name sequences sampled from another model than this server's "
+            f"({routing.shape[1]} mixture-of-experts layers, {routing.shape[2]} experts per token; this one has "
+            f"{layers} and {top_k} of {caps.routed_experts}): sample again"
         )

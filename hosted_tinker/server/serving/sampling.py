@@ -8,6 +8,7 @@ them exactly, and vLLM 0.32 cannot (see ``vllm_engine.needs_embedded``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import secrets
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.vllm_engine import VllmEngine, needs_embedded
 from hosted_tinker.server.persistence.records import SamplerRecord
-from hosted_tinker.server.persistence.sequences import SequenceRecords
+from hosted_tinker.server.persistence.sequences import Sampled, SequenceRecords
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
@@ -376,6 +377,8 @@ class SamplingService:
         # With record_stability_info, what the sampler chose is recorded for training
         # (``server.persistence.sequences``) under the ids the client gets, before the result is visible.
         record = Recording(sampler.session_id, request_key, sequence_ids) if req.record_stability_info else None
+        if record is not None:  # and, on a mixture-of-experts model, each token's experts (routing replay)
+            spec = dataclasses.replace(spec, record_routing=True)
         task = asyncio.get_running_loop().create_task(
             self._sample_into(request_id, self.weights_of(sampler), spec, record, target_layout, charge)
         )
@@ -415,10 +418,16 @@ class SamplingService:
             output = await self.run(weights, spec, charge=charge)
             if record is not None:
                 sequences = [
-                    (sid, s.tokens, s.logprobs) for sid, s in zip(record.sequence_ids, output.sequences, strict=True)
+                    Sampled(sid, s.tokens, s.logprobs, s.routing)
+                    for sid, s in zip(record.sequence_ids, output.sequences, strict=True)
                 ]
                 await asyncio.to_thread(
-                    self.sequences.record, record.session_id, record.request_key, spec.prompt, sequences
+                    self.sequences.record,
+                    record.session_id,
+                    record.request_key,
+                    spec.prompt,
+                    sequences,
+                    output.prompt_routing,
                 )
         except Exception as e:
             self.scheduler.fail_with(request_id, e)

@@ -20,7 +20,7 @@ from hosted_tinker.core.errors import (
     bad_request,
     not_found,
 )
-from hosted_tinker.core.routing import routing_metrics
+from hosted_tinker.core.routing import replay_metrics, routing_metrics
 from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.server.persistence.records import COPY_STATUS, ModelRecord
 from hosted_tinker.server.persistence.sequences import SequenceRecords
@@ -296,7 +296,8 @@ class TrainingService:
                     "loss:sum": result.loss_sum,
                     **losses.sampler_gap(batch.data, result.logprobs),
                     **reduce_metrics(result.metrics, len(batch.data)),
-                    **(routing_metrics(result.routed) if result.routed is not None else {}),
+                    **(routing_metrics(result.routed.counts) if result.routed is not None else {}),
+                    **(replay_metrics(result.routed) if result.routed is not None and batch.recorded else {}),
                 }
                 encoded = encode_forward_backward_output(outputs, metrics)
                 self.events.trained(Trained(model_id, seq_id, kind, duration_s, tokens, metrics))
@@ -327,8 +328,8 @@ class TrainingService:
             config[key] = value
         wire_data = self._wire_data(req)
         data = [check_datum(d, i, self.backend.capabilities, spec) for i, d in enumerate(wire_data)]
-        self._resolve_provenance(model, wire_data, data, spec)
-        return ForwardBackwardBatch(data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only)
+        recorded = self._resolve_provenance(model, wire_data, data, spec)
+        return ForwardBackwardBatch(data, req.loss_fn, config, req.forward_only, recorded=recorded)
 
     def _validate_custom_batch(self, req: WireForwardBackward, model: ModelRecord) -> ForwardBackwardBatch:
         """``loss_fn="custom"``: the session's stored loss (``serving.custom_losses``) by id."""
@@ -340,8 +341,8 @@ class TrainingService:
         loss = self.custom_losses.get(model.session_id, req.loss_fn_config["loss_id"])
         wire_data = self._wire_data(req)
         data = [check_datum(d, i, self.backend.capabilities, None, loss) for i, d in enumerate(wire_data)]
-        self._resolve_provenance(model, wire_data, data, None)
-        return ForwardBackwardBatch(data, "custom", {}, req.forward_only, custom_loss=loss)
+        recorded = self._resolve_provenance(model, wire_data, data, None)
+        return ForwardBackwardBatch(data, "custom", {}, req.forward_only, custom_loss=loss, recorded=recorded)
 
     def _wire_data(self, req: WireForwardBackward) -> list[WireDatum]:
         try:
@@ -359,10 +360,11 @@ class TrainingService:
 
     def _resolve_provenance(
         self, model: ModelRecord, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec | None
-    ) -> None:
+    ) -> bool:
         """Check every datum's provenance spans against the sampler's records (restarting their
-        day), and give a loss that reads the record (``recorded_inputs``) its inputs. Only such a
-        loss needs every named sequence to have a record (a custom loss, ``spec`` None, does not)."""
+        day), give a loss that reads the record (``recorded_inputs``) its inputs, and each datum
+        its recorded routing to replay. Only such a loss needs every named sequence to have a
+        record (a custom loss, ``spec`` None, does not). Whether any named sequence has one."""
         needs_records = spec is not None and spec.needs_provenance
         for i, d in enumerate(wire_data):
             if d.model_input_spans:
@@ -375,19 +377,23 @@ class TrainingService:
                 )
         wanted = set().union(*(provenance.sequence_ids(d) for d in wire_data))
         if not wanted:
-            return
+            return False
         records = self.sequences.take(model.session_id, wanted)
         for i, (d, datum) in enumerate(zip(wire_data, data, strict=True)):
             where = f"data[{i}]"
             if not d.model_input_spans:
                 continue
             resolved = provenance.resolve(d, where, records, require_records=needs_records)
+            if resolved.routing is not None:  # replayed in training, whatever the loss (``rank.routing_replay``)
+                provenance.check_routing(resolved.routing, self.backend.capabilities, where)
+                datum.routing = torch.from_numpy(resolved.routing)
             if needs_records:
                 if "logprobs" in datum.inputs:
                     provenance.check_client_logprobs(datum.inputs["logprobs"].numpy(), resolved, where)
                 recorded = resolved.inputs()
                 wanted_inputs = spec.recorded_inputs if spec is not None else ()  # needs_records: never None
                 datum.inputs.update({key: torch.from_numpy(recorded[key]) for key in wanted_inputs})
+        return bool(records)
 
     # ---- optimizer ------------------------------------------------------------------------
 

@@ -492,8 +492,10 @@ def test_the_trainer_counts_each_requests_routing_once(rank: Rank):
         a, b = datum(list(range(4, 30))), datum(list(range(40, 49)))
         joint = trainer.forward_backward_many([("r1", one_datum_batch(a)), ("r2", one_datum_batch(b))])
         for result, d in zip(joint, (a, b), strict=True):
-            np.testing.assert_array_equal(result.routed, base_routing(trainer.model, d))
-            assert (result.routed.sum(axis=1) == d.num_tokens * 2).all()
+            np.testing.assert_array_equal(result.routed.counts, base_routing(trainer.model, d))
+            assert (result.routed.counts.sum(axis=1) == d.num_tokens * 2).all()
+            assert result.routed.routings == d.num_tokens * len(result.routed.counts)  # tokens × layers
+            assert result.routed.replayed == result.routed.changed == 0  # nothing recorded to replay
     finally:
         trainer.recompute_above_tokens = threshold
         for name in ("r1", "r2"):

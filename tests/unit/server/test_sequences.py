@@ -8,7 +8,7 @@ import pytest
 from tinker.proto import tinker_public_pb2 as pb
 
 from hosted_tinker.core.errors import ApiError, WireError
-from hosted_tinker.server.persistence.sequences import SequenceRecords
+from hosted_tinker.server.persistence.sequences import Sampled, SequenceRecords
 from hosted_tinker.server.protocol.proto_codec import Span, WireDatum, decode_forward_backward
 from hosted_tinker.server.serving import provenance
 
@@ -122,3 +122,69 @@ def test_resolution_marks_the_sampled_targets_with_the_recorded_logprobs(tmp_pat
     datum.loss_fn_input_spans = [Span(True, "r:1:0", 0, 3)]
     with pytest.raises(ApiError, match=r"data\[0\].loss_fn_input_spans cover 3 positions; the field has 5"):
         provenance.check_tiling(datum, "data[0]")
+
+
+def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
+    """A mixture-of-experts record's experts (prompt once, each sequence's own) come back per
+    input position of an rl_loop datum; the last sampled token's (never fed) and a dense
+    model's record have none."""
+    prompt_routing = np.arange(3 * 2 * 2, dtype=np.int16).reshape(3, 2, 2)  # (P, layers, top_k)
+    routing = 100 + np.arange(3 * 2 * 2, dtype=np.int16).reshape(3, 2, 2)
+    routing[-1] = -1
+    records = SequenceRecords(tmp_path / "db.sqlite")
+    records.record(
+        "s", "r:1", [10, 11, 12], [Sampled("r:1:0", [20, 21, 22], [-0.25, -0.5, -0.75], routing)], prompt_routing
+    )
+    records.record("s", "d:1", [10, 11, 12], [("d:1:0", [20, 21, 22], [-0.25, -0.5, -0.75])])  # a dense model's
+    rec = SequenceRecords(tmp_path / "db.sqlite").take("s", ["r:1:0", "d:1:0"])  # reopened
+    np.testing.assert_array_equal(rec["r:1:0"].prompt_routing, prompt_routing)
+    np.testing.assert_array_equal(rec["r:1:0"].routing, routing)
+    assert rec["d:1:0"].routing is None and rec["d:1:0"].prompt_routing is None
+
+    def rl_datum(sid: str) -> WireDatum:
+        return WireDatum(
+            tokens=np.array([10, 11, 12, 20, 21]),
+            loss_fn_inputs={"target_tokens": np.array([0, 0, 20, 21, 22])},
+            model_input_spans=[Span(False, sid, 0, 3), Span(True, sid, 0, 2)],
+            loss_fn_input_spans=[Span(False, sid, 1, 2), Span(True, sid, 0, 3)],
+        )
+
+    got = provenance.resolve(rl_datum("r:1:0"), "data[0]", rec).routing
+    np.testing.assert_array_equal(got, np.concatenate([prompt_routing, routing[:2]]))
+    assert provenance.resolve(rl_datum("d:1:0"), "data[0]", rec).routing is None
+
+
+def test_records_made_before_routing_was_kept_still_read(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "db.sqlite")  # the tables as the previous version made them
+    db.executescript(
+        "CREATE TABLE sampled_prompts (request_key TEXT PRIMARY KEY, prompt BLOB NOT NULL);"
+        "CREATE TABLE sampled_sequences (sequence_id TEXT PRIMARY KEY, request_key TEXT NOT NULL, "
+        "session_id TEXT NOT NULL, tokens BLOB NOT NULL, logprobs BLOB NOT NULL, expires_at REAL NOT NULL);"
+    )
+    db.execute("INSERT INTO sampled_prompts VALUES ('o:1', ?)", (np.array([4], "<i4").tobytes(),))
+    db.execute(
+        "INSERT INTO sampled_sequences VALUES ('o:1:0', 'o:1', 's', ?, ?, 1e12)",
+        (np.array([5], "<i4").tobytes(), np.array([-0.1], "<f4").tobytes()),
+    )
+    db.commit()
+    db.close()
+    records = SequenceRecords(tmp_path / "db.sqlite")
+    old = records.take("s", ["o:1:0"])["o:1:0"]
+    assert list(old.tokens) == [5] and old.routing is None
+    records.record("s", "n:1", [4], [Sampled("n:1:0", [5], [-0.1], np.zeros((1, 1, 1), np.int16))])
+    assert records.take("s", ["n:1:0"])["n:1:0"].routing.shape == (1, 1, 1)
+
+
+def test_routing_recorded_on_another_model_is_refused_naming_the_datum():
+    from hosted_tinker.core.types import Capabilities
+
+    caps = Capabilities("peft", "Qwen3MoeForCausalLM", (), 64, 64, 100, routed_experts=8, replay_routing=(2, 2))
+    provenance.check_routing(np.full((5, 2, 2), 7, np.int16), caps, "data[0]")
+    for other in (np.zeros((5, 3, 2), np.int16), np.zeros((5, 2, 4), np.int16), np.full((5, 2, 2), 8, np.int16)):
+        with pytest.raises(ApiError, match=r"data\[0\].model_input_spans name sequences sampled from another model"):
+            provenance.check_routing(other, caps, "data[0]")
+    dense = Capabilities("peft", "Qwen3ForCausalLM", (), 64, 64, 100)
+    with pytest.raises(ApiError, match="another model"):
+        provenance.check_routing(np.zeros((5, 2, 2), np.int16), dense, "data[1]")
