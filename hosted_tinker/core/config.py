@@ -341,7 +341,7 @@ class ServerConfig(BaseModel):
         Flag(
             "a limit every key is held to unless it has its own (repeatable): sessions, models, adapter_bytes, "
             "lora_rank, metadata_bytes, checkpoint_bytes, requests_per_s, pending, pending_bytes, sample_tokens, "
-            "body_bytes, custom_loss_bytes",
+            "body_bytes, custom_loss_bytes, record_bytes",
             group=KEYS,
             name="key-limit",
             metavar="NAME=VALUE",

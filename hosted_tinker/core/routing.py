@@ -20,6 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# A recorded routing (``rank.routing_replay``): per token and MoE layer the experts the sampler
+# chose, as this dtype (every family has fewer than 32,768 experts), NO_EXPERT where there is
+# no record (the last sampled token, never fed back; a position no sampler saw).
+RECORD_DTYPE = "int16"
+NO_EXPERT = -1
+
 
 @dataclass(frozen=True)
 class Routed:

@@ -47,7 +47,7 @@ from hosted_tinker.rank.experts import (
 from hosted_tinker.rank.hf import CausalLM
 from hosted_tinker.rank.linear_attention import split_targets
 from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype, scaled
-from hosted_tinker.rank.routing_replay import RouterReplay
+from hosted_tinker.rank.routing_replay import RouterTape
 
 # [start, end) of the token stream (end None: to its end, however long), and the adapter it runs under
 Segment = tuple[int, int | None, str]
@@ -211,7 +211,7 @@ class LoraAdapters:
         for name in self.experts:
             setattr(lm.get_submodule(name), COUNTER_ATTR, (self.routing, name))
         # the routers, hooked to record what they choose (sampling) or replay a record (training)
-        self.replay = RouterReplay(lm, self.experts, self.routing)
+        self.replay = RouterTape(lm, self.experts, self.routing)
 
     def linear(self, module: str) -> nn.Linear:
         """The linear layer ``module`` of the tree (``KeyError`` naming it if there is none)."""

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.logprobs import chunk_tokens_for, target_logprobs
+from hosted_tinker.core.routing import NO_EXPERT, RECORD_DTYPE
 from hosted_tinker.core.sampling import (
     MASK_LOGPROB,
     Admission,
@@ -33,7 +34,7 @@ from hosted_tinker.core.sampling import (
     TokenListener,
 )
 from hosted_tinker.rank.hf import CausalLM
-from hosted_tinker.rank.routing_replay import NONE, RouterReplay
+from hosted_tinker.rank.routing_replay import RouterTape
 from hosted_tinker.rank.vision import VisionTower
 
 
@@ -236,14 +237,14 @@ class Decode:
         decode: Callable[[list[int]], str],
         default_seed: Callable[[], int],
         vision: VisionTower | None = None,
-        replay: RouterReplay | None = None,
+        replay: RouterTape | None = None,
     ) -> None:
         self.device = next(lm.parameters()).device
         self.vision = vision  # a vision-language model's tower, for prompts with images (``rank.vision``)
         # a mixture-of-experts model's routers, which record each token's experts for the
         # requests that ask (``SampleSpec.record_routing``): per (request, sample), per fed token
         self.replay = replay if replay is not None and replay.layers else None
-        self.routed: dict[tuple[int, int], list[np.ndarray]] = {}
+        self.routed: dict[tuple[int, int], list[Tensor]] = {}
         self.decoder = getattr(lm, lm.base_model_prefix)
         # transformers 5 names the decoder's cache ``cache`` (``past_key_values`` goes in 5.40); 4.x the latter
         self.cache_kwarg = (
@@ -291,15 +292,16 @@ class Decode:
             # the rows decode on from past their prompt's largest M-RoPE position (an image's
             # positions advance less than its tokens do); text alone: the same as its count
             positions = inputs["position_ids"][1]
-        with self._recording([specs[i] for i, _ in rows]) as taken:
+        recording = [r for r, (i, s) in enumerate(rows) if s == 0 and specs[i].record_routing]  # a prompt once
+        with self._recording(recording, longest) as taken:
             out = self.decoder(attention_mask=mask, use_cache=True, **inputs)
-            routed = taken()  # (layers, rows * longest, top_k), or None
+            routed = taken()  # (layers, recording rows, longest, top_k), or None
         hidden = out.last_hidden_state  # (rows, longest, H)
-        if routed is not None:  # each recording request's prompt, once
-            by_row = routed.view(routed.shape[0], len(rows), longest, -1).permute(1, 2, 0, 3)
-            for r, (i, s) in enumerate(rows):
-                if s == 0 and specs[i].record_routing:
-                    self.outputs[i].prompt_routing = _int16(by_row[r, longest - len(specs[i].prompt) :])
+        if routed is not None:
+            for j, r in enumerate(recording):
+                i = rows[r][0]
+                chosen = routed[:, j, longest - len(specs[i].prompt) :].transpose(0, 1)  # (P, layers, top_k)
+                self.outputs[i].prompt_routing = chosen.cpu().numpy()
         for r, (i, s) in enumerate(rows):
             spec, output = specs[i], self.outputs[i]
             if s == 0 and spec.scores_prompt:
@@ -373,7 +375,8 @@ class Decode:
         if live.rows:
             live.mask = torch.cat([live.mask, live.mask.new_ones((len(live.rows), 1))], dim=1)
             live.positions = live.positions + 1
-            with self._recording([specs[i] for i, _ in live.rows]) as taken:
+            recording = [r for r, (i, _) in enumerate(live.rows) if specs[i].record_routing]
+            with self._recording(recording, 1) as taken:
                 out = self.decoder(
                     input_ids=picked[:, None],
                     attention_mask=live.mask,
@@ -381,22 +384,22 @@ class Decode:
                     use_cache=True,
                     **{self.cache_kwarg: live.cache},
                 )
-                routed = taken()  # (layers, rows, top_k): the tokens just sampled, fed back
+                routed = taken()  # (layers, recording rows, 1, top_k): the tokens just sampled, fed back
             live.cache, live.last = _cache(out), out.last_hidden_state[:, -1]
-            if routed is not None:
-                by_row = _int16(routed.permute(1, 0, 2))
-                for r, (i, s) in enumerate(live.rows):
-                    if specs[i].record_routing:
-                        self.routed.setdefault((i, s), []).append(by_row[r])
+            if routed is not None:  # kept on the device: read back once, when the request is done
+                for j, r in enumerate(recording):
+                    self.routed.setdefault(live.rows[r], []).append(routed[:, j, 0])
 
     @contextlib.contextmanager
-    def _recording(self, specs: list[SampleSpec]) -> Iterator[Callable[[], Tensor | None]]:
-        """Around one decoder call: if a request among ``specs`` records its routing, what its
-        routers chose, ``(layers, tokens, top_k)``; else a function giving None."""
-        if self.replay is None or not any(spec.record_routing for spec in specs):
+    def _recording(self, rows: list[int], width: int) -> Iterator[Callable[[], Tensor | None]]:
+        """Around one decoder call over rows of ``width`` positions: the experts its routers chose
+        for ``rows`` (those of requests that record their routing), ``(layers, len(rows), width,
+        top_k)``; a function giving None where no row records."""
+        if self.replay is None or not rows:
             yield lambda: None
             return
-        with self.replay.recording() as taken:
+        index = torch.tensor(rows, device=self.device)
+        with self.replay.recording(lambda chosen: chosen.view(-1, width, chosen.shape[-1])[index]) as taken:
             yield taken
 
     def _report(self, on_finished: FinishListener | None) -> None:
@@ -413,9 +416,11 @@ class Decode:
                     seq.topk = (np.stack([ids for ids, _ in rows]), np.stack([lps for _, lps in rows]))
                 if self.replay is not None and self.specs[i].record_routing:
                     fed = self.routed.pop((i, s), [])
-                    routing = np.full((len(seq.tokens), self.replay.layers, self.replay.top_k), NONE, np.int16)
-                    routing[: len(fed)] = np.stack(fed) if fed else routing[:0]
-                    seq.routing = routing
+                    seq.routing = np.full(
+                        (len(seq.tokens), self.replay.layers, self.replay.top_k), NO_EXPERT, RECORD_DTYPE
+                    )
+                    if fed:
+                        seq.routing[: len(fed)] = torch.stack(fed).cpu().numpy()
             if on_finished is not None:
                 on_finished(i, self.outputs[i])
 
@@ -430,7 +435,7 @@ def generate(
     admit: Callable[[], Admission] | None = None,
     on_token: TokenListener | None = None,
     vision: VisionTower | None = None,
-    replay: RouterReplay | None = None,
+    replay: RouterTape | None = None,
 ) -> list[SampleOutput]:
     """Sample every request of ``specs`` in one ``Decode`` run to its end (``lm``: a causal LM
     with its adapter set); one output per request, ``specs`` first, then admitted ones."""
@@ -438,11 +443,6 @@ def generate(
     while not run.run(admit, on_token):
         pass  # a pause asked for here has no one to give the worker to
     return run.outputs
-
-
-def _int16(routed: Tensor) -> np.ndarray:
-    """Recorded experts as they are stored: int16 (every family has fewer than 32,768 experts)."""
-    return routed.to(torch.int16).cpu().numpy()
 
 
 def _top_k_rows(logp: Tensor, ks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:

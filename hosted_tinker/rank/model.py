@@ -326,6 +326,8 @@ class HfLoraModel:
                 use_cache=False,
                 **attention.packing_kwargs(packed.cu_seqlens, packed.max_len, self.attention_impl, self.device),
             ).last_hidden_state[0]  # (ΣN, H), datum order
+        if not torch.is_grad_enabled():  # no backward will recompute a layer
+            self.adapters.replay.clear()
         targets = packed_targets(data).to(self.device)
         head = lm.get_output_embeddings()
         chunk = chunk_tokens_for(self.vocab_size)
@@ -346,7 +348,7 @@ class HfLoraModel:
     lock_stepped = False  # a rank's passes are its own
 
     def finish_pass(self, failed: bool) -> None:
-        pass  # the losses' backward was the whole of it
+        self.adapters.replay.clear()  # the losses' backward was the whole of it: nothing to replay any more
 
     def take_routed(self) -> dict[str, Routed]:
         return self.adapters.routing.take(list(self.adapters.experts))

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hosted_tinker.core.routing import NO_EXPERT, RECORD_DTYPE
 from hosted_tinker.rank.experts import ExpertsShape, RoutingCounter
 
-NONE = -1  # no recorded expert: the router chooses
+TORCH_RECORD_DTYPE: torch.dtype = getattr(torch, RECORD_DTYPE)
 
 Weighting = Callable[[Any, Tensor, Tensor], Tensor]  # (router, logits (T, E), indices (T, K)) -> weights
 
@@ -107,87 +108,88 @@ def find_routers(lm: nn.Module, experts: list[str]) -> list[tuple[Any, Weighting
 
 
 def replay_target(
-    routing: list[Tensor | None], lengths: list[int], layers: int, top_k: int, experts: int, device: torch.device
+    routing: list[Tensor | None], lengths: list[int], layers: int, top_k: int, device: torch.device
 ) -> Tensor | None:
-    """The experts to replay for a packed pass, int64 ``(T, layers, top_k)`` on ``device``: per
-    datum (``lengths[i]`` tokens) its recorded ``routing`` ``(N, layers, top_k)``, or ``NONE``
-    throughout for one without; None if no datum has a record (or the model no MoE layer). The
-    gateway has refused records of another shape (``Capabilities.replay_routing``: a sequence
-    sampled before the server was restarted on another checkpoint; records outlive a restart)."""
+    """The experts to replay in a packed pass, ``RECORD_DTYPE`` ``(T, layers, top_k)`` on
+    ``device``: per datum (``lengths[i]`` tokens) its recorded ``routing`` ``(N, layers, top_k)``,
+    or ``NO_EXPERT`` throughout for one without; None if no datum has a record (or the model has
+    no MoE layer). The gateway checked every record against this model
+    (``serving.provenance.check_routing``), so a misfit here is a bug, not a user's mistake."""
     if layers == 0 or all(r is None for r in routing):
         return None
     rows = []
     for r, n in zip(routing, lengths, strict=True):
-        if r is None:
-            rows.append(torch.full((n, layers, top_k), NONE, dtype=torch.long))
-            continue
-        if tuple(r.shape) != (n, layers, top_k) or int(r.max()) >= experts:
-            raise ValueError(f"recorded routing {tuple(r.shape)} for {n} tokens of {layers} x {top_k} of {experts}")
-        rows.append(r.long())
-    return torch.cat(rows).to(device)
+        if r is not None and tuple(r.shape) != (n, layers, top_k):
+            raise ValueError(f"a recorded routing of shape {tuple(r.shape)} for {n} tokens of {layers} x {top_k}")
+        rows.append(r if r is not None else torch.full((n, layers, top_k), NO_EXPERT, dtype=TORCH_RECORD_DTYPE))
+    return torch.cat(rows).to(device, TORCH_RECORD_DTYPE)
 
 
-def replayed(wanted: Tensor, chosen: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``wanted`` ``(T, K)`` (``NONE`` rows: no record) over a router's own ``chosen``: the experts
-    to run, whether each token's came from the record, and whether they differ from its own."""
-    on = wanted[:, 0] != NONE
-    run = torch.where(on[:, None], wanted, chosen)
+def replay_choice(wanted: Tensor, chosen: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One layer's recorded experts ``wanted`` ``(T, K)`` (``NO_EXPERT`` rows: no record) over its
+    router's own ``chosen``: the experts to run, whether each token's came from the record, and
+    whether they differ from the router's own."""
+    if wanted.shape[0] != chosen.shape[0]:
+        raise RuntimeError(f"routing replay: {wanted.shape[0]} tokens recorded, {chosen.shape[0]} routed")
+    on = wanted[:, 0] != NO_EXPERT
+    run = torch.where(on[:, None], wanted.to(chosen.dtype), chosen)
     changed = on & (run.sort(-1).values != chosen.sort(-1).values).any(-1)
     return run, on, changed
 
 
-class RouterReplay:
-    """The routers of one module tree, hooked: while ``recording`` each call's chosen experts are
-    kept per layer; while ``target`` is set, its choices are replayed. ``target`` stays set until
-    the next ``replay`` call, as ``adapters.Routes`` does: layers recomputed in the backward pass
-    must route as their forward did."""
+class RouterTape:
+    """The routers of one module tree, hooked: while ``recording``, what each call chose is kept
+    per layer; while ``target`` is set, its choices are replayed. ``target`` stays set from a
+    pass's forward through its backward (layers recomputed there must route as their forward
+    did) and is cleared by ``clear`` after it."""
 
     def __init__(self, lm: nn.Module, experts: dict[str, ExpertsShape], counter: RoutingCounter) -> None:
         routers = find_routers(lm, list(experts)) if experts else None
         self.layers = len(routers) if routers else 0  # 0: nothing to record or replay
-        self.experts = min(shape.experts for shape in experts.values()) if routers else 0
         self.top_k = int(routers[0][0].top_k) if routers else 0
         self.counter = counter
-        self.target: Tensor | None = None  # (T, layers, top_k) int64
-        self._recorded: list[Tensor | None] | None = None
+        self.target: Tensor | None = None  # (T, layers, top_k), RECORD_DTYPE
+        self._select: Callable[[Tensor], Tensor] | None = None
+        self._recorded: list[Tensor | None] = []
         for layer, (router, weigh) in enumerate(routers or []):
             router.register_forward_hook(self._hook(layer, weigh))
 
     # ---- recording (the sampler) ------------------------------------------------------------
 
     @contextmanager
-    def recording(self) -> Iterator[Callable[[], Tensor]]:
-        """While inside, every router call is kept; the function yielded gives the last call's
-        choices, ``(layers, tokens, top_k)``."""
-        self._recorded = [None] * self.layers
+    def recording(self, select: Callable[[Tensor], Tensor]) -> Iterator[Callable[[], Tensor]]:
+        """While inside, each router call's choices ``(tokens, top_k)`` are kept, as ``select``
+        cuts them (the rows that record: a decode's other rows are not kept); the function
+        yielded gives the last call's, ``(layers, *selected)`` in ``RECORD_DTYPE``."""
+        self._select, self._recorded = select, [None] * self.layers
         try:
             yield self._taken
         finally:
-            self._recorded = None
+            self._select, self._recorded = None, []
 
     def _taken(self) -> Tensor:
-        recorded = self._recorded or []
-        if any(r is None for r in recorded):
+        if any(r is None for r in self._recorded):
             raise RuntimeError("a mixture-of-experts layer was not called in the decoder's forward")
-        return torch.stack([r for r in recorded if r is not None])
+        return torch.stack([r for r in self._recorded if r is not None])
 
     # ---- replaying (the learner) -------------------------------------------------------------
 
     def replay(self, routing: list[Tensor | None], lengths: list[int], device: torch.device) -> None:
         """Replay ``routing`` (``replay_target``) in the next forward and its recomputation."""
-        self.target = replay_target(routing, lengths, self.layers, self.top_k, self.experts, device)
+        self.target = replay_target(routing, lengths, self.layers, self.top_k, device)
 
-    def _hook(self, layer: int, weigh: Weighting) -> Callable:
+    def clear(self) -> None:
+        """After a pass's backward (or its forward, without one): nothing held between passes."""
+        self.target = None
+
+    def _hook(self, layer: int, weigh: Weighting) -> Callable[[nn.Module, tuple, tuple], tuple | None]:
         def hook(router: nn.Module, args: tuple, output: tuple[Tensor, Tensor, Tensor]) -> tuple | None:
             logits, weights, indices = output
-            if self._recorded is not None:
-                self._recorded[layer] = indices.detach()
+            if self._select is not None:
+                self._recorded[layer] = self._select(indices.detach()).to(TORCH_RECORD_DTYPE)
             if self.target is None:
                 return None
-            wanted = self.target[:, layer]  # (T, K)
-            if wanted.shape[0] != indices.shape[0]:
-                raise RuntimeError(f"routing replay: {wanted.shape[0]} tokens recorded, {indices.shape[0]} routed")
-            chosen, on, changed = replayed(wanted, indices)
+            chosen, on, changed = replay_choice(self.target[:, layer], indices)
             self.counter.record_replay(on, changed)
             return logits, torch.where(on[:, None], weigh(router, logits, chosen), weights), chosen
 

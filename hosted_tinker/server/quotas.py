@@ -20,6 +20,8 @@ limit                what it bounds                                         refu
 ``sample_tokens``    n * (prompt + max_tokens) of its sampler requests      429
 ``body_bytes``       request bodies in flight, as received and inflated     429
 ``custom_loss_bytes``  custom losses stored for its unfinished sessions     403
+``record_bytes``     routing kept in its live sampling records (routing     kept without
+                     replay: ``server.persistence.sequences``)             routing
 ===================  =====================================================  ======
 
 A server without keys (open, for one user on loopback) has no per-key limits. Sessions and
@@ -77,6 +79,9 @@ class Limits(BaseModel):
     sample_tokens: int = Field(1 << 18, ge=1)
     body_bytes: int | None = Field(None, ge=1)  # None: --max-inflight-body-bytes / BODY_SHARE (api.inflight)
     custom_loss_bytes: int = Field(16 << 20, ge=0)  # graphs as stored (serving.custom_losses), of unfinished sessions
+    # routing replay's records of the key's live sampling records (a day each): Qwen3-30B-A3B's
+    # 768 bytes a token make 8 GiB ~11 M sampled tokens a day; past it, records keep no routing
+    record_bytes: int = Field(8 << 30, ge=0)
 
 
 # Unless told otherwise a key may hold a quarter of the requests (and bytes) the server keeps

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from hosted_tinker.rank.experts import PROJECTIONS, ExpertsShape, RoutingCounter
 from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype, scaled
 from hosted_tinker.rank.model import ExpertSplit
-from hosted_tinker.rank.routing_replay import replay_target, replayed
+from hosted_tinker.rank.routing_replay import replay_choice, replay_target
 
 NO_ADAPTER = -1  # a token's adapter number when it runs under none (filler, an adapter-less span)
 
@@ -109,7 +109,6 @@ class MoeLora:
         # tokens, ``(T, layers, top_k)``, or None; set by ``replay`` for the pass and its recomputation
         self.target: Tensor | None = None
         self.layers = len(sites)
-        self.experts = min((site.shape.experts for site in sites.values()), default=0)
         self.top_k = 0
         for layer, (name, site) in enumerate(sites.items()):
             self._hook(name, site)
@@ -118,8 +117,11 @@ class MoeLora:
                 site.moe.router.router_replay = _Replayer(self, layer)
 
     def replay(self, routing: list[Tensor | None], lengths: list[int], device: torch.device) -> None:
-        """Replay ``routing`` in the next pass (``routing_replay.replay_target``)."""
-        self.target = replay_target(routing, lengths, self.layers, self.top_k, self.experts, device)
+        """Replay ``routing`` in the next pass (``routing_replay.replay_target``), until ``clear``."""
+        self.target = replay_target(routing, lengths, self.layers, self.top_k, device)
+
+    def clear(self) -> None:
+        self.target = None
 
     def gather_routes(self, local: Tensor) -> None:
         """Before a pass: the adapter number of each of this rank's tokens, gathered in the
@@ -216,7 +218,7 @@ class _Replayer:
         target = self.owner.target
         if target is None:
             return values, indices
-        chosen, on, changed = replayed(target[:, self.layer].to(indices.device), indices)
+        chosen, on, changed = replay_choice(target[:, self.layer], indices)
         if self.owner.routing is not None:
             self.owner.routing.record_replay(on, changed)
         return torch.where(on[:, None], scores.gather(1, chosen), values), chosen

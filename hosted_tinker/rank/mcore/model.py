@@ -195,14 +195,16 @@ class McoreLoraModel:
 
     def finish_pass(self, failed: bool) -> None:
         """Lock-stepped: the last training pass's backward through the decoder, from the gradient
-        its losses left on the decoder's output (zero if ``failed``, or if no loss reached it)."""
-        if self._held is None:
-            return
-        (hidden, detached), self._held = self._held, None
-        grad = detached.grad if detached.grad is not None and not failed else torch.zeros_like(hidden)
-        hidden.backward(grad)
-        if self._anchor is not None:
-            self._anchor.grad = None  # a zero: nothing to keep
+        its losses left on the decoder's output (zero if ``failed``, or if no loss reached it).
+        After it, the pass's routing replay is let go."""
+        if self._held is not None:
+            (hidden, detached), self._held = self._held, None
+            grad = detached.grad if detached.grad is not None and not failed else torch.zeros_like(hidden)
+            hidden.backward(grad)
+            if self._anchor is not None:
+                self._anchor.grad = None  # a zero: nothing to keep
+        if self.lora.experts is not None:
+            self.lora.experts.clear()
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
         s = self.shape
@@ -249,6 +251,8 @@ class McoreLoraModel:
         )
         with recomputed(self.layers, recompute), self._decoder_only(), self._counting_routes():
             hidden = self.gpt(tokens[None].to(**on), positions[None].to(**on), None, packed_seq_params=params)
+        if self.lora.experts is not None and not torch.is_grad_enabled():  # no backward will recompute a layer
+            self.lora.experts.clear()
         if self.sequence_parallel:  # (S/tp, 1, H): whole on every rank, as a column layer's LoRA sees it
             hidden = whole_sequence(hidden)
         if self.lock_stepped and torch.is_grad_enabled():  # the decoder's backward waits for finish_pass

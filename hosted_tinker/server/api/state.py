@@ -30,7 +30,7 @@ from hosted_tinker.server.metrics import ServerMetrics
 from hosted_tinker.server.mirror import NO_MIRROR, CheckpointMirror
 from hosted_tinker.server.persistence.schema import DATABASE, DatabaseDamaged
 from hosted_tinker.server.persistence.schema import check as check_database
-from hosted_tinker.server.persistence.sequences import SequenceRecords
+from hosted_tinker.server.persistence.sequences import SequenceRecords, model_identity
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.quotas import Limits, Quotas
 from hosted_tinker.server.scheduler import QueueLimits, Scheduler
@@ -117,7 +117,6 @@ def build_state(config: ServerConfig) -> ServerState:
     except DatabaseDamaged as e:
         raise SystemExit(str(e)) from None
     store = Store.in_data_dir(config.data_dir)
-    sequences = SequenceRecords(store.path)
     run_metrics = RunMetrics(store.path)  # each run's steps, for GET /training_runs/{id}/metrics
     try:
         static_keys = env_keys() + (read_keys_file(config.api_keys_file) if config.api_keys_file else [])
@@ -125,6 +124,7 @@ def build_state(config: ServerConfig) -> ServerState:
         raise SystemExit(f"API keys: {e}") from None
     keys = KeyRing(store, static_keys, allow_any=config.dev_any_key)
     model_path = config.model_path()  # builds the tiny model on first use: after the refusals above
+    sequences = SequenceRecords(store.path, model=model_identity(model_path))
     files = CheckpointFiles(config.data_dir / "checkpoints")
     ephemeral = CheckpointFiles(config.data_dir / "ephemeral")
     parked = CheckpointFiles(config.data_dir / "parked")  # models saved whole off the workers (Residency)
@@ -199,6 +199,7 @@ def build_state(config: ServerConfig) -> ServerState:
             budget=SampleBudget(
                 config.max_sample_tokens, lambda key: None if (lim := quotas.of(key)) is None else lim.sample_tokens
             ),
+            record_limit=lambda key: None if (lim := quotas.of(key)) is None else lim.record_bytes,
         )
         mirror = CheckpointMirror(config.checkpoint_mirror, files, store) if config.checkpoint_mirror else None
         if mirror is not None:

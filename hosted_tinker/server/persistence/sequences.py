@@ -6,8 +6,12 @@ sampled tokens and the sampler's log-prob of each, under the ``sequence_id`` the
 (``Datum.with_provenance``), and ``stable_reinforce`` reads the recorded log-probs instead of
 trusting the client's copy. On a mixture-of-experts model the record also holds which experts
 each token was routed to (the prompt's once, each sequence's sampled tokens), which training
-replays (``rank.routing_replay``): int16 ``(tokens, layers, top_k)``, stored as ``.npy`` bytes
-(Qwen3-30B-A3B: 768 bytes a token, against 8 for the token and its log-prob).
+replays (``rank.routing_replay``): ``(tokens, layers, top_k)`` in ``core.routing.RECORD_DTYPE``,
+stored as ``.npy`` bytes (Qwen3-30B-A3B: 768 bytes a token, against 8 for the token and its
+log-prob). Routing is kept only while the key that sampled holds less than its ``record_bytes``
+limit of it in live records (past it, a record keeps its tokens and log-probs, and training says
+``routing_replayed:mean`` below 1), and replayed only on the model that recorded it (``model``,
+``model_identity``): records outlive a restart, which may load another checkpoint.
 
 As the official service documents: records belong to the session that sampled them, live one
 day, and each training request that uses a sequence restarts its day. They are rows in the
@@ -17,6 +21,7 @@ they survive a restart.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import threading
 import time
@@ -55,7 +60,13 @@ CREATE INDEX IF NOT EXISTS sampled_sequences_by_expiry ON sampled_sequences(expi
 
 
 # Columns added since the tables were first made (a data directory of an earlier version).
-_ADDED = [("sampled_prompts", "routing"), ("sampled_sequences", "routing")]
+_ADDED = [
+    ("sampled_prompts", "routing", "BLOB"),
+    ("sampled_prompts", "routing_model", "TEXT"),  # model_identity of the model that recorded it
+    ("sampled_sequences", "routing", "BLOB"),
+    ("sampled_sequences", "owner", "TEXT NOT NULL DEFAULT ''"),  # the key that sampled it
+    ("sampled_sequences", "routing_bytes", "INTEGER NOT NULL DEFAULT 0"),  # its routing's (and its prompt's)
+]
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,20 @@ class RecordedSequence:
     routing: np.ndarray | None = None
 
 
+def model_identity(model_path: str) -> str:
+    """What tells one served model from another across restarts: its path (or hub id), its
+    config, and its weight files' names and sizes (a Base and an Instruct checkpoint of one
+    architecture differ there, not in their configs)."""
+    digest = hashlib.sha256(model_path.encode())
+    folder = Path(model_path)
+    if folder.is_dir():
+        config = folder / "config.json"
+        digest.update(config.read_bytes() if config.exists() else b"")
+        for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+            digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    return digest.hexdigest()
+
+
 class Sampled(NamedTuple):
     """One sampled sequence as ``record`` takes it."""
 
@@ -82,11 +107,19 @@ class Sampled(NamedTuple):
 
 
 class SequenceRecords:
-    def __init__(self, path: str | Path, ttl_s: float = TTL_S, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, path: str | Path, model: str = "", ttl_s: float = TTL_S, clock: Callable[[], float] = time.time
+    ) -> None:
+        """``model``: the served model's ``model_identity``, under which routing is recorded and
+        replayed."""
         self._db = connect(path, _SCHEMA)
-        for table, column in _ADDED:
+        for table, column, declared in _ADDED:
             if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} BLOB")
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declared}")
+        self._db.execute(
+            "CREATE INDEX IF NOT EXISTS sampled_sequences_by_owner ON sampled_sequences(owner, expires_at)"
+        )
+        self.model = model
         self._lock = threading.Lock()
         self.ttl_s = ttl_s
         self._clock = clock
@@ -100,34 +133,52 @@ class SequenceRecords:
         session_id: str,
         request_key: str,
         prompt: Iterable[int],
-        sequences: Iterable[Sampled | tuple],
+        sequences: list[Sampled],
         prompt_routing: np.ndarray | None = None,
-    ) -> None:
-        """One sampling request: its prompt (and its routing), and each sequence (``Sampled``)."""
+        *,
+        owner: str = "",
+        routing_limit: int | None = None,
+    ) -> bool:
+        """One sampling request of ``owner``'s: its prompt (and its routing), and each sequence.
+        Its routing is kept only if the owner's live records then hold at most ``routing_limit``
+        bytes of routing (None: no limit); whether it was."""
         expires = self._clock() + self.ttl_s
-        rows = [
-            (
-                seq.sequence_id,
-                request_key,
-                session_id,
-                _int32(seq.tokens),
-                np.asarray(list(seq.logprobs), dtype="<f4").tobytes(),
-                expires,
-                _npy(seq.routing),
-            )
-            for seq in (Sampled(*s) for s in sequences)
-        ]
+        routings = [_npy(prompt_routing)] + [_npy(seq.routing) for seq in sequences]
+        size = sum(len(r) for r in routings if r is not None)
+        kept = True
         with self._lock, self._db:
             self._db.execute("BEGIN")
+            if size and routing_limit is not None:
+                (held,) = self._db.execute(
+                    "SELECT coalesce(sum(routing_bytes), 0) FROM sampled_sequences WHERE owner=? AND expires_at>?",
+                    (owner, self._clock()),
+                ).fetchone()
+                if held + size > routing_limit:
+                    routings, kept = [None] * len(routings), False
             self._db.execute(
-                "INSERT OR REPLACE INTO sampled_prompts(request_key, prompt, routing) VALUES (?,?,?)",
-                (request_key, _int32(prompt), _npy(prompt_routing)),
+                "INSERT OR REPLACE INTO sampled_prompts(request_key, prompt, routing, routing_model) VALUES (?,?,?,?)",
+                (request_key, _int32(prompt), routings[0], self.model),
             )
             self._db.executemany(
-                "INSERT OR REPLACE INTO sampled_sequences"
-                "(sequence_id, request_key, session_id, tokens, logprobs, expires_at, routing) VALUES (?,?,?,?,?,?,?)",
-                rows,
+                "INSERT OR REPLACE INTO sampled_sequences(sequence_id, request_key, session_id, tokens, logprobs, "
+                "expires_at, routing, owner, routing_bytes) VALUES (?,?,?,?,?,?,?,?,?)",
+                [
+                    (
+                        seq.sequence_id,
+                        request_key,
+                        session_id,
+                        _int32(seq.tokens),
+                        np.asarray(list(seq.logprobs), dtype="<f4").tobytes(),
+                        expires,
+                        routing,
+                        owner,
+                        # the prompt's routing is counted with the first sequence's
+                        (len(routing) if routing is not None else 0) + (len(routings[0] or b"") if j == 0 else 0),
+                    )
+                    for j, (seq, routing) in enumerate(zip(sequences, routings[1:], strict=True))
+                ],
             )
+        return kept
 
     def take(self, session_id: str, sequence_ids: Iterable[str]) -> dict[str, RecordedSequence]:
         """The live records of ``session_id`` among ``sequence_ids`` (others are simply absent),
@@ -141,7 +192,7 @@ class SequenceRecords:
                 chunk = ids[start : start + _IDS_PER_QUERY]
                 marks = ",".join("?" * len(chunk))
                 found = self._db.execute(
-                    "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs, p.routing, s.routing "
+                    "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs, p.routing, s.routing, p.routing_model "
                     "FROM sampled_sequences s "
                     "JOIN sampled_prompts p ON p.request_key = s.request_key "
                     f"WHERE s.session_id=? AND s.expires_at>? AND s.sequence_id IN ({marks})",
@@ -158,10 +209,11 @@ class SequenceRecords:
                 np.frombuffer(prompt, dtype="<i4"),
                 np.frombuffer(tokens, dtype="<i4"),
                 np.frombuffer(lps, dtype="<f4"),
-                _from_npy(prompt_routing),
-                _from_npy(routing),
+                # another model's routing is not this one's to replay
+                _from_npy(prompt_routing) if model == self.model else None,
+                _from_npy(routing) if model == self.model else None,
             )
-            for sid, prompt, tokens, lps, prompt_routing, routing in rows
+            for sid, prompt, tokens, lps, prompt_routing, routing, model in rows
         }
 
     def delete_expired(self) -> int:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import logging
 import math
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +47,9 @@ MAX_TOPK = 64
 # long as the longest): what the list may cost is bounded. OpenAI takes 4 stop sequences.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
+
+log = logging.getLogger(__name__)
+WARN_EVERY_S = 60.0
 
 
 def check_num_samples(num_samples: int) -> None:
@@ -91,6 +97,7 @@ class Recording:
     session_id: str
     request_key: str
     sequence_ids: list[str]
+    owner: str  # the key that sampled: its ``record_bytes`` bound the routing kept
 
 
 class SamplingService:
@@ -111,8 +118,12 @@ class SamplingService:
         usage: UsageLedger | None = None,
         images: ImageLayout | None = None,
         budget: SampleBudget | None = None,
+        record_limit: Callable[[str], int | None] = lambda key: None,
     ) -> None:
         self.images = images or ImageLayout(backend.capabilities, None)  # lays a prompt's images in
+        # the routing a key's live sampling records may hold (its ``record_bytes`` limit; None: any)
+        self.record_limit = record_limit
+        self._routing_dropped: dict[str, float] = {}  # key -> when it was last said that its routing was not kept
         self.usage = usage  # what each key sampled (``serving.usage``)
         self.budget = budget  # what a request and a key may ask of the embedded engine (None: no bound)
         self.backend = backend
@@ -364,6 +375,8 @@ class SamplingService:
             prompt_alt_tokens_k=req.prompt_alt_tokens_k,
             images=images,
         )
+        if req.record_stability_info:  # and, on a mixture-of-experts model, each token's experts (routing replay)
+            spec = dataclasses.replace(spec, record_routing=True)
         if self.uses_vllm(spec):
             self._check_vllm_ready()  # a 503 the SDK retries, rather than a failed future
         self.scheduler.check_capacity(sampler.sampler_id, None)
@@ -376,9 +389,11 @@ class SamplingService:
             raise
         # With record_stability_info, what the sampler chose is recorded for training
         # (``server.persistence.sequences``) under the ids the client gets, before the result is visible.
-        record = Recording(sampler.session_id, request_key, sequence_ids) if req.record_stability_info else None
-        if record is not None:  # and, on a mixture-of-experts model, each token's experts (routing replay)
-            spec = dataclasses.replace(spec, record_routing=True)
+        record = (
+            Recording(sampler.session_id, request_key, sequence_ids, charge.owner)
+            if req.record_stability_info
+            else None
+        )
         task = asyncio.get_running_loop().create_task(
             self._sample_into(request_id, self.weights_of(sampler), spec, record, target_layout, charge)
         )
@@ -421,14 +436,28 @@ class SamplingService:
                     Sampled(sid, s.tokens, s.logprobs, s.routing)
                     for sid, s in zip(record.sequence_ids, output.sequences, strict=True)
                 ]
-                await asyncio.to_thread(
-                    self.sequences.record,
+                kept = await asyncio.to_thread(
+                    functools.partial(
+                        self.sequences.record,
+                        owner=record.owner,
+                        routing_limit=self.record_limit(record.owner),
+                    ),
                     record.session_id,
                     record.request_key,
                     spec.prompt,
                     sequences,
                     output.prompt_routing,
                 )
+                if (
+                    not kept
+                    and time.monotonic() - self._routing_dropped.get(record.owner, -WARN_EVERY_S) > WARN_EVERY_S
+                ):
+                    self._routing_dropped[record.owner] = time.monotonic()  # a line a minute per key, at most
+                    log.warning(
+                        "key %s holds its record_bytes limit of routing in live sampling records: its new records "
+                        "keep no routing (not replayed in training) until older ones expire",
+                        record.owner,
+                    )
         except Exception as e:
             self.scheduler.fail_with(request_id, e)
         except asyncio.CancelledError:

@@ -329,7 +329,9 @@ class TrainingService:
         wire_data = self._wire_data(req)
         data = [check_datum(d, i, self.backend.capabilities, spec) for i, d in enumerate(wire_data)]
         recorded = self._resolve_provenance(model, wire_data, data, spec)
-        return ForwardBackwardBatch(data, req.loss_fn, config, req.forward_only, recorded=recorded)
+        return ForwardBackwardBatch(
+            data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only, recorded=recorded
+        )
 
     def _validate_custom_batch(self, req: WireForwardBackward, model: ModelRecord) -> ForwardBackwardBatch:
         """``loss_fn="custom"``: the session's stored loss (``serving.custom_losses``) by id."""

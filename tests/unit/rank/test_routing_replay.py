@@ -15,11 +15,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from hosted_tinker.core.routing import NO_EXPERT
 from hosted_tinker.core.sampling import SampleSpec
 from hosted_tinker.core.tiny_model import build_tiny_model
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.model import HfLoraModel
-from hosted_tinker.rank.routing_replay import NONE, find_routers
+from hosted_tinker.rank.routing_replay import find_routers
 from hosted_tinker.rank.serve import Rank, local_rank
 from tests.support.lora_reference import assert_close_in_float32, datum
 
@@ -71,14 +72,16 @@ def test_a_replayed_routing_is_the_one_the_model_runs(rank: Rank):
     d = datum(tokens)
     n, layers, k = d.num_tokens, replay.layers, replay.top_k
     g = torch.Generator().manual_seed(1)
-    forced = torch.stack([torch.randperm(replay.experts, generator=g)[:k] for _ in range(n * layers)])
+    forced = torch.stack([torch.randperm(model.routed_experts, generator=g)[:k] for _ in range(n * layers)])
     forced = forced.view(n, layers, k).to(torch.int16)
-    forced[:3] = NONE
+    forced[:3] = NO_EXPERT
     d.routing = forced
 
     handle = model.add_adapter(LoraSpec(rank=4, seed=1))
     try:
-        with replay.recording() as taken:  # what each router chose itself, on the replayed run's states
+        with replay.recording(
+            lambda chosen: chosen
+        ) as taken:  # what each router chose itself, on the replayed run's states
             got = model.logprobs([handle], [d])[0].detach()
             own = taken().permute(1, 0, 2)
         routed = model.take_routed()[handle.name]
@@ -87,7 +90,7 @@ def test_a_replayed_routing_is_the_one_the_model_runs(rank: Rank):
     want = forced_reference(model, d)
     assert_close_in_float32(got, want)
 
-    differs = (forced.long().sort(-1).values != own.sort(-1).values).any(-1)[3:]
+    differs = (forced.sort(-1).values != own.sort(-1).values).any(-1)[3:]
     assert routed.routings == n * layers
     assert routed.replayed == (n - 3) * layers
     assert routed.changed == int(differs.sum()) > 0
@@ -104,7 +107,7 @@ def test_the_sampler_records_every_fed_token_and_the_learner_replays_it_as_sampl
     try:
         for seq in output.sequences:
             assert seq.routing.shape == (len(seq.tokens), replay.layers, replay.top_k)
-            assert (seq.routing[-1] == NONE).all() and (seq.routing[:-1] >= 0).all()  # the last is never fed
+            assert (seq.routing[-1] == NO_EXPERT).all() and (seq.routing[:-1] >= 0).all()  # the last is never fed
             d = DatumInput(
                 tokens=torch.tensor(prompt + seq.tokens[:-1]),
                 target_tokens=torch.tensor(prompt[1:] + seq.tokens),
@@ -129,7 +132,7 @@ def own_routing(model: HfLoraModel, d: DatumInput) -> Tensor:
     replay = model.adapters.replay
     saved, replay.target = replay.target, None
     try:
-        with replay.recording() as taken, torch.no_grad():
+        with replay.recording(lambda chosen: chosen) as taken, torch.no_grad():
             lm = model.adapters.lm
             getattr(lm, lm.base_model_prefix)(input_ids=d.tokens[None], use_cache=False)
             return taken().permute(1, 0, 2)
@@ -153,7 +156,7 @@ def forced_reference(model: HfLoraModel, d: DatumInput) -> Tensor:
         def forward(self, x, layer=layer, original=original):
             logits, weights, indices = original(x)
             wanted = d.routing[:, layer].long()
-            on = wanted[:, 0] != NONE
+            on = wanted[:, 0] != NO_EXPERT
             indices = torch.where(on[:, None], wanted, indices)
             weights = torch.where(on[:, None], reference_weights(self, logits, indices).to(weights.dtype), weights)
             return logits, weights, indices

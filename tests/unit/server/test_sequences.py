@@ -26,7 +26,7 @@ class Clock:
 def test_a_record_lives_a_day_from_its_last_use_and_only_for_its_session(tmp_path):
     clock = Clock()
     records = SequenceRecords(tmp_path / "db.sqlite", ttl_s=100.0, clock=clock)
-    records.record("sess-a", "s:1", [1, 2, 3], [("s:1:0", [7, 8], [-0.5, -1.25]), ("s:1:1", [9], [-2.0])])
+    records.record("sess-a", "s:1", [1, 2, 3], [Sampled("s:1:0", [7, 8], [-0.5, -1.25]), Sampled("s:1:1", [9], [-2.0])])
     got = records.take("sess-a", ["s:1:0", "s:1:1", "nope"])
     assert set(got) == {"s:1:0", "s:1:1"}
     np.testing.assert_array_equal(got["s:1:0"].prompt, [1, 2, 3])
@@ -47,7 +47,7 @@ def test_a_record_lives_a_day_from_its_last_use_and_only_for_its_session(tmp_pat
 
 def test_a_request_may_name_more_sequences_than_a_statement_takes(tmp_path):
     records = SequenceRecords(tmp_path / "db.sqlite")
-    records.record("s", "r:1", [1], [(f"r:1:{i}", [i], [-1.0]) for i in range(1200)])
+    records.record("s", "r:1", [1], [Sampled(f"r:1:{i}", [i], [-1.0]) for i in range(1200)])
     wanted = [f"r:1:{i}" for i in range(0, 1200, 2)] + [
         f"nope:{i}" for i in range(260_000)
     ]  # over this build's cap of 250,000
@@ -56,7 +56,7 @@ def test_a_request_may_name_more_sequences_than_a_statement_takes(tmp_path):
 
 
 def test_records_survive_reopening(tmp_path):
-    SequenceRecords(tmp_path / "db.sqlite").record("s", "x:1", [4], [("x:1:0", [5], [-0.1])])
+    SequenceRecords(tmp_path / "db.sqlite").record("s", "x:1", [4], [Sampled("x:1:0", [5], [-0.1])])
     again = SequenceRecords(tmp_path / "db.sqlite")
     assert list(again.take("s", ["x:1:0"])["x:1:0"].tokens) == [5]
 
@@ -98,7 +98,7 @@ def test_spans_are_decoded_and_checked_on_the_wire():
 
 def test_resolution_marks_the_sampled_targets_with_the_recorded_logprobs(tmp_path):
     records = SequenceRecords(tmp_path / "db.sqlite")
-    records.record("s", "r:1", [10, 11, 12], [("r:1:0", [20, 21, 22], [-0.25, -0.5, -0.75])])
+    records.record("s", "r:1", [10, 11, 12], [Sampled("r:1:0", [20, 21, 22], [-0.25, -0.5, -0.75])])
     rec = records.take("s", ["r:1:0"])
     # rl_loop's layout: input = prompt + sampled[:-1]; targets = 2 placeholders + sampled
     datum = WireDatum(
@@ -135,7 +135,7 @@ def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
     records.record(
         "s", "r:1", [10, 11, 12], [Sampled("r:1:0", [20, 21, 22], [-0.25, -0.5, -0.75], routing)], prompt_routing
     )
-    records.record("s", "d:1", [10, 11, 12], [("d:1:0", [20, 21, 22], [-0.25, -0.5, -0.75])])  # a dense model's
+    records.record("s", "d:1", [10, 11, 12], [Sampled("d:1:0", [20, 21, 22], [-0.25, -0.5, -0.75])])  # a dense model's
     rec = SequenceRecords(tmp_path / "db.sqlite").take("s", ["r:1:0", "d:1:0"])  # reopened
     np.testing.assert_array_equal(rec["r:1:0"].prompt_routing, prompt_routing)
     np.testing.assert_array_equal(rec["r:1:0"].routing, routing)
@@ -188,3 +188,56 @@ def test_routing_recorded_on_another_model_is_refused_naming_the_datum():
     dense = Capabilities("peft", "Qwen3ForCausalLM", (), 64, 64, 100)
     with pytest.raises(ApiError, match="another model"):
         provenance.check_routing(np.zeros((5, 2, 2), np.int16), dense, "data[1]")
+
+
+def test_a_keys_routing_is_kept_up_to_its_record_bytes_then_records_keep_none(tmp_path):
+    clock = Clock()
+    records = SequenceRecords(tmp_path / "db.sqlite", ttl_s=100.0, clock=clock)
+    routing = np.zeros((4, 2, 2), np.int16)
+
+    def sample(key: str) -> bool:
+        return records.record(
+            "s",
+            key,
+            [1, 2, 3, 4],
+            [Sampled(f"{key}:0", [5, 6, 7, 8], [-1.0] * 4, routing)],
+            routing,
+            owner="k",
+            routing_limit=limit,
+        )
+
+    limit = None
+    assert sample("a")
+    (one,) = records._db.execute("SELECT routing_bytes FROM sampled_sequences").fetchone()  # noqa: SLF001
+    limit = 2 * one  # room for one more request's routing, not two
+    assert sample("b")
+    assert not sample("c")  # over: recorded without routing
+    got = records.take("s", ["b:0", "c:0"])
+    assert got["b:0"].routing is not None and got["c:0"].routing is None and got["c:0"].prompt_routing is None
+    np.testing.assert_array_equal(got["c:0"].tokens, [5, 6, 7, 8])  # the record itself is kept
+    assert records.record("s", "o", [1], [Sampled("o:0", [5], [-1.0], routing[:1])], owner="other", routing_limit=one)
+    clock.now += 101  # a and b expire: their routing no longer counts
+    assert sample("d")
+
+
+def test_routing_recorded_on_another_model_is_not_replayed(tmp_path):
+    routing = np.zeros((1, 2, 2), np.int16)
+    SequenceRecords(tmp_path / "db.sqlite", model="m1").record(
+        "s", "a", [1], [Sampled("a:0", [5], [-1.0], routing)], routing
+    )
+    again = SequenceRecords(tmp_path / "db.sqlite", model="m1").take("s", ["a:0"])["a:0"]
+    assert again.routing is not None and again.prompt_routing is not None
+    other = SequenceRecords(tmp_path / "db.sqlite", model="m2").take("s", ["a:0"])["a:0"]
+    assert other.routing is None and other.prompt_routing is None and list(other.tokens) == [5]
+
+
+def test_a_models_identity_is_its_path_config_and_weight_files(tmp_path):
+    from hosted_tinker.server.persistence.sequences import model_identity
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    first = model_identity(str(tmp_path))
+    assert model_identity(str(tmp_path)) == first
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)  # other weights, the same config
+    assert model_identity(str(tmp_path)) != first
+    assert model_identity("Qwen/Qwen3-30B-A3B") != model_identity("Qwen/Qwen3-30B-A3B-Base")
