@@ -204,7 +204,7 @@ class WorkerProcess(Worker):
 
 # What a worker needs, imported once by the fork server (``worker_context``) rather than by each
 # worker: torch, transformers and megatron-core take seconds of CPU to import.
-PRELOAD = ("hosted_tinker.rank.serve", "hosted_tinker.rank.model", "transformers")
+PRELOAD = ("hosted_tinker.rank.fork_server", "hosted_tinker.rank.serve", "hosted_tinker.rank.model", "transformers")
 
 
 def worker_context() -> Any:  # a multiprocessing context: ForkServerContext, or SpawnContext
