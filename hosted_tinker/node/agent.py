@@ -11,17 +11,16 @@ restart (a preempted VM) without the other nodes restarting.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import signal
 import socket
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, wait
-from multiprocessing.context import SpawnProcess
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from hosted_tinker.core.messages import recv, send
-from hosted_tinker.rank.serve import serve_remote
+from hosted_tinker.rank.serve import serve_remote, worker_context
 
 log = logging.getLogger("hosted_tinker.node")
 
@@ -36,7 +35,7 @@ class Refused(Exception):
 def run(node_rank: int, nnodes: int, address: tuple[str, int], authkey: bytes) -> int:
     """Serve the server at ``address`` until told to stop (SIGTERM, SIGINT); 2 if it refuses us."""
     signal.signal(signal.SIGTERM, _interrupted)
-    ranks: dict[tuple[int, int], SpawnProcess] = {}  # (generation, rank) -> its process
+    ranks: dict[tuple[int, int], BaseProcess] = {}  # (generation, rank) -> its process
     try:
         while True:
             try:
@@ -82,7 +81,7 @@ def _serve(
     nnodes: int,
     address: tuple[str, int],
     authkey: bytes,
-    ranks: dict[tuple[int, int], SpawnProcess],
+    ranks: dict[tuple[int, int], BaseProcess],
 ) -> None:
     """Start and end ranks as the server says, until it disconnects."""
     send(conn, "node", node_rank, nnodes, socket.gethostname())
@@ -90,7 +89,7 @@ def _serve(
     if reply[0] == "refused":
         raise Refused(reply[1])
     log.info("node %d of %d: serving the server at %s:%d", node_rank, nnodes, *address)
-    context = multiprocessing.get_context("spawn")  # as on node 0: CUDA cannot be forked
+    context = worker_context()  # as on node 0
     while True:
         by_sentinel = {p.sentinel: key for key, p in ranks.items()}
         for ready in wait([conn, *by_sentinel]):
@@ -115,7 +114,7 @@ def _serve(
 
 def _obey(
     message: tuple[Any, ...],
-    ranks: dict[tuple[int, int], SpawnProcess],
+    ranks: dict[tuple[int, int], BaseProcess],
     context: Any,
     address: tuple[str, int],
     authkey: bytes,
@@ -142,7 +141,7 @@ def _obey(
         log.warning("ignored an unknown message %r from the server", kind)
 
 
-def _end(ranks: dict[tuple[int, int], SpawnProcess], which: Any) -> None:
+def _end(ranks: dict[tuple[int, int], BaseProcess], which: Any) -> None:
     """Kill the ranks whose (generation, rank) ``which`` accepts, and forget them."""
     for key in [key for key in ranks if which(key)]:
         process = ranks.pop(key)

@@ -4,7 +4,6 @@ call, notice death, stop."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -162,7 +161,7 @@ class WorkerProcess(Worker):
     ) -> None:
         self.call_timeout_s = call_timeout_s
         self.label = label
-        context = worker_context()
+        context = child.worker_context()
         self._conn, child_end = context.Pipe()
         self.process = context.Process(target=child.serve, args=(child_end, factory), name="backend-worker")
         self.process.start()
@@ -200,23 +199,6 @@ class WorkerProcess(Worker):
     def how_it_died(self) -> str:
         self.process.join(5)
         return f"{self.named} {how_it_ended(self.process.exitcode)}"
-
-
-# What a worker needs, imported once by the fork server (``worker_context``) rather than by each
-# worker: torch, transformers and megatron-core take seconds of CPU to import.
-PRELOAD = ("hosted_tinker.rank.fork_server", "hosted_tinker.rank.serve", "hosted_tinker.rank.model", "transformers")
-
-
-def worker_context() -> Any:  # a multiprocessing context: ForkServerContext, or SpawnContext
-    """How workers start: forked from a fork server, a process of its own that imported what they
-    need and nothing else (no threads, no event loop, CUDA untouched: the reasons a worker is never
-    forked from the server itself), so each worker after the first starts without importing torch
-    again. Where there is no fork server (not POSIX), spawned."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
-    return context
 
 
 def said(method: str) -> str:
