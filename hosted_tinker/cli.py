@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from hosted_tinker.cli_keys import add_keys_parser
 from hosted_tinker.core.config import NODES, Flag, ServerConfig, read_cluster_key
 from hosted_tinker.core.errors import WorkerDied, WorkerStartFailed
+from hosted_tinker.core.processes import start_fork_server
 from hosted_tinker.core.tiny_model import FAMILIES
 from hosted_tinker.rank.plans import BACKENDS, backend_options
 from hosted_tinker.server.quotas import parse_limits
@@ -115,6 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config.model_dump_json(indent=2))
         return 0
+    start_fork_server()  # its imports (torch, transformers) run beside the server's, which follow
 
     import uvicorn
 

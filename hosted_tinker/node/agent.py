@@ -20,7 +20,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from hosted_tinker.core.messages import recv, send
-from hosted_tinker.rank.serve import serve_remote, worker_context
+from hosted_tinker.core.processes import worker_context
+from hosted_tinker.rank.serve import serve_remote
 
 log = logging.getLogger("hosted_tinker.node")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import multiprocessing
 import os
 import signal
 import socket
@@ -250,20 +249,3 @@ def _portable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_portable(v) for v in value)
     return value
-
-
-# What a worker needs, imported once by the fork server (``worker_context``) rather than by each
-# worker: torch, transformers and megatron-core take seconds of CPU to import.
-PRELOAD = ("hosted_tinker.rank.fork_server", "hosted_tinker.rank.serve", "hosted_tinker.rank.model", "transformers")
-
-
-def worker_context() -> Any:  # a multiprocessing context: ForkServerContext, or SpawnContext
-    """How workers start: forked from a fork server, a process of its own that imported what they
-    need and nothing else (no threads, no event loop, CUDA untouched: the reasons a worker is never
-    forked from the server itself), so each worker after the first starts without importing torch
-    again. Where there is no fork server (not POSIX), spawned."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
-    return context

@@ -11,6 +11,7 @@ from typing import Any
 
 from hosted_tinker.core.errors import UserError, WorkerDied, WorkerError, WorkerStartFailed, how_it_ended
 from hosted_tinker.core.messages import Callback, Listener, recv, send
+from hosted_tinker.core.processes import worker_context
 from hosted_tinker.core.types import Capabilities
 from hosted_tinker.rank import serve as child
 
@@ -161,7 +162,7 @@ class WorkerProcess(Worker):
     ) -> None:
         self.call_timeout_s = call_timeout_s
         self.label = label
-        context = child.worker_context()
+        context = worker_context()
         self._conn, child_end = context.Pipe()
         self.process = context.Process(target=child.serve, args=(child_end, factory), name="backend-worker")
         self.process.start()
