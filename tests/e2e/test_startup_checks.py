@@ -14,12 +14,13 @@ import httpx
 import pytest
 import torch
 
+from tests.support.server import run_cli
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def _serve(data_dir: Path, model: Path, *flags: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hosted_tinker", "serve", "--port", "0", "--data-dir", str(data_dir)]
-    return subprocess.run([*cmd, "--model", str(model), *flags], capture_output=True, text=True, timeout=90)
+    return run_cli(["serve", "--port", "0", "--data-dir", str(data_dir), "--model", str(model), *flags], timeout=90)
 
 
 def _keys_list(data_dir: Path) -> subprocess.CompletedProcess:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -14,6 +12,8 @@ import numpy as np
 import pytest
 import tinker
 from tinker import types
+
+from tests.support.server import run_cli
 
 
 def datum(length: int, start: int = 1) -> types.Datum:
@@ -61,8 +61,7 @@ def forward_logprobs(tc) -> np.ndarray:
 
 def serve_fails(tmp_path, *flags: str) -> str:
     """Start the server with ``flags``; it must refuse to start. What it said."""
-    cmd = [sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path), "--port", "0", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = run_cli(["serve", "--data-dir", str(tmp_path), "--port", "0", *flags], timeout=120)
     assert done.returncode != 0, done.stdout
     return done.stderr
 

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from hosted_tinker.core.config import built_in_model_dir
+from tests.support.zygote import ForkedProcess, zygote
 
 # Offline, quiet, and keyed as the servers the tests start are (the benchmarks import this too)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,6 +23,44 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TINKER_API_KEY", "tml-test")
 
 ALIAS = "Qwen/Qwen3-8B-Base"
+
+# Servers started here are forked from a zygote that has imported what a server imports
+# (``tests.support.zygote``), where the tests have asked for one (``use_zygote``); otherwise each
+# is a new ``python -m hosted_tinker serve`` (the benchmarks, ``HOSTED_TINKER_TEST_SPAWN=1``).
+_forked = False
+
+
+def use_zygote() -> None:
+    global _forked
+    _forked = not os.environ.get("HOSTED_TINKER_TEST_SPAWN")
+
+
+def launch(argv: list[str], stdout: Path, stderr: Path | None = None) -> subprocess.Popen | ForkedProcess:
+    """``python -m hosted_tinker *argv``, its output to ``stdout`` (and ``stderr``, else there too)."""
+    if _forked:
+        return zygote().spawn(argv, stdout, stderr)
+    cmd = [sys.executable, "-m", "hosted_tinker", *argv]
+    with open(stdout, "wb") as out:
+        if stderr is None:
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        with open(stderr, "wb") as err:
+            return subprocess.Popen(cmd, stdout=out, stderr=err)
+
+
+def run_cli(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``python -m hosted_tinker *argv`` to its end (a start that must be refused), as
+    ``subprocess.run(..., capture_output=True, text=True)`` says it."""
+    with tempfile.TemporaryDirectory(prefix="hosted-tinker-cli-") as outputs:
+        out, err = Path(outputs) / "stdout", Path(outputs) / "stderr"
+        proc = launch(argv, out, err)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(proc.args, code, out.read_text(), err.read_text())
+
 
 # The tiny model a server builds into its data dir when started with no --model costs ~3.4 s of
 # CPU a build; where the tests have built it once (``use_built_in_model``), a new data dir gets a
@@ -41,7 +81,7 @@ def free_port() -> int:
 
 @dataclass
 class ServerProcess:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     base_url: str
     data_dir: Path
     log_path: Path
@@ -104,26 +144,14 @@ def _start_server(
     if _built_in_model is not None and not model_given and not built_in.exists():
         built_in.parent.mkdir(parents=True, exist_ok=True)
         built_in.symlink_to(_built_in_model)
-    cmd = [
-        sys.executable,
-        *(["-m", "cProfile", "-o", str(profile)] if profile is not None else []),
-        "-m",
-        "hosted_tinker",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--data-dir",
-        str(data_dir),
-        "--log-level",
-        "warning",
-        *extra,
-    ]
-    if alias is not None:
-        cmd += ["--model-name", alias]
-    log = open(log_path, "w")  # noqa: SIM115 - kept open for the process's lifetime
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    argv = ["serve", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), "--log-level", "warning"]
+    argv += [*extra, *(["--model-name", alias] if alias is not None else [])]
+    if profile is None:
+        proc = launch(argv, log_path)
+    else:
+        with open(log_path, "w") as log:
+            cmd = [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "hosted_tinker", *argv]
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
