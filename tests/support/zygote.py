@@ -1,6 +1,9 @@
 """Servers for the end-to-end tests forked from a process that has already imported what a server
 imports (``python -m tests.support.zygote``), rather than each a new interpreter importing torch,
 transformers and the gateway again: ~3.6 s of CPU a start, ~70 starts a run on a 2-core machine.
+The processes such a server starts with ``python -c`` (multiprocessing's: the workers' fork
+server, the resource tracker) are forked the same way (``_fork_python``), and so find what the
+fork server preloads already imported (~2 s of CPU more a start).
 
 The forked child is then what ``python -m hosted_tinker <argv>`` is: ``runpy`` runs the package's
 ``__main__`` as the main module (what a worker process imports of it is the same), with the
@@ -14,7 +17,10 @@ a child ends (a signal's as ``-signum``, as Popen says it)."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
+import multiprocessing.util
 import os
 import runpy
 import select
@@ -137,6 +143,44 @@ def _reap() -> None:
         _report({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+_spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+
+def _fork_python(path: str, args: list[str], passfds: tuple[int, ...]) -> int:
+    """``multiprocessing.util.spawnv_passfds`` of ``python -c CODE``, forked: the child closes what
+    a new process would not have, lets go of the server's logging (a new interpreter has none),
+    runs CODE and exits without the server's exit handlers."""
+    if "-c" not in args:
+        return _spawnv_passfds(path, args, passfds)
+    code = args[args.index("-c") + 1]
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 0
+    try:
+        keep = sorted({2, *passfds})
+        for low, high in zip([2, *keep], [*keep, os.sysconf("SC_OPEN_MAX")], strict=True):
+            os.closerange(low + 1, high)
+        logging.root.handlers.clear()
+        logging.root.setLevel(logging.WARNING)
+        sys.argv = ["-c"]
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed by CODE (the resource tracker closes stdout)
+                pass
+        os._exit(status)  # never back into the caller's frames
+
+
 def _become(request: dict, wake: tuple[int, int]) -> None:
     """In the forked child: the zygote's pipes and signal handling let go, then the CLI."""
     signal.set_wakeup_fd(-1)
@@ -152,6 +196,7 @@ def _become(request: dict, wake: tuple[int, int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    multiprocessing.util.spawnv_passfds = _fork_python
     sys.argv = ["hosted_tinker", *request["argv"]]
     runpy.run_module("hosted_tinker", run_name="__main__", alter_sys=True)  # raises SystemExit
 
@@ -165,6 +210,11 @@ def main() -> None:
     import hosted_tinker.server.api.connections  # noqa: F401
     import hosted_tinker.server.api.request_log  # noqa: F401
     import hosted_tinker.server.api.state  # noqa: F401
+    from hosted_tinker.core.processes import PRELOAD
+
+    for module in PRELOAD:  # what the workers' fork server imports; not the one that ignores SIGTERM
+        if module != "hosted_tinker.rank.fork_server":
+            importlib.import_module(module)
 
     wake = os.pipe()
     os.set_blocking(wake[1], False)
