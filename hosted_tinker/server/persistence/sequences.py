@@ -72,15 +72,22 @@ _ADDED = [
 @dataclass(frozen=True)
 class RecordedSequence:
     """prompt int32 ``(P,)``, tokens int32 ``(T,)``, logprobs float32 ``(T,)``: the sampler's
-    log-prob of each sampled token, exactly as returned to the client; on a mixture-of-experts
-    model, the experts of each prompt position ``(P, layers, top_k)`` and of each sampled token
-    ``(T, layers, top_k)`` (-1 where none was recorded), else None."""
+    log-prob of each sampled token, exactly as returned to the client; ``routed``: whether it
+    has routing recorded by this server's model, which ``routing`` reads (apart: it is ~100
+    times the rest, and read where the training request runs, not where it is checked)."""
 
     prompt: np.ndarray
     tokens: np.ndarray
     logprobs: np.ndarray
-    prompt_routing: np.ndarray | None = None
-    routing: np.ndarray | None = None
+    routed: bool = False
+
+
+class RecordedRouting(NamedTuple):
+    """A sequence's experts, ``(P, layers, top_k)`` for its prompt's positions and ``(T, layers,
+    top_k)`` for its sampled tokens (-1 where none was recorded), each None if not kept."""
+
+    prompt: np.ndarray | None
+    sampled: np.ndarray | None
 
 
 def model_identity(model_path: str) -> str:
@@ -188,11 +195,11 @@ class SequenceRecords:
         rows: list[tuple] = []
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            for start in range(0, len(ids), _IDS_PER_QUERY):
-                chunk = ids[start : start + _IDS_PER_QUERY]
+            for chunk in _chunks(ids):
                 marks = ",".join("?" * len(chunk))
                 found = self._db.execute(
-                    "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs, p.routing, s.routing, p.routing_model "
+                    "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs, "
+                    "p.routing IS NOT NULL OR s.routing IS NOT NULL, p.routing_model "
                     "FROM sampled_sequences s "
                     "JOIN sampled_prompts p ON p.request_key = s.request_key "
                     f"WHERE s.session_id=? AND s.expires_at>? AND s.sequence_id IN ({marks})",
@@ -209,12 +216,30 @@ class SequenceRecords:
                 np.frombuffer(prompt, dtype="<i4"),
                 np.frombuffer(tokens, dtype="<i4"),
                 np.frombuffer(lps, dtype="<f4"),
-                # another model's routing is not this one's to replay
-                _from_npy(prompt_routing) if model == self.model else None,
-                _from_npy(routing) if model == self.model else None,
+                bool(routed) and model == self.model,  # another model's routing is not this one's to replay
             )
-            for sid, prompt, tokens, lps, prompt_routing, routing, model in rows
+            for sid, prompt, tokens, lps, routed, model in rows
         }
+
+    def routing(self, session_id: str, sequence_ids: Iterable[str]) -> dict[str, RecordedRouting]:
+        """The routing this server's model recorded for those of ``session_id``'s live
+        ``sequence_ids`` that have any; a prompt shared by several of them is read once."""
+        ids = sorted(set(sequence_ids))
+        rows: list[tuple] = []
+        with self._lock:
+            for chunk in _chunks(ids):
+                rows += self._db.execute(
+                    "SELECT s.sequence_id, s.request_key, p.routing, s.routing FROM sampled_sequences s "
+                    "JOIN sampled_prompts p ON p.request_key = s.request_key "
+                    f"WHERE s.session_id=? AND s.expires_at>? AND p.routing_model=? AND s.sequence_id IN "
+                    f"({','.join('?' * len(chunk))}) AND (p.routing IS NOT NULL OR s.routing IS NOT NULL)",
+                    (session_id, self._clock(), self.model, *chunk),
+                ).fetchall()
+        prompts: dict[str, np.ndarray | None] = {}
+        for _, key, blob, _ in rows:
+            if key not in prompts:
+                prompts[key] = _from_npy(blob)
+        return {sid: RecordedRouting(prompts[key], _from_npy(routing)) for sid, key, _, routing in rows}
 
     def delete_expired(self) -> int:
         """Drop sequences past their day, and prompts no sequence refers to any more."""
@@ -227,6 +252,10 @@ class SequenceRecords:
                     "(SELECT 1 FROM sampled_sequences s WHERE s.request_key = sampled_prompts.request_key)"
                 )
         return gone
+
+
+def _chunks(ids: list[str]) -> Iterable[list[str]]:
+    return (ids[start : start + _IDS_PER_QUERY] for start in range(0, len(ids), _IDS_PER_QUERY))
 
 
 def _int32(tokens: Iterable[int]) -> bytes:

@@ -24,6 +24,11 @@ from hosted_tinker.core.types import ForwardBackwardBatch, ForwardBackwardResult
 from hosted_tinker.rank.trainer import Trainer
 from hosted_tinker.server.scheduler import Scheduler
 
+# What is left of a batch's preparation, done on the dispatch thread just before the batch runs,
+# in whichever request's pass (``TrainingService._replay``: the recorded routing, too big to
+# read on the event loop); what it raises is the request's outcome. None: nothing left.
+Finish = Callable[[], None] | None
+
 
 @dataclass
 class Pending:
@@ -34,6 +39,7 @@ class Pending:
     seq_id: int
     batch: ForwardBackwardBatch
     tokens: int
+    finish: Finish = None
     outcome: ForwardBackwardResult | BaseException | None = None
     seconds: float = 0.0
 
@@ -55,8 +61,8 @@ class JointPasses:
         """For /healthz: the bound, and what joint passes have run since start."""
         return {"max_tokens": self.max_tokens, "passes": self.passes, "joined": self.joined}
 
-    def register(self, model_id: str, seq_id: int, batch: ForwardBackwardBatch) -> Pending:
-        entry = Pending(model_id, seq_id, batch, sum(d.num_tokens for d in batch.data))
+    def register(self, model_id: str, seq_id: int, batch: ForwardBackwardBatch, finish: Finish = None) -> Pending:
+        entry = Pending(model_id, seq_id, batch, sum(d.num_tokens for d in batch.data), finish)
         with self._lock:
             self._pending[(model_id, seq_id)] = entry
         return entry
@@ -69,8 +75,8 @@ class JointPasses:
         """On the dispatch thread, when ``entry``'s job runs: its result, from a pass it joined
         earlier or from one it leads now."""
         self.forget(entry)
-        if entry.outcome is None:
-            companions = self._companions(entry)
+        if entry.outcome is None and self._ready(entry):
+            companions = [c for c in self._companions(entry) if self._ready(c)]
             if not companions:
                 started = time.perf_counter()
                 try:
@@ -82,6 +88,17 @@ class JointPasses:
             raise entry.outcome
         assert entry.outcome is not None  # _run_together gave every entry of its pass one
         return entry.outcome
+
+    @staticmethod
+    def _ready(entry: Pending) -> bool:
+        """Whether ``entry`` may run: its preparation finished (once); what that raised, its outcome."""
+        finish, entry.finish = entry.finish, None
+        if finish is not None:
+            try:
+                finish()
+            except Exception as e:  # a refusal (another model's routing), or a failed read
+                entry.outcome = e
+        return entry.outcome is None
 
     def _companions(self, lead: Pending) -> list[Pending]:
         """Other models' requests that may run now, with ``lead``: oldest first, within the budget."""

@@ -20,13 +20,13 @@ mixture-of-experts model, the experts the sampler routed that token to, for trai
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from hosted_tinker.core.errors import ApiError, bad_request
 from hosted_tinker.core.types import Capabilities
-from hosted_tinker.server.persistence.sequences import RecordedSequence
+from hosted_tinker.server.persistence.sequences import RecordedRouting, RecordedSequence
 from hosted_tinker.server.protocol.proto_codec import Span, WireDatum
 
 # The client's copy of the sampler's log-probs went through float32 on the wire, as the
@@ -37,11 +37,12 @@ LOGPROB_TOLERANCE = 1e-5
 @dataclass
 class Resolved:
     """Per target position ``(N,)``: 1.0 where it is a sampled token, and the sampler's log-prob;
-    by the names of a loss's ``recorded_inputs`` (``inputs``)."""
+    by the names of a loss's ``recorded_inputs`` (``inputs``). ``routed``: the input runs whose
+    record holds routing, each with its first position, for ``routing``."""
 
     sampled_mask: np.ndarray
     logprobs: np.ndarray
-    routing: np.ndarray | None = None  # int16 (N, layers, top_k) per input position, or None: nothing recorded
+    routed: list[tuple[int, Span]] = field(default_factory=list)
 
     def inputs(self) -> dict[str, np.ndarray]:
         return {"sampled_mask": self.sampled_mask, "logprobs": self.logprobs}
@@ -80,28 +81,31 @@ def resolve(
     n = len(datum.tokens)
     walk = functools.partial(_walk, records=records, require_records=require_records)
     inputs = walk(datum.model_input_spans, f"{where}.model_input_spans", datum.tokens, check_prompt=True)
-    routing = _routing(inputs, n, f"{where}.model_input_spans")
     mask = np.zeros(n, dtype=np.float32)
     logprobs = np.zeros(n, dtype=np.float32)
     for pos, span, rec in walk(datum.loss_fn_input_spans, f"{where}.loss_fn_input_spans", targets, check_prompt=False):
         if span.sampled:
             mask[pos : pos + span.length] = 1.0
             logprobs[pos : pos + span.length] = rec.logprobs[span.offset : span.offset + span.length]
-    return Resolved(mask, logprobs, routing)
+    return Resolved(mask, logprobs, [(pos, span) for pos, span, rec in inputs if rec.routed])
 
 
-def _routing(spans: list[tuple[int, Span, RecordedSequence]], n: int, where: str) -> np.ndarray | None:
-    """The recorded experts of each of ``n`` input positions (-1 where none), or None if none of
-    the records holds routing (a dense model, or a sampler that does not record it)."""
+def routing(
+    routed: list[tuple[int, Span]], n: int, recorded: dict[str, RecordedRouting], where: str
+) -> np.ndarray | None:
+    """The recorded experts of each of a datum's ``n`` input positions (-1 where none), from the
+    runs ``resolve`` found routed and their sequences' ``recorded`` routing; None if none holds
+    any (a dense model, or a sampler that does not record it)."""
     routing: np.ndarray | None = None
-    for pos, span, rec in spans:
-        source = rec.routing if span.sampled else rec.prompt_routing
+    for pos, span in routed:
+        rec = recorded.get(span.sequence_id)
+        source = None if rec is None else rec.sampled if span.sampled else rec.prompt
         if source is None:
             continue
         if routing is None:
             routing = np.full((n, *source.shape[1:]), -1, dtype=np.int16)
         elif source.shape[1:] != routing.shape[1:]:
-            raise bad_request(f"{where}: the sequences it names were sampled from different models")
+            raise bad_request(f"{where}.model_input_spans: the sequences it names were sampled from different models")
         routing[pos : pos + span.length] = source[span.offset : span.offset + span.length]
     return routing
 

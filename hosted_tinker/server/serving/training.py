@@ -3,11 +3,13 @@ queue a job that runs on the backend worker and encodes its own result."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import secrets
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +29,12 @@ from hosted_tinker.server.persistence.sequences import SequenceRecords
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
-from hosted_tinker.server.protocol.proto_codec import WireDatum, WireForwardBackward, encode_forward_backward_output
+from hosted_tinker.server.protocol.proto_codec import (
+    Span,
+    WireDatum,
+    WireForwardBackward,
+    encode_forward_backward_output,
+)
 from hosted_tinker.server.quotas import Quotas
 from hosted_tinker.server.scheduler import Job, Scheduler
 from hosted_tinker.server.serving import optimizers, provenance
@@ -35,7 +42,7 @@ from hosted_tinker.server.serving.batch_checks import check_datum
 from hosted_tinker.server.serving.custom_losses import CustomLossService
 from hosted_tinker.server.serving.events import Trained, TrainingEvents
 from hosted_tinker.server.serving.images import ImageLayout
-from hosted_tinker.server.serving.joint_passes import JointPasses
+from hosted_tinker.server.serving.joint_passes import Finish, JointPasses
 from hosted_tinker.server.serving.residency import PARKED, Residency
 from hosted_tinker.server.serving.run_metrics import OPTIM_STEP
 from hosted_tinker.server.workers.backend import ProcessBackend
@@ -279,8 +286,8 @@ class TrainingService:
         model_id, seq_id, forward_only = req.model_id, req.seq_id, req.forward_only
 
         def prepare(model: ModelRecord) -> Job:
-            batch = self._validate_batch(req, model)
-            entry = self.joint.register(model_id, seq_id, batch)
+            batch, finish = self._validate_batch(req, model)
+            entry = self.joint.register(model_id, seq_id, batch, finish)
 
             def job() -> tuple[bytes, str]:
                 # Whichever pass ran it (its own, or earlier in another model's joint pass), a
@@ -308,7 +315,8 @@ class TrainingService:
         kind = "forward" if forward_only else "forward_backward"
         return self.submit_ordered(kind, model_id, seq_id, prepare, size)
 
-    def _validate_batch(self, req: WireForwardBackward, model: ModelRecord) -> ForwardBackwardBatch:
+    def _validate_batch(self, req: WireForwardBackward, model: ModelRecord) -> tuple[ForwardBackwardBatch, Finish]:
+        """The checked batch, and what is left of its preparation for where it runs (``Finish``)."""
         caps = self.backend.capabilities
         if req.loss_fn == "custom":
             return self._validate_custom_batch(req, model)
@@ -328,12 +336,15 @@ class TrainingService:
             config[key] = value
         wire_data = self._wire_data(req)
         data = [check_datum(d, i, self.backend.capabilities, spec) for i, d in enumerate(wire_data)]
-        recorded = self._resolve_provenance(model, wire_data, data, spec)
-        return ForwardBackwardBatch(
+        recorded, finish = self._resolve_provenance(model, wire_data, data, spec)
+        batch = ForwardBackwardBatch(
             data=data, loss_fn=req.loss_fn, loss_config=config, forward_only=req.forward_only, recorded=recorded
         )
+        return batch, finish
 
-    def _validate_custom_batch(self, req: WireForwardBackward, model: ModelRecord) -> ForwardBackwardBatch:
+    def _validate_custom_batch(
+        self, req: WireForwardBackward, model: ModelRecord
+    ) -> tuple[ForwardBackwardBatch, Finish]:
         """``loss_fn="custom"``: the session's stored loss (``serving.custom_losses``) by id."""
         if set(req.loss_fn_config) != {"loss_id"}:
             raise bad_request(
@@ -343,8 +354,8 @@ class TrainingService:
         loss = self.custom_losses.get(model.session_id, req.loss_fn_config["loss_id"])
         wire_data = self._wire_data(req)
         data = [check_datum(d, i, self.backend.capabilities, None, loss) for i, d in enumerate(wire_data)]
-        recorded = self._resolve_provenance(model, wire_data, data, None)
-        return ForwardBackwardBatch(data, "custom", {}, req.forward_only, custom_loss=loss, recorded=recorded)
+        recorded, finish = self._resolve_provenance(model, wire_data, data, None)
+        return ForwardBackwardBatch(data, "custom", {}, req.forward_only, custom_loss=loss, recorded=recorded), finish
 
     def _wire_data(self, req: WireForwardBackward) -> list[WireDatum]:
         try:
@@ -362,11 +373,12 @@ class TrainingService:
 
     def _resolve_provenance(
         self, model: ModelRecord, wire_data: list[WireDatum], data: list[DatumInput], spec: losses.LossSpec | None
-    ) -> bool:
+    ) -> tuple[bool, Finish]:
         """Check every datum's provenance spans against the sampler's records (restarting their
-        day), give a loss that reads the record (``recorded_inputs``) its inputs, and each datum
-        its recorded routing to replay. Only such a loss needs every named sequence to have a
-        record (a custom loss, ``spec`` None, does not). Whether any named sequence has one."""
+        day), and give a loss that reads the record (``recorded_inputs``) its inputs. Only such a
+        loss needs every named sequence to have a record (a custom loss, ``spec`` None, does not).
+        Whether any named sequence has one; and, where some hold routing, what gives each datum
+        its recorded routing to replay (``_replay``)."""
         needs_records = spec is not None and spec.needs_provenance
         for i, d in enumerate(wire_data):
             if d.model_input_spans:
@@ -379,23 +391,35 @@ class TrainingService:
                 )
         wanted = set().union(*(provenance.sequence_ids(d) for d in wire_data))
         if not wanted:
-            return False
+            return False, None
         records = self.sequences.take(model.session_id, wanted)
+        routed: list[ToReplay] = []
         for i, (d, datum) in enumerate(zip(wire_data, data, strict=True)):
             where = f"data[{i}]"
             if not d.model_input_spans:
                 continue
             resolved = provenance.resolve(d, where, records, require_records=needs_records)
-            if resolved.routing is not None:  # replayed in training, whatever the loss (``rank.routing_replay``)
-                provenance.check_routing(resolved.routing, self.backend.capabilities, where)
-                datum.routing = torch.from_numpy(resolved.routing)
+            if resolved.routed:
+                routed.append(ToReplay(datum, len(d.tokens), resolved.routed, where))
             if needs_records:
                 if "logprobs" in datum.inputs:
                     provenance.check_client_logprobs(datum.inputs["logprobs"].numpy(), resolved, where)
                 recorded = resolved.inputs()
                 wanted_inputs = spec.recorded_inputs if spec is not None else ()  # needs_records: never None
                 datum.inputs.update({key: torch.from_numpy(recorded[key]) for key in wanted_inputs})
-        return bool(records)
+        return bool(records), (functools.partial(self._replay, model.session_id, routed) if routed else None)
+
+    def _replay(self, session_id: str, routed: list[ToReplay]) -> None:
+        """Where the batch runs (the dispatch thread), just before: each datum's recorded routing,
+        replayed in training whatever the loss (``rank.routing_replay``). Read there rather than
+        where the request is checked (the event loop): it is ~100 times the rest of a record
+        (Qwen3-30B-A3B: 768 bytes a token)."""
+        recorded = self.sequences.routing(session_id, {span.sequence_id for r in routed for _, span in r.runs})
+        for r in routed:
+            routing = provenance.routing(r.runs, r.length, recorded, r.where)
+            if routing is not None:
+                provenance.check_routing(routing, self.backend.capabilities, r.where)
+                r.datum.routing = torch.from_numpy(routing)
 
     # ---- optimizer ------------------------------------------------------------------------
 
@@ -420,6 +444,15 @@ class TrainingService:
 def model_optimizer(model: ModelRecord) -> str:
     """The model's optimizer family (models stored before Dimuon existed are AdamW)."""
     return model.lora.get("optimizer", "adamw")
+
+
+class ToReplay(NamedTuple):
+    """A datum whose input runs (``runs``, from ``provenance.resolve``) have recorded routing."""
+
+    datum: DatumInput
+    length: int  # its input positions
+    runs: list[tuple[int, Span]]
+    where: str
 
 
 def _failing(detail: str) -> Job:

@@ -136,10 +136,13 @@ def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
         "s", "r:1", [10, 11, 12], [Sampled("r:1:0", [20, 21, 22], [-0.25, -0.5, -0.75], routing)], prompt_routing
     )
     records.record("s", "d:1", [10, 11, 12], [Sampled("d:1:0", [20, 21, 22], [-0.25, -0.5, -0.75])])  # a dense model's
-    rec = SequenceRecords(tmp_path / "db.sqlite").take("s", ["r:1:0", "d:1:0"])  # reopened
-    np.testing.assert_array_equal(rec["r:1:0"].prompt_routing, prompt_routing)
-    np.testing.assert_array_equal(rec["r:1:0"].routing, routing)
-    assert rec["d:1:0"].routing is None and rec["d:1:0"].prompt_routing is None
+    reopened = SequenceRecords(tmp_path / "db.sqlite")
+    rec = reopened.take("s", ["r:1:0", "d:1:0"])
+    assert rec["r:1:0"].routed and not rec["d:1:0"].routed
+    recorded = reopened.routing("s", ["r:1:0", "d:1:0"])  # read apart, where the training request runs
+    assert set(recorded) == {"r:1:0"}
+    np.testing.assert_array_equal(recorded["r:1:0"].prompt, prompt_routing)
+    np.testing.assert_array_equal(recorded["r:1:0"].sampled, routing)
 
     def rl_datum(sid: str) -> WireDatum:
         return WireDatum(
@@ -149,9 +152,19 @@ def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
             loss_fn_input_spans=[Span(False, sid, 1, 2), Span(True, sid, 0, 3)],
         )
 
-    got = provenance.resolve(rl_datum("r:1:0"), "data[0]", rec).routing
-    np.testing.assert_array_equal(got, np.concatenate([prompt_routing, routing[:2]]))
-    assert provenance.resolve(rl_datum("d:1:0"), "data[0]", rec).routing is None
+    def routing_of(sid: str) -> np.ndarray | None:
+        resolved = provenance.resolve(rl_datum(sid), "data[0]", rec)
+        return provenance.routing(resolved.routed, 5, recorded, "data[0]")
+
+    np.testing.assert_array_equal(routing_of("r:1:0"), np.concatenate([prompt_routing, routing[:2]]))
+    assert routing_of("d:1:0") is None
+    # a datum whose runs name sequences of two models' records cannot be given one routing
+    records.record("s", "w:1", [10, 11, 12], [Sampled("w:1:0", [20, 21, 22], [-0.25] * 3, routing[:, :1])])
+    mixed = rl_datum("r:1:0")
+    mixed.model_input_spans = [Span(False, "r:1:0", 0, 3), Span(True, "w:1:0", 0, 2)]
+    runs = provenance.resolve(mixed, "data[0]", reopened.take("s", ["r:1:0", "w:1:0"])).routed
+    with pytest.raises(ApiError, match=r"data\[0\].model_input_spans: the sequences it names were sampled from"):
+        provenance.routing(runs, 5, reopened.routing("s", ["r:1:0", "w:1:0"]), "data[0]")
 
 
 def test_records_made_before_routing_was_kept_still_read(tmp_path):
@@ -172,9 +185,10 @@ def test_records_made_before_routing_was_kept_still_read(tmp_path):
     db.close()
     records = SequenceRecords(tmp_path / "db.sqlite")
     old = records.take("s", ["o:1:0"])["o:1:0"]
-    assert list(old.tokens) == [5] and old.routing is None
+    assert list(old.tokens) == [5] and not old.routed and records.routing("s", ["o:1:0"]) == {}
     records.record("s", "n:1", [4], [Sampled("n:1:0", [5], [-0.1], np.zeros((1, 1, 1), np.int16))])
-    assert records.take("s", ["n:1:0"])["n:1:0"].routing.shape == (1, 1, 1)
+    assert records.take("s", ["n:1:0"])["n:1:0"].routed
+    assert records.routing("s", ["n:1:0"])["n:1:0"].sampled.shape == (1, 1, 1)
 
 
 def test_routing_recorded_on_another_model_is_refused_naming_the_datum():
@@ -213,7 +227,7 @@ def test_a_keys_routing_is_kept_up_to_its_record_bytes_then_records_keep_none(tm
     assert sample("b")
     assert not sample("c")  # over: recorded without routing
     got = records.take("s", ["b:0", "c:0"])
-    assert got["b:0"].routing is not None and got["c:0"].routing is None and got["c:0"].prompt_routing is None
+    assert got["b:0"].routed and not got["c:0"].routed and set(records.routing("s", ["b:0", "c:0"])) == {"b:0"}
     np.testing.assert_array_equal(got["c:0"].tokens, [5, 6, 7, 8])  # the record itself is kept
     assert records.record("s", "o", [1], [Sampled("o:0", [5], [-1.0], routing[:1])], owner="other", routing_limit=one)
     clock.now += 101  # a and b expire: their routing no longer counts
@@ -225,10 +239,12 @@ def test_routing_recorded_on_another_model_is_not_replayed(tmp_path):
     SequenceRecords(tmp_path / "db.sqlite", model="m1").record(
         "s", "a", [1], [Sampled("a:0", [5], [-1.0], routing)], routing
     )
-    again = SequenceRecords(tmp_path / "db.sqlite", model="m1").take("s", ["a:0"])["a:0"]
-    assert again.routing is not None and again.prompt_routing is not None
-    other = SequenceRecords(tmp_path / "db.sqlite", model="m2").take("s", ["a:0"])["a:0"]
-    assert other.routing is None and other.prompt_routing is None and list(other.tokens) == [5]
+    same = SequenceRecords(tmp_path / "db.sqlite", model="m1")
+    assert same.take("s", ["a:0"])["a:0"].routed
+    assert all(r is not None for r in same.routing("s", ["a:0"])["a:0"])
+    other = SequenceRecords(tmp_path / "db.sqlite", model="m2")
+    again = other.take("s", ["a:0"])["a:0"]
+    assert not again.routed and list(again.tokens) == [5] and other.routing("s", ["a:0"]) == {}
 
 
 def test_a_models_identity_is_its_path_config_and_weight_files(tmp_path):
