@@ -46,9 +46,16 @@ class ExpertSplit:
     dim: int = 0
 
 
+@dataclass(frozen=True)
+class ExpertShared:
+    """Whole on every rank, but each rank's gradient only its share: a routed-experts LoRA factor
+    that all experts share, whose gradient each rank computes from its own experts and the tokens
+    they received (``rank.mcore.experts``); summed over every rank, held by every rank."""
+
+
 # Where a parameter is sharded: along an int dimension over the tensor-parallel group, along an
-# ``ExpertSplit`` over the expert-parallel group, or not at all (None).
-SplitDim = int | ExpertSplit | None
+# ``ExpertSplit`` over the expert-parallel group, or not at all (None, or ``ExpertShared``).
+SplitDim = int | ExpertSplit | ExpertShared | None
 
 
 @dataclass

@@ -143,6 +143,7 @@ def test_plan_trains_like_the_float64_reference(
         check_custom_loss(plan, reference, model_id, rng)
         check_joint_pass(plan, reference, [model_id, f"{model_id}-dimuon"], rng)
         if family:  # expert-parallel ranks run in lock step (a failure on one ddp rank: test_ddp.py)
+            check_replay(plan, local_rank(str(model), dtype="float64").trainer, f"{model_id}-replay", rng)
             check_a_failing_shard(plan, reference, model_id, rng)
     finally:
         for name in (model_id, f"{model_id}-dimuon"):
@@ -196,6 +197,45 @@ def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[s
     for model_id, params in zip(model_ids, (ADAM, DIMUON(0.02)), strict=True):
         got_step, want_step = plan.trainer.optim_step(model_id, params), reference.optim_step(model_id, params)
         assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), model_id
+
+
+def check_replay(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
+    """Recorded routing replayed (``DatumInput.routing``: random experts, each datum's first two
+    positions left to the router) as a float64 reference replays it (packed, as the peft backend
+    runs: replay follows the packed stream), whichever rank's routers see which positions:
+    log-probs, loss, the routing counts and the gradients."""
+    import torch
+
+    layers, top_k = plan.capabilities.replay_routing
+    experts = plan.capabilities.routed_experts
+    b = batch(rng, 4, "cross_entropy")
+    for d in b.data:
+        n = d.num_tokens
+        forced = np.stack([rng.permutation(experts)[:top_k] for _ in range(n * layers)]).reshape(n, layers, top_k)
+        forced[:2] = -1
+        d.routing = torch.from_numpy(forced.astype(np.int16))
+    results = []
+    for trainer in (plan.trainer, reference):
+        trainer.create_adapter(model_id, LoraSpec(rank=4, seed=9))
+        results.append(trainer.forward_backward(model_id, b))
+    got, want = results
+    for g, w in zip(got.logprobs, want.logprobs, strict=True):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4)
+    assert got.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4)
+    assert got.routed is not None and want.routed is not None
+    replayed = sum(d.num_tokens - 2 for d in b.data) * layers
+    assert want.routed.replayed == replayed and want.routed.changed > 0
+    assert (got.routed.routings, got.routed.replayed, got.routed.changed) == (
+        want.routed.routings,
+        want.routed.replayed,
+        want.routed.changed,
+    )
+    np.testing.assert_array_equal(got.routed.counts, want.routed.counts)
+    got_g = plan.trainer.export_state(model_id, with_gradients=True).gradients
+    want_g = reference.export_state(model_id, with_gradients=True).gradients
+    scale = max(float(t.abs().max()) for t in want_g.values())
+    for key, grad in want_g.items():
+        np.testing.assert_allclose(got_g[key].double(), grad, rtol=1e-3, atol=1e-4 * scale, err_msg=key)
 
 
 def check_a_failing_shard(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:

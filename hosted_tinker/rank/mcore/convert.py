@@ -101,17 +101,18 @@ class HfShape:
         if self.ffn % tp:
             raise ValueError(f"--backend-option tp={tp} does not divide the model's intermediate_size ({self.ffn})")
 
-    def check_ep(self, ep: int, tp: int = 1) -> None:
+    def check_ep(self, ep: int, tp: int = 1, sequence_parallel: bool = False) -> None:
         """``ep`` must divide the routed experts, and there must be some; and a mixture-of-experts
-        model takes no ``tp`` > 1 yet (megatron wants sequence parallelism there, and the experts'
-        LoRA is not split over a tensor-parallel group)."""
+        model under ``tp`` > 1 needs sequence parallelism (megatron's MoE layer routes each
+        tensor-parallel rank's part of the sequence; without it every rank would route them all)."""
         if ep > 1 and not self.experts:
             raise ValueError(f"--backend-option ep={ep} needs a mixture-of-experts model; {self.arch} has no experts")
         if self.experts % ep:
             raise ValueError(f"--backend-option ep={ep} does not divide the model's {self.experts} routed experts")
-        if self.experts and tp > 1:
+        if self.experts and tp > 1 and not sequence_parallel:
             raise ValueError(
-                "--backend-option tp > 1 on a mixture-of-experts model is not built yet: shard its experts with ep"
+                f"--backend-option tp={tp} on a mixture-of-experts model needs sequence_parallel=true: "
+                "megatron-core's MoE layers route each tensor-parallel rank's part of the sequence"
             )
 
 
@@ -179,6 +180,7 @@ def moe_config(shape: HfShape, ep: int) -> dict[str, Any]:
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,  # each expert whole on its ranks (``rank.mcore.experts``)
     )
 
 
@@ -251,8 +253,8 @@ class HfWeights:
             out[f"{mc}.pre_mlp_layernorm.weight"] = self.full(f"{hf}.post_attention_layernorm.weight")
             if s.experts:
                 out[f"{mc}.mlp.router.weight"] = self.full(f"{hf}.mlp.gate.weight")
-                for j, e in enumerate(self.local_experts):
-                    out.update(self.mlp(f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{j}"))
+                for j, e in enumerate(self.local_experts):  # whole: experts are not split over tp
+                    out.update(self.mlp(f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{j}", whole=True))
             else:
                 out.update(self.mlp(f"{hf}.mlp", f"{mc}.mlp"))
         out["decoder.final_layernorm.weight"] = self.full("model.norm.weight")
@@ -260,12 +262,13 @@ class HfWeights:
             out["output_layer.weight"] = self.row_part("lm_head.weight")
         return out
 
-    def mlp(self, hf: str, mc: str) -> dict[str, Tensor]:
-        """One gated MLP (a dense layer's, or one expert's): ``linear_fc1`` ``[gate; up]``."""
-        gate, up = self.row_part(f"{hf}.gate_proj.weight"), self.row_part(f"{hf}.up_proj.weight")
+    def mlp(self, hf: str, mc: str, whole: bool = False) -> dict[str, Tensor]:
+        """One gated MLP (a dense layer's, or one expert's): ``linear_fc1`` ``[gate; up]``; this
+        rank's tensor-parallel part of it, or ``whole``."""
+        rows, cols = (self.full, self.full) if whole else (self.row_part, self.col_part)
         return {
-            f"{mc}.linear_fc1.weight": torch.cat([gate, up]),
-            f"{mc}.linear_fc2.weight": self.col_part(f"{hf}.down_proj.weight"),
+            f"{mc}.linear_fc1.weight": torch.cat([rows(f"{hf}.gate_proj.weight"), rows(f"{hf}.up_proj.weight")]),
+            f"{mc}.linear_fc2.weight": cols(f"{hf}.down_proj.weight"),
         }
 
 

@@ -5,7 +5,11 @@ The layout is the ``peft`` backend's (``rank.experts``): per layer ``<experts>.w
 hidden-state side is one for all experts. Under expert parallelism rank ``q`` of ``ep`` holds
 experts ``[q·E/ep, (q+1)·E/ep)`` (``convert``), and of each projection the factor that is each
 expert's own is split the same way (``ExpertSplit``: dim 0 over the expert-parallel group); the
-shared factor is on every rank, its gradient the sum of what each rank's experts give it.
+shared factor is on every rank, its gradient the sum of what each rank's experts give it
+(``ExpertShared``: summed over every rank, for each rank runs other experts or other tokens).
+The experts are never split over the tensor-parallel group (megatron's expert tensor-parallel
+size is 1, its "parallel folding"): under ``tp`` > 1 the attention's tensor-parallel ranks, each
+seeing its part of the sequence, hold different experts (``ep`` of them) or copies of them.
 
 megatron's ``SequentialMLP`` runs each local expert as an ``MLP`` over that expert's rows of
 the tokens gathered from the whole tensor×expert-parallel group (``allgather`` dispatcher), the
@@ -30,7 +34,7 @@ from torch import Tensor, nn
 
 from hosted_tinker.rank.experts import PROJECTIONS, ExpertsShape, RoutingCounter
 from hosted_tinker.rank.lora_products import add_into, in_dtype, lora_down, products_dtype, scaled
-from hosted_tinker.rank.model import ExpertSplit
+from hosted_tinker.rank.model import ExpertShared, ExpertSplit
 from hosted_tinker.rank.routing_replay import replay_choice, replay_target
 
 NO_ADAPTER = -1  # a token's adapter number when it runs under none (filler, an adapter-less span)
@@ -70,9 +74,10 @@ class ExpertProjection:
     B: nn.Parameter
 
     @property
-    def split_dims(self) -> tuple[ExpertSplit | None, ExpertSplit | None]:
-        """Down's ``A`` is each expert's (split), gate's and up's ``B`` (``ExpertsShape.lora_shapes``)."""
-        return (ExpertSplit(), None) if self.module.endswith(".w2") else (None, ExpertSplit())
+    def split_dims(self) -> tuple[ExpertSplit | ExpertShared, ExpertSplit | ExpertShared]:
+        """Down's ``A`` is each expert's (split), gate's and up's ``B`` (``ExpertsShape.lora_shapes``);
+        the other factor all experts share."""
+        return (ExpertSplit(), ExpertShared()) if self.module.endswith(".w2") else (ExpertShared(), ExpertSplit())
 
 
 def draw_expert_projections(site: ExpertsSite, rank: int, draw: Callable) -> list[ExpertProjection]:
@@ -116,9 +121,13 @@ class MoeLora:
                 self.top_k = site.moe.router.topk
                 site.moe.router.router_replay = _Replayer(self, layer)
 
-    def replay(self, routing: list[Tensor | None], lengths: list[int], device: torch.device) -> None:
-        """Replay ``routing`` in the next pass (``routing_replay.replay_target``), until ``clear``."""
-        self.target = replay_target(routing, lengths, self.layers, self.top_k, device)
+    def replay(
+        self, routing: list[Tensor | None], lengths: list[int], device: torch.device, positions: slice = slice(None)
+    ) -> None:
+        """Replay ``routing`` in the next pass (``routing_replay.replay_target``), until ``clear``;
+        ``positions``: those of the stream this rank's routers see (sequence parallelism)."""
+        target = replay_target(routing, lengths, self.layers, self.top_k, device)
+        self.target = target[positions] if target is not None else None
 
     def clear(self) -> None:
         self.target = None

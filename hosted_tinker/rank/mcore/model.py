@@ -77,7 +77,7 @@ class McoreLoraModel:
             cpu.use_cpu()
         shape = HfShape.read(model_path)
         shape.check_tp(tp)
-        shape.check_ep(ep, tp)
+        shape.check_ep(ep, tp, sequence_parallel)
         self.shape, self.tp, self.tp_rank = shape, tp, tp_rank
         self.model_path = model_path
         self.token_group = token_group if ep > 1 else None
@@ -123,7 +123,11 @@ class McoreLoraModel:
             else:
                 count = len(site.out_features) * site.in_features + sum(site.out_features)
             self.lora_params_per_rank[group] = self.lora_params_per_rank.get(group, 0) + count
-        self.routing = RoutingCounter(lambda: self.lora.routes.segments)
+        self.routing = RoutingCounter(self._routed_segments)
+        # Under sequence parallelism a rank's routers see only its part of the pass's tokens: those
+        # positions of the stream (None: all of them), and the adapters of the pass.
+        self._local: slice | None = None
+        self._pass_names: list[str] = []
         if self.lora.experts is not None:
             self.lora.experts.routing = self.routing
         # Under expert parallelism every pass must reach a backward through every MoE layer, also
@@ -191,7 +195,43 @@ class McoreLoraModel:
         return lora_config(rank, self.lora_alpha, modules, self.model_path)
 
     def take_routed(self) -> dict[str, Routed]:
-        return self.routing.take([site.module for site in self.lora.sites.values() if isinstance(site, ExpertsSite)])
+        layers = [site.module for site in self.lora.sites.values() if isinstance(site, ExpertsSite)]
+        taken = self.routing.take(layers)
+        return taken if self._local is None else self._summed_over_tp(taken, len(layers))
+
+    def _summed_over_tp(self, taken: dict[str, Routed], layers: int) -> dict[str, Routed]:
+        """The pass's routing summed over the tensor-parallel group, whose ranks each routed their
+        part of the same tokens (rank 0's answer is the replica's); by the pass's adapters, the
+        same on each rank."""
+        from megatron.core import parallel_state
+
+        experts = self.shape.experts
+        sums = torch.zeros(len(self._pass_names), layers * experts + 2, dtype=torch.float64)
+        for i, name in enumerate(self._pass_names):
+            if (routed := taken.get(name)) is not None:
+                sums[i, :-2] = torch.from_numpy(routed.counts.reshape(-1))
+                sums[i, -2:] = torch.tensor([routed.replayed, routed.changed], dtype=torch.float64)
+        sums = sums.to(self.device)
+        dist.all_reduce(sums, group=parallel_state.get_tensor_model_parallel_group())
+        out = {}
+        for name, row in zip(self._pass_names, sums.cpu().round().long(), strict=True):
+            counts = row[:-2].view(layers, experts).numpy()
+            if counts.any():
+                out[name] = Routed(counts, int(counts.sum()) // self.shape.top_k, int(row[-2]), int(row[-1]))
+        return out
+
+    def _routed_segments(self) -> list[tuple[int, int | None, str]]:
+        """The adapters' spans of the tokens this rank's routers see (``RoutingCounter``)."""
+        segments = self.lora.routes.segments
+        if self._local is None:
+            return segments
+        low, high = self._local.start, self._local.stop
+        out: list[tuple[int, int | None, str]] = []
+        for start, end, name in segments:
+            first, last = max(start, low), min(high if end is None else end, high)
+            if first < last:
+                out.append((first - low, last - low, name))
+        return out
 
     def finish_pass(self, failed: bool) -> None:
         """Lock-stepped: the last training pass's backward through the decoder, from the gradient
@@ -215,7 +255,7 @@ class McoreLoraModel:
     def logprobs(self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: int = 0) -> list[Tensor]:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        self._held = None
+        self._held, self._local, self._pass_names = None, None, []
         packed = pack(data)
         tokens, positions, cu_seqlens = packed.tokens, packed.positions, packed.cu_seqlens
         total = tokens.shape[0]
@@ -231,11 +271,18 @@ class McoreLoraModel:
         names = [h.name for h in handles] + ([""] if short else [])  # "": no adapter on the filler
         self.lora.routes.segments = segments(names, [d.num_tokens for d in data] + ([short] if short else []))
         if self.lora.experts is not None:
-            self.lora.experts.gather_routes(self.lora.token_adapters(total + short).to(self.device))
+            stream = total + short
+            local = slice(None)
+            if self.sequence_parallel:  # the MoE layers see this rank's positions of the stream
+                part = stream // self.tp
+                local = self._local = slice(self.tp_rank * part, (self.tp_rank + 1) * part)
+                self._pass_names = sorted(set(names))
+            self.lora.experts.gather_routes(self.lora.token_adapters(stream)[local].to(self.device))
             self.lora.experts.replay(
                 [d.routing for d in data] + [None] * bool(short),
                 [d.num_tokens for d in data] + [short] * bool(short),
                 self.device,
+                local,
             )
         on: dict[str, Any] = {"device": self.device}
         # transformer-engine reads the bounds on the device. Megatron's own layers (its unfused

@@ -12,13 +12,16 @@ collectives are ``ddp``'s, over the replica group of this rank's tensor-parallel
 - export and load: sharded tensors gathered over the tensor-parallel group into whole PEFT
   tensors on rank 0, and split again on load, so checkpoints are the ``peft`` backend's.
 
-With ``ep`` > 1 a mixture-of-experts model's routed experts are split over ``ep`` ranks
-(megatron's expert parallelism: ``ep`` consecutive tensor-parallel groups), each running its own
-shard of a batch, as data-parallel replicas do, and meeting in every MoE layer. Their passes run
-in lock step (``passes``, ``least``: the same count, the same layers recomputed); the experts'
-own LoRA factors (``ExpertSplit``) are gathered over the expert-parallel group on export, and
-their gradients summed over the ranks that hold the same experts (megatron's expert-data-parallel
-group); the factors shared by all experts, like attention's, over every replica.
+With ``ep`` > 1 a mixture-of-experts model's routed experts are split over ``ep`` consecutive
+ranks (megatron's expert parallelism), each running its own tokens: its replica's shard of a
+batch, and under ``tp`` > 1 its part of that shard's sequence (sequence parallelism, which
+megatron's MoE layer needs there; the experts themselves are never split over the
+tensor-parallel group: expert tensor-parallel size 1, megatron's "parallel folding", so ``tp``
+and ``ep`` each divide the ranks). They meet in every MoE layer, so their passes run in lock
+step (``passes``, ``least``: the same count, the same layers recomputed); the experts' own LoRA
+factors (``ExpertSplit``) are gathered over the expert-parallel group on export, and their
+gradients summed over the ranks that hold the same experts (megatron's expert-data-parallel
+group); the factors all experts share (``ExpertShared``) over every rank.
 
 megatron-core is an optional extra (``pip install hosted-tinker[megatron]``), imported only here.
 """
@@ -30,12 +33,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hosted_tinker.rank.mcore.convert import ARCHS, MOE_ARCHS
-from hosted_tinker.rank.model import ExpertSplit, SplitDim
+from hosted_tinker.rank.model import ExpertShared, ExpertSplit, SplitDim
 from hosted_tinker.rank.plans import ddp
 from hosted_tinker.rank.plans.options import MegatronOptions as Options
 
-DEVICES = "tp x ep x dp ranks: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=T ep=E"
-MODELS = f"{', '.join(ARCHS)} (rank.mcore.convert); ep > 1 for {', '.join(MOE_ARCHS)}, with tp = 1"
+DEVICES = "tp x dp ranks, a multiple of ep: --train-devices cpu:N | cuda:0,1,...; --backend-option tp=T ep=E"
+MODELS = (
+    f"{', '.join(ARCHS)} (rank.mcore.convert); ep > 1 for {', '.join(MOE_ARCHS)}, "
+    "whose tp > 1 needs sequence_parallel=true"
+)
 # tests/e2e/test_plans.py: tensor-parallel alone, with sequence parallelism, with two data-parallel
 # replicas that recompute every layer's activations, and with a memory budget that stores some.
 CHECKED_LAYOUTS = [
@@ -46,10 +52,14 @@ CHECKED_LAYOUTS = [
 ]
 # The same, on the tiny Qwen3-MoE model: its experts split over two ranks, and over two ranks
 # twice (two copies of each expert, whose gradients are summed), with small micro-batches so
-# that the ranks' shards hold unequal numbers of them.
+# that the ranks' shards hold unequal numbers of them; under tensor parallelism, over the two
+# ranks of one tensor-parallel group, and over four ranks that are two such groups (two
+# replicas' shards, each split by sequence, meeting in the MoE layers).
 CHECKED_MOE_LAYOUTS = [
     ("cpu:2", {"ep": "2"}),
     ("cpu:4", {"ep": "2", "microbatch_tokens": "48"}),
+    ("cpu:2", {"tp": "2", "ep": "2", "sequence_parallel": "true"}),
+    ("cpu:4", {"tp": "2", "ep": "4", "sequence_parallel": "true", "microbatch_tokens": "48"}),
 ]
 
 
@@ -70,6 +80,7 @@ class Plan(ddp.Plan):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tp,
             expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=1,  # experts whole on their ranks (``rank.mcore.experts``)
             # its groups time out as the world group does (a timedelta of these minutes), not in 30 min
             distributed_timeout_minutes=options.collective_timeout_s / 60,
         )
@@ -116,17 +127,30 @@ class Plan(ddp.Plan):
             dist.all_reduce(t, op=op, group=self.lock_group)
             return float(t.item())
 
+    def _by_group(
+        self, params: list[nn.Parameter], split_dims: list[SplitDim]
+    ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]:
+        """``params`` by the ranks that hold the same part of them: the replicas of this rank's
+        tensor-parallel position; the ranks with the same experts (``ExpertSplit``); every rank
+        (``ExpertShared``: None, the world)."""
+        groups: list[tuple[type | None, dist.ProcessGroup | None]] = [
+            (None, self.replica_group),
+            (ExpertSplit, self.expert_replica_group),
+            (ExpertShared, None),
+        ]
+        kind = [type(d) if isinstance(d, ExpertSplit | ExpertShared) else None for d in split_dims]
+        return [([p for p, k in zip(params, kind, strict=True) if k is want], group) for want, group in groups]
+
     def broadcast_initial(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
-        experts = [isinstance(dim, ExpertSplit) for dim in split_dims]
-        self.broadcast([p for p, e in zip(params, experts, strict=True) if not e], self.replica_group)
-        self.broadcast([p for p, e in zip(params, experts, strict=True) if e], self.expert_replica_group)
+        for held, group in self._by_group(params, split_dims):
+            self.broadcast(held, group)
 
     def reduce_gradients(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
-        experts = [isinstance(dim, ExpertSplit) for dim in split_dims]
-        self.sum_gradients([p for p, e in zip(params, experts, strict=True) if not e], self.replica_group)
-        own = [p for p, e in zip(params, experts, strict=True) if e]
-        self.sum_gradients(own, self.expert_replica_group)
+        (dense, replicas), (own, same_experts), (shared, everyone) = self._by_group(params, split_dims)
+        self.sum_gradients(dense, replicas)
+        self.sum_gradients(own, same_experts)
         self._gradient_everywhere(own)
+        self.sum_gradients(shared, everyone)
 
     def _gradient_everywhere(self, params: list[nn.Parameter]) -> None:
         """An expert-split factor whose slice has a gradient on some rank of the expert-parallel
@@ -144,13 +168,15 @@ class Plan(ddp.Plan):
                 p.grad = torch.zeros_like(p)
 
     def replicas_of(self, split_dim: SplitDim) -> int:
+        if isinstance(split_dim, ExpertShared):
+            return self.world_size
         return dist.get_world_size(self.expert_replica_group) if isinstance(split_dim, ExpertSplit) else self.replicas
 
     def grad_norm(self, grads: list[Tensor], split_dims: list[SplitDim]) -> Tensor:
         # [split over tp, split over ep, on every rank]: each part's squares summed over its group
         squares = torch.zeros(3, dtype=torch.float64, device=self.device)
         for g, dim in zip(grads, split_dims, strict=True):
-            squares[2 if dim is None else 1 if isinstance(dim, ExpertSplit) else 0] += g.double().pow(2).sum()
+            squares[0 if isinstance(dim, int) else 1 if isinstance(dim, ExpertSplit) else 2] += g.double().pow(2).sum()
         with ddp._collective("the gradient norm's all-reduce"):
             for part, size, group in ((0, self.tp, self.tp_group), (1, self.ep, self.ep_group)):
                 if size > 1:
@@ -185,4 +211,6 @@ class Plan(ddp.Plan):
         """(group size, group, dimension) of a parameter's split."""
         if isinstance(split_dim, ExpertSplit):
             return self.ep, self.ep_group, split_dim.dim
+        if isinstance(split_dim, ExpertShared):
+            return 1, None, None
         return self.tp, self.tp_group, split_dim

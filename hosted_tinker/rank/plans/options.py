@@ -110,7 +110,8 @@ class MegatronOptions(DdpOptions):
         1,
         ge=1,
         description="expert-parallel size: ranks over which a mixture-of-experts model's routed experts are "
-        "split, each running its own shard of a batch (tp x ep x replicas = ranks)",
+        "split, each running its own tokens; it divides the ranks, as tp does (the experts are not split "
+        "over tp's ranks, which hold different experts under ep > 1)",
     )
     sequence_parallel: bool = Field(
         False, description="split the activations between the parallel layers by sequence (needs tp > 1)"
@@ -130,9 +131,11 @@ class MegatronOptions(DdpOptions):
         super().check(devices, worker_timeout_s)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--backend-option sequence_parallel=true needs tp > 1")
-        if len(devices) % (self.tp * self.ep):
-            sizes = " x ".join(f"{k}={v}" for k, v in (("tp", self.tp), ("ep", self.ep)) if v > 1 or k == "tp")
-            raise ValueError(f"--backend-option {sizes} does not divide the {len(devices)} ranks of --train-devices")
+        for name, size in (("tp", self.tp), ("ep", self.ep)):
+            if len(devices) % size:
+                raise ValueError(
+                    f"--backend-option {name}={size} does not divide the {len(devices)} ranks of --train-devices"
+                )
         if self.ep > 1 and self.activation_memory_gib is not None:
             # what a stored layer keeps is measured per rank, on passes of unequal length: the
             # lock-stepped ranks would choose apart

@@ -62,16 +62,20 @@ def test_the_pins_are_the_ones_pyproject_installs() -> None:
 
 
 def test_expert_parallelism_is_checked_before_a_rank_starts_or_as_the_model_loads(monkeypatch, tiny_model_dir) -> None:
-    """ep must divide the ranks with tp, takes the token threshold (a memory budget is measured
-    per rank, on passes of unequal length), and needs a model with routed experts: said in one
-    line (what `serve` prints), as the rest of the megatron options."""
+    """ep and tp must each divide the ranks (the experts are not split over tp's ranks); ep takes
+    the token threshold (a memory budget is measured per rank, on passes of unequal length), needs
+    a model with routed experts, and with tp > 1 sequence parallelism: said in one line (what
+    `serve` prints), as the rest of the megatron options."""
     from hosted_tinker.rank.mcore.convert import HfShape
     from hosted_tinker.rank.plans import options, plan_options
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if installed
     monkeypatch.setattr(options.importlib.metadata, "version", lambda dist: "0.16.1")
-    with pytest.raises(ValueError, match=r"tp=2 x ep=4 does not divide the 4 ranks of --train-devices"):
-        plan_options("megatron", {"tp": "2", "ep": "4"}, ["cpu"] * 4, 3600.0)
+    with pytest.raises(ValueError, match=r"ep=4 does not divide the 2 ranks of --train-devices"):
+        plan_options("megatron", {"tp": "2", "ep": "4"}, ["cpu"] * 2, 3600.0)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the 2 ranks of --train-devices"):
+        plan_options("megatron", {"tp": "4", "ep": "2"}, ["cpu"] * 2, 3600.0)
+    plan_options("megatron", {"tp": "2", "ep": "4", "sequence_parallel": "true"}, ["cpu"] * 4, 3600.0)
     with pytest.raises(ValueError, match=r"activation_memory_gib is not built for ep > 1"):
         plan_options("megatron", {"ep": "2", "activation_memory_gib": "1"}, ["cpu"] * 2, 3600.0)
     assert plan_options("megatron", {"ep": "2"}, ["cuda:0", "cuda:1"], 3600.0).activation_budget(["cuda:0"]) is None
@@ -81,5 +85,7 @@ def test_expert_parallelism_is_checked_before_a_rank_starts_or_as_the_model_load
     moe.check_ep(4)  # two experts a rank
     with pytest.raises(ValueError, match=r"ep=3 does not divide the model's 8 routed experts"):
         moe.check_ep(3)
-    with pytest.raises(ValueError, match=r"tp > 1 on a mixture-of-experts model is not built yet"):
+    with pytest.raises(ValueError, match=r"tp=2 on a mixture-of-experts model needs sequence_parallel=true"):
         moe.check_ep(2, tp=2)
+    moe.check_ep(2, tp=2, sequence_parallel=True)
+    moe.check_ep(1, tp=2, sequence_parallel=True)
