@@ -205,7 +205,7 @@ def main() -> None:
     # What `serve` imports (hosted_tinker/cli.py `_serve`), so that a fork has it all.
     import uvicorn  # noqa: F401
 
-    import hosted_tinker.__main__  # noqa: F401
+    import hosted_tinker.cli  # noqa: F401  (not its __main__, which runpy runs as the main module)
     import hosted_tinker.server.api.app  # noqa: F401
     import hosted_tinker.server.api.connections  # noqa: F401
     import hosted_tinker.server.api.request_log  # noqa: F401
