@@ -82,12 +82,9 @@ class RecordedSequence:
     routed: bool = False
 
 
-class RecordedRouting(NamedTuple):
-    """A sequence's experts, ``(P, layers, top_k)`` for its prompt's positions and ``(T, layers,
-    top_k)`` for its sampled tokens (-1 where none was recorded), each None if not kept."""
-
-    prompt: np.ndarray | None
-    sampled: np.ndarray | None
+# One run of a sequence's positions whose routing is wanted: (sequence_id, sampled, offset,
+# length), rows [offset, offset + length) of its sampled tokens' routing (``sampled``) or its prompt's.
+RoutingRun = tuple[str, bool, int, int]
 
 
 def model_identity(model_path: str) -> str:
@@ -221,25 +218,60 @@ class SequenceRecords:
             for sid, prompt, tokens, lps, routed, model in rows
         }
 
-    def routing(self, session_id: str, sequence_ids: Iterable[str]) -> dict[str, RecordedRouting]:
-        """The routing this server's model recorded for those of ``session_id``'s live
-        ``sequence_ids`` that have any; a prompt shared by several of them is read once."""
-        ids = sorted(set(sequence_ids))
-        rows: list[tuple] = []
+    def routing(self, session_id: str, runs: Iterable[RoutingRun]) -> dict[RoutingRun, np.ndarray]:
+        """The routing this server's model recorded for each run of ``session_id``'s live
+        sequences, ``(length, layers, top_k)``; a run with none is absent. Only the run's rows
+        are read (SQLite's ``substr`` of the blob): a training request holds its own tokens'
+        routing, never whole records (a key may keep gigabytes of them)."""
+        wanted = sorted(set(runs))
+        found: dict[str, tuple[int, int]] = {}  # sequence_id -> its row, its prompt's row
+        out: dict[RoutingRun, np.ndarray] = {}
         with self._lock:
-            for chunk in _chunks(ids):
-                rows += self._db.execute(
-                    "SELECT s.sequence_id, s.request_key, p.routing, s.routing FROM sampled_sequences s "
-                    "JOIN sampled_prompts p ON p.request_key = s.request_key "
-                    f"WHERE s.session_id=? AND s.expires_at>? AND p.routing_model=? AND s.sequence_id IN "
-                    f"({','.join('?' * len(chunk))}) AND (p.routing IS NOT NULL OR s.routing IS NOT NULL)",
-                    (session_id, self._clock(), self.model, *chunk),
-                ).fetchall()
-        prompts: dict[str, np.ndarray | None] = {}
-        for _, key, blob, _ in rows:
-            if key not in prompts:
-                prompts[key] = _from_npy(blob)
-        return {sid: RecordedRouting(prompts[key], _from_npy(routing)) for sid, key, _, routing in rows}
+            for chunk in _chunks(sorted({run[0] for run in wanted})):
+                found.update(
+                    (sid, (row, prompt_row))
+                    for sid, row, prompt_row in self._db.execute(
+                        "SELECT s.sequence_id, s.rowid, p.rowid FROM sampled_sequences s "
+                        "JOIN sampled_prompts p ON p.request_key = s.request_key "
+                        f"WHERE s.session_id=? AND s.expires_at>? AND p.routing_model=? AND s.sequence_id IN "
+                        f"({','.join('?' * len(chunk))})",
+                        (session_id, self._clock(), self.model, *chunk),
+                    )
+                )
+            headers: dict[tuple[str, int], tuple[int, tuple[int, ...], np.dtype] | None] = {}
+            for run in wanted:
+                sequence_id, sampled, offset, length = run
+                if sequence_id not in found:
+                    continue
+                where = (
+                    ("sampled_sequences", found[sequence_id][0])
+                    if sampled
+                    else ("sampled_prompts", found[sequence_id][1])
+                )
+                if where not in headers:
+                    headers[where] = self._npy_header(*where)
+                if (header := headers[where]) is None:
+                    continue
+                data, shape, dtype = header
+                rows = max(0, min(offset + length, shape[0]) - offset)
+                row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+                (blob,) = self._db.execute(
+                    f"SELECT substr(routing, ?, ?) FROM {where[0]} WHERE rowid=?",
+                    (data + offset * row_bytes + 1, rows * row_bytes, where[1]),
+                ).fetchone()
+                out[run] = np.frombuffer(blob, dtype=dtype).reshape(rows, *shape[1:])
+        return out
+
+    def _npy_header(self, table: str, rowid: int) -> tuple[int, tuple[int, ...], np.dtype] | None:
+        """Where a routing blob's array starts, its shape and dtype (None: no routing there)."""
+        (head,) = self._db.execute(f"SELECT substr(routing, 1, 4096) FROM {table} WHERE rowid=?", (rowid,)).fetchone()
+        if head is None:
+            return None
+        stream = io.BytesIO(head)
+        version = np.lib.format.read_magic(stream)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(stream)
+        return stream.tell(), shape, dtype
 
     def delete_expired(self) -> int:
         """Drop sequences past their day, and prompts no sequence refers to any more."""

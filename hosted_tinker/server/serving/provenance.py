@@ -26,7 +26,7 @@ import numpy as np
 
 from hosted_tinker.core.errors import ApiError, bad_request
 from hosted_tinker.core.types import Capabilities
-from hosted_tinker.server.persistence.sequences import RecordedRouting, RecordedSequence
+from hosted_tinker.server.persistence.sequences import RecordedSequence, RoutingRun
 from hosted_tinker.server.protocol.proto_codec import Span, WireDatum
 
 # The client's copy of the sampler's log-probs went through float32 on the wire, as the
@@ -90,24 +90,32 @@ def resolve(
     return Resolved(mask, logprobs, [(pos, span) for pos, span, rec in inputs if rec.routed])
 
 
+def routing_runs(routed: list[tuple[int, Span]]) -> list[RoutingRun]:
+    """What ``SequenceRecords.routing`` reads for ``resolve``'s routed runs."""
+    return [_run(span) for _, span in routed]
+
+
 def routing(
-    routed: list[tuple[int, Span]], n: int, recorded: dict[str, RecordedRouting], where: str
+    routed: list[tuple[int, Span]], n: int, recorded: dict[RoutingRun, np.ndarray], where: str
 ) -> np.ndarray | None:
     """The recorded experts of each of a datum's ``n`` input positions (-1 where none), from the
-    runs ``resolve`` found routed and their sequences' ``recorded`` routing; None if none holds
-    any (a dense model, or a sampler that does not record it)."""
+    runs ``resolve`` found routed and their ``recorded`` routing (``SequenceRecords.routing``);
+    None if none holds any (a dense model, or a sampler that does not record it)."""
     routing: np.ndarray | None = None
     for pos, span in routed:
-        rec = recorded.get(span.sequence_id)
-        source = None if rec is None else rec.sampled if span.sampled else rec.prompt
+        source = recorded.get(_run(span))
         if source is None:
             continue
         if routing is None:
             routing = np.full((n, *source.shape[1:]), -1, dtype=np.int16)
         elif source.shape[1:] != routing.shape[1:]:
             raise bad_request(f"{where}.model_input_spans: the sequences it names were sampled from different models")
-        routing[pos : pos + span.length] = source[span.offset : span.offset + span.length]
+        routing[pos : pos + len(source)] = source
     return routing
+
+
+def _run(span: Span) -> RoutingRun:
+    return (span.sequence_id, span.sampled, span.offset, span.length)
 
 
 def _walk(

@@ -414,7 +414,7 @@ class TrainingService:
         replayed in training whatever the loss (``rank.routing_replay``). Read there rather than
         where the request is checked (the event loop): it is ~100 times the rest of a record
         (Qwen3-30B-A3B: 768 bytes a token)."""
-        recorded = self.sequences.routing(session_id, {span.sequence_id for r in routed for _, span in r.runs})
+        recorded = self.sequences.routing(session_id, [run for r in routed for run in provenance.routing_runs(r.runs)])
         for r in routed:
             routing = provenance.routing(r.runs, r.length, recorded, r.where)
             if routing is not None:

@@ -139,10 +139,13 @@ def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
     reopened = SequenceRecords(tmp_path / "db.sqlite")
     rec = reopened.take("s", ["r:1:0", "d:1:0"])
     assert rec["r:1:0"].routed and not rec["d:1:0"].routed
-    recorded = reopened.routing("s", ["r:1:0", "d:1:0"])  # read apart, where the training request runs
-    assert set(recorded) == {"r:1:0"}
-    np.testing.assert_array_equal(recorded["r:1:0"].prompt, prompt_routing)
-    np.testing.assert_array_equal(recorded["r:1:0"].sampled, routing)
+    # read apart, where the training request runs, run by run: only the rows a run names
+    runs = [("r:1:0", False, 0, 3), ("r:1:0", True, 0, 3), ("r:1:0", True, 1, 2), ("d:1:0", True, 0, 3)]
+    recorded = reopened.routing("s", runs)
+    assert set(recorded) == set(runs[:3])
+    np.testing.assert_array_equal(recorded[runs[0]], prompt_routing)
+    np.testing.assert_array_equal(recorded[runs[1]], routing)
+    np.testing.assert_array_equal(recorded[runs[2]], routing[1:3])
 
     def rl_datum(sid: str) -> WireDatum:
         return WireDatum(
@@ -154,7 +157,9 @@ def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
 
     def routing_of(sid: str) -> np.ndarray | None:
         resolved = provenance.resolve(rl_datum(sid), "data[0]", rec)
-        return provenance.routing(resolved.routed, 5, recorded, "data[0]")
+        return provenance.routing(
+            resolved.routed, 5, reopened.routing("s", provenance.routing_runs(resolved.routed)), "data[0]"
+        )
 
     np.testing.assert_array_equal(routing_of("r:1:0"), np.concatenate([prompt_routing, routing[:2]]))
     assert routing_of("d:1:0") is None
@@ -162,9 +167,9 @@ def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
     records.record("s", "w:1", [10, 11, 12], [Sampled("w:1:0", [20, 21, 22], [-0.25] * 3, routing[:, :1])])
     mixed = rl_datum("r:1:0")
     mixed.model_input_spans = [Span(False, "r:1:0", 0, 3), Span(True, "w:1:0", 0, 2)]
-    runs = provenance.resolve(mixed, "data[0]", reopened.take("s", ["r:1:0", "w:1:0"])).routed
+    routed = provenance.resolve(mixed, "data[0]", reopened.take("s", ["r:1:0", "w:1:0"])).routed
     with pytest.raises(ApiError, match=r"data\[0\].model_input_spans: the sequences it names were sampled from"):
-        provenance.routing(runs, 5, reopened.routing("s", ["r:1:0", "w:1:0"]), "data[0]")
+        provenance.routing(routed, 5, reopened.routing("s", provenance.routing_runs(routed)), "data[0]")
 
 
 def test_records_made_before_routing_was_kept_still_read(tmp_path):
@@ -185,10 +190,10 @@ def test_records_made_before_routing_was_kept_still_read(tmp_path):
     db.close()
     records = SequenceRecords(tmp_path / "db.sqlite")
     old = records.take("s", ["o:1:0"])["o:1:0"]
-    assert list(old.tokens) == [5] and not old.routed and records.routing("s", ["o:1:0"]) == {}
+    assert list(old.tokens) == [5] and not old.routed and records.routing("s", [("o:1:0", True, 0, 1)]) == {}
     records.record("s", "n:1", [4], [Sampled("n:1:0", [5], [-0.1], np.zeros((1, 1, 1), np.int16))])
     assert records.take("s", ["n:1:0"])["n:1:0"].routed
-    assert records.routing("s", ["n:1:0"])["n:1:0"].sampled.shape == (1, 1, 1)
+    assert records.routing("s", [("n:1:0", True, 0, 1)])[("n:1:0", True, 0, 1)].shape == (1, 1, 1)
 
 
 def test_routing_recorded_on_another_model_is_refused_naming_the_datum():
@@ -227,7 +232,8 @@ def test_a_keys_routing_is_kept_up_to_its_record_bytes_then_records_keep_none(tm
     assert sample("b")
     assert not sample("c")  # over: recorded without routing
     got = records.take("s", ["b:0", "c:0"])
-    assert got["b:0"].routed and not got["c:0"].routed and set(records.routing("s", ["b:0", "c:0"])) == {"b:0"}
+    assert got["b:0"].routed and not got["c:0"].routed
+    assert set(records.routing("s", [("b:0", True, 0, 4), ("c:0", True, 0, 4)])) == {("b:0", True, 0, 4)}
     np.testing.assert_array_equal(got["c:0"].tokens, [5, 6, 7, 8])  # the record itself is kept
     assert records.record("s", "o", [1], [Sampled("o:0", [5], [-1.0], routing[:1])], owner="other", routing_limit=one)
     clock.now += 101  # a and b expire: their routing no longer counts
@@ -241,10 +247,11 @@ def test_routing_recorded_on_another_model_is_not_replayed(tmp_path):
     )
     same = SequenceRecords(tmp_path / "db.sqlite", model="m1")
     assert same.take("s", ["a:0"])["a:0"].routed
-    assert all(r is not None for r in same.routing("s", ["a:0"])["a:0"])
+    runs = [("a:0", False, 0, 1), ("a:0", True, 0, 1)]
+    assert set(same.routing("s", runs)) == set(runs)
     other = SequenceRecords(tmp_path / "db.sqlite", model="m2")
     again = other.take("s", ["a:0"])["a:0"]
-    assert not again.routed and list(again.tokens) == [5] and other.routing("s", ["a:0"]) == {}
+    assert not again.routed and list(again.tokens) == [5] and other.routing("s", runs) == {}
 
 
 def test_a_models_identity_is_its_path_config_and_weight_files(tmp_path):
@@ -257,3 +264,19 @@ def test_a_models_identity_is_its_path_config_and_weight_files(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x" * 11)  # other weights, the same config
     assert model_identity(str(tmp_path)) != first
     assert model_identity("Qwen/Qwen3-30B-A3B") != model_identity("Qwen/Qwen3-30B-A3B-Base")
+
+
+def test_a_run_reads_its_own_rows_of_a_routing_not_the_whole_record(tmp_path):
+    """A key may keep gigabytes of routing: a request naming one token of a long record must not
+    make the gateway hold the record (``substr`` of the blob, not the blob)."""
+    import tracemalloc
+
+    long = np.arange(200_000 * 4 * 8, dtype=np.int64).astype(np.int16).reshape(200_000, 4, 8)  # 12.8 MB
+    records = SequenceRecords(tmp_path / "db.sqlite")
+    records.record("s", "l", [1], [Sampled("l:0", [5] * 200_000, [-1.0] * 200_000, long)], long[:1])
+    tracemalloc.start()
+    got = records.routing("s", [("l:0", True, 123_456, 2)])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    np.testing.assert_array_equal(got[("l:0", True, 123_456, 2)], long[123_456:123_458])
+    assert peak < 1 << 20, peak
