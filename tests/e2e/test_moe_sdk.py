@@ -167,6 +167,40 @@ def test_the_sampled_routing_is_replayed_when_the_samples_train(moe):
     assert max(differ) > 1e-4
 
 
+def test_a_keys_routing_is_kept_up_to_its_record_bytes(tmp_path, tiny_family):
+    """Routing is ~100 times a record's tokens: a key keeps at most its ``record_bytes`` of it in
+    live records (``--key-limit``). Past it, its new records keep their tokens and log-probs (the
+    datum still trains, ``routing_replayed:mean`` says 0), and another key keeps its own."""
+    import json
+
+    from tests.support.tenants import new_keys
+
+    model = tiny_family("qwen3_moe")
+    config = json.loads((model / "config.json").read_text())
+    row = config["num_hidden_layers"] * config["num_experts_per_tok"] * 2  # int16 experts of a token
+    one_request = 2 * 128 + (10 + 8) * row  # the prompt's and the sequence's .npy: header, rows
+    key_a, key_b = new_keys(tmp_path, "alice", "bob")
+    srv = start_server(tmp_path, "--model", str(model), "--key-limit", f"record_bytes={one_request}", alias=ALIAS)
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop=[])
+    prompt = TOKENS[:10]
+    try:
+        replayed = {}
+        for name, key in (("alice", key_a), ("bob", key_b)):
+            tc = tinker.ServiceClient(base_url=srv.base_url, api_key=key).create_lora_training_client(
+                base_model=ALIAS, rank=4, seed=0
+            )
+            sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True)
+            for turn in range(2 if name == "alice" else 1):
+                (seq,) = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences
+                out = tc.forward([rl_datum(seq, 1.0, prompt)], "importance_sampling").result()
+                replayed[name, turn] = out.metrics["routing_replayed:mean"]
+        assert replayed == {("alice", 0): 1.0, ("alice", 1): 0.0, ("bob", 0): 1.0}
+        log = srv.log_path.read_text()
+        assert "record_bytes limit of routing" in log and key_a not in log  # the key's name, never the key
+    finally:
+        srv.stop()
+
+
 def test_resume_continues_exactly(moe):
     """save_state, then a new client from it: the same scores, and the same next step."""
     sc, tc = moe["sc"], moe["tc"]

@@ -24,10 +24,14 @@ from tests.support.server import ALIAS, ServerProcess, free_port, start_server
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ADAM = types.AdamParams(learning_rate=1e-2)
-# backend -> (devices per node when split over two nodes, the same ranks on one, its options)
+# layout -> (devices per node when split over two nodes, the same ranks on one, serve's flags, the
+# tiny model's family: None for the dense one)
 LAYOUTS = {
-    "ddp": ("cpu:1", "cpu:2", ()),
-    "megatron": ("cpu:2", "cpu:4", ("--backend-option", "tp=2")),  # tp=2 on each node x dp=2 across them
+    "ddp": ("cpu:1", "cpu:2", ("--backend", "ddp"), None),
+    # tp=2 on each node x dp=2 across them
+    "megatron": ("cpu:2", "cpu:4", ("--backend", "megatron", "--backend-option", "tp=2"), None),
+    # a mixture-of-experts model's experts split over the two nodes, which meet in every MoE layer
+    "megatron-ep2": ("cpu:1", "cpu:2", ("--backend", "megatron", "--backend-option", "ep=2"), "qwen3_moe"),
 }
 
 
@@ -87,16 +91,18 @@ def training_run(base_url: str) -> list[tuple[str, float, list[np.ndarray]]]:
     return record
 
 
-@pytest.mark.parametrize("backend", list(LAYOUTS))
-def test_two_nodes_train_as_one_machine_with_as_many_ranks(backend, tmp_path):
-    per_node, all_on_one, flags = LAYOUTS[backend]
-    one = start_server(tmp_path / "one", "--backend", backend, "--train-devices", all_on_one, *flags)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_nodes_train_as_one_machine_with_as_many_ranks(layout, tmp_path, tiny_family):
+    per_node, all_on_one, flags, family = LAYOUTS[layout]
+    if family is not None:
+        flags = (*flags, "--model", str(tiny_family(family)))
+    one = start_server(tmp_path / "one", "--train-devices", all_on_one, *flags)
     try:
         expected = training_run(one.base_url)
     finally:
         one.stop()
 
-    server, agent, _ = two_nodes(tmp_path / "two", per_node, "--backend", backend, *flags)
+    server, agent, _ = two_nodes(tmp_path / "two", per_node, *flags)
     try:
         worker = health(server.base_url)["worker"]
         assert worker["nodes"] == [{"node": 1, "host": worker["nodes"][0]["host"], "connected": True}]
