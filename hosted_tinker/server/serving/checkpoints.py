@@ -170,12 +170,11 @@ class CheckpointService:
             if isinstance(reserved, ApiError):
                 raise reserved
             held = reserved
-            job = prepare(model, held)
-            queued = True  # from here the job settles or releases what is held
-            return job
+            return prepare(model, held)
 
         try:
             request_id = self.training.submit_ordered(request_kind, model_id, seq_id, prepare_holding)
+            queued = True  # from here the job settles or releases what is held
         finally:
             if held is not None and not queued:  # refused after its reservation
                 held.release()

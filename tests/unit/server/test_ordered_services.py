@@ -122,3 +122,20 @@ def test_an_ordered_request_reads_its_models_record_once(
     with pytest.raises(ApiError):  # over the key's bytes: refused in its prepare, which gets the record
         services.checkpoints.save_weights(wire.SaveWeightsRequest(model_id=MODEL, seq_id=2, path="x"), OWNER)
     assert reads == [MODEL]
+
+
+def test_a_save_that_cannot_be_queued_lets_go_of_its_reservation(
+    services: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its checks passed and its bytes were reserved, but the scheduler refused the job: nothing
+    will ever settle or release what it holds, so the submission lets go of it."""
+    monkeypatch.setattr(services.quotas, "of", lambda tenant: Limits(checkpoint_bytes=1000))
+    monkeypatch.setattr(services.checkpoints, "likely_size", lambda model_id, kind: 100)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the scheduler is shutting down")
+
+    monkeypatch.setattr(services.scheduler, "submit", refuse)
+    with pytest.raises(RuntimeError, match="shutting down"):
+        services.checkpoints.save_weights(wire.SaveWeightsRequest(model_id=MODEL, seq_id=1, path="x"), OWNER)
+    assert not any(services.quotas._reserved.values())
