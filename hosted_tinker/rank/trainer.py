@@ -321,6 +321,9 @@ class Trainer:
                     failure = e
                 if not forward_only:
                     self.model.finish_pass(failed=failure is not None)
+                if self.model.lock_stepped and self.plan.shard_failed(failure is not None) and failure is None:
+                    # a rank with this shard failed (its memory, say): all of them go on with filler passes
+                    failure = PeerFailed("another rank failed this request")
         if failure is not None:
             raise failure
         return [out.result() for out in outs]

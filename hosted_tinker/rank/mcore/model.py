@@ -40,6 +40,7 @@ from hosted_tinker.rank.mcore.experts import ExpertsSite
 from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter, whole_sequence
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
 from hosted_tinker.rank.model import AdapterHandle, load_base, zero_adapter
+from hosted_tinker.rank.plans.ddp import collective
 
 
 class McoreLoraModel:
@@ -178,9 +179,10 @@ class McoreLoraModel:
         are routed to expert LoRA by it): one all-reduce, before anything here can fail. A rank
         out of step breaks the group (it is replaced) rather than train one tenant's tokens under
         another's adapter."""
-        both = torch.tensor([number, -number], dtype=torch.long, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.token_group)
-        most, least = int(both[0]), -int(both[1])
+        with collective("the expert-parallel group's agreement on a new adapter's number"):
+            both = torch.tensor([number, -number], dtype=torch.long, device=self.device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.token_group)
+            most, least = int(both[0]), -int(both[1])
         if most != least:
             raise GroupBroken(f"the ranks numbered a new adapter {least}..{most}: their adapters are out of step")
 
@@ -211,10 +213,12 @@ class McoreLoraModel:
             if (routed := taken.get(name)) is not None:
                 sums[i, :-2] = torch.from_numpy(routed.counts.reshape(-1))
                 sums[i, -2:] = torch.tensor([routed.replayed, routed.changed], dtype=torch.float64)
-        sums = sums.to(self.device)
-        dist.all_reduce(sums, group=parallel_state.get_tensor_model_parallel_group())
+        with collective("the tensor-parallel group's sum of a pass's routing"):
+            sums = sums.to(self.device)
+            dist.all_reduce(sums, group=parallel_state.get_tensor_model_parallel_group())
+            summed = sums.cpu().round().long()
         out = {}
-        for name, row in zip(self._pass_names, sums.cpu().round().long(), strict=True):
+        for name, row in zip(self._pass_names, summed, strict=True):
             counts = row[:-2].view(layers, experts).numpy()
             if counts.any():
                 out[name] = Routed(counts, int(counts.sum()) // self.shape.top_k, int(row[-2]), int(row[-1]))
@@ -329,9 +333,10 @@ class McoreLoraModel:
         would cost the group more than any rank's own data)."""
         want = total
         if self.token_group is not None:
-            most = torch.tensor([total, longest], dtype=torch.long, device=self.device)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.token_group)
-            want, longest = (int(x) for x in most.tolist())
+            with collective("the expert-parallel group's agreement on a pass's length"):
+                most = torch.tensor([total, longest], dtype=torch.long, device=self.device)
+                dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.token_group)
+                want, longest = (int(x) for x in most.tolist())
         if self.sequence_parallel:
             want += -want % self.tp
         return want - total, max(longest, self.tp)

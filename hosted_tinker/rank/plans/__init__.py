@@ -65,6 +65,12 @@ class ParallelPlan(Protocol):
         way (a tensor-parallel group: a collective there; the identity where ranks run alone)."""
         ...
 
+    def shard_failed(self, failed: bool) -> bool:
+        """After each pass of a lock-stepped model: whether it ``failed`` on any rank running the
+        same shard (a tensor-parallel group under expert parallelism, whose ranks must then all
+        run the filler passes that follow a failure); else ``failed``."""
+        ...
+
     def broadcast_initial(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
         """Make a new adapter's initial weights the same wherever they are replicated."""
         ...

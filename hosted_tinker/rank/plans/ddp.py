@@ -82,7 +82,7 @@ class Plan:
     def all_succeeded(self, succeeded: bool) -> bool:
         if self.world_size == 1:
             return succeeded
-        with _collective("the ranks' agreement on a call's outcome"):
+        with collective("the ranks' agreement on a call's outcome"):
             flag = torch.tensor([1 if succeeded else 0], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             return bool(flag.item())
@@ -93,6 +93,9 @@ class Plan:
     def least(self, value: float) -> float:
         return value  # replicas run their own shards' passes: theirs need not match
 
+    def shard_failed(self, failed: bool) -> bool:
+        return failed  # a shard runs on one rank
+
     def broadcast_initial(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
         self.broadcast(params, self.replica_group)
 
@@ -100,7 +103,7 @@ class Plan:
         """``params`` made the same on every rank of ``group`` (its first rank's), in one broadcast."""
         if not params or dist.get_world_size(group) == 1:
             return
-        with _collective("create_adapter's broadcast of rank 0's weights"):
+        with collective("create_adapter's broadcast of rank 0's weights"):
             flat = torch.cat([p.detach().reshape(-1).float() for p in params])
             dist.broadcast(flat, group=group, group_src=0)
             offset = 0
@@ -118,7 +121,7 @@ class Plan:
         as in a single process); one that only some ranks have is zero on the others."""
         if not params or dist.get_world_size(group) == 1:
             return
-        with _collective("optim_step's gradient all-reduce"):
+        with collective("optim_step's gradient all-reduce"):
             has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
             flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
             buffer = torch.cat([has, *flat])
@@ -149,7 +152,7 @@ class Plan:
 
 
 @contextlib.contextmanager
-def _collective(what: str) -> Iterator[None]:
+def collective(what: str) -> Iterator[None]:
     """Say a failed collective as ``GroupBroken``: after one, no rank knows what the others did.
     The block holds all of it (buffers, the collective, reading its result), so that a rank
     failing on its own device still answers as one that leaves the others waiting."""

@@ -52,13 +52,16 @@ CHECKED_LAYOUTS = [
 ]
 # The same, on the tiny Qwen3-MoE model: its experts split over two ranks, and over two ranks
 # twice (two copies of each expert, whose gradients are summed), with small micro-batches so
-# that the ranks' shards hold unequal numbers of them; under tensor parallelism, over the two
-# ranks of one tensor-parallel group, and over four ranks that are two such groups (two
-# replicas' shards, each split by sequence, meeting in the MoE layers).
+# that the ranks' shards hold unequal numbers of them; under tensor parallelism (split by
+# sequence), every expert on both ranks of the group, the experts split over those two ranks,
+# the same twice (two copies of each expert, in two replicas), and over four ranks that are two
+# tensor-parallel groups (two replicas' shards meeting in the MoE layers).
 CHECKED_MOE_LAYOUTS = [
     ("cpu:2", {"ep": "2"}),
     ("cpu:4", {"ep": "2", "microbatch_tokens": "48"}),
+    ("cpu:2", {"tp": "2", "sequence_parallel": "true"}),
     ("cpu:2", {"tp": "2", "ep": "2", "sequence_parallel": "true"}),
+    ("cpu:4", {"tp": "2", "ep": "2", "sequence_parallel": "true", "microbatch_tokens": "48"}),
     ("cpu:4", {"tp": "2", "ep": "4", "sequence_parallel": "true", "microbatch_tokens": "48"}),
 ]
 
@@ -89,8 +92,14 @@ class Plan(ddp.Plan):
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         self.ep_group = parallel_state.get_expert_model_parallel_group()
         self.expert_replica_group = parallel_state.get_expert_data_parallel_group()  # the same experts
-        # the ranks whose passes meet inside the layers: tp x ep (the tensor-parallel group where ep = 1)
-        self.lock_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        # where a MoE layer's dispatcher gathers tokens: the expert-parallel group (its expert
+        # tensor-parallel size is 1)
+        self.token_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        # The ranks that must run as many passes, recomputing the same layers: a tensor-parallel
+        # group (one shard, split inside the layers) and, under ep > 1, an expert-parallel group
+        # (they meet in the MoE layers). ``tp`` and ``ep`` nest (``MegatronOptions.check``), so
+        # the larger group holds the smaller: it is the one to agree over.
+        self.lock_group = self.tp_group if self.tp >= self.ep else self.token_group
 
     def build_model(self, model_path: str, *, dtype: str, lora_alpha: float, lora_compute: str):
         from hosted_tinker.rank.mcore.model import McoreLoraModel
@@ -108,12 +117,12 @@ class Plan(ddp.Plan):
             te=self.uses_te(self.device, dtype),
             ep=self.ep,
             ep_rank=self.ep_rank,
-            token_group=self.lock_group,
+            token_group=self.token_group,
         )
 
     def passes(self, count: int) -> int:
-        if self.ep == 1:
-            return count  # a tensor-parallel group's ranks run the same shard: the same passes
+        if self.ep <= self.tp:
+            return count  # the lock group is a tensor-parallel group, whose ranks run one shard
         return int(self._over_lock_group(count, dist.ReduceOp.MAX, "the expert-parallel group's count of passes"))
 
     def least(self, value: float) -> float:
@@ -121,8 +130,16 @@ class Plan(ddp.Plan):
             return value
         return self._over_lock_group(value, dist.ReduceOp.MIN, "the group's agreement on which layers to recompute")
 
+    def shard_failed(self, failed: bool) -> bool:
+        if self.tp == 1 or self.ep == 1:
+            return failed  # one rank a shard, or ranks that never run lock-stepped filler passes
+        with ddp.collective("the tensor-parallel group's agreement on a failed pass"):
+            flag = torch.tensor([float(failed)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
+            return bool(flag.item())
+
     def _over_lock_group(self, value: float, op: dist.ReduceOp.RedOpType, what: str) -> float:
-        with ddp._collective(what):
+        with ddp.collective(what):
             t = torch.tensor([value], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=op, group=self.lock_group)
             return float(t.item())
@@ -159,7 +176,7 @@ class Plan(ddp.Plan):
         exports and gathers the same tensors."""
         if not params or self.ep == 1:
             return
-        with ddp._collective("the expert-parallel group's agreement on which gradients exist"):
+        with ddp.collective("the expert-parallel group's agreement on which gradients exist"):
             has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
             dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.ep_group)
             anywhere = has.tolist()
@@ -177,7 +194,7 @@ class Plan(ddp.Plan):
         squares = torch.zeros(3, dtype=torch.float64, device=self.device)
         for g, dim in zip(grads, split_dims, strict=True):
             squares[0 if isinstance(dim, int) else 1 if isinstance(dim, ExpertSplit) else 2] += g.double().pow(2).sum()
-        with ddp._collective("the gradient norm's all-reduce"):
+        with ddp.collective("the gradient norm's all-reduce"):
             for part, size, group in ((0, self.tp, self.tp_group), (1, self.ep, self.ep_group)):
                 if size > 1:
                     sharded = squares[part : part + 1].clone()
@@ -186,12 +203,12 @@ class Plan(ddp.Plan):
         return squares.sum().sqrt().float().cpu()
 
     def gather(self, tensors: dict[str, tuple[Tensor, SplitDim]]) -> dict[str, Tensor] | None:
-        with ddp._collective("export's gather over the tensor-parallel group"):
+        with ddp.collective("export's gather over the tensor-parallel group"):
             whole = {key: self._all_gather(t, dim).detach().cpu().clone() for key, (t, dim) in tensors.items()}
         return whole if self.rank == 0 else None
 
     def whole(self, t: Tensor, split_dim: SplitDim) -> Tensor:
-        with ddp._collective("a whole matrix's gather over the tensor-parallel group"):
+        with ddp.collective("a whole matrix's gather over the tensor-parallel group"):
             return self._all_gather(t, split_dim)
 
     def _all_gather(self, t: Tensor, split_dim: SplitDim) -> Tensor:

@@ -136,6 +136,10 @@ class MegatronOptions(DdpOptions):
                 raise ValueError(
                     f"--backend-option {name}={size} does not divide the {len(devices)} ranks of --train-devices"
                 )
+        if self.ep % self.tp and self.tp % self.ep:
+            # a tensor-parallel group (one shard) would straddle two expert-parallel groups, whose
+            # passes are padded and counted apart: its ranks would run unequal passes
+            raise ValueError(f"--backend-option tp={self.tp} and ep={self.ep}: one must divide the other")
         if self.ep > 1 and self.activation_memory_gib is not None:
             # what a stored layer keeps is measured per rank, on passes of unequal length: the
             # lock-stepped ranks would choose apart

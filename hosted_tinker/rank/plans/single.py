@@ -41,6 +41,9 @@ class Plan:
     def least(self, value: float) -> float:
         return value
 
+    def shard_failed(self, failed: bool) -> bool:
+        return failed  # a shard runs on one rank
+
     def broadcast_initial(self, params: list[nn.Parameter], split_dims: list[SplitDim]) -> None:
         pass
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -221,11 +222,13 @@ class SequenceRecords:
     def routing(self, session_id: str, runs: Iterable[RoutingRun]) -> dict[RoutingRun, np.ndarray]:
         """The routing this server's model recorded for each run of ``session_id``'s live
         sequences, ``(length, layers, top_k)``; a run with none is absent. Only the run's rows
-        are read (SQLite's ``substr`` of the blob): a training request holds its own tokens'
-        routing, never whole records (a key may keep gigabytes of them)."""
-        wanted = sorted(set(runs))
+        are read (SQLite's incremental blob I/O: a SQL function such as ``substr`` would load the
+        whole value), so a training request reads and holds its own tokens' routing, never whole
+        records (a key may keep gigabytes of them); a run of no position reads nothing. The lock
+        is let go between records: sampling records and the event loop's ``take`` wait for one
+        record's read at most."""
+        wanted = sorted({run for run in runs if run[3] > 0})
         found: dict[str, tuple[int, int]] = {}  # sequence_id -> its row, its prompt's row
-        out: dict[RoutingRun, np.ndarray] = {}
         with self._lock:
             for chunk in _chunks(sorted({run[0] for run in wanted})):
                 found.update(
@@ -238,40 +241,39 @@ class SequenceRecords:
                         (session_id, self._clock(), self.model, *chunk),
                     )
                 )
-            headers: dict[tuple[str, int], tuple[int, tuple[int, ...], np.dtype] | None] = {}
-            for run in wanted:
-                sequence_id, sampled, offset, length = run
-                if sequence_id not in found:
-                    continue
-                where = (
-                    ("sampled_sequences", found[sequence_id][0])
-                    if sampled
-                    else ("sampled_prompts", found[sequence_id][1])
-                )
-                if where not in headers:
-                    headers[where] = self._npy_header(*where)
-                if (header := headers[where]) is None:
-                    continue
-                data, shape, dtype = header
-                rows = max(0, min(offset + length, shape[0]) - offset)
-                row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
-                (blob,) = self._db.execute(
-                    f"SELECT substr(routing, ?, ?) FROM {where[0]} WHERE rowid=?",
-                    (data + offset * row_bytes + 1, rows * row_bytes, where[1]),
-                ).fetchone()
-                out[run] = np.frombuffer(blob, dtype=dtype).reshape(rows, *shape[1:])
+        by_record: dict[tuple[str, int], list[RoutingRun]] = {}
+        for run in wanted:
+            if (rows := found.get(run[0])) is not None:
+                where = ("sampled_sequences", rows[0]) if run[1] else ("sampled_prompts", rows[1])
+                by_record.setdefault(where, []).append(run)
+        out: dict[RoutingRun, np.ndarray] = {}
+        for (table, rowid), record_runs in by_record.items():
+            with self._lock:
+                out.update(self._read_runs(table, rowid, record_runs))
         return out
 
-    def _npy_header(self, table: str, rowid: int) -> tuple[int, tuple[int, ...], np.dtype] | None:
-        """Where a routing blob's array starts, its shape and dtype (None: no routing there)."""
-        (head,) = self._db.execute(f"SELECT substr(routing, 1, 4096) FROM {table} WHERE rowid=?", (rowid,)).fetchone()
-        if head is None:
-            return None
-        stream = io.BytesIO(head)
-        version = np.lib.format.read_magic(stream)
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, _, dtype = read(stream)
-        return stream.tell(), shape, dtype
+    def _read_runs(self, table: str, rowid: int, runs: list[RoutingRun]) -> dict[RoutingRun, np.ndarray]:
+        """Each run's rows of one record's routing (none if it has no routing, or is gone)."""
+        try:
+            blob = self._db.blobopen(table, "routing", rowid, readonly=True)
+        except sqlite3.OperationalError:  # NULL (no routing kept), or the row deleted since
+            return {}
+        out = {}
+        with blob:
+            stream = io.BytesIO(blob.read(min(len(blob), 4096)))  # the .npy header, and then some
+            version = np.lib.format.read_magic(stream)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(stream)
+            data, row_bytes = stream.tell(), int(np.prod(shape[1:])) * dtype.itemsize
+            for run in runs:
+                _, _, offset, length = run
+                rows = max(0, min(offset + length, shape[0]) - offset)
+                if rows:
+                    blob.seek(data + offset * row_bytes)
+                out[run] = np.frombuffer(blob.read(rows * row_bytes) if rows else b"", dtype=dtype).reshape(
+                    rows, *shape[1:]
+                )
+        return out
 
     def delete_expired(self) -> int:
         """Drop sequences past their day, and prompts no sequence refers to any more."""

@@ -76,6 +76,8 @@ def test_expert_parallelism_is_checked_before_a_rank_starts_or_as_the_model_load
     with pytest.raises(ValueError, match=r"tp=4 does not divide the 2 ranks of --train-devices"):
         plan_options("megatron", {"tp": "4", "ep": "2"}, ["cpu"] * 2, 3600.0)
     plan_options("megatron", {"tp": "2", "ep": "4", "sequence_parallel": "true"}, ["cpu"] * 4, 3600.0)
+    with pytest.raises(ValueError, match=r"tp=2 and ep=3: one must divide the other"):
+        plan_options("megatron", {"tp": "2", "ep": "3", "sequence_parallel": "true"}, ["cpu"] * 6, 3600.0)
     with pytest.raises(ValueError, match=r"activation_memory_gib is not built for ep > 1"):
         plan_options("megatron", {"ep": "2", "activation_memory_gib": "1"}, ["cpu"] * 2, 3600.0)
     assert plan_options("megatron", {"ep": "2"}, ["cuda:0", "cuda:1"], 3600.0).activation_budget(["cuda:0"]) is None
