@@ -28,10 +28,15 @@ ADAM = types.AdamParams(learning_rate=1e-2)
 # tiny model's family: None for the dense one)
 LAYOUTS = {
     "ddp": ("cpu:1", "cpu:2", ("--backend", "ddp"), None),
-    # tp=2 on each node x dp=2 across them
-    "megatron": ("cpu:2", "cpu:4", ("--backend", "megatron", "--backend-option", "tp=2"), None),
-    # a mixture-of-experts model's experts split over the two nodes, which meet in every MoE layer
-    "megatron-ep2": ("cpu:1", "cpu:2", ("--backend", "megatron", "--backend-option", "ep=2"), "qwen3_moe"),
+    # a mixture-of-experts model: tp=2 on each node (split by sequence) x dp=2 across them, and its
+    # experts split over all four ranks (ep=4), which meet across the machines in every MoE layer
+    "megatron": (
+        "cpu:2",
+        "cpu:4",
+        ("--backend", "megatron", "--backend-option", "tp=2", "--backend-option", "ep=4")
+        + ("--backend-option", "sequence_parallel=true"),
+        "qwen3_moe",
+    ),
 }
 
 
