@@ -126,9 +126,8 @@ class McoreLoraModel:
             self.lora_params_per_rank[group] = self.lora_params_per_rank.get(group, 0) + count
         self.routing = RoutingCounter(self._routed_segments)
         # Under sequence parallelism a rank's routers see only its part of the pass's tokens: those
-        # positions of the stream (None: all of them), and the adapters of the pass.
+        # positions of the stream (None: all of them).
         self._local: slice | None = None
-        self._pass_names: list[str] = []
         if self.lora.experts is not None:
             self.lora.experts.routing = self.routing
         # Under expert parallelism every pass must reach a backward through every MoE layer, also
@@ -208,8 +207,9 @@ class McoreLoraModel:
         from megatron.core import parallel_state
 
         experts = self.shape.experts
-        sums = torch.zeros(len(self._pass_names), layers * experts + 2, dtype=torch.float64)
-        for i, name in enumerate(self._pass_names):
+        names = sorted({name for _, _, name in self.lora.routes.segments})  # the pass's, as every rank has them
+        sums = torch.zeros(len(names), layers * experts + 2, dtype=torch.float64)
+        for i, name in enumerate(names):
             if (routed := taken.get(name)) is not None:
                 sums[i, :-2] = torch.from_numpy(routed.counts.reshape(-1))
                 sums[i, -2:] = torch.tensor([routed.replayed, routed.changed], dtype=torch.float64)
@@ -218,7 +218,7 @@ class McoreLoraModel:
             dist.all_reduce(sums, group=parallel_state.get_tensor_model_parallel_group())
             summed = sums.cpu().round().long()
         out = {}
-        for name, row in zip(self._pass_names, summed, strict=True):
+        for name, row in zip(names, summed, strict=True):
             counts = row[:-2].view(layers, experts).numpy()
             if counts.any():
                 out[name] = Routed(counts, int(counts.sum()) // self.shape.top_k, int(row[-2]), int(row[-1]))
@@ -259,7 +259,7 @@ class McoreLoraModel:
     def logprobs(self, handles: list[AdapterHandle], data: list[DatumInput], *, recompute: int = 0) -> list[Tensor]:
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        self._held, self._local, self._pass_names = None, None, []
+        self._held, self._local = None, None
         packed = pack(data)
         tokens, positions, cu_seqlens = packed.tokens, packed.positions, packed.cu_seqlens
         total = tokens.shape[0]
@@ -280,7 +280,6 @@ class McoreLoraModel:
             if self.sequence_parallel:  # the MoE layers see this rank's positions of the stream
                 part = stream // self.tp
                 local = self._local = slice(self.tp_rank * part, (self.tp_rank + 1) * part)
-                self._pass_names = sorted(set(names))
             self.lora.experts.gather_routes(self.lora.token_adapters(stream)[local].to(self.device))
             self.lora.experts.replay(
                 [d.routing for d in data] + [None] * bool(short),
