@@ -26,7 +26,7 @@ import io
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -52,11 +52,17 @@ CREATE TABLE IF NOT EXISTS sampled_sequences (
     session_id TEXT NOT NULL,
     tokens BLOB NOT NULL,
     logprobs BLOB NOT NULL,
-    expires_at REAL NOT NULL,
-    routing BLOB
+    expires_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sampled_sequences_by_request ON sampled_sequences(request_key);
 CREATE INDEX IF NOT EXISTS sampled_sequences_by_expiry ON sampled_sequences(expires_at);
+-- A sequence's routing, in a table of its own: each training request that uses a sequence
+-- restarts its day, and SQLite rewrites a whole row to update one column (tens of megabytes for
+-- a long sequence's routing).
+CREATE TABLE IF NOT EXISTS sampled_routing (
+    sequence_id TEXT PRIMARY KEY,
+    routing BLOB NOT NULL
+);
 """
 
 
@@ -64,7 +70,6 @@ CREATE INDEX IF NOT EXISTS sampled_sequences_by_expiry ON sampled_sequences(expi
 _ADDED = [
     ("sampled_prompts", "routing", "BLOB"),
     ("sampled_prompts", "routing_model", "TEXT"),  # model_identity of the model that recorded it
-    ("sampled_sequences", "routing", "BLOB"),
     ("sampled_sequences", "owner", "TEXT NOT NULL DEFAULT ''"),  # the key that sampled it
     ("sampled_sequences", "routing_bytes", "INTEGER NOT NULL DEFAULT 0"),  # its routing's (and its prompt's)
 ]
@@ -73,14 +78,20 @@ _ADDED = [
 @dataclass(frozen=True)
 class RecordedSequence:
     """prompt int32 ``(P,)``, tokens int32 ``(T,)``, logprobs float32 ``(T,)``: the sampler's
-    log-prob of each sampled token, exactly as returned to the client; ``routed``: whether it
-    has routing recorded by this server's model, which ``routing`` reads (apart: it is ~100
-    times the rest, and read where the training request runs, not where it is checked)."""
+    log-prob of each sampled token, exactly as returned to the client; ``rows``: where routing
+    recorded by this server's model is kept (its ``sampled_routing`` row, None if only its prompt's
+    was kept; its prompt's row), which ``routing`` reads
+    (apart: it is ~100 times the rest, and read where the training request runs, not where it
+    is checked); None if it has none."""
 
     prompt: np.ndarray
     tokens: np.ndarray
     logprobs: np.ndarray
-    routed: bool = False
+    rows: tuple[int | None, int] | None = None
+
+    @property
+    def routed(self) -> bool:
+        return self.rows is not None
 
 
 # One run of a sequence's positions whose routing is wanted: (sequence_id, sampled, offset,
@@ -124,6 +135,14 @@ class SequenceRecords:
         self._db.execute(
             "CREATE INDEX IF NOT EXISTS sampled_sequences_by_owner ON sampled_sequences(owner, expires_at)"
         )
+        if "routing" in {row[1] for row in self._db.execute("PRAGMA table_info(sampled_sequences)")}:
+            with self._db:  # a data directory of stop 53's, which kept routing in the row: moved out
+                self._db.execute("BEGIN")
+                self._db.execute(
+                    "INSERT OR IGNORE INTO sampled_routing(sequence_id, routing) "
+                    "SELECT sequence_id, routing FROM sampled_sequences WHERE routing IS NOT NULL"
+                )
+                self._db.execute("UPDATE sampled_sequences SET routing = NULL WHERE routing IS NOT NULL")
         self.model = model
         self._lock = threading.Lock()
         self.ttl_s = ttl_s
@@ -165,8 +184,15 @@ class SequenceRecords:
                 (request_key, _int32(prompt), routings[0], self.model),
             )
             self._db.executemany(
+                "DELETE FROM sampled_routing WHERE sequence_id=?", [(seq.sequence_id,) for seq in sequences]
+            )
+            self._db.executemany(
+                "INSERT INTO sampled_routing(sequence_id, routing) VALUES (?,?)",
+                [(seq.sequence_id, routing) for seq, routing in zip(sequences, routings[1:], strict=True) if routing],
+            )
+            self._db.executemany(
                 "INSERT OR REPLACE INTO sampled_sequences(sequence_id, request_key, session_id, tokens, logprobs, "
-                "expires_at, routing, owner, routing_bytes) VALUES (?,?,?,?,?,?,?,?,?)",
+                "expires_at, owner, routing_bytes) VALUES (?,?,?,?,?,?,?,?)",
                 [
                     (
                         seq.sequence_id,
@@ -175,7 +201,6 @@ class SequenceRecords:
                         _int32(seq.tokens),
                         np.asarray(list(seq.logprobs), dtype="<f4").tobytes(),
                         expires,
-                        routing,
                         owner,
                         # the prompt's routing is counted with the first sequence's
                         (len(routing) if routing is not None else 0) + (len(routings[0] or b"") if j == 0 else 0),
@@ -196,10 +221,13 @@ class SequenceRecords:
             for chunk in _chunks(ids):
                 marks = ",".join("?" * len(chunk))
                 found = self._db.execute(
+                    # typeof, not IS NOT NULL: SQLite answers typeof without reading the value (a
+                    # long record's routing is tens of megabytes; take runs on the event loop)
                     "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs, "
-                    "p.routing IS NOT NULL OR s.routing IS NOT NULL, p.routing_model "
+                    "typeof(p.routing) = 'blob' OR r.rowid IS NOT NULL, p.routing_model, r.rowid, p.rowid "
                     "FROM sampled_sequences s "
                     "JOIN sampled_prompts p ON p.request_key = s.request_key "
+                    "LEFT JOIN sampled_routing r ON r.sequence_id = s.sequence_id "
                     f"WHERE s.session_id=? AND s.expires_at>? AND s.sequence_id IN ({marks})",
                     (session_id, now, *chunk),
                 ).fetchall()
@@ -214,38 +242,28 @@ class SequenceRecords:
                 np.frombuffer(prompt, dtype="<i4"),
                 np.frombuffer(tokens, dtype="<i4"),
                 np.frombuffer(lps, dtype="<f4"),
-                bool(routed) and model == self.model,  # another model's routing is not this one's to replay
+                # another model's routing is not this one's to replay
+                (row, prompt_row) if routed and model == self.model else None,
             )
-            for sid, prompt, tokens, lps, routed, model in rows
+            for sid, prompt, tokens, lps, routed, model, row, prompt_row in rows
         }
 
-    def routing(self, session_id: str, runs: Iterable[RoutingRun]) -> dict[RoutingRun, np.ndarray]:
-        """The routing this server's model recorded for each run of ``session_id``'s live
-        sequences, ``(length, layers, top_k)``; a run with none is absent. Only the run's rows
-        are read (SQLite's incremental blob I/O: a SQL function such as ``substr`` would load the
+    def routing(
+        self, records: Mapping[str, RecordedSequence], runs: Iterable[RoutingRun]
+    ) -> dict[RoutingRun, np.ndarray]:
+        """The routing each run reads of ``records`` (``take``'s: live, the session's, this
+        model's), ``(length, layers, top_k)``; a run with none is absent. Only the run's rows are
+        read (SQLite's incremental blob I/O: a SQL function such as ``substr`` would load the
         whole value), so a training request reads and holds its own tokens' routing, never whole
         records (a key may keep gigabytes of them); a run of no position reads nothing. The lock
         is let go between records: sampling records and the event loop's ``take`` wait for one
         record's read at most."""
-        wanted = sorted({run for run in runs if run[3] > 0})
-        found: dict[str, tuple[int, int]] = {}  # sequence_id -> its row, its prompt's row
-        with self._lock:
-            for chunk in _chunks(sorted({run[0] for run in wanted})):
-                found.update(
-                    (sid, (row, prompt_row))
-                    for sid, row, prompt_row in self._db.execute(
-                        "SELECT s.sequence_id, s.rowid, p.rowid FROM sampled_sequences s "
-                        "JOIN sampled_prompts p ON p.request_key = s.request_key "
-                        f"WHERE s.session_id=? AND s.expires_at>? AND p.routing_model=? AND s.sequence_id IN "
-                        f"({','.join('?' * len(chunk))})",
-                        (session_id, self._clock(), self.model, *chunk),
-                    )
-                )
         by_record: dict[tuple[str, int], list[RoutingRun]] = {}
-        for run in wanted:
-            if (rows := found.get(run[0])) is not None:
-                where = ("sampled_sequences", rows[0]) if run[1] else ("sampled_prompts", rows[1])
-                by_record.setdefault(where, []).append(run)
+        for run in sorted({run for run in runs if run[3] > 0}):
+            if (record := records.get(run[0])) is not None and record.rows is not None:
+                table, rowid = ("sampled_routing", record.rows[0]) if run[1] else ("sampled_prompts", record.rows[1])
+                if rowid is not None:
+                    by_record.setdefault((table, rowid), []).append(run)
         out: dict[RoutingRun, np.ndarray] = {}
         for (table, rowid), record_runs in by_record.items():
             with self._lock:
@@ -279,7 +297,13 @@ class SequenceRecords:
         """Drop sequences past their day, and prompts no sequence refers to any more."""
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            gone = self._db.execute("DELETE FROM sampled_sequences WHERE expires_at<=?", (self._clock(),)).rowcount
+            now = self._clock()
+            self._db.execute(
+                "DELETE FROM sampled_routing WHERE sequence_id IN "
+                "(SELECT sequence_id FROM sampled_sequences WHERE expires_at<=?)",
+                (now,),
+            )
+            gone = self._db.execute("DELETE FROM sampled_sequences WHERE expires_at<=?", (now,)).rowcount
             if gone:
                 self._db.execute(
                     "DELETE FROM sampled_prompts WHERE NOT EXISTS "

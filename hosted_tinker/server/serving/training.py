@@ -25,7 +25,7 @@ from hosted_tinker.core.errors import (
 from hosted_tinker.core.routing import replay_metrics, routing_metrics
 from hosted_tinker.core.types import OPTIMIZER_CONFIGS, DatumInput, ForwardBackwardBatch, LoraSpec
 from hosted_tinker.server.persistence.records import COPY_STATUS, ModelRecord
-from hosted_tinker.server.persistence.sequences import SequenceRecords
+from hosted_tinker.server.persistence.sequences import RecordedSequence, SequenceRecords
 from hosted_tinker.server.persistence.store import Store
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import responses as rsp
@@ -407,14 +407,14 @@ class TrainingService:
                 recorded = resolved.inputs()
                 wanted_inputs = spec.recorded_inputs if spec is not None else ()  # needs_records: never None
                 datum.inputs.update({key: torch.from_numpy(recorded[key]) for key in wanted_inputs})
-        return bool(records), (functools.partial(self._replay, model.session_id, routed) if routed else None)
+        return bool(records), (functools.partial(self._replay, records, routed) if routed else None)
 
-    def _replay(self, session_id: str, routed: list[ToReplay]) -> None:
+    def _replay(self, records: dict[str, RecordedSequence], routed: list[ToReplay]) -> None:
         """Where the batch runs (the dispatch thread), just before: each datum's recorded routing,
         replayed in training whatever the loss (``rank.routing_replay``). Read there rather than
         where the request is checked (the event loop): it is ~100 times the rest of a record
         (Qwen3-30B-A3B: 768 bytes a token)."""
-        recorded = self.sequences.routing(session_id, [run for r in routed for run in provenance.routing_runs(r.runs)])
+        recorded = self.sequences.routing(records, [run for r in routed for run in provenance.routing_runs(r.runs)])
         for r in routed:
             routing = provenance.routing(r.runs, r.length, recorded, r.where)
             if routing is not None:

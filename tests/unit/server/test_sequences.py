@@ -8,7 +8,7 @@ import pytest
 from tinker.proto import tinker_public_pb2 as pb
 
 from hosted_tinker.core.errors import ApiError, WireError
-from hosted_tinker.server.persistence.sequences import Sampled, SequenceRecords
+from hosted_tinker.server.persistence.sequences import Sampled, SequenceRecords, _npy
 from hosted_tinker.server.protocol.proto_codec import Span, WireDatum, decode_forward_backward
 from hosted_tinker.server.serving import provenance
 
@@ -141,7 +141,7 @@ def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
     assert rec["r:1:0"].routed and not rec["d:1:0"].routed
     # read apart, where the training request runs, run by run: only the rows a run names
     runs = [("r:1:0", False, 0, 3), ("r:1:0", True, 0, 3), ("r:1:0", True, 1, 2), ("d:1:0", True, 0, 3)]
-    recorded = reopened.routing("s", runs)
+    recorded = reopened.routing(rec, runs)
     assert set(recorded) == set(runs[:3])
     np.testing.assert_array_equal(recorded[runs[0]], prompt_routing)
     np.testing.assert_array_equal(recorded[runs[1]], routing)
@@ -158,7 +158,7 @@ def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
     def routing_of(sid: str) -> np.ndarray | None:
         resolved = provenance.resolve(rl_datum(sid), "data[0]", rec)
         return provenance.routing(
-            resolved.routed, 5, reopened.routing("s", provenance.routing_runs(resolved.routed)), "data[0]"
+            resolved.routed, 5, reopened.routing(rec, provenance.routing_runs(resolved.routed)), "data[0]"
         )
 
     np.testing.assert_array_equal(routing_of("r:1:0"), np.concatenate([prompt_routing, routing[:2]]))
@@ -167,9 +167,10 @@ def test_a_records_routing_is_kept_and_resolved_per_input_position(tmp_path):
     records.record("s", "w:1", [10, 11, 12], [Sampled("w:1:0", [20, 21, 22], [-0.25] * 3, routing[:, :1])])
     mixed = rl_datum("r:1:0")
     mixed.model_input_spans = [Span(False, "r:1:0", 0, 3), Span(True, "w:1:0", 0, 2)]
-    routed = provenance.resolve(mixed, "data[0]", reopened.take("s", ["r:1:0", "w:1:0"])).routed
+    both = reopened.take("s", ["r:1:0", "w:1:0"])
+    routed = provenance.resolve(mixed, "data[0]", both).routed
     with pytest.raises(ApiError, match=r"data\[0\].model_input_spans: the sequences it names were sampled from"):
-        provenance.routing(routed, 5, reopened.routing("s", provenance.routing_runs(routed)), "data[0]")
+        provenance.routing(routed, 5, reopened.routing(both, provenance.routing_runs(routed)), "data[0]")
 
 
 def test_records_made_before_routing_was_kept_still_read(tmp_path):
@@ -190,10 +191,18 @@ def test_records_made_before_routing_was_kept_still_read(tmp_path):
     db.close()
     records = SequenceRecords(tmp_path / "db.sqlite")
     old = records.take("s", ["o:1:0"])["o:1:0"]
-    assert list(old.tokens) == [5] and not old.routed and records.routing("s", [("o:1:0", True, 0, 1)]) == {}
+    assert (
+        list(old.tokens) == [5]
+        and not old.routed
+        and records.routing(records.take("s", ["o:1:0"]), [("o:1:0", True, 0, 1)]) == {}
+    )
     records.record("s", "n:1", [4], [Sampled("n:1:0", [5], [-0.1], np.zeros((1, 1, 1), np.int16))])
     assert records.take("s", ["n:1:0"])["n:1:0"].routed
-    assert records.routing("s", [("n:1:0", True, 0, 1)])[("n:1:0", True, 0, 1)].shape == (1, 1, 1)
+    assert records.routing(records.take("s", ["n:1:0"]), [("n:1:0", True, 0, 1)])[("n:1:0", True, 0, 1)].shape == (
+        1,
+        1,
+        1,
+    )
 
 
 def test_routing_recorded_on_another_model_is_refused_naming_the_datum():
@@ -233,7 +242,7 @@ def test_a_keys_routing_is_kept_up_to_its_record_bytes_then_records_keep_none(tm
     assert not sample("c")  # over: recorded without routing
     got = records.take("s", ["b:0", "c:0"])
     assert got["b:0"].routed and not got["c:0"].routed
-    assert set(records.routing("s", [("b:0", True, 0, 4), ("c:0", True, 0, 4)])) == {("b:0", True, 0, 4)}
+    assert set(records.routing(got, [("b:0", True, 0, 4), ("c:0", True, 0, 4)])) == {("b:0", True, 0, 4)}
     np.testing.assert_array_equal(got["c:0"].tokens, [5, 6, 7, 8])  # the record itself is kept
     assert records.record("s", "o", [1], [Sampled("o:0", [5], [-1.0], routing[:1])], owner="other", routing_limit=one)
     clock.now += 101  # a and b expire: their routing no longer counts
@@ -248,10 +257,10 @@ def test_routing_recorded_on_another_model_is_not_replayed(tmp_path):
     same = SequenceRecords(tmp_path / "db.sqlite", model="m1")
     assert same.take("s", ["a:0"])["a:0"].routed
     runs = [("a:0", False, 0, 1), ("a:0", True, 0, 1)]
-    assert set(same.routing("s", runs)) == set(runs)
+    assert set(same.routing(same.take("s", ["a:0"]), runs)) == set(runs)
     other = SequenceRecords(tmp_path / "db.sqlite", model="m2")
     again = other.take("s", ["a:0"])["a:0"]
-    assert not again.routed and list(again.tokens) == [5] and other.routing("s", runs) == {}
+    assert not again.routed and list(again.tokens) == [5] and other.routing(other.take("s", ["a:0"]), runs) == {}
 
 
 def test_a_models_identity_is_its_path_config_and_weight_files(tmp_path):
@@ -268,7 +277,8 @@ def test_a_models_identity_is_its_path_config_and_weight_files(tmp_path):
 
 def test_a_run_reads_its_own_rows_of_a_routing_not_the_whole_record(tmp_path):
     """A key may keep gigabytes of routing: a request naming one token of a long record must not
-    make the gateway read or hold the record. Measured in a process of its own (SQLite's memory
+    make the gateway read or hold the record, neither where the request is checked (``take``)
+    nor where its routing is read. Measured in a process of its own (SQLite's memory
     is not Python's): its peak grows by far less than the record's 32 MB (SQL's ``substr`` of
     the blob, which loads the whole value: 33 MB; incremental blob reads: 2 MB)."""
     import subprocess
@@ -287,7 +297,7 @@ def test_a_run_reads_its_own_rows_of_a_routing_not_the_whole_record(tmp_path):
         "open('/proc/self/clear_refs', 'w').write('5')\n"
         "before = kib('VmRSS:')\n"
         "runs = [('l:0', True, 123456, 2), ('l:0', True, 0, 0), ('l:0', False, 0, 1)]\n"
-        "got = records.routing('s', runs)\n"
+        "got = records.routing(records.take('s', ['l:0']), runs)\n"
         "print(kib('VmHWM:') - before)\n"
         "print(got[runs[0]].ravel().tolist(), sorted(map(str, got)))\n"
     )
@@ -298,3 +308,32 @@ def test_a_run_reads_its_own_rows_of_a_routing_not_the_whole_record(tmp_path):
     assert int(grew_kib) < 8 * 1024, grew_kib
     names = sorted(map(str, [("l:0", True, 123_456, 2), ("l:0", False, 0, 1)]))  # the empty run read nothing
     assert rows == f"{long[123_456:123_458].ravel().tolist()} {names}"
+
+
+def test_routing_kept_in_the_sequence_row_by_an_earlier_version_is_moved_out_and_still_read(tmp_path):
+    """Stop 53's data directories kept a sequence's routing in its row, which every use of the
+    sequence (its day restarted) rewrote whole: opened now, it is moved to its own table."""
+    import sqlite3
+
+    routing = np.arange(3 * 2 * 2, dtype=np.int16).reshape(3, 2, 2)
+    db = sqlite3.connect(tmp_path / "db.sqlite")  # the tables as that version made them
+    db.executescript(
+        "CREATE TABLE sampled_prompts (request_key TEXT PRIMARY KEY, prompt BLOB NOT NULL, routing BLOB, "
+        "routing_model TEXT);"
+        "CREATE TABLE sampled_sequences (sequence_id TEXT PRIMARY KEY, request_key TEXT NOT NULL, "
+        "session_id TEXT NOT NULL, tokens BLOB NOT NULL, logprobs BLOB NOT NULL, expires_at REAL NOT NULL, "
+        "routing BLOB, owner TEXT NOT NULL DEFAULT '', routing_bytes INTEGER NOT NULL DEFAULT 0);"
+    )
+    db.execute("INSERT INTO sampled_prompts VALUES ('o:1', ?, NULL, '')", (np.array([4], "<i4").tobytes(),))
+    db.execute(
+        "INSERT INTO sampled_sequences VALUES ('o:1:0', 'o:1', 's', ?, ?, 1e12, ?, 'k', 0)",
+        (np.array([5, 6, 7], "<i4").tobytes(), np.full(3, -0.1, "<f4").tobytes(), _npy(routing)),
+    )
+    db.commit()
+    db.close()
+    records = SequenceRecords(tmp_path / "db.sqlite")
+    got = records.take("s", ["o:1:0"])
+    assert got["o:1:0"].routed
+    np.testing.assert_array_equal(records.routing(got, [("o:1:0", True, 1, 2)])[("o:1:0", True, 1, 2)], routing[1:])
+    (left,) = records._db.execute("SELECT count(*) FROM sampled_sequences WHERE routing IS NOT NULL").fetchone()  # noqa: SLF001
+    assert left == 0
