@@ -157,7 +157,7 @@ def tiny_config(family: str, *, vocab_size: int, hidden_size: int, num_layers: i
             n_routed_experts=8,
             n_shared_experts=1,
             num_experts_per_tok=2,
-            n_group=1,
+            n_group=2,  # group-limited routing, as DeepSeek-V3's (8 groups, the top 4): the best group's two
             topk_group=1,
             q_lora_rank=hidden_size // 2,
             kv_lora_rank=hidden_size // 4,
@@ -272,6 +272,11 @@ def build_tiny_model(
         # a vision-language config builds the whole model (tower and all), as its checkpoints hold it
         auto = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
         model = auto.from_config(cfg)
+        if family == "deepseek_v3":
+            # a real router's correction bias, learned for balance, shifts which experts are chosen
+            # (not their weights); transformers starts it at zero, which would leave it untested
+            for layer in model.model.layers[cfg.first_k_dense_replace :]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(tmp)

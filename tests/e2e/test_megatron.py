@@ -2,13 +2,15 @@
 training state written by one, as files, loads on the other, and the next steps agree (log-probs,
 ``loss:sum``, ``grad_norm``) to 1e-4; the adapter config each writes is the same PEFT config; and
 the sampler weights megatron exports load into PEFT itself. The same for a mixture-of-experts
-model whose experts megatron splits over two ranks (``ep=2``, issue #42)."""
+model whose experts megatron splits over two ranks (``ep=2``, issue #42), and for DeepSeek-V3
+(latent attention with YaRN, a dense first layer, shared experts; ``tp=2 ep=2``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -60,6 +62,32 @@ def moe(tiny_family) -> Iterator[tuple[ProcessBackend, Trainer]]:
     backend.close()
 
 
+@pytest.fixture(scope="module")
+def deepseek(tiny_family, tmp_path_factory) -> Iterator[tuple[ProcessBackend, Trainer]]:
+    """megatron on the tiny DeepSeek-V3 with DeepSeek-V3's YaRN (its factor of 40 over a short
+    original context, so that the frequency ramp and both mscale factors bite), its attention
+    split over two ranks and its experts too; and peft on the same model."""
+    model = tmp_path_factory.mktemp("deepseek") / "yarn"
+    shutil.copytree(tiny_family("deepseek_v3"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"] = dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=40.0,
+        original_max_position_embeddings=16,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
+    (model / "config.json").write_text(json.dumps(config))
+    options = {"tp": "2", "ep": "2", "sequence_parallel": "true"}
+    server = ServerConfig(model=str(model), backend="megatron", train_devices="cpu:2", backend_options=options)
+    backend = ProcessBackend(rank_factories(server, str(model)))
+    yield backend, local_rank(str(model)).trainer
+    backend.close()
+
+
 def through_files(state, config: dict):
     """A training state as the server writes it to disk and reads it back."""
     path = TinkerPath("m", "weights", "x")
@@ -79,18 +107,23 @@ def test_a_training_state_moves_between_backends(direction: str, megatron: Proce
     moves_between(direction, megatron, peft)
 
 
+@pytest.mark.parametrize("model", ["moe", "deepseek"])
 @pytest.mark.parametrize("direction", ["megatron->peft", "peft->megatron"])
-def test_a_mixture_of_experts_state_moves_between_backends(direction: str, moe: tuple[ProcessBackend, Trainer]):
-    moves_between(direction, *moe)
+def test_a_mixture_of_experts_state_moves_between_backends(direction: str, model: str, request):
+    moves_between(direction, *request.getfixturevalue(model))
 
 
-def test_the_same_seed_starts_the_experts_at_the_same_weights(moe: tuple[ProcessBackend, Trainer]):
-    megatron, peft = moe
+@pytest.mark.parametrize("model", ["moe", "deepseek"])
+def test_the_same_seed_starts_the_experts_at_the_same_weights(model: str, request):
+    megatron, peft = request.getfixturevalue(model)
     for backend in (megatron.trainer, peft):
         backend.create_adapter("seeded", LORA)
     got, want = megatron.trainer.export_state("seeded"), peft.export_state("seeded")
     assert list(got.weights) == list(want.weights)
     assert any(".experts.w2.lora_A." in k for k in want.weights)
+    if model == "deepseek":  # every projection of its latent attention, its dense MLP and shared experts
+        assert {k.split(".")[-3] for k in want.weights} >= {"kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj"}
+        assert any(".shared_experts.down_proj." in k for k in want.weights)
     assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
     assert megatron.capabilities.routed_experts == 8
     # what the quotas size an adapter by: all experts', though each rank holds half of them

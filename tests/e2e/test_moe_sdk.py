@@ -4,8 +4,10 @@ layer, shared experts: Kimi-K2's architecture), Qwen3.5-MoE (Qwen3.6-35B-A3B's: 
 linear attention, a gated shared expert), gpt-oss or Qwen3-VL-MoE (its language model), trained
 with the real tinker SDK; its export downloaded through the SDK's signed URLs and read by the
 cookbook's own ``weights`` tools, as a user of the service would read what the service wrote. The
-same on the megatron backend with the Qwen3-MoE's attention split over two ranks by tensor
-parallelism and its experts split over the same two (``tp=2 ep=2``, sequence-parallel)."""
+same on the megatron backend with DeepSeek-V3's latent attention, dense layer and shared experts
+split over two ranks by tensor parallelism and its routed experts split over the same two (``tp=2
+ep=2``, sequence-parallel; Qwen3-MoE's megatron layouts: test_plans.py, test_megatron.py,
+test_nodes.py)."""
 
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ ARCHS = {
 # each server: the family's model, and the serve flags beyond it (the peft backend's HF path, or
 # megatron-core's tensor and expert parallelism)
 SERVERS = {family: (family, ()) for family in ARCHS} | {
-    "qwen3_moe-megatron-tp2-ep2": (
-        "qwen3_moe",
+    "deepseek_v3-megatron-tp2-ep2": (
+        "deepseek_v3",
         ("--backend", "megatron", "--train-devices", "cpu:2", "--backend-option", "tp=2", "--backend-option", "ep=2")
         + ("--backend-option", "sequence_parallel=true"),
     ),
@@ -260,7 +262,7 @@ def test_vllm_is_refused_in_one_line_for_expert_lora(family, tmp_path, tiny_fami
     assert arch + why in log and "Traceback" not in log
 
 
-@pytest.mark.parametrize("moe", ["qwen3_moe-megatron-tp2-ep2"], indirect=True)
+@pytest.mark.parametrize("moe", ["deepseek_v3-megatron-tp2-ep2"], indirect=True)
 def test_a_rank_killed_mid_step_fails_that_request_and_the_expert_group_comes_back(moe):
     """A dead rank of an expert-parallel group (whose peer waits for it inside a MoE layer) fails
     the request it was running, naming it; the group is replaced and the model comes back from its

@@ -51,12 +51,14 @@ RTOL = 2e-4  # float32 against float64, over a few steps
 def layouts() -> list:
     """(plan, devices, options, family) to check: a plan's own ``CHECKED_LAYOUTS`` where it names
     them, else two CPU ranks where it takes them (``devices`` None: found at run time), else one,
-    on the tiny dense model (``family`` None); and its ``CHECKED_MOE_LAYOUTS`` on the tiny Qwen3-MoE."""
+    on the tiny dense model (``family`` None); and its ``CHECKED_MOE_LAYOUTS`` on the tiny Qwen3-MoE
+    or the family a layout names."""
     out = []
     for backend in sorted(PLANS):
         module = plan_module(backend)
         named = [(*layout, None) for layout in getattr(module, "CHECKED_LAYOUTS", None) or [(None, {})]]
-        named += [(*layout, "qwen3_moe") for layout in getattr(module, "CHECKED_MOE_LAYOUTS", [])]
+        for devices, options, *family in getattr(module, "CHECKED_MOE_LAYOUTS", []):
+            named.append((devices, options, family[0] if family else "qwen3_moe"))
         for devices, options, family in named:
             label = "-".join([backend, devices or "auto", *(f"{k}={v}" for k, v in options.items()), family or "dense"])
             out.append(pytest.param(backend, devices, options, family, id=label))

@@ -21,10 +21,19 @@ def quiet() -> None:
 
 
 def without_transformer_engine() -> None:
-    """megatron-core 0.16.1's MoE router reads ``te_general_gemm``, which ``moe_utils`` defines
-    only when transformer-engine imports (a ``NameError`` otherwise, in every router's forward):
-    without it, None, whose branch is the ``torch.mm`` the module falls back to."""
+    """Where transformer-engine is absent, two megatron-core 0.16.1 modules that assume it.
+
+    Its MoE router reads ``te_general_gemm``, which ``moe_utils`` defines only when
+    transformer-engine imports (a ``NameError`` otherwise, in every router's forward): without
+    it, None, whose branch is the ``torch.mm`` the module falls back to. Its latent attention
+    sets ``HAVE_TE`` when megatron's TE extension imports, which it does without
+    transformer-engine too (``MagicMock`` stand-ins), then asks ``isinstance(..., TELinear)`` of a
+    stand-in (a ``TypeError`` building every MLA layer): the extension's own flag is the truth."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False

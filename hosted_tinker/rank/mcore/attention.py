@@ -16,6 +16,12 @@ from hosted_tinker.rank.attention import packed_causal_attention
 
 
 class PackedDotProductAttention(DotProductAttention):
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
+        """``k_channels``, ``v_channels``: latent attention's head widths (``MLASelfAttention``
+        passes them, as to transformer-engine's attention); the packed path reads them from the
+        tensors, and its softmax scale is the one passed."""
+        super().__init__(*args, **kwargs)
+
     def forward(
         self,
         query: Tensor,

@@ -10,9 +10,11 @@ Megatron's fused layouts, for tensor-parallel rank ``r`` of ``tp``:
 - ``linear_proj`` / ``linear_fc2`` (row-parallel): columns ``[r·in/tp, (r+1)·in/tp)``.
 - ``word_embeddings`` / ``output_layer`` (vocab-parallel): rows ``[r·V/tp, (r+1)·V/tp)``.
 
-A mixture-of-experts layer (Qwen3-MoE) is megatron's ``MoELayer``: its router is HF's ``gate``,
-and of the ``E`` routed experts expert-parallel rank ``q`` of ``ep`` holds ``[q·E/ep, (q+1)·E/ep)``,
-each a megatron ``MLP`` (``SequentialMLP``) whose ``linear_fc1`` is ``[gate; up]`` as above.
+A mixture-of-experts layer (Qwen3-MoE, DeepSeek-V3) is megatron's ``MoELayer``: its router is
+HF's ``gate``, and of the ``E`` routed experts expert-parallel rank ``q`` of ``ep`` holds
+``[q·E/ep, (q+1)·E/ep)``, each a megatron ``MLP`` (``SequentialMLP``) whose ``linear_fc1`` is
+``[gate; up]`` as above; DeepSeek's shared experts are one tensor-parallel ``MLP`` beside them
+(``shared_experts``). DeepSeek-V3's attention is ``latent``'s.
 """
 
 from __future__ import annotations
@@ -27,8 +29,18 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor
 
-ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
-MOE_ARCHS = ("Qwen3MoeForCausalLM",)  # of ARCHS, the mixture-of-experts ones
+from hosted_tinker.rank.mcore.latent import Latent, Yarn
+
+DEEPSEEK = "DeepseekV3ForCausalLM"  # DeepSeek-V3 / V3.1, Kimi-K2 (their text model)
+ARCHS = (
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    DEEPSEEK,
+    "Qwen2ForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+)
+MOE_ARCHS = ("Qwen3MoeForCausalLM", DEEPSEEK)  # of ARCHS, the mixture-of-experts ones
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,17 @@ class HfShape:
     moe_ffn: int = 0  # each expert's intermediate size
     top_k: int = 0  # experts per token
     norm_topk: bool = False  # the top-k routing weights renormalised to sum to 1
+    # DeepSeek's routing: sigmoid scores, a bias added for the choice alone, the top groups of
+    # experts first, the weights scaled
+    score: str = "softmax"  # or "sigmoid"
+    expert_bias: bool = False
+    groups: int = 0  # n_group (0: no group-limited routing)
+    group_top_k: int = 0  # topk_group
+    route_scale: float = 1.0  # routed_scaling_factor
+    shared_ffn: int = 0  # the shared experts' intermediate size (0: none)
+    dense_layers: int = 0  # the first layers' MLPs are dense (first_k_dense_replace)
+    latent: Latent | None = None  # multi-head latent attention (``latent``)
+    yarn: Yarn | None = None  # YaRN rotary scaling (with latent attention only)
 
     @classmethod
     def read(cls, model_path: str) -> HfShape:
@@ -61,17 +84,33 @@ class HfShape:
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in ARCHS:
             raise ValueError(f"the megatron backend loads {', '.join(ARCHS)}; {model_path} is {arch}")
-        if (config.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"the megatron backend does not convert rope_scaling {config['rope_scaling']}")
-        rope = config.get("rope_parameters") or {}
-        heads = config["num_attention_heads"]
-        experts = config.get("num_experts") or config.get("num_local_experts") or 0
-        if experts and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+        if quantized := (config.get("quantization_config") or {}).get("quant_method"):
             raise ValueError(
-                f"the megatron backend converts mixture-of-experts models whose every layer is one; {model_path} "
+                f"the megatron backend loads unquantized weights; {model_path} is quantized ({quantized}): "
+                "convert it to bfloat16 first"
+            )
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        max_positions = config.get("max_position_embeddings") or 32768
+        yarn = None
+        if rope.get("rope_type", rope.get("type", "default")) == "yarn" and arch == DEEPSEEK:
+            yarn = Yarn.read(rope, max_positions, model_path)
+        elif rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"the megatron backend does not convert {arch}'s rope scaling {rope}")
+        heads = config["num_attention_heads"]
+        experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
+        if (
+            arch != DEEPSEEK
+            and experts
+            and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1)
+        ):
+            raise ValueError(
+                f"the megatron backend converts Qwen3-MoE models whose every layer is one; {model_path} "
                 f"has dense layers (mlp_only_layers, decoder_sparse_step)"
             )
+        deepseek = cls._deepseek(config, model_path) if arch == DEEPSEEK else {}
         return cls(
+            **deepseek,
+            yarn=yarn,
             arch=arch,
             family=config.get("model_type", ""),
             layers=config["num_hidden_layers"],
@@ -82,24 +121,53 @@ class HfShape:
             ffn=config["intermediate_size"],
             vocab=config["vocab_size"],
             tied=bool(config.get("tie_word_embeddings", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", *MOE_ARCHS),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             qkv_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
             rms_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-            max_positions=config.get("max_position_embeddings") or 32768,
+            max_positions=max_positions,
             experts=experts,
             moe_ffn=config.get("moe_intermediate_size") or 0,
             top_k=config.get("num_experts_per_tok") or 0,
             norm_topk=bool(config.get("norm_topk_prob", False)),
         )
 
+    @staticmethod
+    def _deepseek(config: dict[str, Any], model_path: str) -> dict[str, Any]:
+        """DeepSeek-V3's fields beyond the common ones, or why megatron-core's router cannot route
+        as HF's does: it renormalises sigmoid weights always, and ranks groups by the sum of each
+        one's top ``top_k / topk_group`` scores where HF sums the top two."""
+        top_k, groups, group_top_k = config["num_experts_per_tok"], config.get("n_group") or 1, config.get("topk_group")
+        if not config.get("norm_topk_prob", False) and top_k > 1:
+            raise ValueError(f"the megatron backend routes DeepSeek-V3 with norm_topk_prob; {model_path} has it off")
+        if groups > 1 and top_k != 2 * group_top_k:
+            raise ValueError(
+                f"the megatron backend routes DeepSeek-V3's groups as HF does only where num_experts_per_tok is twice "
+                f"topk_group; {model_path} has {top_k} and {group_top_k}"
+            )
+        return dict(
+            score="sigmoid",
+            expert_bias=True,
+            groups=groups if groups > 1 else 0,
+            group_top_k=group_top_k if groups > 1 else 0,
+            route_scale=float(config.get("routed_scaling_factor") or 1.0),
+            shared_ffn=(config.get("n_shared_experts") or 0) * config["moe_intermediate_size"],
+            dense_layers=config.get("first_k_dense_replace") or 0,
+            latent=Latent.read(config, model_path),
+        )
+
+    def moe(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a mixture-of-experts one."""
+        return bool(self.experts) and layer >= self.dense_layers
+
     def check_tp(self, tp: int) -> None:
         """``tp`` must divide every dimension megatron splits; else say which does not."""
         for what, n in (("attention heads", self.heads), ("kv heads", self.kv_heads), ("vocab_size", self.vocab)):
             if n % tp:
                 raise ValueError(f"--backend-option tp={tp} does not divide the model's {what} ({n})")
-        if self.ffn % tp:
-            raise ValueError(f"--backend-option tp={tp} does not divide the model's intermediate_size ({self.ffn})")
+        for what, n in (("intermediate_size", self.ffn), ("shared experts' intermediate size", self.shared_ffn)):
+            if n % tp:
+                raise ValueError(f"--backend-option tp={tp} does not divide the model's {what} ({n})")
 
     def check_ep(self, ep: int, tp: int = 1, sequence_parallel: bool = False) -> None:
         """``ep`` must divide the routed experts, and there must be some; and a mixture-of-experts
@@ -118,11 +186,16 @@ class HfShape:
 
 def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_parallel: bool = False, ep: int = 1):
     """megatron-core's ``TransformerConfig`` for ``shape``: the plain-PyTorch (local) path, no
-    fusions, no dropout, so that it computes what the HF model computes."""
-    from megatron.core.transformer import TransformerConfig
+    fusions, no dropout, so that it computes what the HF model computes (latent attention's:
+    ``MLATransformerConfig``)."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    return TransformerConfig(
+    config, latent = TransformerConfig, {}
+    if shape.latent is not None:
+        config, latent = MLATransformerConfig, shape.latent.config_fields(shape.yarn, shape.rope_theta)
+    return config(
         **(moe_config(shape, ep) if shape.experts else {}),
+        **latent,
         num_layers=shape.layers,
         hidden_size=shape.hidden,
         num_attention_heads=shape.heads,
@@ -166,16 +239,28 @@ def moe_config(shape: HfShape, ep: int) -> dict[str, Any]:
     at a near tie. Tokens reach the experts by all-gather
     over the tensor×expert-parallel group (``allgather``: plain collectives, gloo's too; megatron's
     ``alltoall`` makes a CUDA stream when built), and each expert is its own ``MLP``
-    (``SequentialMLP``: no grouped-GEMM kernel to install)."""
+    (``SequentialMLP``: no grouped-GEMM kernel to install).
+
+    DeepSeek's router (``score`` sigmoid) is HF's in float32: sigmoid scores, the checkpoint's
+    ``e_score_correction_bias`` added for the choice alone (megatron's expert bias, which only its
+    training loop would update), the best ``topk_group`` of ``n_group`` groups first, the chosen
+    scores renormalised and scaled by ``routed_scaling_factor``; its shared experts one ``MLP``
+    beside the routed ones, and its first ``first_k_dense_replace`` layers dense."""
     return dict(
         num_moe_experts=shape.experts,
         moe_ffn_hidden_size=shape.moe_ffn,
         moe_router_topk=shape.top_k,
         moe_router_pre_softmax=not shape.norm_topk,
-        moe_router_score_function="softmax",
+        moe_router_score_function=shape.score,
+        moe_router_enable_expert_bias=shape.expert_bias,
+        moe_router_num_groups=shape.groups or None,
+        moe_router_group_topk=shape.group_top_k or None,
+        moe_router_topk_scaling_factor=shape.route_scale if shape.route_scale != 1.0 else None,
+        moe_shared_expert_intermediate_size=shape.shared_ffn or None,
+        moe_layer_freq=[int(shape.moe(i)) for i in range(shape.layers)],
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_router_dtype=None,
+        moe_router_dtype="fp32" if shape.score == "sigmoid" else None,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
@@ -243,23 +328,35 @@ class HfWeights:
         for i in range(s.layers):
             hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
             out[f"{mc}.input_layernorm.weight"] = self.full(f"{hf}.input_layernorm.weight")
-            out[f"{mc}.self_attention.linear_qkv.weight"] = self.qkv(i)
-            if s.qkv_bias:
-                out[f"{mc}.self_attention.linear_qkv.bias"] = self.qkv(i, "bias")
-            if s.qk_norm:
-                out[f"{mc}.self_attention.q_layernorm.weight"] = self.full(f"{hf}.self_attn.q_norm.weight")
-                out[f"{mc}.self_attention.k_layernorm.weight"] = self.full(f"{hf}.self_attn.k_norm.weight")
-            out[f"{mc}.self_attention.linear_proj.weight"] = self.col_part(f"{hf}.self_attn.o_proj.weight")
+            out.update(s.latent.weights(self, i) if s.latent is not None else self.attention(i))
             out[f"{mc}.pre_mlp_layernorm.weight"] = self.full(f"{hf}.post_attention_layernorm.weight")
-            if s.experts:
+            if s.moe(i):
                 out[f"{mc}.mlp.router.weight"] = self.full(f"{hf}.mlp.gate.weight")
+                if s.expert_bias:
+                    out[f"{mc}.mlp.router.expert_bias"] = self.full(f"{hf}.mlp.gate.e_score_correction_bias")
                 for j, e in enumerate(self.local_experts):  # whole: experts are not split over tp
                     out.update(self.mlp(f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{j}", whole=True))
+                if s.shared_ffn:
+                    out.update(self.mlp(f"{hf}.mlp.shared_experts", f"{mc}.mlp.shared_experts"))
             else:
                 out.update(self.mlp(f"{hf}.mlp", f"{mc}.mlp"))
         out["decoder.final_layernorm.weight"] = self.full("model.norm.weight")
         if not s.tied:
             out["output_layer.weight"] = self.row_part("lm_head.weight")
+        return out
+
+    def attention(self, layer: int) -> dict[str, Tensor]:
+        """Layer ``layer``'s grouped-query attention: this rank's query groups and heads."""
+        hf, mc = f"model.layers.{layer}.self_attn", f"decoder.layers.{layer}.self_attention"
+        out = {
+            f"{mc}.linear_qkv.weight": self.qkv(layer),
+            f"{mc}.linear_proj.weight": self.col_part(f"{hf}.o_proj.weight"),
+        }
+        if self.shape.qkv_bias:
+            out[f"{mc}.linear_qkv.bias"] = self.qkv(layer, "bias")
+        if self.shape.qk_norm:
+            out[f"{mc}.q_layernorm.weight"] = self.full(f"{hf}.q_norm.weight")
+            out[f"{mc}.k_layernorm.weight"] = self.full(f"{hf}.k_norm.weight")
         return out
 
     def mlp(self, hf: str, mc: str, whole: bool = False) -> dict[str, Tensor]:
@@ -304,27 +401,41 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
 
     from hosted_tinker.rank.mcore.attention import PackedDotProductAttention
 
-    layer = get_gpt_layer_local_spec(
-        num_experts=shape.experts or None, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm, normalization="RMSNorm"
-    )
-    attention = layer.submodules.self_attention.submodules
-    attention.core_attention = PackedDotProductAttention  # packed sequences (thd) on PyTorch's kernels
+    if te and shape.latent is not None:
+        raise ValueError("layers=te: transformer-engine layers for latent attention (DeepSeek-V3) are not built")
     norm: Any = FrozenNorm
-    if te:  # CUDA only: importing it needs transformer_engine
-        from megatron.core.extensions.transformer_engine import (
-            TEColumnParallelLinear,
-            TEDotProductAttention,
-            TENorm,
-            TERowParallelLinear,
+    specs = {}
+    for moe in {shape.moe(i) for i in range(layers)}:
+        layer = get_gpt_layer_local_spec(
+            num_experts=shape.experts if moe else None,
+            moe_grouped_gemm=False,
+            qk_layernorm=shape.qk_norm or shape.latent is not None,  # MLA's q/kv latent norms
+            multi_latent_attention=shape.latent is not None,
+            normalization="RMSNorm",
         )
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = PackedDotProductAttention  # packed sequences (thd) on PyTorch's kernels
+        if te:  # CUDA only: importing it needs transformer_engine
+            from megatron.core.extensions.transformer_engine import (
+                TEColumnParallelLinear,
+                TEDotProductAttention,
+                TENorm,
+                TERowParallelLinear,
+            )
 
-        norm = TENorm  # frozen too; under sequence parallelism it only marks its weight, which has no gradient
-        attention.linear_qkv, attention.linear_proj = TEColumnParallelLinear, TERowParallelLinear
-        attention.core_attention = TEDotProductAttention
-        if not shape.experts:  # a MoE layer's experts keep megatron's PyTorch linear layers (SequentialMLP)
-            mlp = layer.submodules.mlp.submodules
-            mlp.linear_fc1, mlp.linear_fc2 = TEColumnParallelLinear, TERowParallelLinear
-    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
-    if shape.qk_norm:
-        attention.q_layernorm = attention.k_layernorm = norm
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
+            norm = TENorm  # frozen too; under sequence parallelism it only marks its weight, which has no gradient
+            attention.linear_qkv, attention.linear_proj = TEColumnParallelLinear, TERowParallelLinear
+            attention.core_attention = TEDotProductAttention
+            if not moe:  # a MoE layer's experts keep megatron's PyTorch linear layers (SequentialMLP)
+                mlp = layer.submodules.mlp.submodules
+                mlp.linear_fc1, mlp.linear_fc2 = TEColumnParallelLinear, TERowParallelLinear
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
+        if shape.latent is not None:
+            from megatron.core.post_training.modelopt.layers import Linear
+
+            attention.q_layernorm = attention.kv_layernorm = norm
+            attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear  # whole (``latent``)
+        elif shape.qk_norm:
+            attention.q_layernorm = attention.k_layernorm = norm
+        specs[moe] = layer
+    return TransformerBlockSubmodules(layer_specs=[specs[shape.moe(i)] for i in range(layers)], layer_norm=norm)

@@ -57,10 +57,12 @@ class ExpertsSite:
 
 
 def experts_sites(gpt: nn.Module, shape: ExpertsShape, ep: int, ep_rank: int) -> dict[str, ExpertsSite]:
+    """The routed experts of every MoE layer (DeepSeek's first layers are dense)."""
     local = shape.experts // ep
     return {
         f"{i}.experts": ExpertsSite(layer.mlp, f"model.layers.{i}.mlp.experts", shape, ep_rank * local, local)
         for i, layer in enumerate(gpt.decoder.layers)  # type: ignore[union-attr, arg-type]
+        if getattr(layer.mlp, "router", None) is not None  # megatron's MoELayer
     }
 
 

@@ -11,6 +11,8 @@ Each HF projection PEFT would wrap (``q_proj``, ..., ``down_proj``, ``lm_head``)
 - on a row-parallel layer (``linear_proj``, ``linear_fc2``) the input is split by features:
   ``A`` is split by its columns, ``B`` replicated; the partial ``A x`` is summed over the
   ranks (``reduce_from``: all-reduce forward, identity backward) before ``B``.
+- on a layer every rank holds whole (latent attention's down projections, ``latent``) both are
+  whole, and so are their gradients.
 
 The fused layers take their deltas in megatron's layout (``convert``): q, k and v interleaved
 query group by query group; gate then up. Deltas are added by forward hooks, one per layer, each
@@ -44,7 +46,7 @@ from hosted_tinker.rank.mcore.experts import (
     experts_sites,
 )
 
-COLUMN, ROW = "column", "row"
+COLUMN, ROW, WHOLE = "column", "row", "whole"  # WHOLE: a layer every rank holds whole (``latent``)
 
 
 @dataclass
@@ -54,11 +56,11 @@ class Projection:
     module: str  # PEFT's module name, e.g. model.layers.0.self_attn.q_proj
     A: nn.Parameter  # (r, in) or, row-parallel, (r, in / tp)
     B: nn.Parameter  # (out / tp, r) or, row-parallel, (out, r)
-    kind: str  # COLUMN | ROW
+    kind: str  # COLUMN | ROW | WHOLE
 
     @property
     def split_dims(self) -> tuple[int | None, int | None]:
-        return (None, 0) if self.kind == COLUMN else (1, None)
+        return {COLUMN: (None, 0), ROW: (1, None), WHOLE: (None, None)}[self.kind]
 
 
 @dataclass
@@ -84,7 +86,11 @@ def sites(gpt: Any, shape: HfShape, tp: int, ep: int = 1, ep_rank: int = 0) -> d
     """Every layer LoRA may wrap, by Tinker's groups: ``attn``, ``mlp``, ``unembed``; in the HF
     model's module order (PEFT's, in which adapters are drawn)."""
     out: dict[str, Site | ExpertsSite] = {}
-    moe = experts_sites(gpt, ExpertsShape(shape.experts, shape.hidden, shape.moe_ffn), ep, ep_rank)
+    moe = (
+        experts_sites(gpt, ExpertsShape(shape.experts, shape.hidden, shape.moe_ffn), ep, ep_rank)
+        if shape.experts
+        else {}
+    )
     groups = shape.kv_heads // tp  # query groups on this rank
 
     def qkv(deltas: list[Tensor]) -> Tensor:  # [s, b, local q | k | v] -> per group [q; k; v]
@@ -94,36 +100,69 @@ def sites(gpt: Any, shape: HfShape, tp: int, ep: int = 1, ep_rank: int = 0) -> d
     for i, layer in enumerate(gpt.decoder.layers):
         hf = f"model.layers.{i}"
         attn, mlp = layer.self_attention, layer.mlp
-        kv_out = shape.kv_heads * shape.head_dim
-        out[f"{i}.qkv"] = Site(
-            attn.linear_qkv,
-            COLUMN,
-            [f"{hf}.self_attn.{p}_proj" for p in "qkv"],
-            shape.hidden,
-            [shape.heads * shape.head_dim, kv_out, kv_out],
-            qkv,
-        )
-        out[f"{i}.proj"] = Site(
-            attn.linear_proj, ROW, [f"{hf}.self_attn.o_proj"], shape.heads * shape.head_dim, [shape.hidden]
-        )
-        if shape.experts:
+        if shape.latent is not None:  # latent attention: each projection its own layer (``latent``)
+            for name, megatron, n_in, n_out in shape.latent.projections(shape.heads, shape.hidden):
+                kind = {"linear_proj": ROW, "linear_q_down_proj": WHOLE, "linear_kv_down_proj": WHOLE}.get(
+                    megatron, COLUMN
+                )
+                site = Site(getattr(attn, megatron), kind, [f"{hf}.self_attn.{name}"], n_in, [n_out])
+                out[f"{i}.{ATTENTION_SITES[megatron]}"] = site
+        else:
+            kv_out = shape.kv_heads * shape.head_dim
+            out[f"{i}.qkv"] = Site(
+                attn.linear_qkv,
+                COLUMN,
+                [f"{hf}.self_attn.{p}_proj" for p in "qkv"],
+                shape.hidden,
+                [shape.heads * shape.head_dim, kv_out, kv_out],
+                qkv,
+            )
+            out[f"{i}.proj"] = Site(
+                attn.linear_proj, ROW, [f"{hf}.self_attn.o_proj"], shape.heads * shape.head_dim, [shape.hidden]
+            )
+        if shape.moe(i):
             out[f"{i}.experts"] = moe[f"{i}.experts"]
+            if shape.shared_ffn:  # after the routed experts, as in HF's module order
+                out.update(
+                    _mlp_sites(
+                        f"{i}.shared_", mlp.shared_experts, f"{hf}.mlp.shared_experts", shape.hidden, shape.shared_ffn
+                    )
+                )
             continue
-        out[f"{i}.fc1"] = Site(
-            mlp.linear_fc1,
-            COLUMN,
-            [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"],
-            shape.hidden,
-            [shape.ffn, shape.ffn],
-            lambda deltas: torch.cat(deltas, dim=-1),
-        )
-        out[f"{i}.fc2"] = Site(mlp.linear_fc2, ROW, [f"{hf}.mlp.down_proj"], shape.ffn, [shape.hidden])
+        out.update(_mlp_sites(f"{i}.", mlp, f"{hf}.mlp", shape.hidden, shape.ffn))
     out["unembed"] = Site(gpt.output_layer, COLUMN, ["lm_head"], shape.hidden, [shape.vocab])
     return out
 
 
+def _mlp_sites(prefix: str, mlp: nn.Module, hf: str, hidden: int, ffn: int) -> dict[str, Site]:
+    """A gated MLP's two sites (a dense layer's, or the shared experts'): ``[gate; up]``, down."""
+    fc1 = Site(
+        mlp.linear_fc1,
+        COLUMN,
+        [f"{hf}.gate_proj", f"{hf}.up_proj"],
+        hidden,
+        [ffn, ffn],
+        lambda deltas: torch.cat(deltas, dim=-1),
+    )
+    return {f"{prefix}fc1": fc1, f"{prefix}fc2": Site(mlp.linear_fc2, ROW, [f"{hf}.down_proj"], ffn, [hidden])}
+
+
+# latent attention's sites, by megatron's layer (``latent``)
+ATTENTION_SITES = {
+    "linear_q_proj": "q",
+    "linear_q_down_proj": "q_down",
+    "linear_q_up_proj": "q_up",
+    "linear_kv_down_proj": "kv_down",
+    "linear_kv_up_proj": "kv_up",
+    "linear_proj": "proj",
+}
+
+
 def group_of(site_name: str) -> str:
-    return "unembed" if site_name == "unembed" else ("attn" if site_name.split(".")[1] in ("qkv", "proj") else "mlp")
+    """Tinker's group of a site: ``attn``, ``mlp`` (experts, shared experts, dense MLPs), ``unembed``."""
+    if site_name == "unembed":
+        return "unembed"
+    return "attn" if site_name.split(".")[1] in ("qkv", *ATTENTION_SITES.values()) else "mlp"
 
 
 def init_adapter(
@@ -146,7 +185,7 @@ def init_adapter(
                 a, b = draw_lora(site.in_features, out_features, rank)
                 if site.kind == COLUMN:
                     b = b.chunk(tp, dim=0)[tp_rank]
-                else:
+                elif site.kind == ROW:
                     a = a.chunk(tp, dim=1)[tp_rank]
                 projections[name].append(Projection(module, nn.Parameter(a), nn.Parameter(b), site.kind))
     return projections
@@ -166,12 +205,21 @@ def row_delta(x: Tensor, p: Projection, dtype: torch.dtype | None = None) -> Ten
     return reduce_from_tensor_model_parallel_region(lora_down(x, in_dtype(p.A, dtype))) @ in_dtype(p.B, dtype).T
 
 
+def whole_delta(x: Tensor, p: Projection, dtype: torch.dtype | None = None) -> Tensor:
+    """A layer every rank holds whole: its input and output are whole (or, under sequence
+    parallelism, gathered and scattered around this), so is its LoRA, whose gradients are then
+    the same on every rank of the tensor-parallel group."""
+    return lora_down(x, in_dtype(p.A, dtype)) @ in_dtype(p.B, dtype).T
+
+
 # With sequence parallelism the activations between layers are split by sequence: a column
 # layer's input arrives as this rank's positions, a row layer's output leaves as them. The LoRA
 # branch gathers its input whole (its gradient then comes back split, not summed: the branch's
 # own all-reduce has already made it whole on every rank) and scatters its output, so that every
 # LoRA gradient is the whole sequence's on every rank, as without sequence parallelism. Adapters
-# are routed by span of the whole sequence (``rank.adapters.Routes``), between the two.
+# are routed by span of the whole sequence (``rank.adapters.Routes``), between the two. A layer
+# every rank holds whole (``WHOLE``) does both: its LoRA runs on the whole sequence, the same on
+# every rank, and the gradient it gets back is the whole sequence's, gathered from the ranks.
 
 
 def whole_sequence(x: Tensor) -> Tensor:
@@ -253,9 +301,9 @@ class TpLora:
         return apply
 
     def _hook(self, name: str, site: Site):
-        delta = column_delta if site.kind == COLUMN else row_delta
-        gather = self.sequence_parallel and site.kind == COLUMN
-        scatter = self.sequence_parallel and site.kind != COLUMN
+        delta = {COLUMN: column_delta, ROW: row_delta, WHOLE: whole_delta}[site.kind]
+        gather = self.sequence_parallel and site.kind in (COLUMN, WHOLE)
+        scatter = self.sequence_parallel and site.kind in (ROW, WHOLE)
 
         def add_updates(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor | None]):
             out, bias = output

@@ -91,3 +91,80 @@ def test_expert_parallelism_is_checked_before_a_rank_starts_or_as_the_model_load
         moe.check_ep(2, tp=2)
     moe.check_ep(2, tp=2, sequence_parallel=True)
     moe.check_ep(1, tp=2, sequence_parallel=True)
+
+
+# DeepSeek-V3's config.json, its widths cut (its routing, rotary and layer layout as released)
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    num_hidden_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=192,
+    moe_intermediate_size=32,
+    vocab_size=512,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=3,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=163840,
+    rope_scaling=dict(
+        type="yarn",
+        factor=40,
+        original_max_position_embeddings=4096,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    rope_theta=10000,
+)
+
+
+def test_deepseek_reads_as_megatron_routes_and_rotates_it_or_is_refused_naming_why(tmp_path: Path) -> None:
+    """DeepSeek-V3 (Kimi-K2's architecture) converts to megatron-core where its router and YaRN can
+    compute what HF's do (``rank.mcore.latent``, ``convert.moe_config``); where they cannot, the
+    model is refused at start, naming the setting, rather than trained as another model."""
+    import json
+
+    from hosted_tinker.rank.mcore.convert import HfShape
+    from hosted_tinker.rank.mcore.latent import Latent, Yarn
+
+    def read(**changes) -> HfShape:
+        (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3 | changes))
+        return HfShape.read(str(tmp_path))
+
+    shape = read()
+    assert shape.latent == Latent(q_rank=32, kv_rank=16, nope=8, rope=8, v=16)
+    assert shape.yarn == Yarn(40.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    assert [shape.moe(i) for i in range(4)] == [False, False, False, True]
+    assert (shape.experts, shape.shared_ffn, shape.score, shape.expert_bias) == (8, 32, "sigmoid", True)
+    assert (shape.groups, shape.group_top_k, shape.route_scale) == (8, 4, 2.5)
+    assert read(q_lora_rank=None).latent.q_rank == 0  # DeepSeek-V2-Lite's one q_proj
+    kimi = dict(DEEPSEEK_V3["rope_scaling"], factor=32.0)
+    assert read(n_group=1, topk_group=1, rope_scaling=kimi).groups == 0  # Kimi-K2: no group limit
+    no_all_dim = dict(DEEPSEEK_V3["rope_scaling"], mscale=0.707, mscale_all_dim=0)
+    assert read(rope_scaling=no_all_dim).yarn.mscale == 1.0  # HF then scales cos/sin by get_mscale(factor)
+
+    refused = [
+        (dict(norm_topk_prob=False), "routes DeepSeek-V3 with norm_topk_prob"),
+        (dict(n_group=4, topk_group=2), "num_experts_per_tok is twice topk_group; .* has 8 and 2"),
+        (dict(rope_interleave=False), "sets rope_interleave=false"),
+        (dict(quantization_config={"quant_method": "fp8"}), r"is quantized \(fp8\): convert it to bfloat16"),
+        (dict(rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], attention_factor=1.2)), "attention_factor or truncate"),
+        (dict(rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], mscale=None)), "mscale_all_dim only beside mscale"),
+        (dict(attention_bias=True), "latent attention without biases"),
+    ]
+    for changes, why in refused:
+        with pytest.raises(ValueError, match=why):
+            read(**changes)
