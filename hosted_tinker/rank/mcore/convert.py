@@ -137,7 +137,11 @@ class HfShape:
         """DeepSeek-V3's fields beyond the common ones, or why megatron-core's router cannot route
         as HF's does: it renormalises sigmoid weights always, and ranks groups by the sum of each
         one's top ``top_k / topk_group`` scores where HF sums the top two."""
-        top_k, groups, group_top_k = config["num_experts_per_tok"], config.get("n_group") or 1, config.get("topk_group")
+        top_k, groups, group_top_k = (
+            config["num_experts_per_tok"],
+            config.get("n_group") or 1,
+            config.get("topk_group") or 1,
+        )
         if not config.get("norm_topk_prob", False) and top_k > 1:
             raise ValueError(f"the megatron backend routes DeepSeek-V3 with norm_topk_prob; {model_path} has it off")
         if groups > 1 and top_k != 2 * group_top_k:

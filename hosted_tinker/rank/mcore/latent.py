@@ -146,7 +146,7 @@ class Yarn:
             original_max_positions=int(original),
             beta_fast=float(rope.get("beta_fast") or 32),
             beta_slow=float(rope.get("beta_slow") or 1),
-            mscale=float(mscale),
+            mscale=float(mscale or 1.0),
             mscale_all_dim=float(mscale_all_dim),
         )
 

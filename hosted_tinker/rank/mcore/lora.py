@@ -134,7 +134,7 @@ def sites(gpt: Any, shape: HfShape, tp: int, ep: int = 1, ep_rank: int = 0) -> d
     return out
 
 
-def _mlp_sites(prefix: str, mlp: nn.Module, hf: str, hidden: int, ffn: int) -> dict[str, Site]:
+def _mlp_sites(prefix: str, mlp: Any, hf: str, hidden: int, ffn: int) -> dict[str, Site]:
     """A gated MLP's two sites (a dense layer's, or the shared experts'): ``[gate; up]``, down."""
     fc1 = Site(
         mlp.linear_fc1,

@@ -53,17 +53,16 @@ CHECKED_LAYOUTS = [
 # The same, on the tiny Qwen3-MoE model: its experts split over two ranks, and over two ranks
 # twice (two copies of each expert, whose gradients are summed), with small micro-batches so
 # that the ranks' shards hold unequal numbers of them; under tensor parallelism (split by
-# sequence), every expert on both ranks of the group, the experts split over those two ranks,
-# the same twice (two copies of each expert, in two replicas), and over four ranks that are two
-# tensor-parallel groups (two replicas' shards meeting in the MoE layers). A third element names
-# another family: the tiny DeepSeek-V3 (latent attention, a dense first layer, shared experts,
-# grouped sigmoid routing with a bias) under tensor parallelism with its experts split.
+# sequence), every expert on both ranks of the group, the experts split over those two ranks
+# (on the tiny DeepSeek-V3, named by the third element: latent attention, a dense first layer,
+# shared experts, grouped sigmoid routing with a bias), the same twice (two copies of each
+# expert, in two replicas), and over four ranks that are two tensor-parallel groups (two
+# replicas' shards meeting in the MoE layers).
 CHECKED_MOE_LAYOUTS: list[tuple] = [
-    ("cpu:2", {"tp": "2", "ep": "2", "sequence_parallel": "true"}, "deepseek_v3"),
     ("cpu:2", {"ep": "2"}),
     ("cpu:4", {"ep": "2", "microbatch_tokens": "48"}),
     ("cpu:2", {"tp": "2", "sequence_parallel": "true"}),
-    ("cpu:2", {"tp": "2", "ep": "2", "sequence_parallel": "true"}),
+    ("cpu:2", {"tp": "2", "ep": "2", "sequence_parallel": "true"}, "deepseek_v3"),
     ("cpu:4", {"tp": "2", "ep": "2", "sequence_parallel": "true", "microbatch_tokens": "48"}),
     ("cpu:4", {"tp": "2", "ep": "4", "sequence_parallel": "true", "microbatch_tokens": "48"}),
 ]
