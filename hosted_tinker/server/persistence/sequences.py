@@ -88,6 +88,7 @@ class RecordedSequence:
     tokens: np.ndarray
     logprobs: np.ndarray
     rows: tuple[int | None, int] | None = None
+    request_key: str = ""  # the sampling request that recorded it (``routing`` checks it is still the one)
 
     @property
     def routed(self) -> bool:
@@ -224,7 +225,8 @@ class SequenceRecords:
                     # typeof, not IS NOT NULL: SQLite answers typeof without reading the value (a
                     # long record's routing is tens of megabytes; take runs on the event loop)
                     "SELECT s.sequence_id, p.prompt, s.tokens, s.logprobs, "
-                    "typeof(p.routing) = 'blob' OR r.rowid IS NOT NULL, p.routing_model, r.rowid, p.rowid "
+                    "typeof(p.routing) = 'blob' OR r.rowid IS NOT NULL, p.routing_model, r.rowid, p.rowid, "
+                    "s.request_key "
                     "FROM sampled_sequences s "
                     "JOIN sampled_prompts p ON p.request_key = s.request_key "
                     "LEFT JOIN sampled_routing r ON r.sequence_id = s.sequence_id "
@@ -244,8 +246,9 @@ class SequenceRecords:
                 np.frombuffer(lps, dtype="<f4"),
                 # another model's routing is not this one's to replay
                 (row, prompt_row) if routed and model == self.model else None,
+                key,
             )
-            for sid, prompt, tokens, lps, routed, model, row, prompt_row in rows
+            for sid, prompt, tokens, lps, routed, model, row, prompt_row, key in rows
         }
 
     def routing(
@@ -257,18 +260,38 @@ class SequenceRecords:
         whole value), so a training request reads and holds its own tokens' routing, never whole
         records (a key may keep gigabytes of them); a run of no position reads nothing. The lock
         is let go between records: sampling records and the event loop's ``take`` wait for one
-        record's read at most."""
-        by_record: dict[tuple[str, int], list[RoutingRun]] = {}
+        record's read at most.
+
+        ``take`` ran earlier, on the event loop: since then the record may have been replaced (its
+        ``seq_id`` sampled again) or dropped, and SQLite may have given its row id to another
+        record, another key's too. So a row is read only if it is still the one ``take`` saw: the
+        sequence's row names the same sampling request and tokens, the routing row the same
+        sequence (or, for a prompt's, the same request). Otherwise the run has no routing."""
+        by_record: dict[tuple[str, int, str], list[RoutingRun]] = {}
         for run in sorted({run for run in runs if run[3] > 0}):
             if (record := records.get(run[0])) is not None and record.rows is not None:
                 table, rowid = ("sampled_routing", record.rows[0]) if run[1] else ("sampled_prompts", record.rows[1])
                 if rowid is not None:
-                    by_record.setdefault((table, rowid), []).append(run)
+                    by_record.setdefault((table, rowid, run[0]), []).append(run)
         out: dict[RoutingRun, np.ndarray] = {}
-        for (table, rowid), record_runs in by_record.items():
+        for (table, rowid, sequence_id), record_runs in by_record.items():
             with self._lock:
-                out.update(self._read_runs(table, rowid, record_runs))
+                if self._still(table, rowid, sequence_id, records[sequence_id]):
+                    out.update(self._read_runs(table, rowid, record_runs))
         return out
+
+    def _still(self, table: str, rowid: int, sequence_id: str, record: RecordedSequence) -> bool:
+        """Whether routing row ``rowid`` of ``table`` is still ``record``'s (read no routing)."""
+        owner = "sequence_id" if table == "sampled_routing" else "request_key"
+        same_row = self._db.execute(
+            f"SELECT 1 FROM {table} WHERE rowid=? AND {owner}=?",
+            (rowid, sequence_id if table == "sampled_routing" else record.request_key),
+        ).fetchone()
+        same_record = self._db.execute(
+            "SELECT 1 FROM sampled_sequences WHERE sequence_id=? AND request_key=? AND tokens=?",
+            (sequence_id, record.request_key, record.tokens.astype("<i4").tobytes()),
+        ).fetchone()
+        return same_row is not None and same_record is not None
 
     def _read_runs(self, table: str, rowid: int, runs: list[RoutingRun]) -> dict[RoutingRun, np.ndarray]:
         """Each run's rows of one record's routing (none if it has no routing, or is gone)."""

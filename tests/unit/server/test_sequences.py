@@ -337,3 +337,29 @@ def test_routing_kept_in_the_sequence_row_by_an_earlier_version_is_moved_out_and
     np.testing.assert_array_equal(records.routing(got, [("o:1:0", True, 1, 2)])[("o:1:0", True, 1, 2)], routing[1:])
     (left,) = records._db.execute("SELECT count(*) FROM sampled_sequences WHERE routing IS NOT NULL").fetchone()  # noqa: SLF001
     assert left == 0
+
+
+def test_routing_is_read_only_from_the_rows_take_saw(tmp_path):
+    """``take`` runs on the event loop, the routing read later on the dispatch thread: in between
+    a sequence may be sampled again under its ``seq_id`` (its routing row deleted) and SQLite may
+    give the freed row id to another key's record. The read must then find no routing (the datum
+    trains unreplayed), never the other record's."""
+    records = SequenceRecords(tmp_path / "db.sqlite")
+    mine, theirs = np.full((3, 2, 2), 1, dtype=np.int16), np.full((3, 2, 2), 7, dtype=np.int16)
+    records.record("s1", "a:1", [10, 11], [Sampled("a:1:0", [20, 21, 22], [-0.5] * 3, mine)], mine[:2])
+    taken = records.take("s1", ["a:1:0"])
+    sampled, prompt = ("a:1:0", True, 0, 3), ("a:1:0", False, 0, 2)
+    np.testing.assert_array_equal(records.routing(taken, [sampled])[sampled], mine)
+
+    # sampled again under the same seq_id, by a model that records none: its routing row goes,
+    # and the next record, another key's, is given that row id
+    records.record("s1", "a:2", [10, 11], [Sampled("a:1:0", [20, 21, 22], [-0.5] * 3)])
+    records.record("s2", "b:1", [10, 11], [Sampled("b:1:0", [20, 21, 22], [-0.5] * 3, theirs)])
+    assert records.take("s2", ["b:1:0"])["b:1:0"].rows[0] == taken["a:1:0"].rows[0]
+    assert records.routing(taken, [sampled, prompt]) == {}
+
+    # sampled again with routing: the same sequence id and, it may be, the same row id: another sample's
+    records.record("s1", "a:3", [10, 11], [Sampled("a:1:0", [20, 21, 23], [-0.5] * 3, mine + 1)])
+    again = records.take("s1", ["a:1:0"])
+    assert records.routing(taken, [sampled]) == {}
+    np.testing.assert_array_equal(records.routing(again, [sampled])[sampled], mine + 1)
