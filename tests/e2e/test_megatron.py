@@ -65,8 +65,9 @@ def moe(tiny_family) -> Iterator[tuple[ProcessBackend, Trainer]]:
 @pytest.fixture(scope="module")
 def deepseek(tiny_family, tmp_path_factory) -> Iterator[tuple[ProcessBackend, Trainer]]:
     """megatron on the tiny DeepSeek-V3 with DeepSeek-V3's YaRN (its factor of 40 over a short
-    original context, so that the frequency ramp and both mscale factors bite), its attention
-    split over two ranks and its experts too; and peft on the same model."""
+    original context, so that the frequency ramp and both mscale factors bite) and an
+    ``rms_norm_eps`` its latent norms do not take (HF gives them 1e-6), its attention split over
+    two ranks and its experts too; and peft on the same model."""
     model = tmp_path_factory.mktemp("deepseek") / "yarn"
     shutil.copytree(tiny_family("deepseek_v3"), model)
     config = json.loads((model / "config.json").read_text())
@@ -80,6 +81,7 @@ def deepseek(tiny_family, tmp_path_factory) -> Iterator[tuple[ProcessBackend, Tr
         mscale=1.0,
         mscale_all_dim=1.0,
     )
+    config["rms_norm_eps"] = 1e-2
     (model / "config.json").write_text(json.dumps(config))
     options = {"tp": "2", "ep": "2", "sequence_parallel": "true"}
     server = ServerConfig(model=str(model), backend="megatron", train_devices="cpu:2", backend_options=options)

@@ -89,28 +89,20 @@ class HfShape:
                 f"the megatron backend loads unquantized weights; {model_path} is quantized ({quantized}): "
                 "convert it to bfloat16 first"
             )
+        if (act := config.get("hidden_act", "silu")) != "silu":
+            raise ValueError(f"the megatron backend converts SiLU-gated MLPs; {model_path}'s hidden_act is {act}")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         max_positions = config.get("max_position_embeddings") or 32768
-        yarn = None
-        if rope.get("rope_type", rope.get("type", "default")) == "yarn" and arch == DEEPSEEK:
-            yarn = Yarn.read(rope, max_positions, model_path)
-        elif rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        if arch != DEEPSEEK and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ValueError(f"the megatron backend does not convert {arch}'s rope scaling {rope}")
         heads = config["num_attention_heads"]
-        experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
-        if (
-            arch != DEEPSEEK
-            and experts
-            and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1)
-        ):
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        if experts and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
             raise ValueError(
                 f"the megatron backend converts Qwen3-MoE models whose every layer is one; {model_path} "
                 f"has dense layers (mlp_only_layers, decoder_sparse_step)"
             )
-        deepseek = cls._deepseek(config, model_path) if arch == DEEPSEEK else {}
-        return cls(
-            **deepseek,
-            yarn=yarn,
+        fields: dict[str, Any] = dict(
             arch=arch,
             family=config.get("model_type", ""),
             layers=config["num_hidden_layers"],
@@ -131,33 +123,49 @@ class HfShape:
             top_k=config.get("num_experts_per_tok") or 0,
             norm_topk=bool(config.get("norm_topk_prob", False)),
         )
+        if arch == DEEPSEEK:
+            fields.update(cls._deepseek(config, model_path))
+        return cls(**fields)
 
     @staticmethod
-    def _deepseek(config: dict[str, Any], model_path: str) -> dict[str, Any]:
-        """DeepSeek-V3's fields beyond the common ones, or why megatron-core's router cannot route
-        as HF's does: it renormalises sigmoid weights always, and ranks groups by the sum of each
-        one's top ``top_k / topk_group`` scores where HF sums the top two."""
-        top_k, groups, group_top_k = (
-            config["num_experts_per_tok"],
-            config.get("n_group") or 1,
-            config.get("topk_group") or 1,
-        )
-        if not config.get("norm_topk_prob", False) and top_k > 1:
-            raise ValueError(f"the megatron backend routes DeepSeek-V3 with norm_topk_prob; {model_path} has it off")
+    def _deepseek(raw: dict[str, Any], model_path: str) -> dict[str, Any]:
+        """DeepSeek-V3's fields (read as transformers' config reads them: its defaults for what
+        the file leaves out), or why megatron-core's router cannot route as HF's does: it
+        renormalises sigmoid weights only for top k > 1 but always then, and ranks groups by the
+        sum of each one's top ``top_k / topk_group`` scores where HF sums the top two."""
+        from transformers import DeepseekV3Config
+
+        config = DeepseekV3Config.from_dict(raw)
+        top_k, groups, group_top_k = config.num_experts_per_tok, config.n_group or 1, config.topk_group or 1
+        if config.norm_topk_prob != (top_k > 1):
+            raise ValueError(
+                f"the megatron backend routes DeepSeek-V3 with norm_topk_prob exactly where num_experts_per_tok > 1; "
+                f"{model_path} has norm_topk_prob={config.norm_topk_prob} and {top_k}"
+            )
         if groups > 1 and top_k != 2 * group_top_k:
             raise ValueError(
                 f"the megatron backend routes DeepSeek-V3's groups as HF does only where num_experts_per_tok is twice "
                 f"topk_group; {model_path} has {top_k} and {group_top_k}"
             )
+        rope = config.rope_parameters
+        yarn = Yarn.read(rope, config.max_position_embeddings, model_path) if rope["rope_type"] == "yarn" else None
+        if yarn is None and rope["rope_type"] != "default":
+            raise ValueError(f"the megatron backend does not convert DeepSeek-V3's rope scaling {rope}")
         return dict(
+            experts=config.n_routed_experts,
+            moe_ffn=config.moe_intermediate_size,
+            top_k=top_k,
+            norm_topk=config.norm_topk_prob,
             score="sigmoid",
             expert_bias=True,
             groups=groups if groups > 1 else 0,
             group_top_k=group_top_k if groups > 1 else 0,
-            route_scale=float(config.get("routed_scaling_factor") or 1.0),
-            shared_ffn=(config.get("n_shared_experts") or 0) * config["moe_intermediate_size"],
-            dense_layers=config.get("first_k_dense_replace") or 0,
+            route_scale=float(config.routed_scaling_factor),
+            shared_ffn=(config.n_shared_experts or 0) * config.moe_intermediate_size,
+            dense_layers=config.first_k_dense_replace,
             latent=Latent.read(config, model_path),
+            yarn=yarn,
+            rope_theta=rope["rope_theta"],
         )
 
     def moe(self, layer: int) -> bool:
@@ -185,6 +193,10 @@ class HfShape:
             raise ValueError(
                 f"--backend-option tp={tp} on a mixture-of-experts model needs sequence_parallel=true: "
                 "megatron-core's MoE layers route each tensor-parallel rank's part of the sequence"
+            )
+        if self.latent is not None and tp > 1 and not sequence_parallel:
+            raise ValueError(  # its rotary key is gathered over the sequence, whose backward sums the heads' shares
+                f"--backend-option tp={tp} on latent attention needs sequence_parallel=true"
             )
 
 
@@ -390,6 +402,14 @@ class FrozenNorm:
         return WrappedTorchNorm(unsplit, hidden_size, eps, **kwargs).to(config.params_dtype)
 
 
+class LatentNorm:
+    """HF's latent attention norms (``q_a_layernorm``, ``kv_a_layernorm``): RMSNorm's default
+    epsilon, 1e-6, whatever the config's ``rms_norm_eps`` (megatron would give them that)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-6, **kwargs: Any):
+        return FrozenNorm(config, hidden_size, 1e-6, **kwargs)
+
+
 def block_spec(shape: HfShape, layers: int, te: bool = False):
     """``shape``'s decoder as megatron-core layer specs: its PyTorch layers (the local spec, every
     norm a ``FrozenNorm``), or with ``te`` transformer-engine's linear layers, attention and norms.
@@ -437,7 +457,7 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
         if shape.latent is not None:
             from megatron.core.post_training.modelopt.layers import Linear
 
-            attention.q_layernorm = attention.kv_layernorm = norm
+            attention.q_layernorm = attention.kv_layernorm = LatentNorm
             attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear  # whole (``latent``)
         elif shape.qk_norm:
             attention.q_layernorm = attention.k_layernorm = norm

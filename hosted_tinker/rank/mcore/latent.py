@@ -41,20 +41,21 @@ class Latent:
     v: int  # v_head_dim
 
     @classmethod
-    def read(cls, config: dict[str, Any], model_path: str) -> Latent:
-        if not config.get("rope_interleave", True):
+    def read(cls, config: Any, model_path: str) -> Latent:
+        """From transformers' ``DeepseekV3Config`` (its defaults for what the file leaves out)."""
+        if not config.rope_interleave:
             raise ValueError(
                 f"the megatron backend rotates latent attention's rotary dimensions interleaved (rope_interleave); "
                 f"{model_path} sets rope_interleave=false"
             )
-        if config.get("attention_bias"):
+        if config.attention_bias:
             raise ValueError(f"the megatron backend converts latent attention without biases; {model_path} has them")
         return cls(
-            q_rank=config.get("q_lora_rank") or 0,
-            kv_rank=config["kv_lora_rank"],
-            nope=config["qk_nope_head_dim"],
-            rope=config["qk_rope_head_dim"],
-            v=config["v_head_dim"],
+            q_rank=config.q_lora_rank or 0,
+            kv_rank=config.kv_lora_rank,
+            nope=config.qk_nope_head_dim,
+            rope=config.qk_rope_head_dim,
+            v=config.v_head_dim,
         )
 
     def config_fields(self, yarn: Yarn | None, rope_theta: float) -> dict[str, Any]:
@@ -131,7 +132,7 @@ class Yarn:
                 f"the megatron backend converts YaRN with the attention factor it derives and a truncated "
                 f"correction range; {model_path} sets attention_factor or truncate"
             )
-        original = rope["original_max_position_embeddings"]
+        original = rope.get("original_max_position_embeddings") or max_positions
         factor = rope.get("factor") or max_positions / original
         mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
         if mscale_all_dim and not mscale:

@@ -99,6 +99,10 @@ class McoreLoraModel:
             # its random initial value would be a different model, silently
             raise ValueError(f"no HF weight converts to megatron's {', '.join(unloaded[:5])}")
         self.gpt.load_state_dict(weights, strict=False)
+        if shape.score == "sigmoid":  # HF keeps DeepSeek's router in float32 whatever the model's dtype
+            for name, param in self.gpt.named_parameters():
+                if name.endswith(".mlp.router.weight"):
+                    param.data = weights[name].float()
         self.gpt.to(self.device).eval()
         self.gpt.requires_grad_(False)
         self.layers = list(self.gpt.decoder.layers)

@@ -104,7 +104,10 @@ class Plan(ddp.Plan):
         self.lock_group = self.tp_group if self.tp >= self.ep else self.token_group
 
     def build_model(self, model_path: str, *, dtype: str, lora_alpha: float, lora_compute: str):
+        from hosted_tinker.rank.mcore.convert import HfShape
         from hosted_tinker.rank.mcore.model import McoreLoraModel
+
+        latent = HfShape.read(model_path).latent is not None
 
         return McoreLoraModel(
             model_path,
@@ -116,7 +119,7 @@ class Plan(ddp.Plan):
             lora_compute=lora_compute,
             sampler_base=self.embedded_sampler,
             sequence_parallel=self.sequence_parallel,
-            te=self.uses_te(self.device, dtype),
+            te=self.uses_te(self.device, dtype, latent),
             ep=self.ep,
             ep_rank=self.ep_rank,
             token_group=self.token_group,

@@ -20,6 +20,7 @@ def test_layers_auto_picks_transformer_engine_for_16_bit_gpu_ranks_only(monkeypa
     assert auto.uses_te("cuda:0", "bfloat16") and auto.uses_te("cuda:1", "float16")
     assert not auto.uses_te("cuda:0", "float32") and not auto.uses_te("cpu", "bfloat16")
     assert options.MegatronOptions(tp=1, layers="te").uses_te("cuda:0", "float32")  # asked for: as asked
+    assert not auto.uses_te("cuda:0", "bfloat16", latent=True)  # no TE layers for DeepSeek's latent attention
     assert not options.MegatronOptions(tp=1, layers="local").uses_te("cuda:0", "bfloat16")
     monkeypatch.setattr(options, "has_transformer_engine", lambda: False)
     assert not auto.uses_te("cuda:0", "bfloat16")
@@ -155,6 +156,15 @@ def test_deepseek_reads_as_megatron_routes_and_rotates_it_or_is_refused_naming_w
     assert read(n_group=1, topk_group=1, rope_scaling=kimi).groups == 0  # Kimi-K2: no group limit
     no_all_dim = dict(DEEPSEEK_V3["rope_scaling"], mscale=0.707, mscale_all_dim=0)
     assert read(rope_scaling=no_all_dim).yarn.mscale == 1.0  # HF then scales cos/sin by get_mscale(factor)
+    # what the file leaves out is transformers' default, as HF's model reads it
+    terse = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("n_shared_experts", "routed_scaling_factor")}
+    (tmp_path / "config.json").write_text(json.dumps(terse))
+    assert (HfShape.read(str(tmp_path)).shared_ffn, HfShape.read(str(tmp_path)).route_scale) == (32, 2.5)
+    with pytest.raises(ValueError, match="tp=2 on a mixture-of-experts model needs sequence_parallel=true"):
+        shape.check_ep(2, tp=2)
+    dense = dataclasses.replace(shape, experts=0)
+    with pytest.raises(ValueError, match="tp=2 on latent attention needs sequence_parallel=true"):
+        dense.check_ep(1, tp=2)
 
     refused = [
         (dict(norm_topk_prob=False), "routes DeepSeek-V3 with norm_topk_prob"),
@@ -164,6 +174,8 @@ def test_deepseek_reads_as_megatron_routes_and_rotates_it_or_is_refused_naming_w
         (dict(rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], attention_factor=1.2)), "attention_factor or truncate"),
         (dict(rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], mscale=None)), "mscale_all_dim only beside mscale"),
         (dict(attention_bias=True), "latent attention without biases"),
+        (dict(num_experts_per_tok=1, n_group=1), "norm_topk_prob exactly where num_experts_per_tok > 1"),
+        (dict(hidden_act="gelu"), "SiLU-gated MLPs; .* hidden_act is gelu"),
     ]
     for changes, why in refused:
         with pytest.raises(ValueError, match=why):
