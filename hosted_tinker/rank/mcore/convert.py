@@ -135,7 +135,7 @@ class HfShape:
         sum of each one's top ``top_k / topk_group`` scores where HF sums the top two."""
         from transformers import DeepseekV3Config
 
-        config = DeepseekV3Config.from_dict(raw)
+        config: Any = DeepseekV3Config.from_dict(raw)  # untyped: its attributes are set from the file
         top_k, groups, group_top_k = config.num_experts_per_tok, config.n_group or 1, config.topk_group or 1
         if config.norm_topk_prob != (top_k > 1):
             raise ValueError(
