@@ -11,7 +11,8 @@ the output layer included; embedding lookups are free):
 with attention_fwd = 4 · layers · (heads · head_dim) · context: scores and values over a causal
 context of ``context`` positions on average (N/2 for one sequence of N, Σ N²/2 / Σ N for many).
 Hybrid models (Qwen3.5): ``hybrid_flops_per_token``; mixture of experts: ``moe_flops_per_token``
-(P counts the parameters a token meets: its top-k experts, not all of them).
+(P counts the parameters a token meets: its top-k experts, not all of them); DeepSeek-V3 and
+Kimi-K2 (latent attention, dense first layers, shared experts): ``latent_flops_per_token``.
 Recomputed activations are not counted: MFU is of the model's FLOPs, not of the work done.
 """
 
@@ -123,6 +124,62 @@ SHAPES = {
     },
 }
 SHAPES["qwen3-30b-a3b-l2"] = {**SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 2}
+# DeepSeek-V3 / V3.1 (671B-A37B) and Kimi-K2 (1T-A32B), as their configs give them: for their FLOPs
+# per token (MFU on a GPU that holds a cut of them); and a CPU-sized one of the same make
+SHAPES["deepseek-v3"] = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 3,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+    "tie_word_embeddings": False,
+}
+SHAPES["kimi-k2"] = {
+    **SHAPES["deepseek-v3"],
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 384,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "vocab_size": 163840,
+}
+SHAPES["deepseek-h512-l4"] = {  # one dense layer, three of 16 experts of 256 (4 a token) and a shared one
+    **SHAPES["deepseek-v3"],
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "vocab_size": 32000,
+}
 SHAPES["qwen3-moe-h512-l4"] = {  # the small Qwen3 with 16 experts of 256, 4 a token, in place of its MLP
     **SHAPES["qwen3-h512-l4"],
     "model_type": "qwen3_moe",
@@ -188,6 +245,8 @@ def flops_per_token(model: str, mean_context: float, lora_rank: int) -> dict[str
     c = json.loads((Path(model) / "config.json").read_text())
     if "linear_attention" in (c.get("layer_types") or []):
         return hybrid_flops_per_token(c, mean_context, lora_rank)
+    if c.get("kv_lora_rank"):
+        return latent_flops_per_token(c, mean_context, lora_rank)
     if c.get("num_experts") or c.get("num_local_experts"):  # transformers 5 writes the latter
         return moe_flops_per_token(c, mean_context, lora_rank)
     hidden, layers, ffn, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
@@ -228,6 +287,44 @@ def moe_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: int) 
     lora_attention = r * (3 * hidden + q + 2 * kv_out + q + hidden)
     lora = layers * (lora_attention + top_k * r * 3 * (hidden + inner)) + r * (hidden + vocab)
     attention_fwd = 4 * layers * q * mean_context
+    return {
+        "matmul_params": params,
+        "active_params": params,
+        "total_params": total,
+        "lora_params": lora,
+        "model_flops_6p": 6 * params + 3 * attention_fwd,
+        "lora_step_flops": 4 * params + 6 * lora + 3 * attention_fwd,
+    }
+
+
+def latent_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: int) -> dict[str, float]:
+    """``flops_per_token`` of a DeepSeek-V3 / Kimi-K2 model: latent attention (q down and up
+    projections, or one q_proj; the kv down projection to the latent and the rotary key, its up
+    projection to each head's key and value; o_proj), whose scores are over ``nope + rope``
+    dimensions a head and values over ``v``; the first ``first_k_dense_replace`` layers' dense
+    MLP, then MoE layers of a router, the top-k experts and the shared experts. LoRA on every
+    projection (Tinker's layout for the routed experts, ``r·3(H + I)`` an expert a token)."""
+    hidden, layers, vocab, r = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], lora_rank
+    heads, q_rank, kv_rank = c["num_attention_heads"], c.get("q_lora_rank") or 0, c["kv_lora_rank"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    experts = c.get("n_routed_experts") or c["num_local_experts"]  # transformers 5 may write the latter
+    top_k, inner, dense = c["num_experts_per_tok"], c["moe_intermediate_size"], c["first_k_dense_replace"]
+    shared = (c.get("n_shared_experts") or 0) * inner
+    q_out = heads * (nope + rope)
+    # (in, out) of each attention projection
+    projections = [(hidden, q_rank), (q_rank, q_out)] if q_rank else [(hidden, q_out)]
+    projections += [(hidden, kv_rank + rope), (kv_rank, heads * (nope + v)), (heads * v, hidden)]
+    attention = sum(i * o for i, o in projections)
+    dense_mlp, expert, shared_mlp = 3 * hidden * c["intermediate_size"], 3 * hidden * inner, 3 * hidden * shared
+    moe_layers = layers - dense
+    params = layers * attention + dense * dense_mlp + moe_layers * (hidden * experts + top_k * expert + shared_mlp)
+    total = layers * attention + dense * dense_mlp + moe_layers * (hidden * experts + experts * expert + shared_mlp)
+    params, total = params + vocab * hidden, total + vocab * hidden
+    lora_attention = r * sum(i + o for i, o in projections)
+    lora_dense = r * 3 * (hidden + c["intermediate_size"])
+    lora_moe = top_k * r * 3 * (hidden + inner) + (r * 3 * (hidden + shared) if shared else 0)
+    lora = layers * lora_attention + dense * lora_dense + moe_layers * lora_moe + r * (hidden + vocab)
+    attention_fwd = 2 * layers * heads * (nope + rope + v) * mean_context  # scores, then values
     return {
         "matmul_params": params,
         "active_params": params,
