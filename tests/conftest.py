@@ -33,28 +33,30 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # processes, a module on one (``-n 2 --dist loadfile --no-loadscope-reorder``), handing out
 # modules in this order: the long ones start at once, and the many short ones fill in at the end
 # (in collection order, xdist would start test_vllm's 4 minutes among the last, and wait on it alone).
-LONGEST_FIRST = (  # the sum of each module's test times in a two-process run of 2026-12-06 (stop 54)
-    "test_vllm.py",  # 152 s
+LONGEST_FIRST = (  # the sum of each module's test times in a two-process run of 2026-12-06 (stop 55)
+    "test_vllm.py",  # 169 s
+    "test_plans.py",  # 160 s
     "test_nodes.py",
-    "test_plans.py",
     "test_moe_sdk.py",
-    "test_ddp_server.py",
-    "test_fuzz.py",
-    "test_residency.py",
-    "test_ddp.py",
-    "test_megatron.py",
     "test_deploy.py",
+    "test_fuzz.py",
+    "test_megatron.py",
+    "test_ddp_server.py",
+    "test_ddp.py",
+    "test_residency.py",
     "test_http_protocol.py",
     "test_bad_input.py",
     "test_sdk_training.py",
     "test_quotas.py",
-    "test_faults.py",
-    "test_checkpoints.py",
-    "test_startup_checks.py",
+    "test_custom_loss_sdk.py",
     "test_cookbook_rl_loop.py",
+    "test_faults.py",
+    "test_startup_checks.py",
     "test_console.py",
     "test_fair_sampling.py",
     "test_hostile_ops.py",
+    "test_checkpoints.py",
+    "test_hostile_bodies.py",
     "test_backpressure.py",
     "test_tinker_cli.py",
     "test_tenants.py",  # 12 s; the rest, under 12 s each, in collection order
