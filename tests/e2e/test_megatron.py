@@ -2,8 +2,9 @@
 training state written by one, as files, loads on the other, and the next steps agree (log-probs,
 ``loss:sum``, ``grad_norm``) to 1e-4; the adapter config each writes is the same PEFT config; and
 the sampler weights megatron exports load into PEFT itself. The same for a mixture-of-experts
-model whose experts megatron splits over two ranks (``ep=2``, issue #42), and for DeepSeek-V3
-(latent attention with YaRN, a dense first layer, shared experts; ``tp=2 ep=2``)."""
+model whose experts megatron splits over two ranks (``ep=2``, issue #42), for DeepSeek-V3
+(latent attention with YaRN, a dense first layer, shared experts; ``tp=2 ep=2``) and for gpt-oss
+(``ep=2``)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,17 @@ def deepseek(tiny_family, tmp_path_factory) -> Iterator[tuple[ProcessBackend, Tr
     backend.close()
 
 
+@pytest.fixture(scope="module")
+def gpt_oss(tiny_family) -> Iterator[tuple[ProcessBackend, Trainer]]:
+    """megatron on the tiny gpt-oss (sinks, sliding windows, YaRN, biases, fused interleaved
+    experts) with its experts split over two ranks; and peft on the same model."""
+    model = str(tiny_family("gpt_oss"))
+    config = ServerConfig(model=model, backend="megatron", train_devices="cpu:2", backend_options={"ep": "2"})
+    backend = ProcessBackend(rank_factories(config, model))
+    yield backend, local_rank(model).trainer
+    backend.close()
+
+
 def through_files(state, config: dict):
     """A training state as the server writes it to disk and reads it back."""
     path = TinkerPath("m", "weights", "x")
@@ -109,13 +121,13 @@ def test_a_training_state_moves_between_backends(direction: str, megatron: Proce
     moves_between(direction, megatron, peft)
 
 
-@pytest.mark.parametrize("model", ["moe", "deepseek"])
+@pytest.mark.parametrize("model", ["moe", "deepseek", "gpt_oss"])
 @pytest.mark.parametrize("direction", ["megatron->peft", "peft->megatron"])
 def test_a_mixture_of_experts_state_moves_between_backends(direction: str, model: str, request):
     moves_between(direction, *request.getfixturevalue(model))
 
 
-@pytest.mark.parametrize("model", ["moe", "deepseek"])
+@pytest.mark.parametrize("model", ["moe", "deepseek", "gpt_oss"])
 def test_the_same_seed_starts_the_experts_at_the_same_weights(model: str, request):
     megatron, peft = request.getfixturevalue(model)
     for backend in (megatron.trainer, peft):

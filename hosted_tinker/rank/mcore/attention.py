@@ -12,15 +12,25 @@ from __future__ import annotations
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
 
-from hosted_tinker.rank.attention import packed_causal_attention
+from hosted_tinker.rank.attention import packed_attention_with_sinks, packed_causal_attention
 
 
 class PackedDotProductAttention(DotProductAttention):
-    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
-        """``k_channels``, ``v_channels``: latent attention's head widths (``MLASelfAttention``
-        passes them, as to transformer-engine's attention); the packed path reads them from the
-        tensors, and its softmax scale is the one passed."""
+    def __init__(
+        self,
+        *args,
+        window: int | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        **kwargs,
+    ) -> None:
+        """``window``: the layer's sliding window (gpt-oss), None for none; ``k_channels``,
+        ``v_channels``: latent attention's head widths (``MLASelfAttention`` passes them, as to
+        transformer-engine's attention), which the packed path reads from the tensors. Attention
+        sinks are megatron's learnable softmax offset (``softmax_type="learnable"``), this
+        rank's heads' of them."""
         super().__init__(*args, **kwargs)
+        self.window = window
 
     def forward(
         self,
@@ -37,5 +47,9 @@ class PackedDotProductAttention(DotProductAttention):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
         q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))  # (1, heads, T, D)
         bounds = packed_seq_params.cu_seqlens_q.tolist()
-        out = packed_causal_attention(q, k, v, bounds, self.softmax_scale)  # (1, heads, T, D)
+        sinks = self.softmax_offset if self.config.softmax_type == "learnable" else None
+        if sinks is not None or self.window is not None:
+            out = packed_attention_with_sinks(q, k, v, bounds, self.softmax_scale, sinks, self.window)
+        else:
+            out = packed_causal_attention(q, k, v, bounds, self.softmax_scale)  # (1, heads, T, D)
         return out[0].transpose(0, 1).reshape(query.shape[0], -1)

@@ -32,15 +32,17 @@ from torch import Tensor
 from hosted_tinker.rank.mcore.latent import Latent, Yarn
 
 DEEPSEEK = "DeepseekV3ForCausalLM"  # DeepSeek-V3 / V3.1, Kimi-K2 (their text model)
+GPT_OSS = "GptOssForCausalLM"
 ARCHS = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     DEEPSEEK,
+    GPT_OSS,
     "Qwen2ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
 )
-MOE_ARCHS = ("Qwen3MoeForCausalLM", DEEPSEEK)  # of ARCHS, the mixture-of-experts ones
+MOE_ARCHS = ("Qwen3MoeForCausalLM", DEEPSEEK, GPT_OSS)  # of ARCHS, the mixture-of-experts ones
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,13 @@ class HfShape:
     shared_ffn: int = 0  # the shared experts' intermediate size (0: none)
     dense_layers: int = 0  # the first layers' MLPs are dense (first_k_dense_replace)
     latent: Latent | None = None  # multi-head latent attention (``latent``)
-    yarn: Yarn | None = None  # YaRN rotary scaling (with latent attention only)
+    yarn: Yarn | None = None  # YaRN rotary scaling (DeepSeek's, gpt-oss's)
+    # gpt-oss: biases on every linear layer (attention, experts, router), attention sinks, a
+    # sliding window on some layers, a clamped SwiGLU with a linear offset of 1
+    biases: bool = False
+    sinks: bool = False
+    windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); () for none anywhere
+    swiglu_limit: float = 0.0  # the clamp (0: a plain SwiGLU)
 
     @classmethod
     def read(cls, model_path: str) -> HfShape:
@@ -93,7 +101,10 @@ class HfShape:
             raise ValueError(f"the megatron backend converts SiLU-gated MLPs; {model_path}'s hidden_act is {act}")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         max_positions = config.get("max_position_embeddings") or 32768
-        if arch != DEEPSEEK and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        if arch not in (DEEPSEEK, GPT_OSS) and rope.get("rope_type", rope.get("type", "default")) not in (
+            "default",
+            None,
+        ):
             raise ValueError(f"the megatron backend does not convert {arch}'s rope scaling {rope}")
         heads = config["num_attention_heads"]
         experts = config.get("num_experts") or config.get("num_local_experts") or 0
@@ -125,7 +136,34 @@ class HfShape:
         )
         if arch == DEEPSEEK:
             fields.update(cls._deepseek(config, model_path))
+        if arch == GPT_OSS:
+            fields.update(cls._gpt_oss(config, rope, max_positions, model_path))
         return cls(**fields)
+
+    @staticmethod
+    def _gpt_oss(config: dict[str, Any], rope: dict[str, Any], max_positions: int, model_path: str) -> dict[str, Any]:
+        """gpt-oss's fields beyond the common ones. Its SwiGLU is megatron's ``quick_gelu``
+        (``x·sigmoid(1.702·x)``) gated with a linear offset of 1, both halves clamped as HF's; its
+        router softmaxes the top k logits (megatron's ``pre_softmax`` off)."""
+        if (alpha := config.get("swiglu_alpha", 1.702)) != 1.702:
+            raise ValueError(f"the megatron backend converts gpt-oss's SwiGLU with alpha 1.702; {model_path}: {alpha}")
+        kinds = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+        window = config.get("sliding_window") or 0
+        yarn = Yarn.read(rope, max_positions, model_path) if rope.get("rope_type") == "yarn" else None
+        if yarn is not None and yarn.mscale_all_dim:
+            raise ValueError(
+                f"the megatron backend converts gpt-oss's YaRN without mscale_all_dim; {model_path} has it"
+            )
+        return dict(
+            moe_ffn=config["intermediate_size"],  # each expert's; gpt-oss has no dense MLP
+            norm_topk=True,
+            biases=True,
+            qkv_bias=True,
+            sinks=True,
+            windows=tuple(window if kind == "sliding_attention" else 0 for kind in kinds),
+            swiglu_limit=float(config.get("swiglu_limit") or 0.0),
+            yarn=yarn,
+        )
 
     @staticmethod
     def _deepseek(raw: dict[str, Any], model_path: str) -> dict[str, Any]:
@@ -151,6 +189,8 @@ class HfShape:
         yarn = Yarn.read(rope, config.max_position_embeddings, model_path) if rope["rope_type"] == "yarn" else None
         if yarn is None and rope["rope_type"] != "default":
             raise ValueError(f"the megatron backend does not convert DeepSeek-V3's rope scaling {rope}")
+        if yarn is not None and not yarn.truncate:  # megatron's latent attention always truncates
+            raise ValueError(f"the megatron backend converts DeepSeek-V3's YaRN truncated; {model_path} sets truncate")
         return dict(
             experts=config.n_routed_experts,
             moe_ffn=config.moe_intermediate_size,
@@ -171,6 +211,10 @@ class HfShape:
     def moe(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` is a mixture-of-experts one."""
         return bool(self.experts) and layer >= self.dense_layers
+
+    def window(self, layer: int) -> int:
+        """Decoder layer ``layer``'s sliding window (0: it attends to all before)."""
+        return self.windows[layer] if self.windows else 0
 
     def check_tp(self, tp: int) -> None:
         """``tp`` must divide every dimension megatron splits; else say which does not."""
@@ -194,6 +238,10 @@ class HfShape:
                 f"--backend-option tp={tp} on a mixture-of-experts model needs sequence_parallel=true: "
                 "megatron-core's MoE layers route each tensor-parallel rank's part of the sequence"
             )
+        if self.biases and tp > 1:
+            raise ValueError(  # a tp=2 run hung in its first pass (tp=2 ep=2 did not); not yet understood
+                f"--backend-option tp={tp}: gpt-oss on megatron is built for expert parallelism alone (tp=1) so far"
+            )
         if self.latent is not None and tp > 1 and not sequence_parallel:
             raise ValueError(  # its rotary key is gathered over the sequence, whose backward sums the heads' shares
                 f"--backend-option tp={tp} on latent attention needs sequence_parallel=true"
@@ -209,9 +257,11 @@ def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_par
     config, latent = TransformerConfig, {}
     if shape.latent is not None:
         config, latent = MLATransformerConfig, shape.latent.config_fields(shape.yarn, shape.rope_theta)
-    return config(
+    activation = gpt_oss_config(shape) if shape.biases else dict(activation_func=F.silu, add_bias_linear=False)
+    made = config(
         **(moe_config(shape, ep) if shape.experts else {}),
         **latent,
+        **activation,
         num_layers=shape.layers,
         hidden_size=shape.hidden,
         num_attention_heads=shape.heads,
@@ -222,8 +272,6 @@ def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_par
         layernorm_epsilon=shape.rms_eps,
         qk_layernorm=shape.qk_norm,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -241,6 +289,26 @@ def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_par
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
+    )
+    if shape.yarn is not None and shape.latent is None:
+        for name, value in shape.yarn.gpt_fields().items():
+            setattr(made, name, value)
+    return made
+
+
+def gpt_oss_config(shape: HfShape) -> dict[str, Any]:
+    """gpt-oss's ``TransformerConfig`` fields: biases on every linear layer (megatron's output
+    layer takes none, nor does HF's); attention sinks, megatron's learnable softmax offset; its
+    SwiGLU. (YaRN's attention factor on cos and sin: megatron's attention reads it from the
+    ``yarn_*`` attributes, ``Yarn.gpt_fields``.)"""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return dict(
+        add_bias_linear=True,
+        softmax_type="learnable",
+        activation_func=quick_gelu,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=shape.swiglu_limit or None,
     )
 
 
@@ -346,7 +414,12 @@ class HfWeights:
             out[f"{mc}.input_layernorm.weight"] = self.full(f"{hf}.input_layernorm.weight")
             out.update(s.latent.weights(self, i) if s.latent is not None else self.attention(i))
             out[f"{mc}.pre_mlp_layernorm.weight"] = self.full(f"{hf}.post_attention_layernorm.weight")
-            if s.moe(i):
+            if s.moe(i) and s.biases:  # gpt-oss: its router, and its experts fused in 3-D tensors
+                out[f"{mc}.mlp.router.weight"] = self.full(f"{hf}.mlp.router.weight")
+                out[f"{mc}.mlp.router.bias"] = self.full(f"{hf}.mlp.router.bias")
+                for j, e in enumerate(self.local_experts):
+                    out.update(self.fused_expert(f"{hf}.mlp.experts", e, f"{mc}.mlp.experts.local_experts.{j}"))
+            elif s.moe(i):
                 out[f"{mc}.mlp.router.weight"] = self.full(f"{hf}.mlp.gate.weight")
                 if s.expert_bias:
                     out[f"{mc}.mlp.router.expert_bias"] = self.full(f"{hf}.mlp.gate.e_score_correction_bias")
@@ -373,7 +446,25 @@ class HfWeights:
         if self.shape.qk_norm:
             out[f"{mc}.q_layernorm.weight"] = self.full(f"{hf}.q_norm.weight")
             out[f"{mc}.k_layernorm.weight"] = self.full(f"{hf}.k_norm.weight")
+        if self.shape.biases:  # row-parallel: its bias whole, added once after the ranks' sum
+            out[f"{mc}.linear_proj.bias"] = self.full(f"{hf}.o_proj.bias")
+        if self.shape.sinks:  # each head's, split with the heads
+            out[f"{mc}.core_attention.softmax_offset"] = self.row_part(f"{hf}.sinks")
         return out
+
+    def fused_expert(self, hf: str, e: int, mc: str) -> dict[str, Tensor]:
+        """gpt-oss's expert ``e`` from its 3-D tensors (``gate_up_proj`` ``(E, H, 2I)``, gate and up
+        interleaved by column; ``down_proj`` ``(E, I, H)``; their biases) as megatron's ``MLP``:
+        ``linear_fc1`` ``[gate; up]`` rows, ``linear_fc2`` ``(H, I)``."""
+        gate_up = self._files[f"{hf}.gate_up_proj"].get_slice(f"{hf}.gate_up_proj")[e]
+        bias = self._files[f"{hf}.gate_up_proj_bias"].get_slice(f"{hf}.gate_up_proj_bias")[e]
+        down = self._files[f"{hf}.down_proj"].get_slice(f"{hf}.down_proj")[e]
+        return {
+            f"{mc}.linear_fc1.weight": torch.cat([gate_up[:, 0::2].T, gate_up[:, 1::2].T]).contiguous(),
+            f"{mc}.linear_fc1.bias": torch.cat([bias[0::2], bias[1::2]]),
+            f"{mc}.linear_fc2.weight": down.T.contiguous(),
+            f"{mc}.linear_fc2.bias": self._files[f"{hf}.down_proj_bias"].get_slice(f"{hf}.down_proj_bias")[e],
+        }
 
     def mlp(self, hf: str, mc: str, whole: bool = False) -> dict[str, Tensor]:
         """One gated MLP (a dense layer's, or one expert's): ``linear_fc1`` ``[gate; up]``; this
@@ -428,8 +519,10 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
     if te and shape.latent is not None:
         raise ValueError("layers=te: transformer-engine layers for latent attention (DeepSeek-V3) are not built")
     norm: Any = FrozenNorm
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     specs = {}
-    for moe in {shape.moe(i) for i in range(layers)}:
+    for moe, window in {(shape.moe(i), shape.window(i)) for i in range(layers)}:
         layer = get_gpt_layer_local_spec(
             num_experts=shape.experts if moe else None,
             moe_grouped_gemm=False,
@@ -438,7 +531,8 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
             normalization="RMSNorm",
         )
         attention = layer.submodules.self_attention.submodules
-        attention.core_attention = PackedDotProductAttention  # packed sequences (thd) on PyTorch's kernels
+        # packed sequences (thd) on PyTorch's kernels, with gpt-oss's sliding window where a layer has one
+        attention.core_attention = ModuleSpec(module=PackedDotProductAttention, params={"window": window or None})
         if te:  # CUDA only: importing it needs transformer_engine
             from megatron.core.extensions.transformer_engine import (
                 TEColumnParallelLinear,
@@ -461,5 +555,7 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
             attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear  # whole (``latent``)
         elif shape.qk_norm:
             attention.q_layernorm = attention.k_layernorm = norm
-        specs[moe] = layer
-    return TransformerBlockSubmodules(layer_specs=[specs[shape.moe(i)] for i in range(layers)], layer_norm=norm)
+        specs[moe, window] = layer
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[shape.moe(i), shape.window(i)] for i in range(layers)], layer_norm=norm
+    )

@@ -124,13 +124,14 @@ class Yarn:
     beta_slow: float
     mscale: float
     mscale_all_dim: float
+    truncate: bool = True  # the correction range rounded to whole dimensions (gpt-oss: not)
 
     @classmethod
     def read(cls, rope: dict[str, Any], max_positions: int, model_path: str) -> Yarn:
-        if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+        if rope.get("attention_factor") is not None:
             raise ValueError(
-                f"the megatron backend converts YaRN with the attention factor it derives and a truncated "
-                f"correction range; {model_path} sets attention_factor or truncate"
+                f"the megatron backend converts YaRN with the attention factor it derives; {model_path} sets "
+                "attention_factor"
             )
         original = rope.get("original_max_position_embeddings") or max_positions
         factor = rope.get("factor") or max_positions / original
@@ -149,9 +150,24 @@ class Yarn:
             beta_slow=float(rope.get("beta_slow") or 1),
             mscale=float(mscale or 1.0),
             mscale_all_dim=float(mscale_all_dim),
+            truncate=bool(rope.get("truncate", True)),
+        )
+
+    def gpt_fields(self) -> dict[str, Any]:
+        """The attributes megatron-core's ``GPTModel`` reads for ``position_embedding_type="yarn"``
+        (not ``TransformerConfig`` fields: set on the config after it is made)."""
+        return dict(
+            yarn_rotary_scaling_factor=self.factor,
+            yarn_original_max_position_embeddings=self.original_max_positions,
+            yarn_beta_fast=self.beta_fast,
+            yarn_beta_slow=self.beta_slow,
+            yarn_mscale=self.mscale,
+            yarn_mscale_all_dim=self.mscale_all_dim,
+            yarn_correction_range_round_to_int=self.truncate,
         )
 
     def config_fields(self) -> dict[str, Any]:
+        """``MLATransformerConfig``'s YaRN fields (its rotary embedding always truncates)."""
         return dict(
             rope_type="yarn",
             rotary_scaling_factor=self.factor,

@@ -89,7 +89,8 @@ class McoreLoraModel:
             vocab_size=shape.vocab,
             max_sequence_length=shape.max_positions,
             share_embeddings_and_output_weights=shape.tied,
-            position_embedding_type="rope",
+            # YaRN's frequencies (gpt-oss); latent attention makes its own rotary embedding
+            position_embedding_type="yarn" if shape.yarn is not None and shape.latent is None else "rope",
             rotary_base=int(shape.rope_theta),
             parallel_output=True,  # each rank keeps its vocabulary slice of the logits
         )

@@ -50,16 +50,18 @@ CHECKED_LAYOUTS = [
     ("cpu:4", {"tp": "2", "recompute_above_tokens": "0"}),
     ("cpu:2", {"tp": "2", "activation_memory_gib": "0.0005", "microbatch_tokens": "48"}),
 ]
-# The same, on the tiny Qwen3-MoE model: its experts split over two ranks, and over two ranks
+# The same on the tiny mixture-of-experts models (Qwen3-MoE's, unless a third element names
+# another family): the experts split over two ranks (on the tiny gpt-oss: attention sinks,
+# sliding windows, YaRN, biases on every linear layer, a clamped SwiGLU), and over two ranks
 # twice (two copies of each expert, whose gradients are summed), with small micro-batches so
 # that the ranks' shards hold unequal numbers of them; under tensor parallelism (split by
 # sequence), every expert on both ranks of the group, the experts split over those two ranks
-# (on the tiny DeepSeek-V3, named by the third element: latent attention, a dense first layer,
-# shared experts, grouped sigmoid routing with a bias), the same twice (two copies of each
-# expert, in two replicas), and over four ranks that are two tensor-parallel groups (two
-# replicas' shards meeting in the MoE layers).
+# (on the tiny DeepSeek-V3: latent attention, a dense first layer, shared experts, grouped
+# sigmoid routing with a bias), the same twice (two copies of each expert, in two replicas), and
+# over four ranks that are two tensor-parallel groups (two replicas' shards meeting in the MoE
+# layers).
 CHECKED_MOE_LAYOUTS: list[tuple] = [
-    ("cpu:2", {"ep": "2"}),
+    ("cpu:2", {"ep": "2"}, "gpt_oss"),
     ("cpu:4", {"ep": "2", "microbatch_tokens": "48"}),
     ("cpu:2", {"tp": "2", "sequence_parallel": "true"}),
     ("cpu:2", {"tp": "2", "ep": "2", "sequence_parallel": "true"}, "deepseek_v3"),

@@ -171,7 +171,8 @@ def test_deepseek_reads_as_megatron_routes_and_rotates_it_or_is_refused_naming_w
         (dict(n_group=4, topk_group=2), "num_experts_per_tok is twice topk_group; .* has 8 and 2"),
         (dict(rope_interleave=False), "sets rope_interleave=false"),
         (dict(quantization_config={"quant_method": "fp8"}), r"is quantized \(fp8\): convert it to bfloat16"),
-        (dict(rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], attention_factor=1.2)), "attention_factor or truncate"),
+        (dict(rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], attention_factor=1.2)), "sets attention_factor"),
+        (dict(rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], truncate=False)), "YaRN truncated; .* sets truncate"),
         (dict(rope_scaling=dict(DEEPSEEK_V3["rope_scaling"], mscale=None)), "mscale_all_dim only beside mscale"),
         (dict(attention_bias=True), "latent attention without biases"),
         (dict(num_experts_per_tok=1, n_group=1), "norm_topk_prob exactly where num_experts_per_tok > 1"),
@@ -180,3 +181,28 @@ def test_deepseek_reads_as_megatron_routes_and_rotates_it_or_is_refused_naming_w
     for changes, why in refused:
         with pytest.raises(ValueError, match=why):
             read(**changes)
+
+
+def test_gpt_oss_reads_for_expert_parallelism_alone(tmp_path: Path) -> None:
+    """gpt-oss converts with its experts split (``ep``); tensor parallelism is refused for it at
+    start, naming the option (a tp=2 run hung in its first pass: not yet understood), as is a
+    SwiGLU megatron's quick_gelu does not compute."""
+    import json
+    from types import SimpleNamespace
+
+    from hosted_tinker.core.tiny_model import tiny_config
+    from hosted_tinker.rank.mcore.convert import HfShape
+
+    tok = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    config = tiny_config("gpt_oss", vocab_size=512, hidden_size=64, num_layers=2, initializer_range=0.1, tok=tok)
+    raw = config.to_dict() | {"architectures": ["GptOssForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    shape = HfShape.read(str(tmp_path))
+    assert (shape.experts, shape.moe_ffn, shape.biases, shape.sinks) == (8, 32, True, True)
+    assert shape.windows == (16, 0) and shape.yarn is not None and not shape.yarn.truncate
+    shape.check_ep(2)
+    with pytest.raises(ValueError, match="tp=2: gpt-oss on megatron is built for expert parallelism alone"):
+        shape.check_ep(2, tp=2, sequence_parallel=True)
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"swiglu_alpha": 1.5}))
+    with pytest.raises(ValueError, match="SwiGLU with alpha 1.702"):
+        HfShape.read(str(tmp_path))
