@@ -28,7 +28,7 @@ def use_cpu() -> None:
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     # megatron-core wraps small helpers in torch.compile (``jit_fuser``: gpt-oss's quick_gelu, the
-    # router's expert-bias count, ...), which on a CPU rank means inductor compiling C++ for each
-    # new shape: seconds to minutes on two cores, for no gain. They run as written instead.
+    # router's expert-bias count, ...), which on a CPU rank means inductor compiling C++ for them
+    # in every rank, for no gain. They run as written instead.
     torch._dynamo.config.disable = True
     _patched = True
