@@ -3,8 +3,8 @@ training state written by one, as files, loads on the other, and the next steps 
 ``loss:sum``, ``grad_norm``) to 1e-4; the adapter config each writes is the same PEFT config; and
 the sampler weights megatron exports load into PEFT itself. The same for a mixture-of-experts
 model whose experts megatron splits over two ranks (``ep=2``, issue #42), for DeepSeek-V3
-(latent attention with YaRN, a dense first layer, shared experts; ``tp=2 ep=2``) and for gpt-oss
-(``ep=2``)."""
+(latent attention with YaRN, a dense first layer, shared experts) and gpt-oss (sinks, windows,
+biased experts), both on ``tp=2 ep=2``."""
 
 from __future__ import annotations
 
@@ -94,9 +94,11 @@ def deepseek(tiny_family, tmp_path_factory) -> Iterator[tuple[ProcessBackend, Tr
 @pytest.fixture(scope="module")
 def gpt_oss(tiny_family) -> Iterator[tuple[ProcessBackend, Trainer]]:
     """megatron on the tiny gpt-oss (sinks, sliding windows, YaRN, biases, fused interleaved
-    experts) with its experts split over two ranks; and peft on the same model."""
+    experts) with its attention split over two ranks (its sinks with its heads) and its experts
+    too; and peft on the same model."""
     model = str(tiny_family("gpt_oss"))
-    config = ServerConfig(model=model, backend="megatron", train_devices="cpu:2", backend_options={"ep": "2"})
+    options = {"tp": "2", "ep": "2", "sequence_parallel": "true"}
+    config = ServerConfig(model=model, backend="megatron", train_devices="cpu:2", backend_options=options)
     backend = ProcessBackend(rank_factories(config, model))
     yield backend, local_rank(model).trainer
     backend.close()

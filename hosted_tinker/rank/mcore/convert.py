@@ -238,10 +238,6 @@ class HfShape:
                 f"--backend-option tp={tp} on a mixture-of-experts model needs sequence_parallel=true: "
                 "megatron-core's MoE layers route each tensor-parallel rank's part of the sequence"
             )
-        if self.biases and tp > 1:
-            raise ValueError(  # a tp=2 run hung in its first pass (tp=2 ep=2 did not); not yet understood
-                f"--backend-option tp={tp}: gpt-oss on megatron is built for expert parallelism alone (tp=1) so far"
-            )
         if self.latent is not None and tp > 1 and not sequence_parallel:
             raise ValueError(  # its rotary key is gathered over the sequence, whose backward sums the heads' shares
                 f"--backend-option tp={tp} on latent attention needs sequence_parallel=true"

@@ -173,7 +173,10 @@ class MoeLora:
             ids = rows[j]
             spans = [span for span in self.adapters(name) if span[0] in self.in_pass]
             if not spans or ids.numel() == 0:
-                return output
+                # megatron-core 0.16.1 then adds a biased expert's down bias into this output in
+                # place, which autograd forbids where it is the view a one-rank reduce-scatter
+                # returns (gpt-oss under sequence parallelism): a copy takes it
+                return (out.clone(), bias) if bias is not None and out._is_view() else output
             x, dtype = args[0], products_dtype(self.compute, out.dtype)
             update = out.new_zeros(out.shape, dtype=dtype or torch.float32)
             for number, projections, scale in spans:

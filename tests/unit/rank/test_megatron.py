@@ -183,10 +183,9 @@ def test_deepseek_reads_as_megatron_routes_and_rotates_it_or_is_refused_naming_w
             read(**changes)
 
 
-def test_gpt_oss_reads_for_expert_parallelism_alone(tmp_path: Path) -> None:
-    """gpt-oss converts with its experts split (``ep``); tensor parallelism is refused for it at
-    start, naming the option (a tp=2 run hung in its first pass: not yet understood), as is a
-    SwiGLU megatron's quick_gelu does not compute."""
+def test_gpt_oss_reads_as_megatron_computes_it(tmp_path: Path) -> None:
+    """gpt-oss's sinks, windows, YaRN (untruncated) and biases are read; a SwiGLU megatron's
+    quick_gelu does not compute is refused at start, naming it."""
     import json
     from types import SimpleNamespace
 
@@ -200,9 +199,7 @@ def test_gpt_oss_reads_for_expert_parallelism_alone(tmp_path: Path) -> None:
     shape = HfShape.read(str(tmp_path))
     assert (shape.experts, shape.moe_ffn, shape.biases, shape.sinks) == (8, 32, True, True)
     assert shape.windows == (16, 0) and shape.yarn is not None and not shape.yarn.truncate
-    shape.check_ep(2)
-    with pytest.raises(ValueError, match="tp=2: gpt-oss on megatron is built for expert parallelism alone"):
-        shape.check_ep(2, tp=2, sequence_parallel=True)
+    shape.check_ep(2, tp=2, sequence_parallel=True)
     (tmp_path / "config.json").write_text(json.dumps(raw | {"swiglu_alpha": 1.5}))
     with pytest.raises(ValueError, match="SwiGLU with alpha 1.702"):
         HfShape.read(str(tmp_path))
