@@ -287,6 +287,12 @@ def moe_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: int) 
     lora_attention = r * (3 * hidden + q + 2 * kv_out + q + hidden)
     lora = layers * (lora_attention + top_k * r * 3 * (hidden + inner)) + r * (hidden + vocab)
     attention_fwd = 4 * layers * q * mean_context
+    return _moe_flops(params, total, lora, attention_fwd)
+
+
+def _moe_flops(params: float, total: float, lora: float, attention_fwd: float) -> dict[str, float]:
+    """A mixture of experts' figures: ``params`` those a token meets (``active_params``), ``total``
+    every expert's."""
     return {
         "matmul_params": params,
         "active_params": params,
@@ -325,14 +331,7 @@ def latent_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: in
     lora_moe = top_k * r * 3 * (hidden + inner) + (r * 3 * (hidden + shared) if shared else 0)
     lora = layers * lora_attention + dense * lora_dense + moe_layers * lora_moe + r * (hidden + vocab)
     attention_fwd = 2 * layers * heads * (nope + rope + v) * mean_context  # scores, then values
-    return {
-        "matmul_params": params,
-        "active_params": params,
-        "total_params": total,
-        "lora_params": lora,
-        "model_flops_6p": 6 * params + 3 * attention_fwd,
-        "lora_step_flops": 4 * params + 6 * lora + 3 * attention_fwd,
-    }
+    return _moe_flops(params, total, lora, attention_fwd)
 
 
 DELTA_CHUNK = 64  # the gated delta rule's chunk (transformers' and flash-linear-attention's)

@@ -60,13 +60,15 @@ class McoreLoraModel:
         ep: int = 1,
         ep_rank: int = 0,
         token_group: dist.ProcessGroup | None = None,
+        shape: HfShape | None = None,
     ) -> None:
         """``sampler_base``: also load the whole HF base model, for an embedded sampler on this
         rank (``rank.sampler``; it gets adapter tensors gathered whole, in PEFT's keys).
         ``sequence_parallel``: activations between the parallel layers split by sequence.
         ``te``: transformer-engine layers (CUDA only) rather than megatron-core's PyTorch ones.
         ``ep``, ``ep_rank``: the expert-parallel group's size and this rank's place in it;
-        ``token_group``: the tensor×expert-parallel group (where ``ep`` > 1)."""
+        ``token_group``: the tensor×expert-parallel group (where ``ep`` > 1); ``shape``: the
+        checkpoint's, if the caller has read it."""
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt import GPTModel
 
@@ -76,7 +78,7 @@ class McoreLoraModel:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             cpu.use_cpu()
-        shape = HfShape.read(model_path)
+        shape = shape or HfShape.read(model_path)
         shape.check_tp(tp)
         shape.check_ep(ep, tp, sequence_parallel)
         self.shape, self.tp, self.tp_rank = shape, tp, tp_rank

@@ -109,7 +109,7 @@ class Plan(ddp.Plan):
         from hosted_tinker.rank.mcore.convert import HfShape
         from hosted_tinker.rank.mcore.model import McoreLoraModel
 
-        latent = HfShape.read(model_path).latent is not None
+        shape = HfShape.read(model_path)  # read once: the model takes it too
 
         return McoreLoraModel(
             model_path,
@@ -121,7 +121,8 @@ class Plan(ddp.Plan):
             lora_compute=lora_compute,
             sampler_base=self.embedded_sampler,
             sequence_parallel=self.sequence_parallel,
-            te=self.uses_te(self.device, dtype, latent),
+            te=self.uses_te(self.device, dtype, latent=shape.latent is not None),
+            shape=shape,
             ep=self.ep,
             ep_rank=self.ep_rank,
             token_group=self.token_group,
