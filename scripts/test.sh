@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tests, as CI runs them (.ci/run):   bash scripts/test.sh [pytest options]
-#  1. tests/unit, the fast loop (no server, no network), within its time budget: it is the loop
-#     run after every change, so a slow unit test fails CI rather than slowing every change;
+#  1. tests/unit, the fast loop (no server, no network), on two processes (a module on one, so
+#     that its module-scoped models load once), within its time budget: it is the loop run after
+#     every change, so a slow unit test fails CI rather than slowing every change;
 #  2. tests/e2e on two processes, a module on one, the longest modules first
 #     (tests/conftest.py's LONGEST_FIRST: xdist hands out modules in collection order), and beside
 #     them the static checks (scripts/check.sh: docs, style, types; ~30 s of one core). Not beside
@@ -10,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 budget_s=${HOSTED_TINKER_UNIT_BUDGET_S:-60}
 start=$SECONDS
-.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider -n 2 --dist loadfile "$@"
 took=$((SECONDS - start))
 if ((took > budget_s)); then
   echo "tests/unit took ${took} s, over its budget of ${budget_s} s (\$HOSTED_TINKER_UNIT_BUDGET_S)" >&2

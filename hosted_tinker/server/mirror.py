@@ -65,6 +65,9 @@ class NoMirror:
     def drain(self, deadline: float) -> bool:
         return True  # nothing is ever queued
 
+    def close(self) -> None:
+        """Nothing runs."""
+
 
 NO_MIRROR = NoMirror()
 
@@ -81,7 +84,9 @@ class CheckpointMirror:
         self.uploaded = self.deleted_total = self.failed = 0
         self._keys_copied: bytes | None = None  # api_keys.json as last copied up
         self._queue: queue.Queue[Callable[[], None]] = queue.Queue()
-        threading.Thread(target=self._run, name="checkpoint-mirror", daemon=True).start()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-mirror", daemon=True)
+        self._thread.start()
 
     def status(self) -> dict:
         return {"url": self.url, "uploaded": self.uploaded, "deleted": self.deleted_total, "failed": self.failed}
@@ -130,9 +135,16 @@ class CheckpointMirror:
             time.sleep(0.05)
         return not self._queue.unfinished_tasks
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the transfer thread, after ``drain``: what is still queued is done at the next
+        start. A transfer under way is waited for up to ``timeout`` (the thread is a daemon)."""
+        self._closed.set()
+        self._queue.put(lambda: None)  # wakes it from its wait
+        self._thread.join(timeout)
+
     def _run(self) -> None:
         keys_due = time.monotonic() + self.keys_poll_s
-        while True:
+        while not self._closed.is_set():
             if time.monotonic() >= keys_due:  # keys changed by `hosted-tinker keys` go up, busy or not
                 keys_due = time.monotonic() + self.keys_poll_s
                 try:

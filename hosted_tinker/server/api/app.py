@@ -53,6 +53,7 @@ def create_app(state: ServerState) -> FastAPI:
         deadline = await _park_all(state)  # the next start serves the same models from where they are now
         if not await asyncio.to_thread(state.checkpoints.mirror.drain, deadline):
             log.warning("shutdown: checkpoint copies still queued for the mirror are made at the next start")
+        await asyncio.to_thread(state.checkpoints.mirror.close)
         state.scheduler.shutdown()  # first: a step finishing now may still publish to vLLM
         state.backend.close()
         if state.openai_proxy is not None:

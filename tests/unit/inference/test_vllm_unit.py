@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import hosted_tinker.inference.vllm_adapters as vllm_adapters
+import hosted_tinker.inference.vllm_process as vllm_process
 from hosted_tinker.core.config import ServerConfig, visible_gpu
 from hosted_tinker.core.errors import EngineUnavailable
 from hosted_tinker.core.sampling import SampleSpec
@@ -286,8 +287,9 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def test_supervisor_restarts_a_killed_server_and_stops_it(tmp_path):
+def test_supervisor_restarts_a_killed_server_and_stops_it(tmp_path, monkeypatch):
     """A stand-in for vLLM's server module, launched through a wrapper "python"."""
+    monkeypatch.setattr(vllm_process, "BACKOFF_S", (0.1,))  # the pause before a restart
     package = tmp_path / "site" / "vllm" / "entrypoints" / "openai"
     package.mkdir(parents=True)
     for d in (package, package.parent, package.parent.parent):

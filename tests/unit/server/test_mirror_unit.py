@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,10 +91,25 @@ def bucket(tmp_path: Path) -> Path:
     return tmp_path / "bucket"
 
 
+@pytest.fixture()
+def disk(tmp_path: Path, bucket: Path) -> Iterator[Callable[[str], Disk]]:
+    """``disk(name)``: a VM's data directory over ``bucket``; their mirrors stop after the test
+    (each polls the keys every 50 ms: left running, they would slow every test after this one)."""
+    made: list[Disk] = []
+
+    def make(name: str) -> Disk:
+        made.append(Disk(tmp_path / name, bucket))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.mirror.close()
+
+
 def test_a_deletion_the_mirror_missed_is_done_at_the_next_start_and_never_undone(
-    tmp_path: Path, bucket: Path, monkeypatch
+    tmp_path: Path, bucket: Path, disk: Callable[[str], Disk], monkeypatch
 ):
-    a = Disk(tmp_path / "a", bucket)
+    a = disk("a")
     a.save()
     a.settle()
     assert copied(bucket) is not None
@@ -105,7 +120,7 @@ def test_a_deletion_the_mirror_missed_is_done_at_the_next_start_and_never_undone
     assert a.mirror.failed == 1 and copied(bucket) is not None
     assert a.store.mirror_deletions() == [(STATE.run_id, STATE.kind, STATE.name)]
 
-    again = Disk(tmp_path / "a", bucket)  # the same disk, started again
+    again = disk("a")  # the same disk, started again
     assert again.mirror.sync() == (0, 0)  # not restored
     again.settle()
     assert copied(bucket) is None and not (bucket / RUN / "weights" / "step-1").exists()
@@ -113,19 +128,23 @@ def test_a_deletion_the_mirror_missed_is_done_at_the_next_start_and_never_undone
     assert again.store.mirror_deletions() == []
 
 
-def test_a_crash_right_after_the_row_went_does_not_bring_the_checkpoint_back(tmp_path: Path, bucket: Path):
-    a = Disk(tmp_path / "a", bucket)
+def test_a_crash_right_after_the_row_went_does_not_bring_the_checkpoint_back(
+    tmp_path: Path, bucket: Path, disk: Callable[[str], Disk]
+):
+    a = disk("a")
     a.save()
     a.settle()
     a.store.delete_checkpoint(RUN, "weights", "step-1", mirrored=True)  # and the server dies here
-    again = Disk(tmp_path / "a", bucket)
+    again = disk("a")
     assert again.mirror.sync() == (0, 0)
     again.settle()
     assert copied(bucket) is None and again.store.get_checkpoint(RUN, "weights", "step-1") is None
 
 
-def test_saved_again_after_a_deletion_it_is_copied_up_and_kept(tmp_path: Path, bucket: Path):
-    a = Disk(tmp_path / "a", bucket)
+def test_saved_again_after_a_deletion_it_is_copied_up_and_kept(
+    tmp_path: Path, bucket: Path, disk: Callable[[str], Disk]
+):
+    a = disk("a")
     a.save(data=b"first")
     a.delete()
     a.save(data=b"second")
@@ -134,8 +153,8 @@ def test_saved_again_after_a_deletion_it_is_copied_up_and_kept(tmp_path: Path, b
     assert (bucket / RUN / "weights" / "step-1" / "adapter_model.safetensors").read_bytes() == b"second"
 
 
-def test_publishing_and_a_new_ttl_rewrite_the_copy_s_record(tmp_path: Path, bucket: Path):
-    a = Disk(tmp_path / "a", bucket)
+def test_publishing_and_a_new_ttl_rewrite_the_copy_s_record(tmp_path: Path, bucket: Path, disk: Callable[[str], Disk]):
+    a = disk("a")
     a.save()
     a.settle()
     sha = copied(bucket)["manifest_sha256"]
@@ -147,7 +166,7 @@ def test_publishing_and_a_new_ttl_rewrite_the_copy_s_record(tmp_path: Path, buck
     assert record["checkpoint"]["public"] is True and record["checkpoint"]["expires_at"] == expires
     assert record["manifest_sha256"] == sha
 
-    b = Disk(tmp_path / "b", bucket)  # a new VM
+    b = disk("b")  # a new VM
     assert b.mirror.sync() == (1, 0)
     restored = b.store.get_checkpoint(RUN, "weights", "step-1")
     assert restored.public and restored.expires_at == expires
@@ -157,8 +176,10 @@ def test_publishing_and_a_new_ttl_rewrite_the_copy_s_record(tmp_path: Path, buck
     assert copied(bucket)["checkpoint"]["public"] is False
 
 
-def test_a_row_change_the_mirror_missed_is_made_at_the_next_start(tmp_path: Path, bucket: Path, monkeypatch):
-    a = Disk(tmp_path / "a", bucket)
+def test_a_row_change_the_mirror_missed_is_made_at_the_next_start(
+    tmp_path: Path, bucket: Path, disk: Callable[[str], Disk], monkeypatch
+):
+    a = disk("a")
     a.save()
     a.store.update_checkpoint(RUN, "weights", "step-1", public=1)
     a.mirror.changed(STATE)
@@ -169,26 +190,26 @@ def test_a_row_change_the_mirror_missed_is_made_at_the_next_start(tmp_path: Path
         a.mirror.changed(STATE)
         a.settle()
     assert copied(bucket)["checkpoint"]["public"] is True  # stale: would publish it on a new VM
-    again = Disk(tmp_path / "a", bucket)
+    again = disk("a")
     assert again.mirror.sync() == (0, 0)
     again.settle()
     assert copied(bucket)["checkpoint"]["public"] is False
 
 
-def test_a_copy_whose_ttl_passed_is_not_restored_and_goes(tmp_path: Path, bucket: Path):
-    a = Disk(tmp_path / "a", bucket)
+def test_a_copy_whose_ttl_passed_is_not_restored_and_goes(tmp_path: Path, bucket: Path, disk: Callable[[str], Disk]):
+    a = disk("a")
     a.save()
     a.store.update_checkpoint(RUN, "weights", "step-1", expires_at=time.time() - 1)  # lapsed, not yet swept
     a.mirror.changed(STATE)
     a.settle()
-    b = Disk(tmp_path / "b", bucket)
+    b = disk("b")
     assert b.mirror.sync() == (0, 0)
     b.settle()
     assert b.store.get_checkpoint(RUN, "weights", "step-1") is None and copied(bucket) is None
 
 
-def test_copy_weights_is_mirrored_and_restored_as_a_copy(tmp_path: Path, bucket: Path):
-    a = Disk(tmp_path / "a", bucket)
+def test_copy_weights_is_mirrored_and_restored_as_a_copy(tmp_path: Path, bucket: Path, disk: Callable[[str], Disk]):
+    a = disk("a")
     a.save()
     copies = CopyService(a.store, a.files, Tenancy(a.store), Quotas(a.store, Limits(), max_lora_rank=64), a.events)
     request = wire.CopyWeightsRequest(session_id=SESSION, model_seq_id=1, source_path=str(STATE))
@@ -196,14 +217,16 @@ def test_copy_weights_is_mirrored_and_restored_as_a_copy(tmp_path: Path, bucket:
     a.settle()
     assert copied(bucket, target)["model"]["status"] == COPY_STATUS
 
-    b = Disk(tmp_path / "b", bucket)
+    b = disk("b")
     assert b.mirror.sync() == (2, 0)
     assert b.store.get_model(target.run_id).status == COPY_STATUS  # still not trainable
     assert b.store.get_model(RUN).status == "unloaded"
 
 
-def test_an_uploaded_adapter_is_mirrored_and_an_export_is_not(tmp_path: Path, bucket: Path):
-    a = Disk(tmp_path / "a", bucket)
+def test_an_uploaded_adapter_is_mirrored_and_an_export_is_not(
+    tmp_path: Path, bucket: Path, disk: Callable[[str], Disk]
+):
+    a = disk("a")
     export = TinkerPath(RUN, "external_weights", "for-download")
     a.save(export)  # an export of a trained run: made for one download
     upload_run = "sess-upload-1:train:0"
@@ -220,13 +243,15 @@ def test_an_uploaded_adapter_is_mirrored_and_an_export_is_not(tmp_path: Path, bu
     assert copied(bucket, uploaded)["model"]["status"] == COPY_STATUS
     assert not (bucket / export.run_id / export.kind).exists()
 
-    b = Disk(tmp_path / "b", bucket)
+    b = disk("b")
     assert b.mirror.sync() == (1, 0)
     assert b.store.get_model(upload_run).status == COPY_STATUS and b.files.exists(uploaded)
 
 
-def test_a_key_made_while_the_server_runs_reaches_the_mirror_while_it_idles(tmp_path: Path, bucket: Path):
-    a = Disk(tmp_path / "a", bucket)
+def test_a_key_made_while_the_server_runs_reaches_the_mirror_while_it_idles(
+    tmp_path: Path, bucket: Path, disk: Callable[[str], Disk]
+):
+    a = disk("a")
     a.mirror.sync()  # copies up the (no) keys there are
     a.settle()
     cli = Store.in_data_dir(tmp_path / "a")  # `hosted-tinker keys create`: another connection
