@@ -123,7 +123,7 @@ def packed_forward(
     # in float32, as transformers computes it (a float16 model's exp(A_log) could overflow)
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
-    out = packed_delta_rule(self, query, key, value, g, beta, bounds)  # (1, T, value heads, head_v_dim)
+    out = packed_delta_rule(torch_delta_rule(self), query, key, value, g, beta, bounds)  # (1, T, heads, head_v_dim)
     out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(out.reshape(1, tokens, -1))
 
@@ -153,11 +153,17 @@ def packed_causal_conv(
 
 
 def packed_delta_rule(
-    layer: nn.Module, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, bounds: Tensor
+    reference: Callable[..., tuple[Tensor, Tensor | None]],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    bounds: Tensor,
 ) -> Tensor:
     """The gated delta rule (q/k L2-normalised, as Qwen3.5 calls it) restarted at each packed
     sequence: flash-linear-attention's varlen kernel on CUDA where it is installed, else
-    transformers' PyTorch reference one sequence at a time."""
+    ``reference`` (transformers' PyTorch one, ``torch_delta_rule``) one sequence at a time."""
     if query.is_cuda and fla_available():
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -174,7 +180,6 @@ def packed_delta_rule(
             use_qk_l2norm_in_kernel=True,
         )
         return out
-    reference = torch_delta_rule(layer)
     cuts = bounds.tolist()
     parts = [
         reference(

@@ -92,6 +92,19 @@ def deepseek(tiny_family, tmp_path_factory) -> Iterator[tuple[ProcessBackend, Tr
 
 
 @pytest.fixture(scope="module")
+def qwen3_5(tiny_family) -> Iterator[tuple[ProcessBackend, Trainer]]:
+    """megatron on the tiny Qwen3.5-MoE (Gated-DeltaNet and output-gated attention layers,
+    zero-centred norms, a partial rotary embedding, a gated shared expert), its linear attention's
+    heads split over two ranks and its experts too; and peft on the same model."""
+    model = str(tiny_family("qwen3_5_moe"))
+    options = {"tp": "2", "ep": "2", "sequence_parallel": "true"}
+    config = ServerConfig(model=model, backend="megatron", train_devices="cpu:2", backend_options=options)
+    backend = ProcessBackend(rank_factories(config, model))
+    yield backend, local_rank(model).trainer
+    backend.close()
+
+
+@pytest.fixture(scope="module")
 def gpt_oss(tiny_family) -> Iterator[tuple[ProcessBackend, Trainer]]:
     """megatron on the tiny gpt-oss (sinks, sliding windows, YaRN, biases, fused interleaved
     experts) with its attention split over two ranks (its sinks with its heads) and its experts
@@ -123,13 +136,13 @@ def test_a_training_state_moves_between_backends(direction: str, megatron: Proce
     moves_between(direction, megatron, peft)
 
 
-@pytest.mark.parametrize("model", ["moe", "deepseek", "gpt_oss"])
+@pytest.mark.parametrize("model", ["moe", "deepseek", "gpt_oss", "qwen3_5"])
 @pytest.mark.parametrize("direction", ["megatron->peft", "peft->megatron"])
 def test_a_mixture_of_experts_state_moves_between_backends(direction: str, model: str, request):
     moves_between(direction, *request.getfixturevalue(model))
 
 
-@pytest.mark.parametrize("model", ["moe", "deepseek", "gpt_oss"])
+@pytest.mark.parametrize("model", ["moe", "deepseek", "gpt_oss", "qwen3_5"])
 def test_the_same_seed_starts_the_experts_at_the_same_weights(model: str, request):
     megatron, peft = request.getfixturevalue(model)
     for backend in (megatron.trainer, peft):

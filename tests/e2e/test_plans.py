@@ -48,6 +48,14 @@ DIMUON = functools.partial(DimuonParams, grad_clip_norm=3.0, beta1=0.8, damping=
 RTOL = 2e-4  # float32 against float64, over a few steps
 
 
+def grad_norm_rtol(family: str | None) -> float:
+    """How far a plan's gradient norm may part from the reference's. transformers computes
+    Qwen3.5's RMSNorms and its delta rule in float32 whatever the model's dtype, so its float64
+    reference is float32 there: after Dimuon's steps the two part by up to ~2e-4 (a float32 peft
+    plan by as much as megatron's)."""
+    return 5e-4 if family in ("qwen3_5", "qwen3_5_moe") else 1e-4
+
+
 def layouts() -> list:
     """(plan, devices, options, family) to check: a plan's own ``CHECKED_LAYOUTS`` where it names
     them, else two CPU ranks where it takes them (``devices`` None: found at run time), else one,
@@ -121,6 +129,7 @@ def test_plan_trains_like_the_float64_reference(
     config = ServerConfig(model=str(model), backend=backend, train_devices=devices, backend_options=options)
     plan = ProcessBackend(rank_factories(config, str(model)))
     model_id = f"plan-{backend}"
+    grad_rtol = grad_norm_rtol(family)
     try:
         assert plan.capabilities.backend == backend
         plan.trainer.create_adapter(model_id, LoraSpec(rank=8, seed=3))
@@ -135,15 +144,15 @@ def test_plan_trains_like_the_float64_reference(
                     np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4, err_msg=f"step {step} ({loss_fn})")
                 assert got.loss_sum == pytest.approx(want.loss_sum, rel=RTOL, abs=1e-4), loss_fn
             got_step, want_step = plan.trainer.optim_step(model_id, ADAM), reference.optim_step(model_id, ADAM)
-            assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), loss_fn
+            assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=grad_rtol), loss_fn
         got_state, want_state = plan.trainer.export_state(model_id), reference.export_state(model_id)
         assert got_state.steps == want_state.steps == len(losses.LOSSES)
         assert got_state.weights.keys() == want_state.weights.keys()
         for key, tensor in got_state.weights.items():
             np.testing.assert_allclose(tensor.double(), want_state.weights[key], rtol=1e-3, atol=1e-5, err_msg=key)
-        check_dimuon(plan, reference, f"{model_id}-dimuon", rng)
+        check_dimuon(plan, reference, f"{model_id}-dimuon", rng, grad_rtol)
         check_custom_loss(plan, reference, model_id, rng)
-        check_joint_pass(plan, reference, [model_id, f"{model_id}-dimuon"], rng)
+        check_joint_pass(plan, reference, [model_id, f"{model_id}-dimuon"], rng, grad_rtol)
         if family:  # expert-parallel ranks run in lock step (a failure on one ddp rank: test_ddp.py)
             check_replay(plan, local_rank(str(model), dtype="float64").trainer, f"{model_id}-replay", rng)
             check_a_failing_shard(plan, reference, model_id, rng)
@@ -175,7 +184,9 @@ def check_custom_loss(plan: ProcessBackend, reference: Trainer, model_id: str, r
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-4)
 
 
-def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[str], rng: np.random.Generator) -> None:
+def check_joint_pass(
+    plan: ProcessBackend, reference: Trainer, model_ids: list[str], rng: np.random.Generator, grad_rtol: float
+) -> None:
     """Two models' requests in one pass (``forward_backward_many``), split over the plan's
     replicas per request: each model's results, gradients and gradient norm are those of its
     request alone."""
@@ -198,7 +209,7 @@ def check_joint_pass(plan: ProcessBackend, reference: Trainer, model_ids: list[s
         )
     for model_id, params in zip(model_ids, (ADAM, DIMUON(0.02)), strict=True):
         got_step, want_step = plan.trainer.optim_step(model_id, params), reference.optim_step(model_id, params)
-        assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4), model_id
+        assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=grad_rtol), model_id
 
 
 def check_replay(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
@@ -259,7 +270,9 @@ def check_a_failing_shard(plan: ProcessBackend, reference: Trainer, model_id: st
     assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4)
 
 
-def check_dimuon(plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator) -> None:
+def check_dimuon(
+    plan: ProcessBackend, reference: Trainer, model_id: str, rng: np.random.Generator, grad_rtol: float
+) -> None:
     """Dimuon takes whole matrices: a plan that shards them must make them whole for the step."""
     spec = LoraSpec(rank=4, seed=5, optimizer="dimuon")
     plan.trainer.create_adapter(model_id, spec)
@@ -269,7 +282,7 @@ def check_dimuon(plan: ProcessBackend, reference: Trainer, model_id: str, rng: n
         b = batch(rng, 3, "cross_entropy")
         plan.trainer.forward_backward(model_id, b), reference.forward_backward(model_id, b)
         got_step, want_step = plan.trainer.optim_step(model_id, DIMUON(lr)), reference.optim_step(model_id, DIMUON(lr))
-        assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=1e-4)
+        assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=grad_rtol)
     got_state, want_state = plan.trainer.export_state(model_id), reference.export_state(model_id)
     assert {k for k in got_state.optimizer if k.endswith(".momentum")} == {f"{k}.momentum" for k in got_state.weights}
     for key, tensor in [*got_state.weights.items(), *got_state.optimizer.items()]:

@@ -1,6 +1,5 @@
-"""A Hugging Face Qwen3 / Llama / Qwen2 checkpoint as megatron-core's ``GPTModel``: its config,
-and each rank's shards of its weights, read from the safetensors by slice (no rank ever holds a
-whole tensor it does not keep).
+"""A Hugging Face checkpoint as megatron-core's ``GPTModel``: its config and layer specs; each
+rank's shards of its weights are ``weights``'s.
 
 Megatron's fused layouts, for tensor-parallel rank ``r`` of ``tp``:
 
@@ -14,7 +13,8 @@ A mixture-of-experts layer (Qwen3-MoE, DeepSeek-V3) is megatron's ``MoELayer``: 
 HF's ``gate``, and of the ``E`` routed experts expert-parallel rank ``q`` of ``ep`` holds
 ``[q·E/ep, (q+1)·E/ep)``, each a megatron ``MLP`` (``SequentialMLP``) whose ``linear_fc1`` is
 ``[gate; up]`` as above; DeepSeek's shared experts are one tensor-parallel ``MLP`` beside them
-(``shared_experts``). DeepSeek-V3's attention is ``latent``'s.
+(``shared_experts``). DeepSeek-V3's attention is ``latent``'s; Qwen3.5 / 3.6's linear
+attention, gated attention and norms are ``hybrid``'s.
 """
 
 from __future__ import annotations
@@ -26,23 +26,30 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from torch import Tensor
 
+from hosted_tinker.rank.mcore.hybrid import GatedDeltaNet, Hybrid, ZeroCenteredNorm
 from hosted_tinker.rank.mcore.latent import Latent, Yarn
 
 DEEPSEEK = "DeepseekV3ForCausalLM"  # DeepSeek-V3 / V3.1, Kimi-K2 (their text model)
 GPT_OSS = "GptOssForCausalLM"
+# Qwen3.5 / 3.6: every released checkpoint is a vision-language one (its text model trains here)
+QWEN3_5 = (
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+)
 ARCHS = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     DEEPSEEK,
     GPT_OSS,
+    *QWEN3_5,
     "Qwen2ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
 )
-MOE_ARCHS = ("Qwen3MoeForCausalLM", DEEPSEEK, GPT_OSS)  # of ARCHS, the mixture-of-experts ones
+MOE_ARCHS = ("Qwen3MoeForCausalLM", DEEPSEEK, GPT_OSS, *QWEN3_5[1::2])  # of ARCHS, the mixture-of-experts ones
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,12 @@ class HfShape:
     sinks: bool = False
     windows: tuple[int, ...] = ()  # each layer's sliding window (0: none); () for none anywhere
     swiglu_limit: float = 0.0  # the clamp (0: a plain SwiGLU)
+    # Qwen3.5 / 3.6: Gated-DeltaNet layers, output-gated attention, a gated shared expert
+    hybrid: Hybrid | None = None
+    attention_gate: bool = False
+    shared_gate: bool = False
+    shared_hf: str = "shared_experts"  # the HF module of the shared experts (Qwen3.5: shared_expert)
+    prefix: str = "model."  # where the checkpoint keeps the decoder (a vision-language one: model.language_model.)
 
     @classmethod
     def read(cls, model_path: str) -> HfShape:
@@ -92,6 +105,10 @@ class HfShape:
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in ARCHS:
             raise ValueError(f"the megatron backend loads {', '.join(ARCHS)}; {model_path} is {arch}")
+        whole = config
+        if arch in QWEN3_5 and "text_config" in config:  # a vision-language checkpoint: its text model
+            text = whole["text_config"]  # (whose head the whole model's flag ties, not the text config's)
+            config = text | {"tie_word_embeddings": whole.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
         if quantized := (config.get("quantization_config") or {}).get("quant_method"):
             raise ValueError(
                 f"the megatron backend loads unquantized weights; {model_path} is quantized ({quantized}): "
@@ -138,7 +155,26 @@ class HfShape:
             fields.update(cls._deepseek(config, model_path))
         if arch == GPT_OSS:
             fields.update(cls._gpt_oss(config, rope, max_positions, model_path))
+        if arch in QWEN3_5:
+            fields.update(cls._qwen3_5(config, "text_config" in whole, model_path))
         return cls(**fields)
+
+    @staticmethod
+    def _qwen3_5(config: dict[str, Any], vision: bool, model_path: str) -> dict[str, Any]:
+        """Qwen3.5 / 3.6's fields: Gated-DeltaNet layers (``hybrid``), q/k norms and an output gate
+        on the full-attention layers; the MoE models' router renormalises its top k always (HF's
+        ``Qwen3_5MoeTopKRouter``), their one shared expert's output gated by a sigmoid."""
+        shared = config.get("shared_expert_intermediate_size") or 0
+        return dict(
+            hybrid=Hybrid.read(config, model_path),
+            qk_norm=True,
+            attention_gate=True,
+            norm_topk=True,
+            shared_ffn=shared,
+            shared_gate=bool(shared),
+            shared_hf="shared_expert",
+            prefix="model.language_model." if vision else "model.",
+        )
 
     @staticmethod
     def _gpt_oss(config: dict[str, Any], rope: dict[str, Any], max_positions: int, model_path: str) -> dict[str, Any]:
@@ -216,6 +252,15 @@ class HfShape:
         """Decoder layer ``layer``'s sliding window (0: it attends to all before)."""
         return self.windows[layer] if self.windows else 0
 
+    def linear(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a Gated-DeltaNet (linear attention) one."""
+        return self.hybrid is not None and self.hybrid.linear[layer]
+
+    @property
+    def te_layers(self) -> bool:
+        """Whether ``layers=te`` builds this model: not latent attention, nor linear attention."""
+        return self.latent is None and self.hybrid is None
+
     def check_tp(self, tp: int) -> None:
         """``tp`` must divide every dimension megatron splits; else say which does not."""
         for what, n in (("attention heads", self.heads), ("kv heads", self.kv_heads), ("vocab_size", self.vocab)):
@@ -224,6 +269,8 @@ class HfShape:
         for what, n in (("intermediate_size", self.ffn), ("shared experts' intermediate size", self.shared_ffn)):
             if n % tp:
                 raise ValueError(f"--backend-option tp={tp} does not divide the model's {what} ({n})")
+        if self.hybrid is not None:
+            self.hybrid.check_tp(tp)
 
     def check_ep(self, ep: int, tp: int = 1, sequence_parallel: bool = False) -> None:
         """``ep`` must divide the routed experts, and there must be some; and a mixture-of-experts
@@ -267,6 +314,7 @@ def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype, sequence_par
         normalization="RMSNorm",
         layernorm_epsilon=shape.rms_eps,
         qk_layernorm=shape.qk_norm,
+        attention_output_gate=shape.attention_gate,
         gated_linear_unit=True,
         add_qkv_bias=shape.qkv_bias,
         hidden_dropout=0.0,
@@ -337,6 +385,7 @@ def moe_config(shape: HfShape, ep: int) -> dict[str, Any]:
         moe_router_group_topk=shape.group_top_k or None,
         moe_router_topk_scaling_factor=shape.route_scale if shape.route_scale != 1.0 else None,
         moe_shared_expert_intermediate_size=shape.shared_ffn or None,
+        moe_shared_expert_gate=shape.shared_gate,
         moe_layer_freq=[int(shape.moe(i)) for i in range(shape.layers)],
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -347,129 +396,6 @@ def moe_config(shape: HfShape, ep: int) -> dict[str, Any]:
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,  # each expert whole on its ranks (``rank.mcore.experts``)
     )
-
-
-class HfWeights:
-    """Reads this rank's shards of the HF weights, by slice, from every safetensors file."""
-
-    def __init__(self, model_path: str, shape: HfShape, tp: int, tp_rank: int, ep: int = 1, ep_rank: int = 0) -> None:
-        self.shape, self.tp, self.r = shape, tp, tp_rank
-        self.local_experts = range(ep_rank * shape.experts // ep, (ep_rank + 1) * shape.experts // ep)
-        self._files: dict[str, Any] = {}
-        for path in sorted(Path(model_path).glob("*.safetensors")):
-            handle = safe_open(str(path), framework="pt")
-            for key in handle.keys():
-                self._files[key] = handle
-
-    def full(self, key: str) -> Tensor:
-        return self._files[key].get_tensor(key)
-
-    def rows(self, key: str, start: int, stop: int) -> Tensor:
-        return self._files[key].get_slice(key)[start:stop]
-
-    def row_part(self, key: str) -> Tensor:
-        """Rank ``r``'s contiguous share of dim 0."""
-        n = self._files[key].get_slice(key).get_shape()[0] // self.tp
-        return self.rows(key, self.r * n, (self.r + 1) * n)
-
-    def col_part(self, key: str) -> Tensor:
-        """Rank ``r``'s contiguous share of dim 1."""
-        sliced = self._files[key].get_slice(key)
-        n = sliced.get_shape()[1] // self.tp
-        return sliced[:, self.r * n : (self.r + 1) * n]
-
-    def has(self, key: str) -> bool:
-        return key in self._files
-
-    def qkv(self, layer: int, part: str = "weight") -> Tensor:
-        """This rank's ``linear_qkv`` rows (or bias): its query groups, each ``[q; k; v]``."""
-        s, p = self.shape, f"model.layers.{layer}.self_attn"
-        groups = s.kv_heads // self.tp
-        per_group = s.heads // s.kv_heads * s.head_dim
-        g0 = self.r * groups
-        q = self.rows(f"{p}.q_proj.{part}", g0 * per_group, (g0 + groups) * per_group)
-        k = self.rows(f"{p}.k_proj.{part}", g0 * s.head_dim, (g0 + groups) * s.head_dim)
-        v = self.rows(f"{p}.v_proj.{part}", g0 * s.head_dim, (g0 + groups) * s.head_dim)
-        tail = q.shape[1:]
-        fused = torch.cat(
-            [
-                q.reshape(groups, per_group, *tail),
-                k.reshape(groups, s.head_dim, *tail),
-                v.reshape(groups, s.head_dim, *tail),
-            ],
-            dim=1,
-        )
-        return fused.reshape(-1, *tail)
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """Every megatron parameter this rank holds, under ``GPTModel``'s names."""
-        s = self.shape
-        out = {"embedding.word_embeddings.weight": self.row_part("model.embed_tokens.weight")}
-        for i in range(s.layers):
-            hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
-            out[f"{mc}.input_layernorm.weight"] = self.full(f"{hf}.input_layernorm.weight")
-            out.update(s.latent.weights(self, i) if s.latent is not None else self.attention(i))
-            out[f"{mc}.pre_mlp_layernorm.weight"] = self.full(f"{hf}.post_attention_layernorm.weight")
-            if s.moe(i) and s.biases:  # gpt-oss: its router, and its experts fused in 3-D tensors
-                out[f"{mc}.mlp.router.weight"] = self.full(f"{hf}.mlp.router.weight")
-                out[f"{mc}.mlp.router.bias"] = self.full(f"{hf}.mlp.router.bias")
-                for j, e in enumerate(self.local_experts):
-                    out.update(self.fused_expert(f"{hf}.mlp.experts", e, f"{mc}.mlp.experts.local_experts.{j}"))
-            elif s.moe(i):
-                out[f"{mc}.mlp.router.weight"] = self.full(f"{hf}.mlp.gate.weight")
-                if s.expert_bias:
-                    out[f"{mc}.mlp.router.expert_bias"] = self.full(f"{hf}.mlp.gate.e_score_correction_bias")
-                for j, e in enumerate(self.local_experts):  # whole: experts are not split over tp
-                    out.update(self.mlp(f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{j}", whole=True))
-                if s.shared_ffn:
-                    out.update(self.mlp(f"{hf}.mlp.shared_experts", f"{mc}.mlp.shared_experts"))
-            else:
-                out.update(self.mlp(f"{hf}.mlp", f"{mc}.mlp"))
-        out["decoder.final_layernorm.weight"] = self.full("model.norm.weight")
-        if not s.tied:
-            out["output_layer.weight"] = self.row_part("lm_head.weight")
-        return out
-
-    def attention(self, layer: int) -> dict[str, Tensor]:
-        """Layer ``layer``'s grouped-query attention: this rank's query groups and heads."""
-        hf, mc = f"model.layers.{layer}.self_attn", f"decoder.layers.{layer}.self_attention"
-        out = {
-            f"{mc}.linear_qkv.weight": self.qkv(layer),
-            f"{mc}.linear_proj.weight": self.col_part(f"{hf}.o_proj.weight"),
-        }
-        if self.shape.qkv_bias:
-            out[f"{mc}.linear_qkv.bias"] = self.qkv(layer, "bias")
-        if self.shape.qk_norm:
-            out[f"{mc}.q_layernorm.weight"] = self.full(f"{hf}.q_norm.weight")
-            out[f"{mc}.k_layernorm.weight"] = self.full(f"{hf}.k_norm.weight")
-        if self.shape.biases:  # row-parallel: its bias whole, added once after the ranks' sum
-            out[f"{mc}.linear_proj.bias"] = self.full(f"{hf}.o_proj.bias")
-        if self.shape.sinks:  # each head's, split with the heads
-            out[f"{mc}.core_attention.softmax_offset"] = self.row_part(f"{hf}.sinks")
-        return out
-
-    def fused_expert(self, hf: str, e: int, mc: str) -> dict[str, Tensor]:
-        """gpt-oss's expert ``e`` from its 3-D tensors (``gate_up_proj`` ``(E, H, 2I)``, gate and up
-        interleaved by column; ``down_proj`` ``(E, I, H)``; their biases) as megatron's ``MLP``:
-        ``linear_fc1`` ``[gate; up]`` rows, ``linear_fc2`` ``(H, I)``."""
-        gate_up = self._files[f"{hf}.gate_up_proj"].get_slice(f"{hf}.gate_up_proj")[e]
-        bias = self._files[f"{hf}.gate_up_proj_bias"].get_slice(f"{hf}.gate_up_proj_bias")[e]
-        down = self._files[f"{hf}.down_proj"].get_slice(f"{hf}.down_proj")[e]
-        return {
-            f"{mc}.linear_fc1.weight": torch.cat([gate_up[:, 0::2].T, gate_up[:, 1::2].T]).contiguous(),
-            f"{mc}.linear_fc1.bias": torch.cat([bias[0::2], bias[1::2]]),
-            f"{mc}.linear_fc2.weight": down.T.contiguous(),
-            f"{mc}.linear_fc2.bias": self._files[f"{hf}.down_proj_bias"].get_slice(f"{hf}.down_proj_bias")[e],
-        }
-
-    def mlp(self, hf: str, mc: str, whole: bool = False) -> dict[str, Tensor]:
-        """One gated MLP (a dense layer's, or one expert's): ``linear_fc1`` ``[gate; up]``; this
-        rank's tensor-parallel part of it, or ``whole``."""
-        rows, cols = (self.full, self.full) if whole else (self.row_part, self.col_part)
-        return {
-            f"{mc}.linear_fc1.weight": torch.cat([rows(f"{hf}.gate_proj.weight"), rows(f"{hf}.up_proj.weight")]),
-            f"{mc}.linear_fc2.weight": cols(f"{hf}.down_proj.weight"),
-        }
 
 
 class FrozenNorm:
@@ -508,17 +434,23 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
     the LoRA hooks (``lora``) see the same input on either spec, and the weights load under the
     same names. Both specs are the same module tree; only the classes at its leaves differ."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from hosted_tinker.rank.mcore.attention import PackedDotProductAttention
 
-    if te and shape.latent is not None:
-        raise ValueError("layers=te: transformer-engine layers for latent attention (DeepSeek-V3) are not built")
-    norm: Any = FrozenNorm
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    if te and not shape.te_layers:
+        raise ValueError(
+            "layers=te: transformer-engine layers are not built for latent attention (DeepSeek-V3) "
+            "nor linear attention (Qwen3.5 / 3.6)"
+        )
+    norm: Any = ZeroCenteredNorm if shape.hybrid is not None else FrozenNorm
+
+    def kind(i: int) -> tuple[bool, int, bool]:
+        return shape.moe(i), shape.window(i), shape.linear(i)
 
     specs = {}
-    for moe, window in {(shape.moe(i), shape.window(i)) for i in range(layers)}:
+    for moe, window, linear in {kind(i) for i in range(layers)}:
         layer = get_gpt_layer_local_spec(
             num_experts=shape.experts if moe else None,
             moe_grouped_gemm=False,
@@ -551,7 +483,7 @@ def block_spec(shape: HfShape, layers: int, te: bool = False):
             attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear  # whole (``latent``)
         elif shape.qk_norm:
             attention.q_layernorm = attention.k_layernorm = norm
-        specs[moe, window] = layer
-    return TransformerBlockSubmodules(
-        layer_specs=[specs[shape.moe(i), shape.window(i)] for i in range(layers)], layer_norm=norm
-    )
+        if linear:  # Qwen3.5's Gated-DeltaNet in the place of attention
+            layer.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, params={"hybrid": shape.hybrid})
+        specs[moe, window, linear] = layer
+    return TransformerBlockSubmodules(layer_specs=[specs[kind(i)] for i in range(layers)], layer_norm=norm)

@@ -92,15 +92,20 @@ def sites(gpt: Any, shape: HfShape, tp: int, ep: int = 1, ep_rank: int = 0) -> d
         else {}
     )
     groups = shape.kv_heads // tp  # query groups on this rank
+    gated = 2 if shape.attention_gate else 1  # Qwen3.5's q_proj: per head [query; gate]
 
     def qkv(deltas: list[Tensor]) -> Tensor:  # [s, b, local q | k | v] -> per group [q; k; v]
         q, k, v = (d.unflatten(-1, (groups, -1)) for d in deltas)
+        if gated == 2:  # per group [queries; gates], as megatron's output-gated linear_qkv
+            q = q.unflatten(-1, (-1, 2, shape.head_dim)).transpose(-3, -2).flatten(-3)
         return torch.cat([q, k, v], dim=-1).flatten(-2)
 
     for i, layer in enumerate(gpt.decoder.layers):
         hf = f"model.layers.{i}"
         attn, mlp = layer.self_attention, layer.mlp
-        if shape.latent is not None:  # latent attention: each projection its own layer (``latent``)
+        if shape.linear(i):
+            out.update(_linear_attention_sites(i, attn, shape))
+        elif shape.latent is not None:  # latent attention: each projection its own layer (``latent``)
             for name, megatron, n_in, n_out in shape.latent.projections(shape.heads, shape.hidden):
                 kind = {"linear_proj": ROW, "linear_q_down_proj": WHOLE, "linear_kv_down_proj": WHOLE}.get(
                     megatron, COLUMN
@@ -114,7 +119,7 @@ def sites(gpt: Any, shape: HfShape, tp: int, ep: int = 1, ep_rank: int = 0) -> d
                 COLUMN,
                 [f"{hf}.self_attn.{p}_proj" for p in "qkv"],
                 shape.hidden,
-                [shape.heads * shape.head_dim, kv_out, kv_out],
+                [gated * shape.heads * shape.head_dim, kv_out, kv_out],
                 qkv,
             )
             out[f"{i}.proj"] = Site(
@@ -125,13 +130,38 @@ def sites(gpt: Any, shape: HfShape, tp: int, ep: int = 1, ep_rank: int = 0) -> d
             if shape.shared_ffn:  # after the routed experts, as in HF's module order
                 out.update(
                     _mlp_sites(
-                        f"{i}.shared_", mlp.shared_experts, f"{hf}.mlp.shared_experts", shape.hidden, shape.shared_ffn
+                        f"{i}.shared_",
+                        mlp.shared_experts,
+                        f"{hf}.mlp.{shape.shared_hf}",
+                        shape.hidden,
+                        shape.shared_ffn,
                     )
                 )
             continue
         out.update(_mlp_sites(f"{i}.", mlp, f"{hf}.mlp", shape.hidden, shape.ffn))
     out["unembed"] = Site(gpt.output_layer, COLUMN, ["lm_head"], shape.hidden, [shape.vocab])
     return out
+
+
+def _linear_attention_sites(i: int, layer: Any, shape: HfShape) -> dict[str, Site]:
+    """A Gated-DeltaNet layer's sites (``hybrid``), in HF's module order: ``out_proj``; Tinker's
+    q, k and v of ``in_proj_qkv`` (fused here as this rank's rows of it are: its heads' q, k, v);
+    ``in_proj_z``. None on the per-head gates ``in_proj_a`` / ``in_proj_b``, as the service's."""
+    assert shape.hybrid is not None
+    hf, h = f"model.layers.{i}.linear_attn", shape.hidden
+    key, value = shape.hybrid.key_heads * shape.hybrid.key_dim, shape.hybrid.value_heads * shape.hybrid.value_dim
+    return {
+        f"{i}.proj": Site(layer.out_proj, ROW, [f"{hf}.out_proj"], value, [h]),
+        f"{i}.qkv": Site(
+            layer.in_proj_qkv,
+            COLUMN,
+            [f"{hf}.in_proj_{p}" for p in "qkv"],
+            h,
+            [key, key, value],
+            lambda deltas: torch.cat(deltas, dim=-1),
+        ),
+        f"{i}.z": Site(layer.in_proj_z, COLUMN, [f"{hf}.in_proj_z"], h, [value]),
+    }
 
 
 def _mlp_sites(prefix: str, mlp: Any, hf: str, hidden: int, ffn: int) -> dict[str, Site]:
@@ -162,7 +192,7 @@ def group_of(site_name: str) -> str:
     """Tinker's group of a site: ``attn``, ``mlp`` (experts, shared experts, dense MLPs), ``unembed``."""
     if site_name == "unembed":
         return "unembed"
-    return "attn" if site_name.split(".")[1] in ("qkv", *ATTENTION_SITES.values()) else "mlp"
+    return "attn" if site_name.split(".")[1] in ("qkv", "z", *ATTENTION_SITES.values()) else "mlp"
 
 
 def init_adapter(

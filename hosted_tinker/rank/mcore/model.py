@@ -35,10 +35,11 @@ from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import lora_config, segments
 from hosted_tinker.rank.experts import RoutingCounter
-from hosted_tinker.rank.mcore.convert import HfShape, HfWeights, block_spec, transformer_config
+from hosted_tinker.rank.mcore.convert import HfShape, block_spec, transformer_config
 from hosted_tinker.rank.mcore.experts import ExpertsSite
-from hosted_tinker.rank.mcore.lora import Adapter, TpLora, group_of, init_adapter, whole_sequence
+from hosted_tinker.rank.mcore.lora import Adapter, Site, TpLora, group_of, init_adapter, whole_sequence
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
+from hosted_tinker.rank.mcore.weights import HfWeights
 from hosted_tinker.rank.model import AdapterHandle, load_base, zero_adapter
 from hosted_tinker.rank.plans.ddp import collective
 
@@ -94,6 +95,7 @@ class McoreLoraModel:
             # YaRN's frequencies (gpt-oss); latent attention makes its own rotary embedding
             position_embedding_type="yarn" if shape.yarn is not None and shape.latent is None else "rope",
             rotary_base=int(shape.rope_theta),
+            rotary_percent=shape.hybrid.rotary_percent if shape.hybrid is not None else 1.0,
             parallel_output=True,  # each rank keeps its vocabulary slice of the logits
         )
         weights = HfWeights(model_path, shape, tp, tp_rank, ep, ep_rank).state_dict()
@@ -112,7 +114,7 @@ class McoreLoraModel:
         self.arch = shape.arch
         self.family = shape.family
         self.routed_experts = shape.experts
-        self.linear_attention_layers = 0  # dense attention only (linear attention is the HF path's)
+        self.linear_attention_layers = sum(shape.linear(i) for i in range(shape.layers))
         self.vocab_size = shape.vocab
         self.max_positions = shape.max_positions
         self.pad_id = 0  # fills a sequence-parallel stream to a multiple of tp, as its own sequence
@@ -258,8 +260,8 @@ class McoreLoraModel:
             self.lora.experts.clear()
 
     def zero_adapter(self) -> tuple[dict, dict[str, Tensor]]:
-        s = self.shape
-        return zero_adapter("model.layers.0.self_attn.q_proj", s.heads * s.head_dim, s.hidden, self.model_path)
+        site = next(site for site in self.lora.sites.values() if isinstance(site, Site))  # layer 0's first
+        return zero_adapter(site.hf_modules[0], site.out_features[0], site.in_features, self.model_path)
 
     # ---- scoring -------------------------------------------------------------------------------
 

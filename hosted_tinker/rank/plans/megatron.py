@@ -55,15 +55,16 @@ CHECKED_LAYOUTS = [
 # sliding windows, YaRN, biases on every linear layer, a clamped SwiGLU), and over two ranks
 # twice (two copies of each expert, whose gradients are summed), with small micro-batches so
 # that the ranks' shards hold unequal numbers of them; under tensor parallelism (split by
-# sequence), every expert on both ranks of the group, the experts split over those two ranks
-# (on the tiny DeepSeek-V3: latent attention, a dense first layer, shared experts, grouped
-# sigmoid routing with a bias), the same twice (two copies of each expert, in two replicas), and
-# over four ranks that are two tensor-parallel groups (two replicas' shards meeting in the MoE
-# layers).
+# sequence), every expert on both ranks of the group (on the tiny Qwen3.5-MoE: Gated-DeltaNet
+# layers split by heads, output-gated attention, a gated shared expert), the experts split over
+# those two ranks (on the tiny DeepSeek-V3: latent attention, a dense first layer, shared
+# experts, grouped sigmoid routing with a bias), the same twice (two copies of each expert, in
+# two replicas), and over four ranks that are two tensor-parallel groups (two replicas' shards
+# meeting in the MoE layers).
 CHECKED_MOE_LAYOUTS: list[tuple] = [
     ("cpu:2", {"ep": "2"}, "gpt_oss"),
     ("cpu:4", {"ep": "2", "microbatch_tokens": "48"}),
-    ("cpu:2", {"tp": "2", "sequence_parallel": "true"}),
+    ("cpu:2", {"tp": "2", "sequence_parallel": "true"}, "qwen3_5_moe"),
     ("cpu:2", {"tp": "2", "ep": "2", "sequence_parallel": "true"}, "deepseek_v3"),
     ("cpu:4", {"tp": "2", "ep": "2", "sequence_parallel": "true", "microbatch_tokens": "48"}),
     ("cpu:4", {"tp": "2", "ep": "4", "sequence_parallel": "true", "microbatch_tokens": "48"}),
@@ -121,7 +122,7 @@ class Plan(ddp.Plan):
             lora_compute=lora_compute,
             sampler_base=self.embedded_sampler,
             sequence_parallel=self.sequence_parallel,
-            te=self.uses_te(self.device, dtype, latent=shape.latent is not None),
+            te=self.uses_te(self.device, dtype, te_layers=shape.te_layers),
             shape=shape,
             ep=self.ep,
             ep_rank=self.ep_rank,

@@ -174,16 +174,16 @@ class MegatronOptions(DdpOptions):
         (``check`` refuses a budget)."""
         return None if self.ep > 1 else super().activation_budget(devices, shares_gpu)
 
-    def uses_te(self, device: str, dtype: str, latent: bool = False) -> bool:
+    def uses_te(self, device: str, dtype: str, te_layers: bool = True) -> bool:
         """Whether a rank on ``device`` builds transformer-engine layers for a ``dtype`` base.
         ``auto`` leaves a float32 base on the local layers: TE's fused and flash attention take
-        16-bit inputs only, and its speed is in those kernels; and a model with latent attention
-        (DeepSeek-V3), for which no TE layers are built (``te`` is refused for it, naming it)."""
+        16-bit inputs only, and its speed is in those kernels; and a model for which no TE layers
+        are built (not ``te_layers``: latent or linear attention; ``te`` is refused for it, naming it)."""
         if self.layers == "auto":
             return (
                 device.startswith("cuda")
                 and dtype in ("bfloat16", "float16")
-                and not latent
+                and te_layers
                 and has_transformer_engine()
             )
         return self.layers == "te"

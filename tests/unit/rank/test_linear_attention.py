@@ -166,10 +166,11 @@ def test_flash_linear_attention_runs_on_cuda_only(monkeypatch):
     assert linear_attention.fla_available()
     layer = type("Layer", (), {})()  # the reference is found through the layer's modeling module
     type(layer).__module__ = "transformers.models.qwen3_5.modeling_qwen3_5"
+    reference = linear_attention.torch_delta_rule(layer)
     q = k = torch.randn(1, 5, 2, 4)
     v = torch.randn(1, 5, 4, 4)
     g, beta = -torch.rand(1, 5, 4), torch.rand(1, 5, 4)
-    out = linear_attention.packed_delta_rule(layer, q, k, v, g, beta, bounds([2, 3]))  # no fla import on a CPU
+    out = linear_attention.packed_delta_rule(reference, q, k, v, g, beta, bounds([2, 3]))  # no fla import on a CPU
     assert out.shape == (1, 5, 4, 4)
 
 

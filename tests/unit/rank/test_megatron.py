@@ -20,7 +20,7 @@ def test_layers_auto_picks_transformer_engine_for_16_bit_gpu_ranks_only(monkeypa
     assert auto.uses_te("cuda:0", "bfloat16") and auto.uses_te("cuda:1", "float16")
     assert not auto.uses_te("cuda:0", "float32") and not auto.uses_te("cpu", "bfloat16")
     assert options.MegatronOptions(tp=1, layers="te").uses_te("cuda:0", "float32")  # asked for: as asked
-    assert not auto.uses_te("cuda:0", "bfloat16", latent=True)  # no TE layers for DeepSeek's latent attention
+    assert not auto.uses_te("cuda:0", "bfloat16", te_layers=False)  # none for latent or linear attention
     assert not options.MegatronOptions(tp=1, layers="local").uses_te("cuda:0", "bfloat16")
     monkeypatch.setattr(options, "has_transformer_engine", lambda: False)
     assert not auto.uses_te("cuda:0", "bfloat16")
@@ -203,3 +203,48 @@ def test_gpt_oss_reads_as_megatron_computes_it(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(raw | {"swiglu_alpha": 1.5}))
     with pytest.raises(ValueError, match="SwiGLU with alpha 1.702"):
         HfShape.read(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_reads_as_its_text_model_with_linear_attention_or_is_refused_naming_why(
+    tmp_path: Path, family: str
+) -> None:
+    """A Qwen3.5 / 3.6 checkpoint (vision-language) reads as its text model: Gated-DeltaNet layers
+    where ``layer_types`` has them, output-gated attention with q/k norms, a partial rotary
+    embedding, the MoE's gated shared expert; what is not converted is refused, naming it."""
+    import json
+    from types import SimpleNamespace
+
+    from hosted_tinker.core.tiny_model import tiny_config
+    from hosted_tinker.rank.mcore.convert import HfShape
+
+    tok = SimpleNamespace(eos_token_id=2, pad_token_id=0, convert_tokens_to_ids=lambda tokens: [3, 4, 5, 6])
+    config = tiny_config(family, vocab_size=512, hidden_size=64, num_layers=4, initializer_range=0.1, tok=tok)
+    arch = "Qwen3_5MoeForConditionalGeneration" if family == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+    raw = config.to_dict() | {"architectures": [arch]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    shape = HfShape.read(str(tmp_path))
+    assert shape.prefix == "model.language_model." and shape.attention_gate and shape.qk_norm
+    assert shape.hybrid is not None and shape.hybrid.linear == (True, False, True, False)
+    assert shape.hybrid.rotary_percent == 0.25 and not shape.te_layers
+    assert shape.tied == (family == "qwen3_5")
+    if family == "qwen3_5_moe":
+        assert (shape.experts, shape.top_k, shape.norm_topk, shape.shared_ffn, shape.shared_gate) == (
+            8,
+            2,
+            True,
+            32,
+            True,
+        )
+        shape.check_ep(2, tp=2, sequence_parallel=True)
+    shape.check_tp(2)
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
+        shape.hybrid.check_tp(4)  # its linear attention's 2 key heads (the model's check names the first)
+    text = raw["text_config"]
+    for change, refused in (
+        ({"rope_parameters": {**text["rope_parameters"], "rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
+        ({"attention_bias": True}, "attention biases"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps(raw | {"text_config": text | change}))
+        with pytest.raises(ValueError, match=refused):
+            HfShape.read(str(tmp_path))
