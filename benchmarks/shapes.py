@@ -95,6 +95,28 @@ SHAPES = {
         "tie_word_embeddings": True,
     },
     "qwen3.5-9b": {"model_type": "qwen3_5_text", "vocab_size": 248320, "max_position_embeddings": 40960},
+    # Qwen3.5-35B-A3B's language model (transformers' defaults for its text config: 40 layers of
+    # 256 routed experts, 8 per token, and a gated shared expert), and a CPU-sized one of its make
+    "qwen3.5-35b-a3b": {"model_type": "qwen3_5_moe_text", "max_position_embeddings": 40960},
+    "qwen3.5-moe-h512-l4": {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 256,
+        "vocab_size": 8192,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+    },
     # Qwen3-30B-A3B (issue #42): 48 layers of 128 routed experts, 8 per token; its first two layers
     # (the whole width: 1.2 B parameters a layer) for a CPU run or a GPU that holds no more; and a
     # CPU-sized one of the same make
@@ -343,8 +365,10 @@ def hybrid_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: in
     Gated-DeltaNet in the others, whose sequence mixing costs per token and value head the
     chunked delta rule's leading terms: the state read, corrected and written (3 products of
     d_k·d_v), and within its chunk of 64 (half of it on average) the q·k and weights·v products
-    and the triangular solve. LoRA in Tinker's layout (``rank.linear_attention``)."""
-    hidden, ffn, vocab, r = c["hidden_size"], c["intermediate_size"], c["vocab_size"], lora_rank
+    and the triangular solve. LoRA in Tinker's layout (``rank.linear_attention``). A MoE one's
+    layers each have a router, the top-k routed experts (of all: ``total_params``) and a shared
+    expert behind its one-output gate; LoRA on each expert a token meets and the shared one."""
+    hidden, vocab, r = c["hidden_size"], c["vocab_size"], lora_rank
     kinds = c["layer_types"][: c["num_hidden_layers"]]
     full, linear = kinds.count("full_attention"), kinds.count("linear_attention")
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
@@ -353,16 +377,30 @@ def hybrid_flops_per_token(c: dict[str, Any], mean_context: float, lora_rank: in
         c["linear_num_value_heads"] * c["linear_value_head_dim"],
     )
     nv, dk, dv = c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
-    mlp = 3 * hidden * ffn
-    full_params = hidden * (2 * q + 2 * kv) + q * hidden + mlp
-    linear_params = hidden * (2 * kd + 2 * vd + 2 * nv) + vd * hidden + mlp
-    params = full * full_params + linear * linear_params + vocab * hidden
-    lora_mlp = r * 3 * (hidden + ffn)
+    experts = c.get("num_experts") or 0
+    if experts:
+        top_k, inner, shared = (
+            c["num_experts_per_tok"],
+            c["moe_intermediate_size"],
+            c["shared_expert_intermediate_size"],
+        )
+        gates = hidden * experts + 3 * hidden * shared + hidden  # the router, the shared expert and its gate
+        mlp, mlp_total = gates + top_k * 3 * hidden * inner, gates + experts * 3 * hidden * inner
+        lora_mlp = top_k * r * 3 * (hidden + inner) + r * 3 * (hidden + shared)
+    else:
+        mlp = mlp_total = 3 * hidden * c["intermediate_size"]
+        lora_mlp = r * 3 * (hidden + c["intermediate_size"])
+    full_attention = hidden * (2 * q + 2 * kv) + q * hidden
+    linear_attention = hidden * (2 * kd + 2 * vd + 2 * nv) + vd * hidden
+    params = full * (full_attention + mlp) + linear * (linear_attention + mlp) + vocab * hidden
     lora_full = r * ((hidden + 2 * q) + 2 * (hidden + kv) + (q + hidden)) + lora_mlp
     lora_linear = r * (2 * (hidden + kd) + 2 * (hidden + vd) + (vd + hidden)) + lora_mlp
     lora = full * lora_full + linear * lora_linear + r * (hidden + vocab)
     half_chunk = DELTA_CHUNK / 2
     mixing_fwd = full * 4 * q * mean_context + linear * nv * (6 * dk * dv + 4 * half_chunk * (dk + dv))
+    if experts:
+        total = params + (full + linear) * (mlp_total - mlp)
+        return _moe_flops(params, total, lora, mixing_fwd)
     return {
         "matmul_params": params,
         "lora_params": lora,

@@ -22,7 +22,7 @@ from tests.support.server import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 20
 
 
 @pytest.fixture(scope="module")

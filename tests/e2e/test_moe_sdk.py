@@ -4,10 +4,10 @@ layer, shared experts: Kimi-K2's architecture), Qwen3.5-MoE (Qwen3.6-35B-A3B's: 
 linear attention, a gated shared expert), gpt-oss or Qwen3-VL-MoE (its language model), trained
 with the real tinker SDK; its export downloaded through the SDK's signed URLs and read by the
 cookbook's own ``weights`` tools, as a user of the service would read what the service wrote. The
-same on the megatron backend with DeepSeek-V3's latent attention, dense layer and shared experts
-split over two ranks by tensor parallelism and its routed experts split over the same two (``tp=2
-ep=2``, sequence-parallel; Qwen3-MoE's megatron layouts: test_plans.py, test_megatron.py,
-test_nodes.py)."""
+same on the megatron backend with DeepSeek-V3's latent attention, dense layer and shared experts,
+and with Qwen3.5-MoE's linear attention and gated shared expert, split over two ranks by tensor
+parallelism and their routed experts split over the same two (``tp=2 ep=2``, sequence-parallel;
+Qwen3-MoE's megatron layouts: test_plans.py, test_megatron.py, test_nodes.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ ARCHS = {
 SERVERS = {family: (family, ()) for family in ARCHS} | {
     "deepseek_v3-megatron-tp2-ep2": (
         "deepseek_v3",
+        ("--backend", "megatron", "--train-devices", "cpu:2", "--backend-option", "tp=2", "--backend-option", "ep=2")
+        + ("--backend-option", "sequence_parallel=true"),
+    ),
+    "qwen3_5_moe-megatron-tp2-ep2": (
+        "qwen3_5_moe",
         ("--backend", "megatron", "--train-devices", "cpu:2", "--backend-option", "tp=2", "--backend-option", "ep=2")
         + ("--backend-option", "sequence_parallel=true"),
     ),

@@ -257,6 +257,12 @@ class HfShape:
         return self.hybrid is not None and self.hybrid.linear[layer]
 
     @property
+    def causal_lm(self) -> str:
+        """The class that trains, as the peft backend names it: a vision-language checkpoint's
+        text model's (``Qwen3_5MoeForConditionalGeneration`` -> ``Qwen3_5MoeForCausalLM``)."""
+        return self.arch.replace("ForConditionalGeneration", "ForCausalLM")
+
+    @property
     def te_layers(self) -> bool:
         """Whether ``layers=te`` builds this model: not latent attention, nor linear attention."""
         return self.latent is None and self.hybrid is None

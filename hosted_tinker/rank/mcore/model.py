@@ -111,7 +111,7 @@ class McoreLoraModel:
         self.gpt.to(self.device).eval()
         self.gpt.requires_grad_(False)
         self.layers = list(self.gpt.decoder.layers)
-        self.arch = shape.arch
+        self.arch = shape.causal_lm
         self.family = shape.family
         self.routed_experts = shape.experts
         self.linear_attention_layers = sum(shape.linear(i) for i in range(shape.layers))
