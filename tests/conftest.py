@@ -33,15 +33,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # processes, a module on one (``-n 2 --dist loadfile --no-loadscope-reorder``), handing out
 # modules in this order: the long ones start at once, and the many short ones fill in at the end
 # (in collection order, xdist would start test_vllm's 4 minutes among the last, and wait on it alone).
-LONGEST_FIRST = (  # the sum of each module's test times in a two-process run of 2026-12-06 (stop 55)
-    "test_vllm.py",  # 169 s
-    "test_plans.py",  # 160 s
+LONGEST_FIRST = (  # the sum of each module's test times in a two-process run of 2026-12-06 (stop 56)
+    "test_plans.py",  # 197 s
+    "test_vllm.py",  # 192 s
+    "test_moe_sdk.py",  # 104 s
     "test_nodes.py",
-    "test_moe_sdk.py",
-    "test_deploy.py",
-    "test_fuzz.py",
     "test_megatron.py",
     "test_ddp_server.py",
+    "test_fuzz.py",
+    "test_deploy.py",
     "test_ddp.py",
     "test_residency.py",
     "test_http_protocol.py",

@@ -106,9 +106,8 @@ class HfShape:
         if arch not in ARCHS:
             raise ValueError(f"the megatron backend loads {', '.join(ARCHS)}; {model_path} is {arch}")
         whole = config
-        if arch in QWEN3_5 and "text_config" in config:  # a vision-language checkpoint: its text model
-            text = whole["text_config"]  # (whose head the whole model's flag ties, not the text config's)
-            config = text | {"tie_word_embeddings": whole.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
+        if arch in QWEN3_5:
+            config = cls._qwen3_5_text(whole, arch)
         if quantized := (config.get("quantization_config") or {}).get("quant_method"):
             raise ValueError(
                 f"the megatron backend loads unquantized weights; {model_path} is quantized ({quantized}): "
@@ -158,6 +157,19 @@ class HfShape:
         if arch in QWEN3_5:
             fields.update(cls._qwen3_5(config, "text_config" in whole, model_path))
         return cls(**fields)
+
+    @staticmethod
+    def _qwen3_5_text(whole: dict[str, Any], arch: str) -> dict[str, Any]:
+        """A Qwen3.5 checkpoint's text config as transformers reads it: its defaults for what the
+        file leaves out (``head_dim`` 256, ``partial_rotary_factor`` 0.25, ``layer_types`` from
+        ``full_attention_interval``), a vision-language checkpoint's ``text_config`` with the head
+        tied by the whole model's flag."""
+        import transformers
+
+        text = whole.get("text_config", whole)
+        kind = transformers.Qwen3_5MoeTextConfig if arch in MOE_ARCHS else transformers.Qwen3_5TextConfig
+        tied = whole.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return kind.from_dict(text).to_dict() | {"tie_word_embeddings": tied}
 
     @staticmethod
     def _qwen3_5(config: dict[str, Any], vision: bool, model_path: str) -> dict[str, Any]:

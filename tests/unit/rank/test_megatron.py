@@ -241,6 +241,14 @@ def test_qwen3_5_reads_as_its_text_model_with_linear_attention_or_is_refused_nam
     with pytest.raises(ValueError, match="linear_num_key_heads"):
         shape.hybrid.check_tp(4)  # its linear attention's 2 key heads (the model's check names the first)
     text = raw["text_config"]
+    # what a file leaves out is transformers' default: layer_types from full_attention_interval,
+    # head_dim 256, the rotary fraction and base from the older top-level fields
+    legacy = {k: v for k, v in text.items() if k not in ("layer_types", "head_dim", "rope_parameters")}
+    legacy |= {"full_attention_interval": 2, "rope_theta": 5e6, "partial_rotary_factor": 0.5}
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"text_config": legacy}))
+    read = HfShape.read(str(tmp_path))
+    assert read.hybrid is not None and read.hybrid.linear == (True, False, True, False)
+    assert (read.head_dim, read.rope_theta, read.hybrid.rotary_percent) == (256, 5e6, 0.5)
     for change, refused in (
         ({"rope_parameters": {**text["rope_parameters"], "rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
         ({"attention_bias": True}, "attention biases"),
