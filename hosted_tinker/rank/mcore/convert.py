@@ -137,7 +137,7 @@ class HfShape:
             heads=heads,
             kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            ffn=config["intermediate_size"],
+            ffn=config.get("intermediate_size") or 0,  # none in a MoE model without dense layers (Qwen3.5-MoE)
             vocab=config["vocab_size"],
             tied=bool(config.get("tie_word_embeddings", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),

@@ -243,7 +243,8 @@ def test_qwen3_5_reads_as_its_text_model_with_linear_attention_or_is_refused_nam
     text = raw["text_config"]
     # what a file leaves out is transformers' default: layer_types from full_attention_interval,
     # head_dim 256, the rotary fraction and base from the older top-level fields
-    legacy = {k: v for k, v in text.items() if k not in ("layer_types", "head_dim", "rope_parameters")}
+    left_out = ("layer_types", "head_dim", "rope_parameters", "intermediate_size")  # a MoE one has no dense MLP
+    legacy = {k: v for k, v in text.items() if k not in left_out}
     legacy |= {"full_attention_interval": 2, "rope_theta": 5e6, "partial_rotary_factor": 0.5}
     (tmp_path / "config.json").write_text(json.dumps(raw | {"text_config": legacy}))
     read = HfShape.read(str(tmp_path))
