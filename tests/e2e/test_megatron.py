@@ -92,11 +92,26 @@ def deepseek(tiny_family, tmp_path_factory) -> Iterator[tuple[ProcessBackend, Tr
 
 
 @pytest.fixture(scope="module")
-def qwen3_5(tiny_family) -> Iterator[tuple[ProcessBackend, Trainer]]:
+def qwen3_5(tiny_family, tmp_path_factory) -> Iterator[tuple[ProcessBackend, Trainer]]:
     """megatron on the tiny Qwen3.5-MoE (Gated-DeltaNet and output-gated attention layers,
     zero-centred norms, a partial rotary embedding, a gated shared expert), its linear attention's
-    heads split over two ranks and its experts too; and peft on the same model."""
-    model = str(tiny_family("qwen3_5_moe"))
+    heads split over two ranks and its experts too; and peft on the same model. Its experts are
+    written as the released checkpoints keep them, fused in 3-D tensors (transformers' own save
+    writes them one by one)."""
+    from safetensors.torch import save_file
+
+    model = tmp_path_factory.mktemp("qwen3_5") / "fused"
+    shutil.copytree(tiny_family("qwen3_5_moe"), model)
+    weights = load_file(model / "model.safetensors")
+    for layer in range(2):
+        experts = f"model.language_model.layers.{layer}.mlp.experts"
+        each = [f"{experts}.{e}" for e in range(8)]
+        weights[f"{experts}.gate_up_proj"] = torch.stack(
+            [torch.cat([weights.pop(f"{x}.gate_proj.weight"), weights.pop(f"{x}.up_proj.weight")]) for x in each]
+        )
+        weights[f"{experts}.down_proj"] = torch.stack([weights.pop(f"{x}.down_proj.weight") for x in each])
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    model = str(model)
     options = {"tp": "2", "ep": "2", "sequence_parallel": "true"}
     config = ServerConfig(model=model, backend="megatron", train_devices="cpu:2", backend_options=options)
     backend = ProcessBackend(rank_factories(config, model))

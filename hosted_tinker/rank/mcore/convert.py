@@ -1,5 +1,6 @@
-"""A Hugging Face checkpoint as megatron-core's ``GPTModel``: its config and layer specs; each
-rank's shards of its weights are ``weights``'s.
+"""A Hugging Face checkpoint as megatron-core's ``GPTModel``: what of its config shapes the model
+(``HfShape``) and megatron's ``TransformerConfig`` for it; its layer specs are ``specs``'s, each
+rank's shards of its weights ``weights``'s.
 
 Megatron's fused layouts, for tensor-parallel rank ``r`` of ``tp``:
 
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hosted_tinker.rank.mcore.hybrid import GatedDeltaNet, Hybrid, ZeroCenteredNorm
+from hosted_tinker.rank.mcore.hybrid import Hybrid
 from hosted_tinker.rank.mcore.latent import Latent, Yarn
 
 DEEPSEEK = "DeepseekV3ForCausalLM"  # DeepSeek-V3 / V3.1, Kimi-K2 (their text model)
@@ -97,7 +98,6 @@ class HfShape:
     attention_gate: bool = False
     shared_gate: bool = False
     shared_hf: str = "shared_experts"  # the HF module of the shared experts (Qwen3.5: shared_expert)
-    prefix: str = "model."  # where the checkpoint keeps the decoder (a vision-language one: model.language_model.)
 
     @classmethod
     def read(cls, model_path: str) -> HfShape:
@@ -108,7 +108,10 @@ class HfShape:
         whole = config
         if arch in QWEN3_5:
             config = cls._qwen3_5_text(whole, arch)
-        if quantized := (config.get("quantization_config") or {}).get("quant_method"):
+        # (a vision-language checkpoint's at the top, beside its text config)
+        if quantized := (whole.get("quantization_config") or config.get("quantization_config") or {}).get(
+            "quant_method"
+        ):
             raise ValueError(
                 f"the megatron backend loads unquantized weights; {model_path} is quantized ({quantized}): "
                 "convert it to bfloat16 first"
@@ -131,7 +134,7 @@ class HfShape:
             )
         fields: dict[str, Any] = dict(
             arch=arch,
-            family=config.get("model_type", ""),
+            family=whole.get("model_type", ""),  # the checkpoint's, as peft names it
             layers=config["num_hidden_layers"],
             hidden=config["hidden_size"],
             heads=heads,
@@ -155,7 +158,7 @@ class HfShape:
         if arch == GPT_OSS:
             fields.update(cls._gpt_oss(config, rope, max_positions, model_path))
         if arch in QWEN3_5:
-            fields.update(cls._qwen3_5(config, "text_config" in whole, model_path))
+            fields.update(cls._qwen3_5(config, model_path))
         return cls(**fields)
 
     @staticmethod
@@ -168,11 +171,11 @@ class HfShape:
 
         text = whole.get("text_config", whole)
         kind = transformers.Qwen3_5MoeTextConfig if arch in MOE_ARCHS else transformers.Qwen3_5TextConfig
-        tied = whole.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        tied = bool(whole.get("tie_word_embeddings") or text.get("tie_word_embeddings"))  # either ties, as on peft
         return kind.from_dict(text).to_dict() | {"tie_word_embeddings": tied}
 
     @staticmethod
-    def _qwen3_5(config: dict[str, Any], vision: bool, model_path: str) -> dict[str, Any]:
+    def _qwen3_5(config: dict[str, Any], model_path: str) -> dict[str, Any]:
         """Qwen3.5 / 3.6's fields: Gated-DeltaNet layers (``hybrid``), q/k norms and an output gate
         on the full-attention layers; the MoE models' router renormalises its top k always (HF's
         ``Qwen3_5MoeTopKRouter``), their one shared expert's output gated by a sigmoid."""
@@ -185,7 +188,6 @@ class HfShape:
             shared_ffn=shared,
             shared_gate=bool(shared),
             shared_hf="shared_expert",
-            prefix="model.language_model." if vision else "model.",
         )
 
     @staticmethod
@@ -414,94 +416,3 @@ def moe_config(shape: HfShape, ep: int) -> dict[str, Any]:
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,  # each expert whole on its ranks (``rank.mcore.experts``)
     )
-
-
-class FrozenNorm:
-    """megatron-core's PyTorch norm (``WrappedTorchNorm``) for sequence-parallel layers. It
-    refuses sequence parallelism because nothing would sum its weight's gradient over the ranks
-    that each saw part of the sequence; the base model is frozen here, so there is none."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
-        import copy
-
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        unsplit = copy.copy(config)
-        unsplit.sequence_parallel = False
-        # In the model's dtype, as its other weights: torch's norm in float32 on bfloat16 input
-        # falls back from its fused kernel.
-        return WrappedTorchNorm(unsplit, hidden_size, eps, **kwargs).to(config.params_dtype)
-
-
-class LatentNorm:
-    """HF's latent attention norms (``q_a_layernorm``, ``kv_a_layernorm``): RMSNorm's default
-    epsilon, 1e-6, whatever the config's ``rms_norm_eps`` (megatron would give them that)."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-6, **kwargs: Any):
-        return FrozenNorm(config, hidden_size, 1e-6, **kwargs)
-
-
-def block_spec(shape: HfShape, layers: int, te: bool = False):
-    """``shape``'s decoder as megatron-core layer specs: its PyTorch layers (the local spec, every
-    norm a ``FrozenNorm``), or with ``te`` transformer-engine's linear layers, attention and norms.
-
-    Not megatron's own TE spec: that fuses each norm into the linear layer after it
-    (``TELayerNormColumnParallelLinear``), whose input is then the un-normalised activation, while
-    the LoRA branch beside ``linear_qkv`` and ``linear_fc1`` must see what the base weight sees
-    (PEFT wraps ``q_proj``, whose input is normalised). Here norm and linear stay two modules, so
-    the LoRA hooks (``lora``) see the same input on either spec, and the weights load under the
-    same names. Both specs are the same module tree; only the classes at its leaves differ."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from hosted_tinker.rank.mcore.attention import PackedDotProductAttention
-
-    if te and not shape.te_layers:
-        raise ValueError(
-            "layers=te: transformer-engine layers are not built for latent attention (DeepSeek-V3) "
-            "nor linear attention (Qwen3.5 / 3.6)"
-        )
-    norm: Any = ZeroCenteredNorm if shape.hybrid is not None else FrozenNorm
-
-    def kind(i: int) -> tuple[bool, int, bool]:
-        return shape.moe(i), shape.window(i), shape.linear(i)
-
-    specs = {}
-    for moe, window, linear in {kind(i) for i in range(layers)}:
-        layer = get_gpt_layer_local_spec(
-            num_experts=shape.experts if moe else None,
-            moe_grouped_gemm=False,
-            qk_layernorm=shape.qk_norm or shape.latent is not None,  # MLA's q/kv latent norms
-            multi_latent_attention=shape.latent is not None,
-            normalization="RMSNorm",
-        )
-        attention = layer.submodules.self_attention.submodules
-        # packed sequences (thd) on PyTorch's kernels, with gpt-oss's sliding window where a layer has one
-        attention.core_attention = ModuleSpec(module=PackedDotProductAttention, params={"window": window or None})
-        if te:  # CUDA only: importing it needs transformer_engine
-            from megatron.core.extensions.transformer_engine import (
-                TEColumnParallelLinear,
-                TEDotProductAttention,
-                TENorm,
-                TERowParallelLinear,
-            )
-
-            norm = TENorm  # frozen too; under sequence parallelism it only marks its weight, which has no gradient
-            attention.linear_qkv, attention.linear_proj = TEColumnParallelLinear, TERowParallelLinear
-            attention.core_attention = TEDotProductAttention
-            if not moe:  # a MoE layer's experts keep megatron's PyTorch linear layers (SequentialMLP)
-                mlp = layer.submodules.mlp.submodules
-                mlp.linear_fc1, mlp.linear_fc2 = TEColumnParallelLinear, TERowParallelLinear
-        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
-        if shape.latent is not None:
-            from megatron.core.post_training.modelopt.layers import Linear
-
-            attention.q_layernorm = attention.kv_layernorm = LatentNorm
-            attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear  # whole (``latent``)
-        elif shape.qk_norm:
-            attention.q_layernorm = attention.k_layernorm = norm
-        if linear:  # Qwen3.5's Gated-DeltaNet in the place of attention
-            layer.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, params={"hybrid": shape.hybrid})
-        specs[moe, window, linear] = layer
-    return TransformerBlockSubmodules(layer_specs=[specs[kind(i)] for i in range(layers)], layer_norm=norm)

@@ -15,7 +15,7 @@ restarted at each packed sequence by the HF path's own functions (``rank.linear_
 
 The full-attention layers are megatron's ``SelfAttention`` with ``attention_output_gate``: HF's
 ``q_proj`` rows are per head ``[query; gate]``, megatron's ``linear_qkv`` per query group
-``[queries; gates; key; value]`` (``convert``). Every RMSNorm but the gated one scales by
+``[queries; gates; key; value]`` (``weights.HfWeights.qkv``). Every RMSNorm but the gated one scales by
 ``1 + weight`` in float32 (``ZeroCenteredNorm``, as HF's ``Qwen3_5RMSNorm``). Text positions give
 M-RoPE's three sections one position: the rotary embedding is the plain one over the first
 ``partial_rotary_factor`` of each head.
@@ -32,8 +32,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hosted_tinker.rank.linear_attention import packed_causal_conv, packed_delta_rule
-
-FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text")  # the text configs' model_type
 
 
 @dataclass(frozen=True)
@@ -81,7 +79,7 @@ class Hybrid:
         return [(r * kr, (r + 1) * kr), (k + r * kr, k + (r + 1) * kr), (2 * k + r * vr, 2 * k + (r + 1) * vr)]
 
     def weights(self, hf: Any, layer: int, prefix: str, tp: int, r: int) -> dict[str, Tensor]:
-        """Layer ``layer``'s Gated-DeltaNet weights on rank ``r`` (``hf``: ``convert.HfWeights``)."""
+        """Layer ``layer``'s Gated-DeltaNet weights on rank ``r`` (``hf``: ``weights.HfWeights``)."""
         p, mc = f"{prefix}layers.{layer}.linear_attn", f"decoder.layers.{layer}.self_attention"
         qkv = torch.cat([hf.rows(f"{p}.in_proj_qkv.weight", s, e) for s, e in self.rows(tp, r)])
         conv = torch.cat([hf.rows(f"{p}.conv1d.weight", s, e) for s, e in self.rows(tp, r)])[:, 0]

@@ -14,11 +14,12 @@ Each HF projection PEFT would wrap (``q_proj``, ..., ``down_proj``, ``lm_head``)
 - on a layer every rank holds whole (latent attention's down projections, ``latent``) both are
   whole, and so are their gradients.
 
-The fused layers take their deltas in megatron's layout (``convert``): q, k and v interleaved
-query group by query group; gate then up. Deltas are added by forward hooks, one per layer, each
-span of tokens under its own adapter (several models in one pass); the base modules are never
-replaced. The output layer is the exception: it runs as ``TpLora.head``, chunk by chunk of
-positions, its LoRA update added there.
+The fused layers take their deltas in megatron's layout (``weights``): q, k and v interleaved
+query group by query group (with Qwen3.5's output gate, ``[queries; gates; k; v]``); gate then
+up; a Gated-DeltaNet layer's q, k and v as this rank's rows of ``in_proj_qkv`` (``hybrid``).
+Deltas are added by forward hooks, one per layer, each span of tokens under its own adapter
+(several models in one pass); the base modules are never replaced. The output layer is the
+exception: it runs as ``TpLora.head``, chunk by chunk of positions, its LoRA update added there.
 
 Tensors are ``[sequence, batch, features]``, as megatron-core passes them. A mixture-of-experts
 layer's routed experts take Tinker's 3-D layout instead of ``gate``/``up``/``down`` (``experts``).

@@ -35,9 +35,10 @@ from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank.activations import recomputed
 from hosted_tinker.rank.adapters import lora_config, segments
 from hosted_tinker.rank.experts import RoutingCounter
-from hosted_tinker.rank.mcore.convert import HfShape, block_spec, transformer_config
+from hosted_tinker.rank.mcore.convert import HfShape, transformer_config
 from hosted_tinker.rank.mcore.experts import ExpertsSite
 from hosted_tinker.rank.mcore.lora import Adapter, Site, TpLora, group_of, init_adapter, whole_sequence
+from hosted_tinker.rank.mcore.specs import block_spec
 from hosted_tinker.rank.mcore.vocab import vocab_parallel_logprobs
 from hosted_tinker.rank.mcore.weights import HfWeights
 from hosted_tinker.rank.model import AdapterHandle, load_base, zero_adapter
@@ -371,6 +372,7 @@ class McoreLoraModel:
 
 
 def _in_peft_order(projections: dict[str, list]) -> list:
-    """Projections in the HF model's module order (PEFT's): per layer q, k, v, o, gate, up,
-    down; lm_head last. Sites are built in that order and fuse in it."""
+    """Projections in the HF model's module order (PEFT's): per layer its attention's (q, k, v, o;
+    a Gated-DeltaNet layer's out_proj, then q, k, v and z), its MLP's or experts'; lm_head last.
+    Sites are built in that order and fuse in it (``lora.sites``)."""
     return [p for name in projections for p in projections[name]]

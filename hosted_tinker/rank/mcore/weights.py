@@ -25,6 +25,9 @@ class HfWeights:
             handle = safe_open(str(path), framework="pt")
             for key in handle.keys():
                 self._files[key] = handle
+        # where the decoder is: a vision-language checkpoint's (and transformers 5 writes a text
+        # model of one, a merged export say, the same way) under model.language_model.
+        self.prefix = "model.language_model." if self.has("model.language_model.embed_tokens.weight") else "model."
 
     def full(self, key: str) -> Tensor:
         return self._files[key].get_tensor(key)
@@ -49,7 +52,7 @@ class HfWeights:
     def qkv(self, layer: int, part: str = "weight") -> Tensor:
         """This rank's ``linear_qkv`` rows (or bias): its query groups, each ``[q; k; v]``, or with
         Qwen3.5's output gate ``[q; gate; k; v]`` (HF's ``q_proj`` rows are per head ``[q; gate]``)."""
-        s, p = self.shape, f"{self.shape.prefix}layers.{layer}.self_attn"
+        s, p = self.shape, f"{self.prefix}layers.{layer}.self_attn"
         gated = 2 if s.attention_gate else 1
         groups = s.kv_heads // self.tp
         per_group = s.heads // s.kv_heads * s.head_dim
@@ -72,7 +75,7 @@ class HfWeights:
 
     def state_dict(self) -> dict[str, Tensor]:
         """Every megatron parameter this rank holds, under ``GPTModel``'s names."""
-        s, model = self.shape, self.shape.prefix
+        s, model = self.shape, self.prefix
         out = {"embedding.word_embeddings.weight": self.row_part(f"{model}embed_tokens.weight")}
         for i in range(s.layers):
             hf, mc = f"{model}layers.{i}", f"decoder.layers.{i}"
@@ -94,7 +97,11 @@ class HfWeights:
                 if s.expert_bias:
                     out[f"{mc}.mlp.router.expert_bias"] = self.full(f"{hf}.mlp.gate.e_score_correction_bias")
                 for j, e in enumerate(self.local_experts):  # whole: experts are not split over tp
-                    out.update(self.mlp(f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{j}", whole=True))
+                    local = f"{mc}.mlp.experts.local_experts.{j}"
+                    if self.has(f"{hf}.mlp.experts.gate_up_proj"):  # fused in 3-D tensors (Qwen3.5-MoE's release)
+                        out.update(self.stacked_expert(f"{hf}.mlp.experts", e, local))
+                    else:
+                        out.update(self.mlp(f"{hf}.mlp.experts.{e}", local, whole=True))
                 if s.shared_ffn:
                     out.update(self.mlp(f"{hf}.mlp.{s.shared_hf}", f"{mc}.mlp.shared_experts"))
                 if s.shared_gate:  # Qwen3.5's sigmoid gate on the shared expert's output
@@ -108,7 +115,7 @@ class HfWeights:
 
     def attention(self, layer: int) -> dict[str, Tensor]:
         """Layer ``layer``'s grouped-query attention: this rank's query groups and heads."""
-        hf, mc = f"{self.shape.prefix}layers.{layer}.self_attn", f"decoder.layers.{layer}.self_attention"
+        hf, mc = f"{self.prefix}layers.{layer}.self_attn", f"decoder.layers.{layer}.self_attention"
         out = {
             f"{mc}.linear_qkv.weight": self.qkv(layer),
             f"{mc}.linear_proj.weight": self.col_part(f"{hf}.o_proj.weight"),
@@ -136,6 +143,15 @@ class HfWeights:
             f"{mc}.linear_fc1.bias": torch.cat([bias[0::2], bias[1::2]]),
             f"{mc}.linear_fc2.weight": down.T.contiguous(),
             f"{mc}.linear_fc2.bias": self._files[f"{hf}.down_proj_bias"].get_slice(f"{hf}.down_proj_bias")[e],
+        }
+
+    def stacked_expert(self, hf: str, e: int, mc: str) -> dict[str, Tensor]:
+        """Expert ``e`` of experts kept as transformers 5's modules keep them: ``gate_up_proj``
+        ``(E, 2I, H)``, gate rows then up rows (megatron's ``linear_fc1`` as it is), ``down_proj``
+        ``(E, H, I)``."""
+        return {
+            f"{mc}.linear_fc1.weight": self._files[f"{hf}.gate_up_proj"].get_slice(f"{hf}.gate_up_proj")[e],
+            f"{mc}.linear_fc2.weight": self._files[f"{hf}.down_proj"].get_slice(f"{hf}.down_proj")[e],
         }
 
     def mlp(self, hf: str, mc: str, whole: bool = False) -> dict[str, Tensor]:

@@ -224,7 +224,7 @@ def test_qwen3_5_reads_as_its_text_model_with_linear_attention_or_is_refused_nam
     raw = config.to_dict() | {"architectures": [arch]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     shape = HfShape.read(str(tmp_path))
-    assert shape.prefix == "model.language_model." and shape.attention_gate and shape.qk_norm
+    assert shape.family == family and shape.attention_gate and shape.qk_norm
     assert shape.hybrid is not None and shape.hybrid.linear == (True, False, True, False)
     assert shape.hybrid.rotary_percent == 0.25 and not shape.te_layers
     assert shape.tied == (family == "qwen3_5")
@@ -250,6 +250,9 @@ def test_qwen3_5_reads_as_its_text_model_with_linear_attention_or_is_refused_nam
     read = HfShape.read(str(tmp_path))
     assert read.hybrid is not None and read.hybrid.linear == (True, False, True, False)
     assert (read.head_dim, read.rope_theta, read.hybrid.rotary_percent) == (256, 5e6, 0.5)
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ValueError, match="quantized"):  # at the top of a vision-language config
+        HfShape.read(str(tmp_path))
     for change, refused in (
         ({"rope_parameters": {**text["rope_parameters"], "rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
         ({"attention_bias": True}, "attention biases"),
