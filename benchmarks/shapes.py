@@ -23,6 +23,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The CPU-sized Qwen3.5 shapes' attention (1 gated full-attention layer to 3 Gated-DeltaNet ones),
+# width and vocabulary, dense or MoE
+QWEN3_5_CPU = {
+    "hidden_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "vocab_size": 8192,
+    "max_position_embeddings": 40960,
+}
 # Model shapes to benchmark with random weights (``--shape``), as their HF configs give them.
 SHAPES = {
     # issue #20's long-sequence model: Qwen3's vocabulary and head layout, hidden 1024, 4 layers
@@ -80,18 +95,8 @@ SHAPES = {
     # layer. A CPU-sized one, and Qwen3.5-9B's language model (the cookbook's default) for a GPU.
     "qwen3.5-h512-l4": {
         "model_type": "qwen3_5_text",
-        "hidden_size": 512,
+        **QWEN3_5_CPU,
         "intermediate_size": 1536,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "linear_num_key_heads": 4,
-        "linear_num_value_heads": 8,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
-        "vocab_size": 8192,
-        "max_position_embeddings": 40960,
         "tie_word_embeddings": True,
     },
     "qwen3.5-9b": {"model_type": "qwen3_5_text", "vocab_size": 248320, "max_position_embeddings": 40960},
@@ -100,21 +105,11 @@ SHAPES = {
     "qwen3.5-35b-a3b": {"model_type": "qwen3_5_moe_text", "max_position_embeddings": 40960},
     "qwen3.5-moe-h512-l4": {
         "model_type": "qwen3_5_moe_text",
-        "hidden_size": 512,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "linear_num_key_heads": 4,
-        "linear_num_value_heads": 8,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
+        **QWEN3_5_CPU,
         "num_experts": 16,
         "num_experts_per_tok": 4,
         "moe_intermediate_size": 256,
         "shared_expert_intermediate_size": 256,
-        "vocab_size": 8192,
-        "max_position_embeddings": 40960,
         "tie_word_embeddings": False,
     },
     # Qwen3-30B-A3B (issue #42): 48 layers of 128 routed experts, 8 per token; its first two layers

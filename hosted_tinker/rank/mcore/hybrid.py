@@ -23,7 +23,6 @@ M-RoPE's three sections one position: the rotary embedding is the plain one over
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hosted_tinker.rank.linear_attention import packed_causal_conv, packed_delta_rule
+from hosted_tinker.rank.linear_attention import packed_causal_conv, packed_delta_rule, torch_delta_rule
 
 
 @dataclass(frozen=True)
@@ -78,11 +77,12 @@ class Hybrid:
         kr, vr = k // tp, v // tp
         return [(r * kr, (r + 1) * kr), (k + r * kr, k + (r + 1) * kr), (2 * k + r * vr, 2 * k + (r + 1) * vr)]
 
-    def weights(self, hf: Any, layer: int, prefix: str, tp: int, r: int) -> dict[str, Tensor]:
-        """Layer ``layer``'s Gated-DeltaNet weights on rank ``r`` (``hf``: ``weights.HfWeights``)."""
-        p, mc = f"{prefix}layers.{layer}.linear_attn", f"decoder.layers.{layer}.self_attention"
-        qkv = torch.cat([hf.rows(f"{p}.in_proj_qkv.weight", s, e) for s, e in self.rows(tp, r)])
-        conv = torch.cat([hf.rows(f"{p}.conv1d.weight", s, e) for s, e in self.rows(tp, r)])[:, 0]
+    def weights(self, hf: Any, layer: int) -> dict[str, Tensor]:
+        """Layer ``layer``'s Gated-DeltaNet weights on ``hf``'s rank (``weights.HfWeights``)."""
+        p, mc = f"{hf.prefix}layers.{layer}.linear_attn", f"decoder.layers.{layer}.self_attention"
+        rows = self.rows(hf.tp, hf.r)
+        qkv = torch.cat([hf.rows(f"{p}.in_proj_qkv.weight", s, e) for s, e in rows])
+        conv = torch.cat([hf.rows(f"{p}.conv1d.weight", s, e) for s, e in rows])[:, 0]
         return {
             f"{mc}.in_proj_qkv.weight": qkv,
             f"{mc}.in_proj_z.weight": hf.row_part(f"{p}.in_proj_z.weight"),
@@ -132,8 +132,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(
             whole_value, h, config=config, init_method=_unset, bias=False, input_is_parallel=True, skip_bias_add=True
         )
-        # transformers' PyTorch delta rule (the CPU's; flash-linear-attention's kernel on CUDA)
-        self._reference = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+        # transformers' PyTorch delta rule (the CPU's; flash-linear-attention's kernel on CUDA), found
+        # as the peft path finds it: through the modeling module of a layer of it (the gated norm)
+        self._reference = torch_delta_rule(self.norm)
 
     def forward(self, hidden_states: Tensor, attention_mask: Any = None, packed_seq_params: Any = None, **_: Any):
         """``hidden_states`` ``[s, 1, H]`` (this rank's part of the stream under sequence

@@ -80,7 +80,7 @@ class Latent:
     def weights(self, hf: Any, layer: int) -> dict[str, Tensor]:
         """This rank's shards of layer ``layer``'s attention, under megatron's names (``hf``: a
         ``convert.HfWeights``)."""
-        p, m = f"model.layers.{layer}.self_attn", f"decoder.layers.{layer}.self_attention"
+        p, m = f"{hf.prefix}layers.{layer}.self_attn", f"decoder.layers.{layer}.self_attention"
         out = {
             f"{m}.linear_kv_down_proj.weight": hf.full(f"{p}.kv_a_proj_with_mqa.weight"),
             f"{m}.kv_layernorm.weight": hf.full(f"{p}.kv_a_layernorm.weight"),

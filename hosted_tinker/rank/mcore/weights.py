@@ -83,7 +83,7 @@ class HfWeights:
             if s.latent is not None:
                 out.update(s.latent.weights(self, i))
             elif s.hybrid is not None and s.hybrid.linear[i]:
-                out.update(s.hybrid.weights(self, i, model, self.tp, self.r))
+                out.update(s.hybrid.weights(self, i))
             else:
                 out.update(self.attention(i))
             out[f"{mc}.pre_mlp_layernorm.weight"] = self.full(f"{hf}.post_attention_layernorm.weight")
