@@ -300,6 +300,17 @@ class ServerConfig(BaseModel):
     vllm_port: Annotated[int, Flag("vLLM's port on 127.0.0.1 (default: any free)", group=ENGINE)] = 0
     # adapters vLLM batches together at once
     vllm_max_loras: Annotated[int, Flag("adapters vLLM runs in one batch", group=ENGINE)] = 4
+    # A mixture-of-experts model's routing from vLLM (its --enable-return-routed-experts), which
+    # record_stability_info records for routing replay. vLLM then keeps every token's experts and
+    # each answer carries its sampled tokens' (layers x top_k bytes a token); "off" spares that.
+    vllm_routing: Annotated[
+        Literal["record", "off"],
+        Flag(
+            "whether vLLM returns each token's experts on a mixture-of-experts model, for routing replay "
+            "(default: record)",
+            group=ENGINE,
+        ),
+    ] = "record"
     # None: 0.45 when sharing a GPU with training
     vllm_gpu_memory_utilization: Annotated[
         float | None,

@@ -188,6 +188,8 @@ class Capabilities:
     # routing replay (``rank.routing_replay``): (MoE layers, experts per token) of each token's
     # recorded routing; (0, 0) where nothing is recorded or replayed (a dense model)
     replay_routing: tuple[int, int] = (0, 0)
+    # the decoder layers with routed experts, first to last: which layers a recorded routing's are
+    moe_layers: tuple[int, ...] = ()
     # Gated-DeltaNet (linear attention) layers, trained over packed sequences (0: none)
     linear_attention_layers: int = 0
     images: bool = False  # whether a ModelInput may hold images (ImageChunk) for this model

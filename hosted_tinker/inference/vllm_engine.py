@@ -3,12 +3,17 @@
 A Tinker sampling request becomes one completions request with the prompt as token ids, ``n``
 samples, and the token ids and raw logprobs asked back (``--logprobs-mode raw_logprobs``: the
 model's own distribution, the numbers the trainer computes). Stops are passed as ids and strings
-with ``ignore_eos``, because our spec already holds EOS when the request named no stop.
+with ``ignore_eos``, because our spec already holds EOS when the request named no stop. On a
+mixture-of-experts model vLLM also answers each choice with its tokens' experts (``VllmLayout.routing``),
+which a request recording its samples (``record_stability_info``) keeps for routing replay.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import io
 import json
 import logging
 import tempfile
@@ -23,6 +28,7 @@ from safetensors import safe_open
 
 from hosted_tinker.core.checkpoints import adapter_weights, peft_config, peft_keys
 from hosted_tinker.core.errors import EngineUnavailable, UserError
+from hosted_tinker.core.routing import NO_EXPERT, RECORD_DTYPE
 from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.lora_sync import LiveAdapters
@@ -171,7 +177,7 @@ class VllmEngine:
         """One non-streamed vLLM request: ``on_token`` hears the tokens when it answers (the
         OpenAI routes stream through the ``/v1`` proxy instead)."""
         async with self.lease(weights) as model:
-            url, body = f"{self.host.base_url}/v1/completions", request_body(model, spec)
+            url, body = f"{self.host.base_url}/v1/completions", request_body(model, spec, self.layout.routing)
             try:
                 try:
                     resp = await self.client.post(url, json=body)
@@ -187,7 +193,7 @@ class VllmEngine:
             raise EngineUnavailable(f"vLLM failed while sampling: {resp.status_code} {resp.text[:300]}")
         if resp.status_code != 200:
             raise UserError(f"vLLM refused the request: {resp.text[:500]}")
-        output = parse_response(resp.json(), spec)
+        output = parse_response(resp.json(), spec, self.layout.routing)
         if len(output.sequences) < spec.num_samples:  # greedy: asked once (request_body), the same n times
             (seq,) = output.sequences
             copies = range(spec.num_samples)
@@ -204,9 +210,13 @@ class VllmEngine:
         return EngineUnavailable("vLLM no longer held the adapter (did it restart?); retry", 1.0)
 
 
-def request_body(model: str, spec: SampleSpec) -> dict:
+Routing = tuple[tuple[int, ...], int]  # ``VllmLayout.routing``: the recorded decoder layers, experts per token
+
+
+def request_body(model: str, spec: SampleSpec, routing: Routing = ((), 0)) -> dict:
     """A vLLM ``/v1/completions`` body that samples exactly ``spec``. Greedy sampling asks for one
-    sample: vLLM refuses ``n`` > 1 there, and every greedy sample is that one."""
+    sample: vLLM refuses ``n`` > 1 there, and every greedy sample is that one. Where vLLM returns
+    routing (``routing``), a request that records none asks for the least: its sampled tokens'."""
     body = {
         "model": model,
         "prompt": spec.prompt,
@@ -226,6 +236,8 @@ def request_body(model: str, spec: SampleSpec) -> dict:
     }
     if spec.seed is not None:
         body["seed"] = spec.seed
+    if routing[0] and not spec.record_routing:
+        body["routed_experts_prompt_start"] = len(spec.prompt)
     return body
 
 
@@ -233,8 +245,11 @@ def _token_id(key: str) -> int:
     return int(key.removeprefix("token_id:"))
 
 
-def parse_response(body: dict, spec: SampleSpec) -> SampleOutput:
+def parse_response(body: dict, spec: SampleSpec, routing: Routing = ((), 0)) -> SampleOutput:
+    """vLLM's answer to ``request_body``; with ``spec.record_routing`` on a model whose routing vLLM
+    returns, the prompt's and each sample's routing as the embedded sampler records them."""
     sequences = []
+    prompt_routing = None
     for choice in sorted(body["choices"], key=lambda c: c["index"]):
         logprobs = choice["logprobs"]
         seq = SampledSequence(
@@ -251,5 +266,44 @@ def parse_response(body: dict, spec: SampleSpec) -> SampleOutput:
                 best = sorted(((v, _token_id(t)) for t, v in top.items()), reverse=True)[:k]
                 ids[r, : len(best)], lps[r, : len(best)] = [t for _, t in best], [v for v, _ in best]
             seq.topk = (ids, lps)
+        if spec.record_routing and routing[0]:
+            encoded = choice.get("routed_experts")
+            prompt, seq.routing = recorded_routing(encoded, len(spec.prompt), len(seq.tokens), routing)
+            prompt_routing = prompt if prompt_routing is None else prompt_routing  # each choice repeats it
         sequences.append(seq)
-    return SampleOutput(sequences)
+    return SampleOutput(sequences, prompt_routing=prompt_routing)
+
+
+def recorded_routing(
+    encoded: object, prompt: int, sampled: int, routing: Routing
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A choice's ``routed_experts`` (vLLM 0.32's ``numpy2base64``: an ``.npy`` file in base64 of
+    ``(prompt + sampled - 1, decoder layers, top_k)`` expert ids, row i chosen in the pass where
+    token i was fed in, so the last sampled token has none) as the embedded sampler records it
+    (``core.sampling``): ``RECORD_DTYPE`` ``(prompt, layers, top_k)`` and ``(sampled, layers,
+    top_k)`` over the MoE layers alone, ``NO_EXPERT`` in the last sampled token's row. (None, None)
+    if vLLM sent none or not that, which is logged: the record keeps its tokens and log-probs,
+    and training on it says ``routing_replayed:mean`` 0."""
+    layers, top_k = routing
+    rows = prompt + sampled - 1
+    why = "none (is it started with --enable-return-routed-experts?)"
+    if isinstance(encoded, str):
+        try:
+            array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+        except (ValueError, OSError, EOFError, binascii.Error) as e:
+            array, why = None, f"no .npy array ({type(e).__name__})"
+        if array is not None:
+            expected = f"({rows}, >{max(layers)}, {top_k}) integers"
+            why = f"an array of shape {array.shape} and {array.dtype}, not {expected}"
+            if array.ndim == 3 and array.dtype.kind in "iu" and array.shape[0] == rows:
+                if array.shape[1] > max(layers) and array.shape[2] == top_k:
+                    picked = array[:, list(layers)].astype(RECORD_DTYPE)
+                    last = np.full((1, len(layers), top_k), NO_EXPERT, dtype=RECORD_DTYPE)
+                    return picked[:prompt], np.concatenate([picked[prompt:], last])
+    if not _warned:
+        _warned.append(why)
+        log.warning("vLLM returned %s as a sample's routed experts: its routing is not recorded for replay", why)
+    return None, None
+
+
+_warned: list[str] = []  # the first reason logged; later ones would repeat it on every sample

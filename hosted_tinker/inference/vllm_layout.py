@@ -15,6 +15,10 @@ started with to read it (vLLM 0.32 / 0.33's LoRA loader: ``vllm/lora/``).
   published): vLLM finds the decoder under ``model.language_model.``; ``model.layers.`` would
   load and then apply to nothing, silently.
 
+- **Routing** (mixture of experts, for routing replay): started with
+  ``--enable-return-routed-experts``, vLLM answers each choice with the experts every token
+  chose where it was fed in (``routing``, ``vllm_engine.parse_response``).
+
 Refused (``refusal``): DeepSeek-V3 / Kimi's multi-head latent attention, whose decode in vLLM
 uses matrices folded from ``kv_b_proj``'s base weight, so its LoRA would shape the prompt and
 not the sampled tokens; and experts or Gated-DeltaNet on vLLM's CPU build, which has no
@@ -48,18 +52,25 @@ class VllmLayout:
     vision_language: bool = False  # vLLM loads the checkpoint's ...ForConditionalGeneration
     latent_attention: bool = False  # DeepSeek's MLA (kv_b_proj)
     arch: str = ""
+    # Routing replay: the decoder layers of a recorded routing's layers, and its experts per token,
+    # which vLLM returns (for every decoder layer); () where nothing is recorded
+    routing: tuple[tuple[int, ...], int] = ((), 0)
 
     @classmethod
-    def of(cls, hf_config: dict, capabilities: Capabilities) -> VllmLayout:
-        """From the checkpoint's ``config.json`` (what vLLM builds its model from) and what the ranks found."""
+    def of(cls, hf_config: dict, capabilities: Capabilities, record_routing: bool = True) -> VllmLayout:
+        """From the checkpoint's ``config.json`` (what vLLM builds its model from) and what the ranks
+        found; ``record_routing``: whether vLLM is to return a mixture-of-experts model's routing."""
         text = hf_config.get("text_config") or hf_config
         architectures = hf_config.get("architectures") or [capabilities.arch]
+        layers, top_k = capabilities.replay_routing
+        replayed = record_routing and layers > 0 and layers == len(capabilities.moe_layers)
         return cls(
             routed_experts=capabilities.routed_experts > 0,
             linear_attention=capabilities.linear_attention_layers > 0,
             vision_language=architectures[0].endswith("ForConditionalGeneration"),
             latent_attention=text.get("kv_lora_rank") is not None,
             arch=capabilities.arch,
+            routing=(capabilities.moe_layers, top_k) if replayed else ((), 0),
         )
 
     def refusal(self, on_gpu: bool) -> str | None:
@@ -87,7 +98,8 @@ class VllmLayout:
 
     def launch_args(self) -> list[str]:
         """Flags vLLM's server needs for these adapters (also those of a server at ``--inference-url``)."""
-        return ["--enable-moe-shared-loras"] if self.routed_experts else []
+        shared = ["--enable-moe-shared-loras"] if self.routed_experts else []
+        return shared + (["--enable-return-routed-experts"] if self.routing[0] else [])
 
     def changes_names(self, keys: set[str]) -> bool:
         """Whether ``adapter`` renames or fuses any of these (PEFT-named) tensors."""

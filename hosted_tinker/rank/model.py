@@ -82,6 +82,7 @@ class LoraModel(Protocol):
     linear_attention_layers: int  # Gated-DeltaNet layers (``rank.linear_attention``)
     routed_experts: int  # per mixture-of-experts layer, each with its own LoRA under train_mlp (0: dense)
     replay_routing: tuple[int, int]  # (MoE layers, experts per token) it replays (``rank.routing_replay``)
+    moe_layers: tuple[int, ...]  # the decoder layers with routed experts, in order (a recorded routing's layers)
     lora_groups: tuple[str, ...]  # the LoRA flags (attn, mlp, unembed) that find layers on this model
     lora_params_per_rank: dict[str, int]  # per flag, LoRA parameters per unit of rank, unsharded
     vocab_size: int
@@ -270,6 +271,8 @@ class HfLoraModel:
         self.adapters = LoraAdapters(self.base, lora_compute)
         self.routed_experts = max((shape.experts for shape in self.adapters.experts.values()), default=0)
         self.replay_routing = (self.adapters.replay.layers, self.adapters.replay.top_k)
+        within = {id(m): i for i, layer in enumerate(self.layers) for m in layer.modules()}
+        self.moe_layers = tuple(within[id(self.base.get_submodule(name))] for name in self.adapters.experts)
         self.lora_groups = tuple(group for group, targets in self.targets.items() if targets)
         self.lora_params_per_rank = {
             group: sum(math.prod(shape) for target in targets for shape in self.adapters.lora_shapes(target, 1))

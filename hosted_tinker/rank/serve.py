@@ -131,6 +131,7 @@ def build_rank(spec: RankSpec) -> Rank:
         family=model.family,
         routed_experts=model.routed_experts,
         replay_routing=model.replay_routing,
+        moe_layers=model.moe_layers,
         linear_attention_layers=model.linear_attention_layers,
         images=vision is not None,
         image_token_id=vision.image_token_id if vision is not None else -1,

@@ -216,6 +216,7 @@ def test_a_replayed_routing_trains_as_on_peft(moe: tuple[ProcessBackend, Trainer
     megatron, peft = moe
     layers, top_k = megatron.capabilities.replay_routing
     assert (layers, top_k) == peft.model.replay_routing == (2, 2)
+    assert megatron.capabilities.moe_layers == peft.model.moe_layers == (0, 1)
     g = torch.Generator().manual_seed(5)
     data = []
     for n in (11, 6):

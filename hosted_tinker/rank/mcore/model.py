@@ -123,6 +123,7 @@ class McoreLoraModel:
         self.lora = TpLora(self.gpt, shape, tp, sequence_parallel, lora_compute, ep, ep_rank, self.token_group)
         moe = self.lora.experts
         self.replay_routing = (moe.layers, moe.top_k) if moe is not None else (0, 0)
+        self.moe_layers = tuple(i for i in range(shape.layers) if shape.moe(i))
         self.lora_groups = tuple(
             sorted({group_of(name) for name in self.lora.sites}, key=("attn", "mlp", "unembed").index)
         )

@@ -315,7 +315,7 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
     """The vLLM engine: a supervised child process, or a server at ``--inference-url``."""
     on_gpu = config.vllm_gpus is not None or config.training_devices()[0].startswith("cuda")
     try:  # which classes vLLM builds, from the checkpoint's own config (a hub id's too)
-        layout = VllmLayout.of(read_hf_config(model_path), backend.capabilities)
+        layout = VllmLayout.of(read_hf_config(model_path), backend.capabilities, config.vllm_routing == "record")
     except (OSError, ValueError) as e:
         raise SystemExit(f"--inference vllm: cannot read {model_path}'s config.json ({e})") from None
     if (refused := layout.refusal(on_gpu)) is not None:

@@ -27,7 +27,7 @@ from hosted_tinker.core.errors import ApiError, EngineUnavailable, UserError, ba
 from hosted_tinker.inference.vllm_engine import REQUEST_TIMEOUT_S, VllmEngine
 from hosted_tinker.server.body_thread import sized, too_many_containers
 from hosted_tinker.server.serving.openai import OpenAIService
-from hosted_tinker.server.serving.openai_proxy_edits import USAGE, GreedyCopies, Meter
+from hosted_tinker.server.serving.openai_proxy_edits import USAGE, GreedyCopies, Meter, asks_routing, without_routing
 
 # Paths of vLLM's we never forward: adapter management is ours alone.
 BLOCKED = {"load_lora_adapter", "unload_lora_adapter"}
@@ -107,6 +107,9 @@ class OpenAIProxy:
         stack = AsyncExitStack()
         try:
             rename, vllm_name, meter, copies = None, None, None, None
+            # a vLLM started to return routing (for replay) returns it in every whole answer
+            asked = isinstance(payload, dict) and asks_routing(payload)
+            hide_routing = bool(self.vllm.layout.routing[0]) and not asked
             if isinstance(payload, dict):
                 # No model means the base model, which must still go through the engine's lease
                 # (on CPU it is an all-zero adapter, see VllmEngine.zero_adapter).
@@ -137,6 +140,8 @@ class OpenAIProxy:
                 lines = _lines(upstream, rename, meter, copies)
                 return _Stream(lines, stack, status_code=upstream.status, headers=out_headers)
             content = await upstream.read()
+            if hide_routing:
+                content = await sized(without_routing, len(content), content)
             if copies is not None and copies.n > 1:
                 content = await sized(copies.answer, len(content) * copies.n, content)
             if meter is not None:

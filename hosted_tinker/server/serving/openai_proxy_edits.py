@@ -1,9 +1,11 @@
 """What the ``/v1`` proxy changes in a request on its way to vLLM and in the answer on its way
-back, besides model names (``openai_proxy``): the usage it meters, and greedy copies.
+back, besides model names (``openai_proxy``): the usage it meters, greedy copies, and the routing
+vLLM returns for routing replay.
 
-Both read and rewrite vLLM's JSON (a whole answer, or a stream's ``data:`` lines, which
+They read and rewrite vLLM's JSON (a whole answer, or a stream's ``data:`` lines, which
 ``openai_proxy`` hands over whole), only when they have to: the meter parses the one event
-that holds a usage object; copies parse every event, but only of a request that needs them.
+that holds a usage object; copies parse every event, but only of a request that needs them;
+routing is taken out of a whole answer that holds it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from hosted_tinker.server.serving.usage import Charge, UsageLedger
 # A usage object, not vLLM's "usage":null on every chunk of a stream that asked for usage (each
 # would then be parsed here). Text that a model wrote is escaped: it holds \"usage\", never this.
 USAGE = re.compile(rb'"usage":\s*\{')
+# vLLM's routed experts of a choice (``vllm_engine.recorded_routing``), not its null
+ROUTED = re.compile(rb'"routed_experts":\s*"')
 SAMPLING_PATHS = ("completions", "chat/completions")  # whose n and stream_options are OpenAI's
 MAX_COPIES = 128  # the n the embedded engine's /v1 accepts (protocol.openai_types)
 _BOOL = TypeAdapter(bool)
@@ -154,3 +158,25 @@ class GreedyCopies:
             if type(total := usage.get("total_tokens")) is int:
                 usage["total_tokens"] = total + completion * (self.n - 1)
         return answer
+
+
+def asks_routing(payload: dict) -> bool:
+    """Whether a request asks vLLM for its routed experts (vLLM's own field, which only a client that
+    knows vLLM sends): a vLLM started to return them for routing replay (``--vllm-routing``) returns
+    them with every answer, which the proxy otherwise takes out (``without_routing``)."""
+    return "routed_experts_prompt_start" in payload
+
+
+def without_routing(content: bytes) -> bytes:
+    """A whole JSON answer without its choices' ``routed_experts`` (off the loop when large): each
+    is ``layers x top_k`` bytes a token, in base64, which an OpenAI client did not ask for."""
+    if not ROUTED.search(content):
+        return content
+    answer = _json_or_none(content)
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list):
+        return content
+    for choice in choices:
+        if isinstance(choice, dict):
+            choice.pop("routed_experts", None)
+    return json.dumps(answer).encode()

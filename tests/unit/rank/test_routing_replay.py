@@ -55,6 +55,11 @@ def test_every_family_s_router_replays_its_own_choice_to_its_own_weights(rank: R
     adapters = rank.trainer.model.adapters
     routers = find_routers(adapters.lm, list(adapters.experts))
     assert routers is not None and len(routers) == len(adapters.experts) == adapters.replay.layers
+    # which decoder layers a record's are (vLLM returns every decoder layer's): DeepSeek's first dense
+    config = rank.trainer.model.base.config
+    assert rank.capabilities.moe_layers == tuple(
+        range(getattr(config, "first_k_dense_replace", 0), config.num_hidden_layers)
+    )
     torch.manual_seed(0)
     for router, weigh in routers:
         x = torch.randn(9, router.weight.shape[1])

@@ -1,5 +1,5 @@
 """What the /v1 proxy changes in vLLM's answers (``serving.openai_proxy_edits``), on vLLM's own
-bytes: the usage meter and greedy copies. Through vLLM itself: ``tests/e2e/test_vllm.py``."""
+bytes: the usage meter, greedy copies and vLLM's routing taken out. Through vLLM itself: ``tests/e2e/test_vllm.py``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hosted_tinker.server.serving.openai_proxy_edits import GreedyCopies, Meter
+from hosted_tinker.server.serving.openai_proxy_edits import GreedyCopies, Meter, asks_routing, without_routing
 from hosted_tinker.server.serving.usage import Charge
 
 pytestmark = pytest.mark.fast
@@ -119,3 +119,19 @@ def test_a_response_is_counted_from_its_input_and_output_tokens():
     assert meter.count_events(delta + done) == delta + done
     meter.count_answer(json.dumps({"id": "r", "usage": usage}).encode())
     assert ledger.counted == [(7, 2), (7, 2)]
+
+
+def test_routing_vllm_returns_for_replay_is_taken_out_of_an_answer_unless_asked_for():
+    """A vLLM started with --enable-return-routed-experts (``--vllm-routing record``) puts each
+    choice's routed experts in every whole answer: base64, layers x top_k bytes a token."""
+    routed = {"index": 0, "text": "hi", "routed_experts": "k05VTVBZAQB2AHsnZGVzY3InOiAnfHUxJyw="}
+    answer = {"id": "c", "choices": [routed, routed | {"index": 1}], "usage": {"prompt_tokens": 3}}
+    content = json.dumps(answer, separators=(",", ":")).encode()
+    taken = json.loads(without_routing(content))
+    assert taken == answer | {"choices": [{"index": 0, "text": "hi"}, {"index": 1, "text": "hi"}]}
+    # an answer without it (or with vLLM's null) is passed on byte for byte, not parsed
+    plain = json.dumps({"choices": [{"index": 0, "text": "routed_experts", "routed_experts": None}]}).encode()
+    assert without_routing(plain) == plain
+    assert without_routing(b"not json") == b"not json"
+    # a client that names vLLM's own field wants the array
+    assert asks_routing({"prompt": "x", "routed_experts_prompt_start": 0}) and not asks_routing({"prompt": "x"})
