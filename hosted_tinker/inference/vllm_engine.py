@@ -39,6 +39,7 @@ from hosted_tinker.inference.vllm_process import EngineState, ExternalVllm, Vllm
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 600.0
+PARSE_OFF_LOOP_BYTES = 64 << 10  # a vLLM answer this large is parsed on a thread (as server.body_thread)
 # vLLM samples greedily below this temperature (its _SAMPLING_EPS), and then refuses n > 1.
 GREEDY_BELOW = 1e-5
 
@@ -193,7 +194,9 @@ class VllmEngine:
             raise EngineUnavailable(f"vLLM failed while sampling: {resp.status_code} {resp.text[:300]}")
         if resp.status_code != 200:
             raise UserError(f"vLLM refused the request: {resp.text[:500]}")
-        output = parse_response(resp.json(), spec, self.layout.routing)
+        # a large answer (long samples' top-k, routing) is parsed off the event loop
+        args = (resp.content, spec, self.layout.routing)
+        output = _parsed(*args) if len(resp.content) < PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(_parsed, *args)
         if len(output.sequences) < spec.num_samples:  # greedy: asked once (request_body), the same n times
             (seq,) = output.sequences
             copies = range(spec.num_samples)
@@ -243,6 +246,10 @@ def request_body(model: str, spec: SampleSpec, routing: Routing = ((), 0)) -> di
 
 def _token_id(key: str) -> int:
     return int(key.removeprefix("token_id:"))
+
+
+def _parsed(content: bytes, spec: SampleSpec, routing: Routing) -> SampleOutput:
+    return parse_response(json.loads(content), spec, routing)
 
 
 def parse_response(body: dict, spec: SampleSpec, routing: Routing = ((), 0)) -> SampleOutput:

@@ -370,13 +370,18 @@ def other_architecture(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_other_architectures_at_tp_2(arch: str, tmp_path: Path, tiny_model_dir: Path):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        other_architecture(arch).save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the embedded sampler's, for stop strings
-        shutil.copy(tiny_model_dir / name, tmp_path / name)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_5"])
+def test_other_architectures_at_tp_2(arch: str, tmp_path: Path, tiny_model_dir: Path, tiny_family):
+    """And the dense Qwen3.5 (tied, as Qwen3.5-4B): Gated-DeltaNet layers split by heads, gated
+    full attention, partial rotary, (1 + w) norms."""
+    if arch == "qwen3_5":
+        tmp_path = tiny_family("qwen3_5")
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            other_architecture(arch).save_pretrained(tmp_path)
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # the embedded sampler's, for stop strings
+            shutil.copy(tiny_model_dir / name, tmp_path / name)
     layout = ServerConfig(model=str(tmp_path), backend="megatron", train_devices="cpu:2", backend_options={"tp": "2"})
     megatron = ProcessBackend(rank_factories(layout, str(tmp_path)))
     peft = local_rank(str(tmp_path)).trainer
@@ -396,6 +401,9 @@ def test_other_architectures_at_tp_2(arch: str, tmp_path: Path, tiny_model_dir: 
             assert megatron.trainer.optim_step(arch, ADAM)["grad_norm"] == pytest.approx(
                 peft.optim_step(arch, ADAM)["grad_norm"], rel=TOL
             )
+        if arch == "qwen3_5":  # the family's state, both ways (the others': the MoE and Qwen3 tests)
+            moves_between("megatron->peft", megatron, peft)
+            moves_between("peft->megatron", megatron, peft)
     finally:
         megatron.close()
 
