@@ -301,16 +301,17 @@ class ServerConfig(BaseModel):
     # adapters vLLM batches together at once
     vllm_max_loras: Annotated[int, Flag("adapters vLLM runs in one batch", group=ENGINE)] = 4
     # A mixture-of-experts model's routing from vLLM (its --enable-return-routed-experts), which
-    # record_stability_info records for routing replay. vLLM then keeps every token's experts and
-    # each answer carries its sampled tokens' (layers x top_k bytes a token); "off" spares that.
+    # record_stability_info records for routing replay. Off unless asked: vLLM then answers every
+    # request with its sampled tokens' experts, layers x top_k bytes a token (in base64), each
+    # answer parsed here; a Qwen3-235B-A22B token's is 752 bytes, 30 times its id and log-prob.
     vllm_routing: Annotated[
         Literal["record", "off"],
         Flag(
-            "whether vLLM returns each token's experts on a mixture-of-experts model, for routing replay "
-            "(default: record)",
+            "record: vLLM returns each token's experts on a mixture-of-experts model, for routing replay, "
+            "in every answer (layers x top_k bytes a sampled token); off: none (default)",
             group=ENGINE,
         ),
-    ] = "record"
+    ] = "off"
     # None: 0.45 when sharing a GPU with training
     vllm_gpu_memory_utilization: Annotated[
         float | None,

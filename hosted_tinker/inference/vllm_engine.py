@@ -33,7 +33,7 @@ from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOut
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.inference.vllm_adapters import AdapterRegistry, remove_dir, spawn
-from hosted_tinker.inference.vllm_layout import PLAIN, VllmLayout
+from hosted_tinker.inference.vllm_layout import NO_ROUTING, PLAIN, Routing, VllmLayout
 from hosted_tinker.inference.vllm_process import EngineState, ExternalVllm, VllmSupervisor
 
 log = logging.getLogger(__name__)
@@ -213,10 +213,7 @@ class VllmEngine:
         return EngineUnavailable("vLLM no longer held the adapter (did it restart?); retry", 1.0)
 
 
-Routing = tuple[tuple[int, ...], int]  # ``VllmLayout.routing``: the recorded decoder layers, experts per token
-
-
-def request_body(model: str, spec: SampleSpec, routing: Routing = ((), 0)) -> dict:
+def request_body(model: str, spec: SampleSpec, routing: Routing = NO_ROUTING) -> dict:
     """A vLLM ``/v1/completions`` body that samples exactly ``spec``. Greedy sampling asks for one
     sample: vLLM refuses ``n`` > 1 there, and every greedy sample is that one. Where vLLM returns
     routing (``routing``), a request that records none asks for the least: its sampled tokens'."""
@@ -239,7 +236,7 @@ def request_body(model: str, spec: SampleSpec, routing: Routing = ((), 0)) -> di
     }
     if spec.seed is not None:
         body["seed"] = spec.seed
-    if routing[0] and not spec.record_routing:
+    if routing.layers and not spec.record_routing:
         body["routed_experts_prompt_start"] = len(spec.prompt)
     return body
 
@@ -252,7 +249,7 @@ def _parsed(content: bytes, spec: SampleSpec, routing: Routing) -> SampleOutput:
     return parse_response(json.loads(content), spec, routing)
 
 
-def parse_response(body: dict, spec: SampleSpec, routing: Routing = ((), 0)) -> SampleOutput:
+def parse_response(body: dict, spec: SampleSpec, routing: Routing = NO_ROUTING) -> SampleOutput:
     """vLLM's answer to ``request_body``; with ``spec.record_routing`` on a model whose routing vLLM
     returns, the prompt's and each sample's routing as the embedded sampler records them."""
     sequences = []
@@ -273,7 +270,7 @@ def parse_response(body: dict, spec: SampleSpec, routing: Routing = ((), 0)) -> 
                 best = sorted(((v, _token_id(t)) for t, v in top.items()), reverse=True)[:k]
                 ids[r, : len(best)], lps[r, : len(best)] = [t for _, t in best], [v for v, _ in best]
             seq.topk = (ids, lps)
-        if spec.record_routing and routing[0]:
+        if spec.record_routing and routing.layers:
             encoded = choice.get("routed_experts")
             prompt, seq.routing = recorded_routing(encoded, len(spec.prompt), len(seq.tokens), routing)
             prompt_routing = prompt if prompt_routing is None else prompt_routing  # each choice repeats it
@@ -291,26 +288,36 @@ def recorded_routing(
     top_k)`` over the MoE layers alone, ``NO_EXPERT`` in the last sampled token's row. (None, None)
     if vLLM sent none or not that, which is logged: the record keeps its tokens and log-probs,
     and training on it says ``routing_replayed:mean`` 0."""
-    layers, top_k = routing
-    rows = prompt + sampled - 1
-    why = "none (is it started with --enable-return-routed-experts?)"
-    if isinstance(encoded, str):
-        try:
-            array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
-        except (ValueError, OSError, EOFError, binascii.Error) as e:
-            array, why = None, f"no .npy array ({type(e).__name__})"
-        if array is not None:
-            expected = f"({rows}, >{max(layers)}, {top_k}) integers"
-            why = f"an array of shape {array.shape} and {array.dtype}, not {expected}"
-            if array.ndim == 3 and array.dtype.kind in "iu" and array.shape[0] == rows:
-                if array.shape[1] > max(layers) and array.shape[2] == top_k:
-                    picked = array[:, list(layers)].astype(RECORD_DTYPE)
-                    last = np.full((1, len(layers), top_k), NO_EXPERT, dtype=RECORD_DTYPE)
-                    return picked[:prompt], np.concatenate([picked[prompt:], last])
-    if not _warned:
-        _warned.append(why)
-        log.warning("vLLM returned %s as a sample's routed experts: its routing is not recorded for replay", why)
-    return None, None
+    try:
+        picked = _routed_experts(encoded, prompt + sampled - 1, routing)
+    except ValueError as e:
+        if not _warned:
+            _warned.append(str(e))
+            log.warning("vLLM returned %s as a sample's routed experts: its routing is not recorded for replay", e)
+        return None, None
+    last = np.full((1, *picked.shape[1:]), NO_EXPERT, dtype=RECORD_DTYPE)
+    return picked[:prompt], np.concatenate([picked[prompt:], last])
+
+
+def _routed_experts(encoded: object, rows: int, routing: Routing) -> np.ndarray:
+    """``encoded``'s MoE layers, ``RECORD_DTYPE`` ``(rows, len(layers), top_k)``; a ValueError
+    saying what vLLM sent instead."""
+    layers, top_k, experts = routing
+    if not isinstance(encoded, str):
+        raise ValueError("none (is it started with --enable-return-routed-experts?)")
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (ValueError, OSError, EOFError, binascii.Error) as e:
+        raise ValueError(f"no .npy array ({type(e).__name__})") from None
+    wanted = f"({rows}, >{max(layers)}, {top_k}) integers"
+    if array.ndim != 3 or array.dtype.kind not in "iu" or array.shape[0] != rows or array.shape[2] != top_k:
+        raise ValueError(f"an array of shape {array.shape} and {array.dtype}, not {wanted}")
+    if array.shape[1] <= max(layers):
+        raise ValueError(f"{array.shape[1]} decoder layers' routing, not {wanted}")
+    picked = array[:, list(layers)]
+    if picked.size and not 0 <= int(picked.min()) <= int(picked.max()) < experts:
+        raise ValueError(f"experts {int(picked.min())} to {int(picked.max())} of a model with {experts}")
+    return picked.astype(RECORD_DTYPE)
 
 
 _warned: list[str] = []  # the first reason logged; later ones would repeat it on every sample

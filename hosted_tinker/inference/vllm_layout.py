@@ -15,7 +15,7 @@ started with to read it (vLLM 0.32 / 0.33's LoRA loader: ``vllm/lora/``).
   published): vLLM finds the decoder under ``model.language_model.``; ``model.layers.`` would
   load and then apply to nothing, silently.
 
-- **Routing** (mixture of experts, for routing replay): started with
+- **Routing** (mixture of experts, for routing replay; ``--vllm-routing record``): started with
   ``--enable-return-routed-experts``, vLLM answers each choice with the experts every token
   chose where it was fed in (``routing``, ``vllm_engine.parse_response``).
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,19 @@ PEFT = "base_model.model."  # PEFT's prefix of tensor names (module names in tar
 DECODER, VL_DECODER = f"{PEFT}model.layers.", f"{PEFT}model.language_model.layers."
 
 
+class Routing(NamedTuple):
+    """The routing vLLM returns for routing replay: which of its decoder layers a record keeps
+    (those with routed experts; vLLM returns every decoder layer's), of how many experts a token
+    chooses, among how many. ``layers`` empty: vLLM returns none."""
+
+    layers: tuple[int, ...] = ()
+    top_k: int = 0
+    experts: int = 0
+
+
+NO_ROUTING = Routing()
+
+
 @dataclass(frozen=True)
 class VllmLayout:
     """How the served model's adapters are laid out for vLLM (PEFT's names on the way in)."""
@@ -52,25 +66,25 @@ class VllmLayout:
     vision_language: bool = False  # vLLM loads the checkpoint's ...ForConditionalGeneration
     latent_attention: bool = False  # DeepSeek's MLA (kv_b_proj)
     arch: str = ""
-    # Routing replay: the decoder layers of a recorded routing's layers, and its experts per token,
-    # which vLLM returns (for every decoder layer); () where nothing is recorded
-    routing: tuple[tuple[int, ...], int] = ((), 0)
+    routing: Routing = NO_ROUTING
 
     @classmethod
-    def of(cls, hf_config: dict, capabilities: Capabilities, record_routing: bool = True) -> VllmLayout:
+    def of(cls, hf_config: dict, capabilities: Capabilities, record_routing: bool = False) -> VllmLayout:
         """From the checkpoint's ``config.json`` (what vLLM builds its model from) and what the ranks
-        found; ``record_routing``: whether vLLM is to return a mixture-of-experts model's routing."""
+        found; ``record_routing``: whether vLLM is to return a mixture-of-experts model's routing
+        (where the ranks replay it)."""
         text = hf_config.get("text_config") or hf_config
         architectures = hf_config.get("architectures") or [capabilities.arch]
         layers, top_k = capabilities.replay_routing
         replayed = record_routing and layers > 0 and layers == len(capabilities.moe_layers)
+        routing = Routing(capabilities.moe_layers, top_k, capabilities.routed_experts)
         return cls(
             routed_experts=capabilities.routed_experts > 0,
             linear_attention=capabilities.linear_attention_layers > 0,
             vision_language=architectures[0].endswith("ForConditionalGeneration"),
             latent_attention=text.get("kv_lora_rank") is not None,
             arch=capabilities.arch,
-            routing=(capabilities.moe_layers, top_k) if replayed else ((), 0),
+            routing=routing if replayed else NO_ROUTING,
         )
 
     def refusal(self, on_gpu: bool) -> str | None:
@@ -99,7 +113,7 @@ class VllmLayout:
     def launch_args(self) -> list[str]:
         """Flags vLLM's server needs for these adapters (also those of a server at ``--inference-url``)."""
         shared = ["--enable-moe-shared-loras"] if self.routed_experts else []
-        return shared + (["--enable-return-routed-experts"] if self.routing[0] else [])
+        return shared + (["--enable-return-routed-experts"] if self.routing.layers else [])
 
     def changes_names(self, keys: set[str]) -> bool:
         """Whether ``adapter`` renames or fuses any of these (PEFT-named) tensors."""

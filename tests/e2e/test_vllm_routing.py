@@ -146,7 +146,7 @@ def served(tmp_path_factory, tiny_model_dir: Path) -> Iterator[tuple[str, StandI
     vllm = StandIn(routing_of(model, PROMPT + SAMPLED[:-1]))
     threading.Thread(target=vllm.serve_forever, daemon=True).start()
     # --vllm-gpus: the vLLM there runs on a GPU, as vLLM with expert LoRA must
-    flags = ("--model", str(model), "--inference-url", vllm.url, "--vllm-gpus", "0")
+    flags = ("--model", str(model), "--inference-url", vllm.url, "--vllm-gpus", "0", "--vllm-routing", "record")
     server = start_server(tmp_path_factory.mktemp("data"), *flags, alias=ALIAS)
     try:
         yield server.base_url, vllm

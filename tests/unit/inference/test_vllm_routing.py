@@ -17,7 +17,7 @@ from hosted_tinker.core.sampling import SampleSpec
 from hosted_tinker.core.types import Capabilities
 from hosted_tinker.inference import vllm_engine
 from hosted_tinker.inference.vllm_engine import parse_response, request_body
-from hosted_tinker.inference.vllm_layout import VllmLayout
+from hosted_tinker.inference.vllm_layout import NO_ROUTING, Routing, VllmLayout
 
 pytestmark = pytest.mark.fast
 
@@ -26,7 +26,7 @@ CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
 CAPS = Capabilities(
     "peft", "Qwen3MoeForCausalLM", (), 64, 64, 100, routed_experts=8, replay_routing=(2, 2), moe_layers=(1, 3)
 )
-ROUTING = ((1, 3), 2)
+ROUTING = Routing((1, 3), 2, 8)
 
 
 def numpy2base64(array: np.ndarray) -> str:
@@ -36,17 +36,17 @@ def numpy2base64(array: np.ndarray) -> str:
     return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
-def test_vllm_is_started_to_return_routing_where_it_is_replayed():
-    layout = VllmLayout.of(CONFIG, CAPS)
+def test_vllm_is_started_to_return_routing_where_it_is_replayed_if_asked():
+    layout = VllmLayout.of(CONFIG, CAPS, record_routing=True)  # --vllm-routing record
     assert layout.routing == ROUTING
     assert layout.launch_args() == ["--enable-moe-shared-loras", "--enable-return-routed-experts"]
-    off = VllmLayout.of(CONFIG, CAPS, record_routing=False)  # --vllm-routing off
-    assert off.routing == ((), 0) and off.launch_args() == ["--enable-moe-shared-loras"]
+    off = VllmLayout.of(CONFIG, CAPS)  # the default: every answer would carry it
+    assert off.routing == NO_ROUTING and off.launch_args() == ["--enable-moe-shared-loras"]
     # routers this server does not replay (replay_routing (0, 0)), and a dense model: nothing asked
-    unknown = VllmLayout.of(CONFIG, dataclasses.replace(CAPS, replay_routing=(0, 0)))
-    assert unknown.routing == ((), 0) and "--enable-return-routed-experts" not in unknown.launch_args()
+    unknown = VllmLayout.of(CONFIG, dataclasses.replace(CAPS, replay_routing=(0, 0)), record_routing=True)
+    assert unknown.routing == NO_ROUTING and "--enable-return-routed-experts" not in unknown.launch_args()
     dense = Capabilities("peft", "Qwen3ForCausalLM", (), 64, 64, 100)
-    assert VllmLayout.of({"architectures": ["Qwen3ForCausalLM"]}, dense).launch_args() == []
+    assert VllmLayout.of({"architectures": ["Qwen3ForCausalLM"]}, dense, record_routing=True).launch_args() == []
 
 
 def test_a_request_that_records_nothing_asks_for_the_least_routing():
@@ -102,6 +102,8 @@ def test_vllm_routed_experts_become_the_embedded_samplers_record():
         numpy2base64(np.zeros((6, 4, 4), np.uint8)),  # another top_k
         numpy2base64(np.zeros((6, 4, 2), np.float32)),
         numpy2base64(np.zeros((6, 8), np.uint8)),
+        numpy2base64(np.full((6, 4, 2), 8, np.uint8)),  # an expert the model does not have
+        numpy2base64(np.full((6, 4, 2), -1, np.int16)),
     ],
 )
 def test_routing_vllm_did_not_send_as_asked_is_not_recorded_and_says_why(routed, caplog, monkeypatch):
