@@ -6,6 +6,7 @@ adapters (``rank.adapters``) and the experts' (``rank.experts``)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -58,26 +59,33 @@ class _LoraDown(torch.autograd.Function):
     pass; the same operations, so the same values as ``F.linear(x.to(A.dtype), A)``."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, a: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, a: Tensor, shares_over: dist.ProcessGroup | None) -> Tensor:
         ctx.save_for_backward(x, a)
+        ctx.shares_over = shares_over
         return x.to(a.dtype) @ a.transpose(-1, -2)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, a = ctx.saved_tensors
         grad_x = (grad @ a).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_a = None
         if ctx.needs_input_grad[1]:
+            if ctx.shares_over is not None:  # this rank's share of the product's gradient: A's is the sum
+                grad = grad.clone()
+                dist.all_reduce(grad, group=ctx.shares_over)
             xs = x.to(a.dtype)
             if a.dim() == 2:  # (r, in): every leading dimension of x is positions
                 grad_a = grad.reshape(-1, grad.shape[-1]).T @ xs.reshape(-1, xs.shape[-1])
             else:  # (S, r, in), stacked adapters: x (S, L, in)
                 grad_a = grad.transpose(-1, -2) @ xs
-        return grad_x, grad_a
+        return grad_x, grad_a, None
 
 
-def lora_down(x: Tensor, a: Tensor) -> Tensor:
+def lora_down(x: Tensor, a: Tensor, shares_over: dist.ProcessGroup | None = None) -> Tensor:
     """``x`` ``(..., in)`` (the base model's dtype) times ``a`` ``(r, in)``, or stacked ``(S, r, in)``
     with ``x`` ``(S, L, in)``: ``(..., r)`` in ``a``'s dtype (the float32 master weights, or their
-    cast to the base's dtype under ``compute="base"``, where the product is the base's own)."""
-    return _LoraDown.apply(x, a)
+    cast to the base's dtype under ``compute="base"``, where the product is the base's own).
+    ``shares_over``: ranks on which ``x`` and ``a`` are the same and the product's gradient is each
+    rank's share (a tensor-parallel group, each with its own rows of B): ``a``'s gradient is the
+    sum over them, ``x``'s left as this rank's share, for what made ``x`` whole to sum."""
+    return _LoraDown.apply(x, a, shares_over)

@@ -12,6 +12,10 @@ restarted at each packed sequence by the HF path's own functions (``rank.linear_
   r]``, and its convolution's channels in that order; ``in_proj_z``, ``in_proj_b``, ``in_proj_a``
   (column-parallel) its value heads' rows; ``A_log``, ``dt_bias`` its value heads'.
 - ``out_proj`` (row-parallel), the gated norm whole (one weight per head's channel).
+- Under sequence parallelism the layer gathers its input once for the four projections (each of
+  megatron's column-parallel layers would gather it again), which then leave their input
+  gradients each rank's share, for the gather's backward to sum and split in one reduce-scatter;
+  so do their LoRA (``lora.whole_input_delta``).
 
 The full-attention layers are megatron's ``SelfAttention`` with ``attention_output_gate``: HF's
 ``q_proj`` rows are per head ``[query; gate]``, megatron's ``linear_qkv`` per query group
@@ -23,6 +27,7 @@ M-RoPE's three sections one position: the rotary embedding is the plain one over
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,10 +118,21 @@ class GatedDeltaNet(nn.Module):
         key, value = self.key_heads * hybrid.key_dim, self.value_heads * hybrid.value_dim
         self.split = [key, key, value]  # this rank's q | k | v rows
         h = config.hidden_size
+        # sequence parallelism: the input gathered once, here (``forward``), for the projections
+        self.whole_input = bool(config.sequence_parallel) and tp > 1
+        projections = copy.copy(config)  # read as the layers are built, not after
+        projections.sequence_parallel = False
 
         def column(out: int) -> nn.Module:  # out: the whole layer's rows
             return ColumnParallelLinear(
-                h, out, config=config, init_method=_unset, bias=False, gather_output=False, skip_bias_add=True
+                h,
+                out,
+                config=projections,
+                init_method=_unset,
+                bias=False,
+                gather_output=False,
+                skip_bias_add=True,
+                disable_grad_reduce=self.whole_input,  # its input's gradient: this rank's share
             )
 
         whole_key, whole_value = hybrid.key_heads * hybrid.key_dim, hybrid.value_heads * hybrid.value_dim
@@ -142,6 +158,10 @@ class GatedDeltaNet(nn.Module):
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("Gated-DeltaNet layers run packed sequences (thd) only")
         bounds = packed_seq_params.cu_seqlens_q
+        if self.whole_input:  # backward: the projections' shares of its gradient, summed and split
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
         mixed = self.in_proj_qkv(hidden_states)[0][:, 0]  # (T, local q | k | v): the whole stream
         tokens = mixed.shape[0]
         z = self.in_proj_z(hidden_states)[0][:, 0]

@@ -74,6 +74,9 @@ class Site:
     in_features: int  # whole
     out_features: list[int]  # whole, per HF projection
     fuse: Callable[[list[Tensor]], Tensor] = field(default=lambda deltas: deltas[0])
+    # a column layer whose module gathered its sequence-parallel input once for several layers
+    # (``hybrid.GatedDeltaNet``): the input arrives whole, its gradient left each rank's share
+    whole_input: bool = False
 
 
 @dataclass
@@ -160,8 +163,9 @@ def _linear_attention_sites(i: int, layer: Any, shape: HfShape) -> dict[str, Sit
             h,
             [key, key, value],
             lambda deltas: torch.cat(deltas, dim=-1),
+            layer.whole_input,
         ),
-        f"{i}.z": Site(layer.in_proj_z, COLUMN, [f"{hf}.in_proj_z"], h, [value]),
+        f"{i}.z": Site(layer.in_proj_z, COLUMN, [f"{hf}.in_proj_z"], h, [value], whole_input=layer.whole_input),
     }
 
 
@@ -234,6 +238,16 @@ def row_delta(x: Tensor, p: Projection, dtype: torch.dtype | None = None) -> Ten
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     return reduce_from_tensor_model_parallel_region(lora_down(x, in_dtype(p.A, dtype))) @ in_dtype(p.B, dtype).T
+
+
+def whole_input_delta(x: Tensor, p: Projection, dtype: torch.dtype | None = None) -> Tensor:
+    """A column layer's LoRA on an input its module gathered (``Site.whole_input``): as
+    ``column_delta``, but ``x``'s gradient stays this rank's share, as the base layer's does
+    (the gather's reduce-scatter sums them all at once), and only ``A``'s is summed over the ranks."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    return lora_down(x, in_dtype(p.A, dtype), shares_over=group) @ in_dtype(p.B, dtype).T
 
 
 def whole_delta(x: Tensor, p: Projection, dtype: torch.dtype | None = None) -> Tensor:
@@ -332,8 +346,12 @@ class TpLora:
         return apply
 
     def _hook(self, name: str, site: Site):
-        delta = {COLUMN: column_delta, ROW: row_delta, WHOLE: whole_delta}[site.kind]
-        gather = self.sequence_parallel and site.kind in (COLUMN, WHOLE)
+        delta = (
+            whole_input_delta
+            if site.whole_input
+            else {COLUMN: column_delta, ROW: row_delta, WHOLE: whole_delta}[site.kind]
+        )
+        gather = self.sequence_parallel and site.kind in (COLUMN, WHOLE) and not site.whole_input
         scatter = self.sequence_parallel and site.kind in (ROW, WHOLE)
 
         def add_updates(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor | None]):
