@@ -14,6 +14,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ STARTUP_TIMEOUT_S = 900.0  # a cold 8B load with graph capture can take minutes
 HEALTH_INTERVAL_S = 2.0
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_AFTER_S = 120.0  # up this long after a start: the next crash starts the backoff over
+ROUTING_FLAG = "--enable-return-routed-experts"  # ``VllmLayout.launch_args`` under --vllm-routing record
 
 
 class EngineState(StrEnum):
@@ -141,6 +143,15 @@ def _log_errors(path: Path | None, lines: int = 3) -> str:
     return " | ".join(errors[-lines:])
 
 
+def _routing_hint(launch: VllmLaunch, errors: str) -> str:
+    """What to do when vLLM refuses ``ROUTING_FLAG`` (it does where it cannot capture routing: without
+    its V2 model runner or prefix caching, with some MoE kernels, pipeline parallelism), which the
+    operator asked for by another name."""
+    if ROUTING_FLAG in launch.extra_args and re.search(r"routed.experts|AuxOutput", errors, re.IGNORECASE):
+        return f"; {ROUTING_FLAG} came from --vllm-routing record, which --vllm-routing off leaves out"
+    return ""
+
+
 class VllmSupervisor:
     """Runs vLLM as a child process and restarts it when it dies."""
 
@@ -232,7 +243,8 @@ class VllmSupervisor:
             self.last_error, self.state = exit_reason, EngineState.RESTARTING  # the reason, at once
             await asyncio.to_thread(self._terminate)
             errors = _log_errors(self.launch.log_path)
-            self.last_error = exit_reason + (f" (its log: {errors})" if errors else "")
+            hint = _routing_hint(self.launch, errors)
+            self.last_error = exit_reason + (f" (its log: {errors})" if errors else "") + hint
             if self.on_restart is not None:
                 self.on_restart()
             if self.started_at is not None and time.monotonic() - self.started_at > STABLE_AFTER_S:

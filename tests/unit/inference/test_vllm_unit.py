@@ -287,17 +287,23 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def test_supervisor_restarts_a_killed_server_and_stops_it(tmp_path, monkeypatch):
-    """A stand-in for vLLM's server module, launched through a wrapper "python"."""
-    monkeypatch.setattr(vllm_process, "BACKOFF_S", (0.1,))  # the pause before a restart
+def stand_in_python(tmp_path, server: str):
+    """A "python" that runs ``server`` as vLLM's server module."""
     package = tmp_path / "site" / "vllm" / "entrypoints" / "openai"
     package.mkdir(parents=True)
     for d in (package, package.parent, package.parent.parent):
         (d / "__init__.py").write_text("")
-    (package / "api_server.py").write_text(STAND_IN)
+    (package / "api_server.py").write_text(server)
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "site"} exec {sys.executable} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    return wrapper
+
+
+def test_supervisor_restarts_a_killed_server_and_stops_it(tmp_path, monkeypatch):
+    """A stand-in for vLLM's server module, launched through a wrapper "python"."""
+    monkeypatch.setattr(vllm_process, "BACKOFF_S", (0.1,))  # the pause before a restart
+    wrapper = stand_in_python(tmp_path, STAND_IN)
 
     async def run() -> None:
         restarted = []
@@ -319,6 +325,25 @@ def test_supervisor_restarts_a_killed_server_and_stops_it(tmp_path, monkeypatch)
         assert sup.state is EngineState.STOPPED
         with pytest.raises(ProcessLookupError):
             os.kill(second, 0)
+
+    asyncio.run(run())
+
+
+def test_a_vllm_that_refuses_to_return_routing_says_which_flag_asked_for_it(tmp_path, monkeypatch):
+    """vLLM refuses --enable-return-routed-experts where it cannot capture routing; the error the
+    server shows (``/healthz``) names the server flag that added it."""
+    monkeypatch.setattr(vllm_process, "BACKOFF_S", (0.1,))
+    refusing = 'import sys\nprint("ValueError: AuxOutput Connector requires prefix caching.")\nsys.exit(1)\n'
+    wrapper = stand_in_python(tmp_path, refusing)
+
+    async def run() -> None:
+        flag = ["--enable-return-routed-experts"]
+        launch = VllmLaunch(str(wrapper), "/m", ["m"], free_port(), extra_args=flag, log_path=tmp_path / "vllm.log")
+        sup = VllmSupervisor(launch)
+        sup.start()
+        await until(lambda: "its log" in (sup.last_error or ""), timeout=30)
+        assert "requires prefix caching" in sup.last_error and "--vllm-routing off leaves out" in sup.last_error
+        await sup.stop()
 
     asyncio.run(run())
 
