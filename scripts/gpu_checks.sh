@@ -21,7 +21,7 @@
 #                                       anywhere, on the CPU: the same steps on tiny shapes, to
 #                                       check the plumbing before spending GPU time
 #
-# run, in order of worth, each section under its own time limit (1,330 s in all: more than one lent
+# run, in order of worth, each section under its own time limit (1,480 s in all: more than one lent
 # session holds; the last sections wait for the next) so that one
 # slow section leaves the others their time, and each in a session of its own, ended after it:
 #   1. gpu-tests: tests/e2e/test_gpu.py: peft (under each rule of activation memory; also with
@@ -48,6 +48,9 @@
 #  10. hybrid-model, hybrid-mixed: the mixed lengths on Qwen3.5-9B's shape cut to 8 layers (6
 #      Gated-DeltaNet, 2 gated full attention; random bf16), packed (flash-linear-attention's varlen
 #      kernels) against padded (transformers' own, fla too); JSON in logs.tar.gz; not yet run on a GPU
+#  11. megatron-hybrid: benchmarks/megatron_tp.py on that model, one 4K-token sequence, peft against
+#      megatron tp=1 (its Gated-DeltaNet layer, fla's varlen kernel through rank.linear_attention, which
+#      no GPU has run on megatron), one path at a time, losses side by side; not yet run on a GPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -132,6 +135,9 @@ run() { # run [SECTION...]: all sections, or only those named
   section hybrid-mixed 150 python3 benchmarks/train_efficiency.py --device "$device" --dtype "$dtype" \
     --scenario mixed --mixed-shape "$hybrid" --microbatch-tokens 4096 --rounds 2 \
     --out "$OUT/train_efficiency-mixed-hybrid-$device.log.json"
+  section megatron-hybrid 150 python3 benchmarks/megatron_tp.py --device "$device" --shape "$hybrid" \
+    --dtype "$dtype" --tp 1 --batch 1 --seq-len "$seq" --min-len "$seq" --one-at-a-time --steps 2 --rounds 2 \
+    --warmup 1 --out "$OUT/megatron_tp-hybrid-$device.log.json"
   # The device tool brings back at most 8 files: the logs travel as one
   (cd "$OUT" && shopt -s nullglob && tar -czf logs.tar.gz ./*.log ./*.log.json && rm -f ./*.log ./*.log.json)
   cat "$OUT/summary.txt"
