@@ -184,3 +184,16 @@ def test_the_openai_door_passes_routing_on_only_to_a_client_that_asks_for_it(ser
         model=ALIAS, prompt=PROMPT, max_tokens=len(SAMPLED), extra_body={"routed_experts_prompt_start": 0}
     )
     assert isinstance((asked.choices[0].model_extra or {}).get("routed_experts"), str)
+
+
+def test_routing_asked_of_a_model_without_experts_is_said_to_be_off(tmp_path, tiny_model_dir: Path):
+    vllm = StandIn(np.zeros((0, 1, 1), np.uint8))
+    threading.Thread(target=vllm.serve_forever, daemon=True).start()
+    flags = ("--model", str(tiny_model_dir), "--inference-url", vllm.url, "--vllm-routing", "record")
+    server = start_server(tmp_path, *flags, alias=ALIAS)
+    try:
+        log = server.log_path.read_text()
+        assert "--vllm-routing record: Qwen3ForCausalLM has no routed experts; vLLM is asked for no routing" in log
+    finally:
+        server.stop()
+        vllm.shutdown()

@@ -318,6 +318,10 @@ def _build_vllm(config: ServerConfig, model_path: str, backend: ProcessBackend) 
         layout = VllmLayout.of(read_hf_config(model_path), backend.capabilities, config.vllm_routing == "record")
     except (OSError, ValueError) as e:
         raise SystemExit(f"--inference vllm: cannot read {model_path}'s config.json ({e})") from None
+    if config.vllm_routing == "record" and not layout.routing.layers:
+        caps = backend.capabilities
+        why = "has no routed experts" if not caps.routed_experts else "has routers this server does not replay"
+        log.warning("--vllm-routing record: %s %s; vLLM is asked for no routing", caps.arch, why)
     if (refused := layout.refusal(on_gpu)) is not None:
         raise SystemExit(
             f"--inference vllm: {refused}; serve it with the embedded engine "
