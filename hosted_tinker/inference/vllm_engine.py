@@ -17,6 +17,8 @@ import io
 import json
 import logging
 import tempfile
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -273,7 +275,9 @@ def parse_response(body: dict, spec: SampleSpec, routing: Routing = NO_ROUTING) 
         if spec.record_routing and routing.layers:
             encoded = choice.get("routed_experts")
             prompt, seq.routing = recorded_routing(encoded, len(spec.prompt), len(seq.tokens), routing)
-            prompt_routing = prompt if prompt_routing is None else prompt_routing  # each choice repeats it
+            # each choice repeats the prompt's rows (vLLM may prefill it for each; on a near-tie their
+            # choices could differ): the record keeps one prompt, as the embedded sampler's does
+            prompt_routing = prompt if prompt_routing is None else prompt_routing
         sequences.append(seq)
     return SampleOutput(sequences, prompt_routing=prompt_routing)
 
@@ -289,11 +293,11 @@ def recorded_routing(
     if vLLM sent none or not that, which is logged: the record keeps its tokens and log-probs,
     and training on it says ``routing_replayed:mean`` 0."""
     try:
+        if sampled < 1:
+            raise ValueError("routing for a sample of no tokens")
         picked = _routed_experts(encoded, prompt + sampled - 1, routing)
-    except ValueError as e:
-        if not _warned:
-            _warned.append(str(e))
-            log.warning("vLLM returned %s as a sample's routed experts: its routing is not recorded for replay", e)
+    except (ValueError, MemoryError) as e:  # MemoryError: an .npy header of a vast shape
+        _refused.note(str(e))
         return None, None
     last = np.full((1, *picked.shape[1:]), NO_EXPERT, dtype=RECORD_DTYPE)
     return picked[:prompt], np.concatenate([picked[prompt:], last])
@@ -309,6 +313,8 @@ def _routed_experts(encoded: object, rows: int, routing: Routing) -> np.ndarray:
         array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
     except (ValueError, OSError, EOFError, binascii.Error) as e:
         raise ValueError(f"no .npy array ({type(e).__name__})") from None
+    if not isinstance(array, np.ndarray):  # an .npz archive loads as one
+        raise ValueError(f"a {type(array).__name__}, not an .npy array")
     wanted = f"({rows}, >{max(layers)}, {top_k}) integers"
     if array.ndim != 3 or array.dtype.kind not in "iu" or array.shape[0] != rows or array.shape[2] != top_k:
         raise ValueError(f"an array of shape {array.shape} and {array.dtype}, not {wanted}")
@@ -320,4 +326,28 @@ def _routed_experts(encoded: object, rows: int, routing: Routing) -> np.ndarray:
     return picked.astype(RECORD_DTYPE)
 
 
-_warned: list[str] = []  # the first reason logged; later ones would repeat it on every sample
+class _Refusals:
+    """Samples whose routing vLLM did not send as asked: logged at most once a minute (it would
+    otherwise repeat on every sample), with how many since."""
+
+    EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # answers are parsed on threads too (``sample``)
+        self._since, self._last = 0, -self.EVERY_S
+
+    def note(self, why: str) -> None:
+        with self._lock:
+            self._since += 1
+            if time.monotonic() - self._last < self.EVERY_S:
+                return
+            self._last, count, self._since = time.monotonic(), self._since, 0
+        log.warning(
+            "vLLM returned %s as a sample's routed experts (%d such since the last warning): "
+            "their routing is not recorded for replay",
+            why,
+            count,
+        )
+
+
+_refused = _Refusals()

@@ -148,7 +148,7 @@ def _routing_hint(launch: VllmLaunch, errors: str) -> str:
     its V2 model runner or prefix caching, with some MoE kernels, pipeline parallelism), which the
     operator asked for by another name."""
     if ROUTING_FLAG in launch.extra_args and re.search(r"routed.experts|AuxOutput", errors, re.IGNORECASE):
-        return f"; {ROUTING_FLAG} came from --vllm-routing record, which --vllm-routing off leaves out"
+        return f"; {ROUTING_FLAG} came from --vllm-routing record (which --vllm-routing off leaves out) or a --vllm-arg"
     return ""
 
 

@@ -71,7 +71,7 @@ class _LoraDown(torch.autograd.Function):
         grad_a = None
         if ctx.needs_input_grad[1]:
             if ctx.shares_over is not None:  # this rank's share of the product's gradient: A's is the sum
-                grad = grad.clone()
+                grad = grad.clone(memory_format=torch.contiguous_format)  # all_reduce needs it dense
                 dist.all_reduce(grad, group=ctx.shares_over)
             xs = x.to(a.dtype)
             if a.dim() == 2:  # (r, in): every leading dimension of x is positions

@@ -107,9 +107,9 @@ class OpenAIProxy:
         stack = AsyncExitStack()
         try:
             rename, vllm_name, meter, copies = None, None, None, None
-            # a vLLM started to return routing (for replay) returns it in every whole answer
-            asked = isinstance(payload, dict) and asks_routing(payload)
-            hide_routing = bool(self.vllm.layout.routing.layers) and not asked
+            # a vLLM started to return routing (for replay; ours or one at --inference-url) returns it
+            # in every whole answer
+            hide_routing = not (isinstance(payload, dict) and asks_routing(payload))
             if isinstance(payload, dict):
                 # No model means the base model, which must still go through the engine's lease
                 # (on CPU it is an all-zero adapter, see VllmEngine.zero_adapter).

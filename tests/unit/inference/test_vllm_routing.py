@@ -36,6 +36,13 @@ def numpy2base64(array: np.ndarray) -> str:
     return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
+def npz() -> str:
+    """An .npz archive in base64: what np.load opens as an archive, not an array."""
+    buffer = io.BytesIO()
+    np.savez(buffer, routed=np.zeros((6, 4, 2), np.uint8))
+    return base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
 def test_vllm_is_started_to_return_routing_where_it_is_replayed_if_asked():
     layout = VllmLayout.of(CONFIG, CAPS, record_routing=True)  # --vllm-routing record
     assert layout.routing == ROUTING
@@ -104,10 +111,11 @@ def test_vllm_routed_experts_become_the_embedded_samplers_record():
         numpy2base64(np.zeros((6, 8), np.uint8)),
         numpy2base64(np.full((6, 4, 2), 8, np.uint8)),  # an expert the model does not have
         numpy2base64(np.full((6, 4, 2), -1, np.int16)),
+        npz(),  # an archive, which np.load opens as one
     ],
 )
 def test_routing_vllm_did_not_send_as_asked_is_not_recorded_and_says_why(routed, caplog, monkeypatch):
-    monkeypatch.setattr(vllm_engine, "_warned", [])
+    monkeypatch.setattr(vllm_engine, "_refused", vllm_engine._Refusals())
     spec = SampleSpec(prompt=[5, 6, 7], max_tokens=4, record_routing=True)
     with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
         out = parse_response({"choices": [choice(0, [1, 2, 3, 4], routed)]}, spec, ROUTING)
@@ -115,4 +123,10 @@ def test_routing_vllm_did_not_send_as_asked_is_not_recorded_and_says_why(routed,
     # the sample itself is kept: its record holds tokens and log-probs, no routing
     assert out.sequences[0].tokens == [1, 2, 3, 4] and out.sequences[0].routing is None and out.prompt_routing is None
     warnings = [r.getMessage() for r in caplog.records if "routed experts" in r.getMessage()]
-    assert len(warnings) == 1, warnings  # once, not on every sample
+    assert len(warnings) == 1, warnings  # once a minute, not on every sample
+
+
+def test_routing_for_a_sample_of_no_tokens_is_not_recorded():
+    spec = SampleSpec(prompt=[5, 6, 7], max_tokens=4, record_routing=True)
+    out = parse_response({"choices": [choice(0, [], numpy2base64(np.zeros((2, 4, 2), np.uint8)))]}, spec, ROUTING)
+    assert out.prompt_routing is None and out.sequences[0].routing is None
