@@ -59,6 +59,9 @@ def main() -> None:
     parser.add_argument(
         "--ep", type=int, default=None, help="E of an epE path in place of tpN (a mixture-of-experts model)"
     )
+    parser.add_argument(
+        "--sequence-parallel", action="store_true", help="the tpN path split by sequence between its layers"
+    )
     parser.add_argument("--steps", type=int, default=4, help="steps per round and path")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
@@ -90,13 +93,14 @@ def main() -> None:
     one = "cuda:0" if args.device.startswith("cuda") else "cpu"
     # the parallel path: N tensor-parallel ranks, or E expert-parallel ones
     kind, size = ("ep", args.ep) if args.ep else ("tp", args.tp)
-    tp_n = f"{kind}{size}"
+    tp_n = f"{kind}{size}" + ("-sp" if args.sequence_parallel else "")
+    parallel = {kind: str(size)} | ({"sequence_parallel": "true"} if args.sequence_parallel else {})
     no_sampler = {"embedded_sampler": "false"}  # not measured; it would hold a second copy of the base
     makers: dict[str, Callable[[], ProcessBackend]] = {  # with --tp 1, tpN is tp1
         "peft": lambda: worker_backend(model, "peft", one, dtype=args.dtype),
         "tp1": lambda: worker_backend(model, "megatron", one, {"tp": "1", **no_sampler}, args.dtype),
         tp_n: lambda: worker_backend(
-            model, "megatron", devices_for(args.device, size), {kind: str(size), **no_sampler}, args.dtype
+            model, "megatron", devices_for(args.device, size), {**parallel, **no_sampler}, args.dtype
         ),
     }
     failed: dict[str, str] = {}
@@ -121,7 +125,7 @@ def main() -> None:
     step_flops = {k: v * tokens for k, v in flops.items() if k.endswith("flops") or k.endswith("_6p")}
     results = {
         **result_header("megatron_tp", args.device),
-        "workload": {**workload(args, tokens, model), kind: size},
+        "workload": {**workload(args, tokens, model), kind: size, "sequence_parallel": args.sequence_parallel},
         "flops_per_token": flops,
         "flops_per_step": step_flops,
         "step_ms_median": {name: 1000 * s for name, s in median_s.items()},
