@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 
 from hosted_tinker.cli_keys import add_keys_parser
 from hosted_tinker.core.config import NODES, Flag, ServerConfig, read_cluster_key
-from hosted_tinker.core.errors import WorkerDied, WorkerStartFailed
+from hosted_tinker.core.errors import UserError, WorkerDied, WorkerStartFailed
 from hosted_tinker.core.processes import start_fork_server
 from hosted_tinker.core.tiny_model import FAMILIES
 from hosted_tinker.rank.plans import BACKENDS, backend_options
@@ -127,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         state = build_state(config)
-    except (WorkerStartFailed, WorkerDied) as e:  # the rank logged its traceback; say why, once
+    except (WorkerStartFailed, WorkerDied, UserError) as e:  # a rank logged its traceback; say why, once
         raise SystemExit(f"hosted-tinker serve: {e}") from None
     log = logging.getLogger(__name__)
     if state.keys.allow_any:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from hosted_tinker.core.errors import UserError
 from hosted_tinker.core.logprobs import chunk_tokens_for, packed_targets, target_logprobs, unpacked
 from hosted_tinker.core.packing import pack
+from hosted_tinker.core.pretrained import auto_config
 from hosted_tinker.core.routing import Routed
 from hosted_tinker.core.types import DatumInput, LoraSpec
 from hosted_tinker.rank import attention, linear_attention
@@ -176,9 +177,7 @@ def _routes(name: str) -> bool:
 def family(model_path: str) -> str:
     """The checkpoint's ``model_type`` (``qwen3_5`` for Qwen3.5, whose language model alone,
     what trains here, is ``qwen3_5_text``)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_path).model_type
+    return auto_config(model_path).model_type
 
 
 def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:
@@ -189,9 +188,9 @@ def load_base(model_path: str, device: torch.device, dtype: str) -> nn.Module:
 def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[CausalLM, VisionTower | None]:
     """``load_base``'s model, and, for a vision-language checkpoint whose images this server
     feeds (``rank.vision``), its vision tower."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = auto_config(model_path)
     text = config.get_text_config()
     if text is not config and getattr(config, "tie_word_embeddings", False):
         # A vision-language checkpoint (every Qwen3.5 / 3.6) loads as its language model alone, under

@@ -19,6 +19,7 @@ from torch import nn
 
 from hosted_tinker.core.calls import rank_call
 from hosted_tinker.core.errors import UserError
+from hosted_tinker.core.pretrained import auto_tokenizer
 from hosted_tinker.core.sampling import Admission, FinishListener, SampleOutput, SampleSpec, TokenListener
 from hosted_tinker.rank.adapters import KEY_PREFIX, Adapter, Lora, LoraAdapters
 from hosted_tinker.rank.experts import PROJECTIONS
@@ -55,10 +56,8 @@ class EmbeddedSampler:
     def __init__(
         self, base: CausalLM, model_path: str, lora_compute: str = "float32", vision: VisionTower | None = None
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.vision = vision  # a vision-language model's tower: prompts may hold images
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings
+        self.tokenizer = auto_tokenizer(model_path)  # for stop strings
         self.pad_id = base.config.pad_token_id or 0
         self.adapters = LoraAdapters(base, lora_compute)
         self.loaded: OrderedDict[str, str] = OrderedDict()  # key -> adapter name, least recently used first

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from hosted_tinker.core.images import ImageInput, pixels
+from hosted_tinker.core.pretrained import auto_image_processor
 from hosted_tinker.rank.hf import CausalLM
 
 VISION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
@@ -117,11 +118,9 @@ class VisionTower:
     Frozen; called under ``no_grad``."""
 
     def __init__(self, whole: CausalLM, model_path: str) -> None:
-        from transformers import AutoImageProcessor
-
         self.model = whole.model  # get_image_features, get_vision_position_ids
         self.model.visual.requires_grad_(False)
-        self.processor = AutoImageProcessor.from_pretrained(model_path)
+        self.processor = auto_image_processor(model_path)
         self.image_token_id = int(whole.config.image_token_id)
         self.merge = int(self.model.visual.spatial_merge_size)
 

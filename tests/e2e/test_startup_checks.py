@@ -149,3 +149,22 @@ def test_a_clean_stop_checkpoints_the_wal(tmp_path: Path, tiny_model_dir: Path):
         srv.stop()
     assert not wal_path.exists() or wal_path.stat().st_size == 0
     assert "alice" in _keys_list(tmp_path).stdout
+
+
+def test_a_checkpoint_that_names_code_of_its_own_stops_serve_saying_so(tmp_path: Path, tiny_model_dir: Path):
+    """Kimi-K2's folder: ``model_type: kimi_k2``, its config class its own code (``auto_map``). No
+    remote code runs here: serve exits with that as its last line, not transformers' advice to
+    pass ``trust_remote_code``, which this server has no option for."""
+    import json
+    import shutil
+
+    kimi = tmp_path / "kimi"
+    shutil.copytree(tiny_model_dir, kimi)
+    config = json.loads((kimi / "config.json").read_text())
+    config |= {"model_type": "kimi_k2", "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+    (kimi / "config.json").write_text(json.dumps(config))
+    started = _serve(tmp_path / "data", kimi)
+    assert started.returncode == 1
+    last = started.stderr.strip().splitlines()[-1]
+    assert last.startswith("hosted-tinker serve: the training worker could not start: "), started.stderr[-2000:]
+    assert "its config is code of the checkpoint's own (auto_map), which this server does not run" in last

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 from fastapi import Request
-from transformers import AutoTokenizer
 
 from hosted_tinker.core.checkpoints import MANIFEST, CheckpointFiles
 from hosted_tinker.core.config import ServerConfig, read_cluster_key, visible_gpu
+from hosted_tinker.core.pretrained import auto_tokenizer
 from hosted_tinker.inference.embedded import EmbeddedEngine
 from hosted_tinker.inference.engine import WeightsRef
 from hosted_tinker.inference.lora_sync import default_root, write_zero_adapter
@@ -151,7 +151,7 @@ def build_state(config: ServerConfig) -> ServerState:
             lora_params_per_rank=backend.capabilities.lora_params_per_rank,
         )
         scheduler = Scheduler(store, limits, ServerMetrics(), keys=quotas)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = auto_tokenizer(model_path)
         caps = backend.capabilities
         pids = backend.status()["pids"]
         log.info("%s backend (pids %s): %s on %s", caps.backend, pids, caps.arch, ", ".join(caps.devices))

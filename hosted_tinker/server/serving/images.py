@@ -16,6 +16,7 @@ import numpy as np
 
 from hosted_tinker.core.errors import UserError, bad_request
 from hosted_tinker.core.images import MAX_IMAGE_PIXELS, MAX_REQUEST_PIXELS, ImageInput, open_image
+from hosted_tinker.core.pretrained import auto_image_processor
 from hosted_tinker.core.types import Capabilities
 from hosted_tinker.server.protocol.proto_codec import WireDatum, WireImage
 
@@ -24,9 +25,7 @@ class ImageTokens:
     """How many placeholder tokens the served model makes of an image of a given size."""
 
     def __init__(self, model_path: str, image_token_id: int) -> None:
-        from transformers import AutoImageProcessor
-
-        self.processor = AutoImageProcessor.from_pretrained(model_path)
+        self.processor = auto_image_processor(model_path)
         self.merge = int(getattr(self.processor, "merge_size", 1))
         self.image_token_id = image_token_id
 
