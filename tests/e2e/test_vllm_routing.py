@@ -176,10 +176,11 @@ def test_vllms_routing_is_recorded_and_replayed_where_it_belongs(served):
 
 
 def test_the_openai_door_passes_routing_on_only_to_a_client_that_asks_for_it(served):
-    base_url, _ = served
+    base_url, vllm = served
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="tml-unused")
     plain = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=len(SAMPLED))
     assert "routed_experts" not in (plain.choices[0].model_extra or {})
+    assert vllm.completions[-1]["routed_experts_prompt_start"] == len(PROMPT)  # the least vLLM sends
     asked = client.completions.create(
         model=ALIAS, prompt=PROMPT, max_tokens=len(SAMPLED), extra_body={"routed_experts_prompt_start": 0}
     )

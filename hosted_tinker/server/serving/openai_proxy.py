@@ -27,7 +27,14 @@ from hosted_tinker.core.errors import ApiError, EngineUnavailable, UserError, ba
 from hosted_tinker.inference.vllm_engine import REQUEST_TIMEOUT_S, VllmEngine
 from hosted_tinker.server.body_thread import sized, too_many_containers
 from hosted_tinker.server.serving.openai import OpenAIService
-from hosted_tinker.server.serving.openai_proxy_edits import USAGE, GreedyCopies, Meter, asks_routing, without_routing
+from hosted_tinker.server.serving.openai_proxy_edits import (
+    USAGE,
+    GreedyCopies,
+    Meter,
+    asks_routing,
+    least_routing,
+    without_routing,
+)
 
 # Paths of vLLM's we never forward: adapter management is ours alone.
 BLOCKED = {"load_lora_adapter", "unload_lora_adapter"}
@@ -122,6 +129,8 @@ class OpenAIProxy:
                 meter = Meter(self.openai.sampling.usage, self.openai.charge(tenant), payload, path)
                 copies = GreedyCopies(payload, path)
                 forwarded = payload | {"model": vllm_name} | meter.asks | copies.asks
+                if self.vllm.layout.routing.layers:  # it returns routing with every answer
+                    forwarded |= least_routing(payload, path)
                 body = await sized(_encode, len(body), forwarded)
                 if vllm_name != name:
                     rename = (json.dumps(vllm_name).encode(), json.dumps(name).encode())

@@ -167,6 +167,18 @@ def asks_routing(payload: dict) -> bool:
     return "routed_experts_prompt_start" in payload
 
 
+def least_routing(payload: dict, path: str) -> dict:
+    """What a request that asks no routing adds for a vLLM that returns it (``--vllm-routing
+    record``): a completion of one prompt of token ids starts it at the first sampled token, the
+    least vLLM sends (a text or chat prompt's length in tokens is not known here: none)."""
+    prompt = payload.get("prompt")
+    if path != "completions" or asks_routing(payload) or not isinstance(prompt, list) or not prompt:
+        return {}
+    if not all(type(token) is int for token in prompt):
+        return {}
+    return {"routed_experts_prompt_start": len(prompt)}
+
+
 def without_routing(content: bytes) -> bytes:
     """A whole JSON answer without its choices' ``routed_experts`` (off the loop when large): each
     is ``layers x top_k`` bytes a token, in base64, which an OpenAI client did not ask for."""

@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from hosted_tinker.server.serving.openai_proxy_edits import GreedyCopies, Meter, asks_routing, without_routing
+from hosted_tinker.server.serving.openai_proxy_edits import (
+    GreedyCopies,
+    Meter,
+    asks_routing,
+    least_routing,
+    without_routing,
+)
 from hosted_tinker.server.serving.usage import Charge
 
 pytestmark = pytest.mark.fast
@@ -135,3 +141,17 @@ def test_routing_vllm_returns_for_replay_is_taken_out_of_an_answer_unless_asked_
     assert without_routing(b"not json") == b"not json"
     # a client that names vLLM's own field wants the array
     assert asks_routing({"prompt": "x", "routed_experts_prompt_start": 0}) and not asks_routing({"prompt": "x"})
+
+
+def test_a_token_prompt_that_asks_no_routing_asks_vllm_for_the_least():
+    assert least_routing({"prompt": [5, 6, 7]}, "completions") == {"routed_experts_prompt_start": 3}
+    # its length in tokens unknown here, or the client's own choice: left as sent
+    for payload, path in [
+        ({"prompt": "text"}, "completions"),
+        ({"prompt": [[5, 6], [7]]}, "completions"),
+        ({"prompt": [5, True]}, "completions"),
+        ({"prompt": []}, "completions"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "chat/completions"),
+        ({"prompt": [5, 6], "routed_experts_prompt_start": 0}, "completions"),
+    ]:
+        assert least_routing(payload, path) == {}, payload
