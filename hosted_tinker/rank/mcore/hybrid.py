@@ -120,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         h = config.hidden_size
         # sequence parallelism: the input gathered once, here (``forward``), for the projections
         self.whole_input = bool(config.sequence_parallel) and tp > 1
-        projections = copy.copy(config)  # read as the layers are built, not after
+        projections = copy.copy(config)  # the linear layers read sequence_parallel once, as built
         projections.sequence_parallel = False
 
         def column(out: int) -> nn.Module:  # out: the whole layer's rows
