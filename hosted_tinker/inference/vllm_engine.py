@@ -17,8 +17,6 @@ import io
 import json
 import logging
 import tempfile
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -32,6 +30,7 @@ from hosted_tinker.core.checkpoints import adapter_weights, peft_config, peft_ke
 from hosted_tinker.core.errors import EngineUnavailable, UserError
 from hosted_tinker.core.routing import NO_EXPERT, RECORD_DTYPE
 from hosted_tinker.core.sampling import MASK_LOGPROB, SampledSequence, SampleOutput, SampleSpec
+from hosted_tinker.core.throttle import Throttle
 from hosted_tinker.inference.engine import SampleListener, WeightsRef
 from hosted_tinker.inference.lora_sync import LiveAdapters
 from hosted_tinker.inference.vllm_adapters import AdapterRegistry, remove_dir, spawn
@@ -297,7 +296,13 @@ def recorded_routing(
             raise ValueError("routing for a sample of no tokens")
         picked = _routed_experts(encoded, prompt + sampled - 1, routing)
     except (ValueError, MemoryError) as e:  # MemoryError: an .npy header of a vast shape
-        _refused.note(str(e))
+        if count := _refused.due():
+            log.warning(
+                "vLLM returned %s as a sample's routed experts (%d such since the last warning): "
+                "their routing is not recorded for replay",
+                e,
+                count,
+            )
         return None, None
     last = np.full((1, *picked.shape[1:]), NO_EXPERT, dtype=RECORD_DTYPE)
     return picked[:prompt], np.concatenate([picked[prompt:], last])
@@ -326,28 +331,4 @@ def _routed_experts(encoded: object, rows: int, routing: Routing) -> np.ndarray:
     return picked.astype(RECORD_DTYPE)
 
 
-class _Refusals:
-    """Samples whose routing vLLM did not send as asked: logged at most once a minute (it would
-    otherwise repeat on every sample), with how many since."""
-
-    EVERY_S = 60.0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # answers are parsed on threads too (``sample``)
-        self._since, self._last = 0, -self.EVERY_S
-
-    def note(self, why: str) -> None:
-        with self._lock:
-            self._since += 1
-            if time.monotonic() - self._last < self.EVERY_S:
-                return
-            self._last, count, self._since = time.monotonic(), self._since, 0
-        log.warning(
-            "vLLM returned %s as a sample's routed experts (%d such since the last warning): "
-            "their routing is not recorded for replay",
-            why,
-            count,
-        )
-
-
-_refused = _Refusals()
+_refused = Throttle(60.0)  # samples whose routing vLLM did not send as asked: a line a minute

@@ -33,7 +33,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
@@ -41,6 +40,7 @@ from typing import Any
 
 from hosted_tinker.core.errors import how_it_ended
 from hosted_tinker.core.messages import recv, send
+from hosted_tinker.core.throttle import Throttle
 from hosted_tinker.server.workers.process import Worker
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class Cluster:
         self.address: tuple[str, int] = self._socket.getsockname()[:2]
         self._greeting = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._greeted_by: dict[str, int] = {}  # peer address -> its connections being greeted
-        self._dropped, self._dropped_said = 0, 0.0  # since the last warning, and when that was
+        self._dropped = Throttle(DROPPED_LOG_EVERY_S)
         self._changed = threading.Condition()  # guards everything below
         self._nodes: dict[int, _Node] = {}
         self._generation = 0
@@ -206,15 +206,13 @@ class Cluster:
     def _drop(self, peer: str, why: str) -> None:
         """Log a connection refused or dropped, at most once per ``DROPPED_LOG_EVERY_S`` with the
         count since (a peer opening thousands a second would fill the server's log)."""
-        with self._changed:
-            self._dropped += 1
-            now = time.monotonic()
-            if now - self._dropped_said < DROPPED_LOG_EVERY_S:
-                return
-            count, self._dropped, self._dropped_said = self._dropped, 0, now
-        log.warning(
-            "dropped a connection to the cluster port from %s: %s (%d dropped since the last warning)", peer, why, count
-        )
+        if count := self._dropped.due():
+            log.warning(
+                "dropped a connection to the cluster port from %s: %s (%d dropped since the last warning)",
+                peer,
+                why,
+                count,
+            )
 
     def _greet(self, sock: socket.socket, peer: str) -> None:
         """The cluster key's challenge both ways and the peer's first message, all within

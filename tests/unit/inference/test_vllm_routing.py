@@ -14,6 +14,7 @@ import pytest
 
 from hosted_tinker.core.routing import NO_EXPERT, RECORD_DTYPE
 from hosted_tinker.core.sampling import SampleSpec
+from hosted_tinker.core.throttle import Throttle
 from hosted_tinker.core.types import Capabilities
 from hosted_tinker.inference import vllm_engine
 from hosted_tinker.inference.vllm_engine import parse_response, request_body
@@ -115,7 +116,7 @@ def test_vllm_routed_experts_become_the_embedded_samplers_record():
     ],
 )
 def test_routing_vllm_did_not_send_as_asked_is_not_recorded_and_says_why(routed, caplog, monkeypatch):
-    monkeypatch.setattr(vllm_engine, "_refused", vllm_engine._Refusals())
+    monkeypatch.setattr(vllm_engine, "_refused", Throttle(60.0))
     spec = SampleSpec(prompt=[5, 6, 7], max_tokens=4, record_routing=True)
     with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
         out = parse_response({"choices": [choice(0, [1, 2, 3, 4], routed)]}, spec, ROUTING)
