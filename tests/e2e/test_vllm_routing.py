@@ -27,6 +27,7 @@ import tinker
 import torch
 from tinker import types
 
+from hosted_tinker.core.tiny_model import tiny_config
 from tests.support.sdk import rl_datum
 from tests.support.server import start_server
 
@@ -39,27 +40,15 @@ LAYERS, DENSE = 3, (0,)  # Qwen3-MoE with mlp_only_layers=[0]: routed experts in
 
 
 def moe_with_a_dense_layer(to: Path, tiny_model_dir: Path) -> Path:
-    """A tiny Qwen3-MoE whose first layer is a dense MLP, so that which of vLLM's decoder layers
-    are the record's matters."""
-    from transformers import AutoConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """The tiny Qwen3-MoE (``core.tiny_model``'s) with a dense MLP in its first layer, so that which
+    of vLLM's decoder layers are the record's matters."""
+    from transformers import AutoConfig, AutoTokenizer, Qwen3MoeForCausalLM
 
     vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
-    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: kept by the config, not in its signature
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=192,
-        moe_intermediate_size=32,
-        num_hidden_layers=LAYERS,
-        mlp_only_layers=list(DENSE),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-    )
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    shape = dict(vocab_size=vocab, hidden_size=64, num_layers=LAYERS, initializer_range=0.1)
+    config = tiny_config("qwen3_moe", **shape, tok=tok)
+    config.mlp_only_layers = list(DENSE)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
         Qwen3MoeForCausalLM(config).save_pretrained(to)
