@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 from safetensors import safe_open
 
+from hosted_tinker.core.body_thread import sized
 from hosted_tinker.core.checkpoints import adapter_weights, peft_config, peft_keys
 from hosted_tinker.core.errors import EngineUnavailable, UserError
 from hosted_tinker.core.routing import NO_EXPERT, RECORD_DTYPE
@@ -40,7 +41,6 @@ from hosted_tinker.inference.vllm_process import EngineState, ExternalVllm, Vllm
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 600.0
-PARSE_OFF_LOOP_BYTES = 64 << 10  # a vLLM answer this large is parsed on a thread (as server.body_thread)
 # vLLM samples greedily below this temperature (its _SAMPLING_EPS), and then refuses n > 1.
 GREEDY_BELOW = 1e-5
 
@@ -196,8 +196,7 @@ class VllmEngine:
         if resp.status_code != 200:
             raise UserError(f"vLLM refused the request: {resp.text[:500]}")
         # a large answer (long samples' top-k, routing) is parsed off the event loop
-        args = (resp.content, spec, self.layout.routing)
-        output = _parsed(*args) if len(resp.content) < PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(_parsed, *args)
+        output = await sized(_parsed, len(resp.content), resp.content, spec, self.layout.routing)
         if len(output.sequences) < spec.num_samples:  # greedy: asked once (request_body), the same n times
             (seq,) = output.sequences
             copies = range(spec.num_samples)

@@ -5,7 +5,7 @@ loop, ``json.loads`` and pydantic's validation of it would hold up every other r
 (heartbeats, long polls, other tenants' streams) for ~35 ms per MiB on a 2-core machine. On a
 thread, validation (which runs our Python validators) lets the loop in every few ms; only
 ``json.loads``, one C call that keeps the GIL, still stalls it (~12 ms per MiB of numbers, ~50
-of object keys; the body limit bounds it). The thread is ``server.body_thread``'s.
+of object keys; the body limit bounds it). The thread is ``core.body_thread``'s.
 
 ``OffLoopJson`` is the route class of the routers whose routes are declared
 ``large_body("prompt")`` (the ``/v1`` proxy, which forwards JSON it only edits, uses the
@@ -25,8 +25,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
+from hosted_tinker.core.body_thread import OFF_LOOP_BYTES, off_loop, too_many_containers
 from hosted_tinker.server.api.errors import LARGE_BODY
-from hosted_tinker.server.body_thread import OFF_LOOP_BYTES, off_loop, too_many_containers
 
 PARSE_ERROR = "There was an error parsing the body"  # FastAPI's words for a body it cannot read
 

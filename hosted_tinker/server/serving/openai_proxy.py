@@ -5,7 +5,7 @@ run ids for the live adapter) are resolved here, the adapter is leased in vLLM f
 lifetime, and vLLM's name for it is swapped back to the client's in every response line. vLLM's
 own parameters pass through untouched, so it validates them (but for what
 ``openai_proxy_edits`` changes: the usage it meters, greedy copies); its admin routes are not
-exposed. A large body is decoded and re-encoded on ``server.body_thread``, not on the loop.
+exposed. A large body is decoded and re-encoded on ``core.body_thread``, not on the loop.
 
 The bytes go over aiohttp rather than the engine's httpx client: a streamed answer is one SSE
 chunk per token, and aiohttp's C parser halves what each chunk costs us. On a 2-core machine,
@@ -23,9 +23,9 @@ from contextlib import AsyncExitStack
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
+from hosted_tinker.core.body_thread import sized, too_many_containers
 from hosted_tinker.core.errors import ApiError, EngineUnavailable, UserError, bad_request, unavailable
 from hosted_tinker.inference.vllm_engine import REQUEST_TIMEOUT_S, VllmEngine
-from hosted_tinker.server.body_thread import sized, too_many_containers
 from hosted_tinker.server.serving.openai import OpenAIService
 from hosted_tinker.server.serving.openai_proxy_edits import (
     USAGE,

@@ -13,10 +13,10 @@ import pytest
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.testclient import TestClient
 
+from hosted_tinker.core.body_thread import OFF_LOOP_BYTES
 from hosted_tinker.server.api.body_limit import BodyLimit
 from hosted_tinker.server.api.errors import install_error_handlers, large_body
 from hosted_tinker.server.api.json_body import OffLoopJson
-from hosted_tinker.server.body_thread import OFF_LOOP_BYTES
 from hosted_tinker.server.protocol import json_types as wire
 from hosted_tinker.server.protocol import openai_types as oai
 
@@ -113,7 +113,7 @@ def test_a_client_that_hangs_up_mid_body_is_a_400_not_a_500():
 def test_a_body_of_millions_of_containers_is_refused_before_it_is_parsed(client: TestClient, monkeypatch):
     """From a review: 32 MiB of "[]" took the API process from 323 to 1,158 MiB in json.loads
     (and a 422 after). Arrays and objects are counted before anything is parsed."""
-    from hosted_tinker.server import body_thread
+    from hosted_tinker.core import body_thread
     from hosted_tinker.server.api import json_body
 
     monkeypatch.setattr(body_thread, "MAX_JSON_CONTAINERS", 30_000)  # the app here takes 1 MiB

@@ -1,8 +1,8 @@
-"""The thread on which large request bodies are decoded and encoded, off the event loop.
+"""The thread on which large bodies are decoded and encoded, off the server's event loop.
 
 One thread: big bodies queue for it, never for the pool that store reads share (and under the
-GIL two could not run at once anyway). ``api.json_body`` parses prompts here; the ``/v1`` proxy
-decodes and re-encodes the JSON it forwards.
+GIL two could not run at once anyway). ``server.api.json_body`` parses prompts here; the ``/v1``
+proxy decodes and re-encodes the JSON it forwards; the vLLM engine parses vLLM's answers.
 """
 
 from __future__ import annotations
