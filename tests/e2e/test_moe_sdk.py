@@ -35,17 +35,11 @@ ARCHS = {
 
 # each server: the family's model, and the serve flags beyond it (the peft backend's HF path, or
 # megatron-core's tensor and expert parallelism)
+TP2_EP2 = ("--backend", "megatron", "--train-devices", "cpu:2") + tuple(
+    f for option in ("tp=2", "ep=2", "sequence_parallel=true") for f in ("--backend-option", option)
+)
 SERVERS = {family: (family, ()) for family in ARCHS} | {
-    "deepseek_v3-megatron-tp2-ep2": (
-        "deepseek_v3",
-        ("--backend", "megatron", "--train-devices", "cpu:2", "--backend-option", "tp=2", "--backend-option", "ep=2")
-        + ("--backend-option", "sequence_parallel=true"),
-    ),
-    "qwen3_5_moe-megatron-tp2-ep2": (
-        "qwen3_5_moe",
-        ("--backend", "megatron", "--train-devices", "cpu:2", "--backend-option", "tp=2", "--backend-option", "ep=2")
-        + ("--backend-option", "sequence_parallel=true"),
-    ),
+    f"{family}-megatron-tp2-ep2": (family, TP2_EP2) for family in ("deepseek_v3", "qwen3_5_moe")
 }
 
 
